@@ -1,0 +1,106 @@
+"""Frozen configuration objects: the model's architecture and the runtime's arguments.
+
+`ModelConfig` is the only view of a model's architecture the runtime uses; it is built from a HF
+`config.json` dict (`from_hf`) or from GGUF metadata (the loader converts that to the same dict).
+`ServerArgs` holds every runtime knob, one field per CLI flag (SGLang's flag names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    rope_scaling: Optional[dict] = None  # llama3-style scaling dict, as in HF configs
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a HF config dict (config.json contents or `PretrainedConfig.to_dict()`)."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "llama")]
+        arch = archs[0]
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers 5 keeps rope theta only inside `rope_parameters`
+        rope_params = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
+            scaling = dict(rope_params)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+            scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        model_type = cfg.get("model_type", "")
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2" or "Qwen2" in arch)),
+            rope_scaling=scaling,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Runtime arguments. Field names are SGLang's flag names with '-' -> '_'."""
+
+    model_path: Optional[str] = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    tokenizer_path: Optional[str] = None
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    context_length: Optional[int] = None
+    max_total_tokens: Optional[int] = None  # KV pool capacity in tokens; None: from mem fraction
+    mem_fraction_static: float = 0.85  # of GPU memory for weights + KV (CPU: a fixed budget)
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 2048  # <= 0 disables chunking
+    max_prefill_tokens: int = 8192
+    schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    attention_backend: str = "torch_native"
+    chat_template: Optional[str] = None
+    served_model_name: Optional[str] = None
+    skip_tokenizer_init: bool = False
+    log_level: str = "warning"
+
+    def replace(self, **kw) -> "ServerArgs":
+        return dataclasses.replace(self, **kw)
+
+    @staticmethod
+    def from_kwargs(**kwargs) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(ServerArgs)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {sorted(unknown)}")
+        return ServerArgs(**kwargs)

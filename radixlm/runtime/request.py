@@ -1,0 +1,119 @@
+"""The scheduler's view of one request: tokens, KV bookkeeping and finish state.
+
+KV bookkeeping (page size 1, one slot per token):
+- `req_pool_idx`: the row of `ReqToTokenPool.req_to_token` holding this request's slot indices.
+- `fill_ids`: prompt + output tokens; the KV of `fill_ids[:kv_len]` is written, at the slots
+  `req_to_token[req_pool_idx, :kv_len]`.
+- `prefix_indices` / `last_node`: the part of those slots that the radix tree owns, and the tree
+  node locked on this request's behalf. Slots past `len(prefix_indices)` belong to the request.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+@dataclass
+class Finish:
+    reason: FinishReason
+    matched: Any = None  # stop token id (int) or stop string (str)
+    message: Optional[str] = None  # for aborts
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"type": self.reason.value}
+        if self.reason == FinishReason.STOP:
+            d["matched"] = self.matched
+        elif self.reason == FinishReason.LENGTH:
+            d["length"] = self.matched
+        elif self.message:
+            d["message"] = self.message
+        return d
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        # -1: no prompt logprobs; otherwise the first prompt position whose logprob is returned
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        stop_ids = set(sampling_params.stop_token_ids or [])
+        if not sampling_params.ignore_eos:
+            stop_ids |= set(eos_token_ids)
+        self.stop_token_ids = frozenset(stop_ids)
+
+        # KV bookkeeping (see module docstring)
+        self.req_pool_idx: Optional[int] = None
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.last_node: Any = None
+        self.kv_len = 0
+        self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to the user)
+        self.extend_len = 0  # tokens in the current extend step (chunk)
+        self.is_chunked = False  # mid-way through a chunked prefill
+
+        # outputs
+        self.finish: Optional[Finish] = None
+        self.input_token_logprobs: list[float] = []  # for prompt positions >= logprob_start_len
+        self.input_top_logprobs: list[list[tuple[float, int]]] = []
+        self.output_token_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.stop_str_checker: Any = None  # set by the scheduler when stop strings exist
+        self.retractions = 0
+        self.created_at = 0.0
+
+    # --- derived views -------------------------------------------------------------------------
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids)
+
+    def remaining_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    def reset_for_retract(self) -> None:
+        """Forget all KV state; the request is recomputed (mostly from cache) when re-admitted."""
+        self.req_pool_idx = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.kv_len = 0
+        self.extend_len = 0
+        self.is_chunked = False
+        self.retractions += 1
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"
