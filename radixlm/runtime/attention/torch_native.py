@@ -1,0 +1,83 @@
+"""Reference attention backend in plain torch (CPU and CUDA): gathers K/V through req_to_token.
+
+Decode: one batched SDPA call per layer over the batch padded to the longest sequence; the
+query heads of one KV group are laid out as G query rows of that group, so GQA needs no repeat.
+Extend: one SDPA call per request (each has its own prefix length and causal offset); the
+per-request gather indices and masks are built once per forward, not once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.runtime.attention.base import AttentionBackend
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class _DecodeMeta:
+    slots: torch.Tensor  # (B, L) slot of each key position, L = max seq len in the batch
+    mask: torch.Tensor  # (B, 1, 1, L) bool, True where the key position is real
+
+
+@dataclass
+class _ExtendSeg:
+    start: int  # first row of this request's new tokens in the (T, ...) batch
+    end: int
+    slots: torch.Tensor  # (S,) slots of prefix + new tokens
+    mask: Optional[torch.Tensor]  # (E, S) bool causal-with-offset mask; None when no prefix
+
+
+class TorchNativeAttention(AttentionBackend):
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.mode == ForwardMode.DECODE:
+            max_len = max(fb.seq_lens_cpu)
+            slots = self.req_to_token[fb.req_pool_indices, :max_len]
+            ar = torch.arange(max_len, device=slots.device)
+            mask = (ar[None, :] < fb.seq_lens[:, None]).view(-1, 1, 1, max_len)
+            fb.attn_metadata = _DecodeMeta(slots, mask)
+            return
+        segs = []
+        start = 0
+        rows = fb.req_pool_indices.tolist()
+        for row, prefix, ext in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_lens_cpu):
+            total = prefix + ext
+            mask = None
+            if prefix:
+                dev = fb.input_ids.device
+                q_pos = torch.arange(prefix, total, device=dev)
+                mask = torch.arange(total, device=dev)[None, :] <= q_pos[:, None]
+            segs.append(_ExtendSeg(start, start + ext, self.req_to_token[row, :total], mask))
+            start += ext
+        fb.attn_metadata = segs
+
+    def forward(self, q, k, v, layer, fb):
+        self.kv_pool.write(layer, fb.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
+        if fb.mode == ForwardMode.DECODE:
+            return self._decode(q, k_buf, v_buf, fb.attn_metadata)
+        out = torch.empty_like(q)
+        for seg in fb.attn_metadata:
+            qs = q[seg.start : seg.end].transpose(0, 1)  # (Hq, E, D)
+            ks = k_buf[seg.slots].transpose(0, 1).to(q.dtype)  # (Hkv, S, D)
+            vs = v_buf[seg.slots].transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
+                attn_mask=seg.mask, is_causal=seg.mask is None,
+                scale=self.scale, enable_gqa=True,
+            )  # (1, Hq, E, D)
+            out[seg.start : seg.end] = o[0].transpose(0, 1)
+        return out
+
+    def _decode(self, q, k_buf, v_buf, meta: _DecodeMeta):
+        bsz, hq, d = q.shape
+        hkv = k_buf.shape[1]
+        ks = k_buf[meta.slots].permute(0, 2, 1, 3).to(q.dtype)  # (B, Hkv, L, D)
+        vs = v_buf[meta.slots].permute(0, 2, 1, 3).to(q.dtype)
+        qg = q.view(bsz, hkv, hq // hkv, d)  # (B, Hkv, G, D): G query heads share one KV head
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=meta.mask, scale=self.scale)
+        return o.reshape(bsz, hq, d)

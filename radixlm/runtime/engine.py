@@ -1,0 +1,249 @@
+"""The offline engine: the scheduler in a background thread of this process, no HTTP.
+
+`Engine(model_path=..., **server_args).generate(prompt | input_ids, sampling_params, ...)` returns
+SGLang-shaped dicts (`text`, `output_ids`, `meta_info`). Validation happens in the caller's thread,
+before anything is queued; the scheduler thread only sees well-formed requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+from radixlm.runtime.config import ServerArgs
+from radixlm.runtime.engine_io import RequestBuilder, build_result
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.models import loader
+from radixlm.runtime.request import Req
+from radixlm.runtime.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class _Sink:
+    """Where the scheduler thread reports progress of one request (thread-safe)."""
+
+    def __init__(self, req: Req, loop: Optional[asyncio.AbstractEventLoop] = None):
+        self.req = req
+        self.loop = loop
+        self.queue: Any = asyncio.Queue() if loop else queue.Queue()
+        self.done = threading.Event()
+
+    def notify(self, n_out: int, finished: bool) -> None:
+        if self.loop:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (n_out, finished))
+        else:
+            self.queue.put((n_out, finished))
+        if finished:
+            self.done.set()
+
+
+class Engine:
+    def __init__(self, model_path: Optional[str] = None, **kwargs):
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        logging.getLogger("radixlm").setLevel(self.server_args.log_level.upper())
+        self.runner = ModelRunner(self.server_args)
+        self.tokenizer = None
+        if not self.server_args.skip_tokenizer_init:
+            tok_path = self.server_args.tokenizer_path or self.runner.model_path
+            tok_format = "auto" if self.server_args.tokenizer_path else self.runner.load_format
+            if tok_format == "dummy":
+                tok_format = "auto"
+            self.tokenizer = loader.load_tokenizer(tok_path, tok_format)
+        eos = loader.eos_token_ids(self.runner.hf_config, self.tokenizer)
+        self.builder = RequestBuilder(self.tokenizer, self.runner.model_config.vocab_size,
+                                      self.runner.context_len, self.runner.capacity, eos)
+        self.scheduler = Scheduler(self.server_args, self.runner, self.tokenizer)
+        self._inbox: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._error: Optional[BaseException] = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="radixlm-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- scheduler thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while not self._stopped:
+            try:
+                self._drain_inbox(block=sched.is_idle())
+                if sched.is_idle():
+                    continue
+                for req in sched.step():
+                    sink = self._sinks.get(req.rid)
+                    if sink is not None:
+                        sink.notify(len(req.output_ids), req.finished)
+                        if req.finished:
+                            self._sinks.pop(req.rid, None)
+            except BaseException as e:  # never leave callers waiting on a dead thread
+                logger.exception("scheduler thread failed")
+                self._error = e
+                for sink in list(self._sinks.values()):
+                    sink.notify(len(sink.req.output_ids), True)
+                self._sinks.clear()
+                return
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self._sinks[payload.req.rid] = payload
+                self.scheduler.add_request(payload.req)
+            elif kind == "abort":
+                req = self.scheduler.abort_request(payload)
+                sink = self._sinks.pop(payload, None)
+                if sink is not None and req is not None:
+                    sink.notify(len(req.output_ids), True)
+            elif kind == "call":
+                fn, box = payload
+                try:
+                    box["result"] = fn()
+                except BaseException as e:
+                    box["error"] = e
+                box["event"].set()
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _call_in_loop(self, fn):
+        """Run fn on the scheduler thread between steps (so it sees a consistent state)."""
+        box: dict[str, Any] = {"event": threading.Event()}
+        self._inbox.put(("call", (fn, box)))
+        while not box["event"].wait(0.1):
+            self._raise_if_dead()
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the scheduler thread failed: {self._error!r}") from self._error
+        if self._stopped:
+            raise RuntimeError("the engine is shut down")
+
+    # --- public API -----------------------------------------------------------------------------
+    def generate(self, prompt: Union[None, str, list[str]] = None,
+                 sampling_params: Union[None, dict, list[dict]] = None,
+                 input_ids: Union[None, list[int], list[list[int]]] = None,
+                 return_logprob: Union[bool, list[bool]] = False,
+                 logprob_start_len: Union[None, int, list[int]] = None,
+                 top_logprobs_num: Union[None, int, list[int]] = None,
+                 stream: bool = False, rid: Union[None, str, list[str]] = None, **kwargs):
+        """One prompt -> a dict (or an iterator of dicts with `stream=True`); a batch -> a list."""
+        reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
+                                          logprob_start_len, top_logprobs_num, rid, kwargs)
+        sinks = [self._submit(r) for r in reqs]
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes a single prompt")
+            return self._stream(sinks[0])
+        for sink in sinks:
+            while not sink.done.wait(0.1):
+                self._raise_if_dead()
+        self._raise_if_dead()
+        results = [build_result(s.req, self.tokenizer) for s in sinks]
+        return results[0] if single else results
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
+                             return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
+                             stream: bool = False, rid=None, **kwargs):
+        reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
+                                          logprob_start_len, top_logprobs_num, rid, kwargs)
+        loop = asyncio.get_running_loop()
+        sinks = [self._submit(r, loop) for r in reqs]
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes a single prompt")
+            return self._astream(sinks[0])
+        for sink in sinks:
+            while True:
+                _, finished = await sink.queue.get()
+                if finished:
+                    break
+        self._raise_if_dead()
+        results = [build_result(s.req, self.tokenizer) for s in sinks]
+        return results[0] if single else results
+
+    def _submit(self, req: Req, loop=None) -> _Sink:
+        self._raise_if_dead()
+        req.created_at = time.perf_counter()
+        sink = _Sink(req, loop)
+        self._inbox.put(("add", sink))
+        return sink
+
+    def _stream(self, sink: _Sink) -> Iterator[dict]:
+        emitted = 0
+        while True:
+            try:
+                n_out, finished = sink.queue.get(timeout=0.1)
+            except queue.Empty:
+                self._raise_if_dead()
+                continue
+            if n_out > emitted or finished:
+                emitted = n_out
+                yield build_result(sink.req, self.tokenizer, upto=n_out, partial=not finished)
+            if finished:
+                self._raise_if_dead()
+                return
+
+    async def _astream(self, sink: _Sink) -> AsyncIterator[dict]:
+        emitted = 0
+        while True:
+            n_out, finished = await sink.queue.get()
+            if n_out > emitted or finished:
+                emitted = n_out
+                yield build_result(sink.req, self.tokenizer, upto=n_out, partial=not finished)
+            if finished:
+                self._raise_if_dead()
+                return
+
+    def abort_request(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def flush_cache(self) -> bool:
+        return self._call_in_loop(self.scheduler.flush_cache)
+
+    def check_integrity(self) -> None:
+        """Assert the KV accounting invariant (free + cached + in use == capacity)."""
+        self._call_in_loop(self.scheduler.check_integrity)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._call_in_loop(self.scheduler.is_idle):
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine did not become idle")
+            time.sleep(0.01)
+
+    def get_stats(self) -> dict:
+        def snapshot():
+            s = dict(self.scheduler.stats)
+            s.update(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                     kv_capacity=self.runner.capacity,
+                     kv_free=self.scheduler.allocator.available_size(),
+                     kv_cached=self.scheduler.tree_cache.total_size())
+            return s
+        return self._call_in_loop(snapshot)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,158 @@
+"""Request validation/tokenization in, SGLang-shaped result dicts out.
+
+Shared by the offline Engine and the server's TokenizerManager, so both reject the same bad
+input with the same message (a ValueError naming the field) before anything is queued.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional
+
+from radixlm.runtime.request import FinishReason, Req
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+def _per_item(value, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name}: got {len(value)} entries for a batch of {n}")
+        return value
+    return [value] * n
+
+
+class RequestBuilder:
+    def __init__(self, tokenizer, vocab_size: int, context_len: int, kv_capacity: int,
+                 eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.kv_capacity = kv_capacity
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text: this engine has no tokenizer (skip_tokenizer_init); pass input_ids")
+        return self.tokenizer.encode(text)
+
+    def check_input_ids(self, ids: list[int], field: str = "input_ids") -> None:
+        if not ids:
+            raise ValueError(f"{field}: the prompt is empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{field}: token id {t!r} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if len(ids) >= self.context_len:
+            raise ValueError(f"{field}: the prompt has {len(ids)} tokens, which does not fit the "
+                             f"context length {self.context_len}")
+        if len(ids) + 1 > self.kv_capacity:
+            raise ValueError(f"{field}: the prompt has {len(ids)} tokens, more than the KV cache "
+                             f"holds ({self.kv_capacity}; see --max-total-tokens)")
+
+    def build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+              top_logprobs_num, rid, extra: dict[str, Any]) -> tuple[list[Req], bool]:
+        if extra:
+            raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(extra)}")
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("exactly one of text (prompt) and input_ids must be given")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            for t in texts:
+                if not isinstance(t, str):
+                    raise ValueError(f"text: expected a string, got {type(t).__name__}")
+                if not t:
+                    raise ValueError("text: the prompt is empty")
+            all_ids = [self.tokenize(t) for t in texts]
+            field = "text"
+        else:
+            single = bool(input_ids) and not isinstance(input_ids[0], list)
+            all_ids = [list(input_ids)] if single else [list(x) for x in input_ids]
+            field = "input_ids"
+        if not all_ids:
+            raise ValueError(f"{field}: the batch is empty")
+        n = len(all_ids)
+        params = _per_item(sampling_params, n, "sampling_params")
+        lps = _per_item(return_logprob, n, "return_logprob")
+        starts = _per_item(logprob_start_len, n, "logprob_start_len")
+        tops = _per_item(top_logprobs_num, n, "top_logprobs_num")
+        rids = _per_item(rid, n, "rid") if rid is not None else [None] * n
+        if rid is not None and single is False and not isinstance(rid, list):
+            raise ValueError("rid: a batch needs a list of rids")
+
+        reqs = []
+        for ids, p, lp, start, top, r in zip(all_ids, params, lps, starts, tops, rids):
+            self.check_input_ids(ids, field)
+            sp = p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
+            sp.verify(self.vocab_size)
+            start = -1 if start is None else start
+            if lp and not -1 <= start < len(ids):
+                raise ValueError(f"logprob_start_len: must be in [-1, {len(ids)}) (got {start})")
+            top = top or 0
+            if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+                raise ValueError(f"top_logprobs_num: must be a non-negative integer (got {top!r})")
+            base = r or uuid.uuid4().hex
+            for k in range(sp.n):
+                reqs.append(Req(base if sp.n == 1 else f"{base}-{k}", ids, sp, bool(lp),
+                                start if lp else -1, top if lp else 0, self.eos_token_ids))
+        return reqs, single and len(reqs) == 1
+
+
+def _lp_triples(vals, ids, tokenizer, with_text: bool):
+    def text(t):
+        return tokenizer.decode([t]) if (with_text and tokenizer is not None) else None
+    return [None if v is None else (v, t, text(t)) for v, t in zip(vals, ids)]
+
+
+def _top_triples(tops, tokenizer, with_text: bool):
+    out = []
+    for entry in tops:
+        if entry is None:
+            out.append(None)
+        else:
+            out.append([(v, t, tokenizer.decode([t]) if with_text and tokenizer else None)
+                        for v, t in entry])
+    return out
+
+
+def output_text(req: Req, tokenizer, upto: Optional[int] = None) -> str:
+    if tokenizer is None:
+        return ""
+    ids = req.output_ids[:upto]
+    fin = req.finish
+    done = upto is None or upto >= len(req.output_ids)
+    if done and fin is not None and fin.reason == FinishReason.STOP and isinstance(fin.matched, int):
+        ids = ids[:-1]  # the stop token is not part of the text
+    sp = req.sampling_params
+    text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+    if done and fin is not None and isinstance(fin.matched, str):
+        cut = text.find(fin.matched)
+        if cut >= 0:
+            text = text[: cut + len(fin.matched)] if sp.no_stop_trim else text[:cut]
+    return text
+
+
+def build_result(req: Req, tokenizer, upto: Optional[int] = None, partial: bool = False,
+                 return_text_in_logprobs: bool = False) -> dict:
+    upto = len(req.output_ids) if upto is None else upto
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": len(req.origin_input_ids),
+        "completion_tokens": upto,
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": None if partial or req.finish is None else req.finish.to_dict(),
+    }
+    if req.return_logprob:
+        inp = req.origin_input_ids[req.logprob_start_len:] if req.logprob_start_len >= 0 else []
+        meta["input_token_logprobs"] = _lp_triples(req.input_token_logprobs, inp, tokenizer,
+                                                   return_text_in_logprobs)
+        meta["output_token_logprobs"] = _lp_triples(req.output_token_logprobs[:upto],
+                                                    req.output_ids[:upto], tokenizer,
+                                                    return_text_in_logprobs)
+        if req.top_logprobs_num:
+            meta["input_top_logprobs"] = _top_triples(req.input_top_logprobs, tokenizer,
+                                                      return_text_in_logprobs)
+            meta["output_top_logprobs"] = _top_triples(req.output_top_logprobs[:upto], tokenizer,
+                                                       return_text_in_logprobs)
+    return {"text": output_text(req, tokenizer, None if not partial else upto),
+            "output_ids": list(req.output_ids[:upto]), "meta_info": meta}

@@ -1,0 +1,44 @@
+"""ForwardBatch: everything one model forward needs, as tensors over the whole batch.
+
+The scheduler builds it (one per step); the model and the attention backend only read it.
+T = total new tokens in the step, B = requests in the step, N = rows whose logits are needed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: new tokens attend to the cached prefix and to each other
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64 absolute positions
+    out_cache_loc: torch.Tensor  # (T,) int64 KV slots the new tokens' K/V are written to
+    req_pool_indices: torch.Tensor  # (B,) int64 rows of req_to_token
+    seq_lens: torch.Tensor  # (B,) int64 tokens per request after this step (prefix + new)
+    logits_indices: torch.Tensor  # (N,) int64 rows of the (T, hidden) output to project to logits
+    # host-side copies the torch-native backend loops over (no device sync needed to read them)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_prefix_lens_cpu: list[int] = field(default_factory=list)  # (B,) EXTEND only
+    extend_lens_cpu: list[int] = field(default_factory=list)  # (B,) EXTEND only
+    attn_backend: Any = None  # the AttentionBackend running this forward
+    # attention backends stash per-batch metadata (gather indices, masks) here, once per forward
+    attn_metadata: Optional[Any] = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

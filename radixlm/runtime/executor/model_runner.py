@@ -1,0 +1,122 @@
+"""ModelRunner: owns the model, its KV memory and the attention backend; runs one forward per batch.
+
+It decides the device, dtype and KV capacity, loads weights (HF safetensors, GGUF or dummy), and
+exposes `forward(fb) -> logits (N, vocab) float32` for the rows `fb.logits_indices`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from radixlm.runtime.attention.torch_native import TorchNativeAttention
+from radixlm.runtime.config import ModelConfig, ServerArgs
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
+from radixlm.runtime.mem_cache.kv_pool import KVPool
+from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
+from radixlm.runtime.models import loader
+from radixlm.runtime.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16}
+CPU_KV_BUDGET_BYTES = 4 << 30  # default KV pool size on the CPU when no --max-total-tokens
+# The last loaded model, reused by the next runner with the same (path, format, dtype, device, seed):
+# weights are read-only at inference, so engines made one after another in a process (tests,
+# benchmarks comparing settings) share them instead of loading again.
+_MODEL_CACHE: dict = {}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (got {name!r})")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype)
+        self.model_path = args.model_path or loader.default_model_path()
+        self.load_format = loader.resolve_load_format(self.model_path, args.load_format)
+        self.hf_config = loader.load_hf_config(self.model_path, self.load_format)
+        self.model_config = cfg = ModelConfig.from_hf(self.hf_config)
+        if cfg.architecture not in SUPPORTED_ARCHS:
+            raise ValueError(f"architecture {cfg.architecture!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        self.context_len = args.context_length or cfg.max_position_embeddings
+        torch.manual_seed(args.seed)
+
+        key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed)
+        self.model = _MODEL_CACHE.get(key) or self._load_model(cfg, args.seed)
+        _MODEL_CACHE.clear()
+        _MODEL_CACHE[key] = self.model
+
+        self.capacity = self._kv_capacity()
+        self.kv_pool = KVPool(self.capacity, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                              self.dtype, self.device)
+        self.allocator = TokenSlotAllocator(self.capacity, self.device)
+        # +1 row of slack so a request being re-admitted never waits on its own row
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1,
+                                                self.context_len + 1, self.device)
+        if args.attention_backend != "torch_native":
+            raise ValueError(f"attention_backend {args.attention_backend!r} is not available "
+                             "(available: torch_native)")
+        self.attn_backend = TorchNativeAttention(self.kv_pool, self.req_to_token_pool.req_to_token,
+                                                 scale=cfg.head_dim ** -0.5)
+
+    def _load_model(self, cfg: ModelConfig, seed: int) -> LlamaForCausalLM:
+        t0 = time.perf_counter()
+        with torch.device("meta"):  # no init kernels: every parameter is overwritten below
+            model = LlamaForCausalLM(cfg)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.rope.reset(self.device)  # buffers are computed, not loaded
+        if self.load_format == "dummy":
+            model.init_dummy_weights(seed)
+        else:
+            model.load_weights(loader.iter_weights(self.model_path, self.load_format, self.dtype))
+        model.eval().requires_grad_(False)
+        logger.info("loaded %s (%s) in %.1fs", self.model_path, self.load_format,
+                    time.perf_counter() - t0)
+        return model
+
+    def _kv_capacity(self) -> int:
+        cfg = self.model_config
+        bpt = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if self.args.max_total_tokens is not None:
+            return int(self.args.max_total_tokens)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.args.mem_fraction_static)
+        else:
+            budget = CPU_KV_BUDGET_BYTES
+        capacity = int(budget // bpt)
+        if capacity < 16:
+            raise RuntimeError(f"not enough memory for the KV cache ({budget / 2**30:.2f} GiB "
+                               f"for {bpt} bytes per token); lower the model size or raise "
+                               "--mem-fraction-static / set --max-total-tokens")
+        return capacity
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb)
+        return self.model.compute_logits(hidden)

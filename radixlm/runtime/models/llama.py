@@ -1,0 +1,155 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain torch.
+
+The model sees a flat batch: T new tokens from B requests concatenated, with their positions; all
+history lives in the KV pool and is reached through the attention backend (`fb`). Q/K/V and
+gate/up projections are fused into one matmul each (fewer, larger GEMMs); `load_weights` maps the
+HF checkpoint names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                fb: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.hq, self.d), *cos_sin)
+        k = apply_rotary(k.view(t, self.hkv, self.d), *cos_sin)
+        o = fb.attn_backend.forward(q, k, v.view(t, self.hkv, self.d), self.layer_id, fb)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos_sin, fb):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                    cfg.rope_scaling)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Returns final hidden states of the rows `fb.logits_indices`: (N, hidden)."""
+        x = self.embed_tokens(fb.input_ids)  # (T, hidden)
+        cos_sin = self.rope(fb.positions)  # (T, 1, head_dim) each
+        for layer in self.layers:
+            x = layer(x, cos_sin, fb)
+        return self.norm(x[fb.logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    # --- weights --------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; q/k/v and gate/up land in their slice of the fused weight."""
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused = {
+            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        params = dict(self.named_parameters())
+        shards: dict[str, set] = {n: set() for n in params}  # param -> HF pieces copied into it
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            name = name.removeprefix("model.")
+            parts = name.split(".")
+            piece = parts[-2] if len(parts) >= 2 and parts[-2] in fused else None
+            if piece is not None:
+                target, offset, size = fused[piece]
+                name = ".".join(parts[:-2] + [target, parts[-1]])
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            dst = params[name].data if piece is None else params[name].data[offset : offset + size]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name} ({piece or 'whole'}): checkpoint shape "
+                                 f"{tuple(tensor.shape)} != model shape {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            shards[name].add(piece)
+        expected = {"qkv_proj": {"q_proj", "k_proj", "v_proj"}, "gate_up_proj": {"gate_proj", "up_proj"}}
+        missing = [n for n, got in shards.items()
+                   if got != expected.get(n.split(".")[-2], {None})]
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {missing[:8]}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights (`--load-format dummy`) with a scale that keeps activations sane."""
+        g = None
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if g is None:  # generate on the parameters' device: 8B randn on a CPU is slow
+                    g = torch.Generator(device=p.device).manual_seed(seed)
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=g)

@@ -1,0 +1,101 @@
+"""Turns the scheduled requests into a ForwardBatch and assigns their KV slots.
+
+Extend: each request computes `fill_ids[kv_len : kv_len + extend_len]` on top of its cached prefix.
+Decode: each request computes its last sampled token at position `kv_len`.
+Slots for the whole batch come from one allocation (evicting from the tree if needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.request import Req
+
+
+@dataclass
+class LogitRows:
+    """Where each request's rows sit in the (N, vocab) logits of an extend batch."""
+
+    sample_reqs: list[Req] = field(default_factory=list)  # requests that sample this step
+    sample_rows: list[int] = field(default_factory=list)
+    # (req, first logits row, number of rows, first prompt position scored) for prompt logprobs
+    input_spans: list[tuple[Req, int, int, int]] = field(default_factory=list)
+
+
+def alloc_slots(n: int, allocator, tree_cache) -> torch.Tensor:
+    if not allocator.can_alloc(n):
+        tree_cache.evict(n - allocator.available_size())
+    slots = allocator.alloc(n)
+    if slots is None:  # admission/decode budgeting guarantees this cannot happen
+        raise RuntimeError(f"KV pool exhausted: needed {n} slots, "
+                           f"{allocator.available_size()} free after eviction")
+    return slots
+
+
+def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tuple[ForwardBatch, LogitRows]:
+    rt = req_pool.req_to_token
+    for req in reqs:
+        if req.req_pool_idx is None:
+            req.req_pool_idx = req_pool.alloc()
+            assert req.req_pool_idx is not None, "admission checked req_pool capacity"
+            req_pool.write(req.req_pool_idx, 0, req.prefix_indices.to(device))
+    slots = alloc_slots(sum(r.extend_len for r in reqs), allocator, tree_cache)
+
+    ids, positions, rows = [], [], LogitRows()
+    logit_index: list[int] = []
+    offset = 0
+    for req in reqs:
+        start, ext = req.kv_len, req.extend_len
+        rt[req.req_pool_idx, start : start + ext] = slots[offset : offset + ext]
+        ids.extend(req.fill_ids[start : start + ext])
+        positions.append(torch.arange(start, start + ext))
+        if req.wants_input_logprobs and not req.input_logprobs_done:
+            # logits at position q score prompt token q + 1
+            first_q = max(req.logprob_start_len - 1, start)
+            last_q = min(len(req.origin_input_ids) - 1, start + ext)  # exclusive
+            if last_q > first_q:
+                rows.input_spans.append((req, len(logit_index), last_q - first_q, first_q + 1))
+                logit_index.extend(range(offset + first_q - start, offset + last_q - start))
+        if not req.is_chunked:
+            rows.sample_reqs.append(req)
+            rows.sample_rows.append(len(logit_index))
+            logit_index.append(offset + ext - 1)
+        offset += ext
+
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.cat(positions).to(device),
+        out_cache_loc=slots,
+        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
+        seq_lens=torch.tensor([r.kv_len + r.extend_len for r in reqs], dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(logit_index, dtype=torch.int64, device=device),
+        seq_lens_cpu=[r.kv_len + r.extend_len for r in reqs],
+        extend_prefix_lens_cpu=[r.kv_len for r in reqs],
+        extend_lens_cpu=[r.extend_len for r in reqs],
+    )
+    return fb, rows
+
+
+def build_decode(reqs: list[Req], req_pool, allocator, tree_cache, device) -> ForwardBatch:
+    bsz = len(reqs)
+    slots = alloc_slots(bsz, allocator, tree_cache)
+    pool_idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
+    kv_lens = [r.kv_len for r in reqs]
+    positions = torch.tensor(kv_lens, dtype=torch.int64, device=device)
+    req_pool.req_to_token[pool_idx, positions] = slots
+    seq_lens_cpu = [n + 1 for n in kv_lens]
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1]
+                                for r in reqs], dtype=torch.int64, device=device),
+        positions=positions,
+        out_cache_loc=slots,
+        req_pool_indices=pool_idx,
+        seq_lens=positions + 1,
+        logits_indices=torch.arange(bsz, device=device),
+        seq_lens_cpu=seq_lens_cpu,
+    )

@@ -1,0 +1,257 @@
+"""The scheduler: continuous batching over a RadixCache-backed KV pool.
+
+One `step()`:  schedule (an extend batch if any waiting request fits, else a decode batch of all
+running requests) -> one model forward -> sample -> process outputs (finish, cache, free).
+
+Request states:  waiting --admit--> [chunked] --last chunk--> running --finish--> done
+                     ^------------------- retract (decode ran out of KV) ------------|
+Invariant (checked by `check_integrity`): free slots + slots in the tree + slots owned by requests
+== capacity, and every slot is in exactly one of those places.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from radixlm.runtime.mem_cache.radix_cache import RadixCache
+from radixlm.runtime.request import Finish, FinishReason, Req
+from radixlm.runtime.sampling.logprobs import token_logprobs
+from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
+from radixlm.runtime.scheduler import decode
+from radixlm.runtime.scheduler.batch_builder import build_decode, build_extend
+from radixlm.runtime.scheduler.output import check_finish, record_output_logprobs
+from radixlm.runtime.scheduler.policy import order_waiting
+from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, args, runner, tokenizer=None):
+        self.args = args
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.device = runner.device
+        self.vocab_size = runner.model_config.vocab_size
+        self.context_len = runner.context_len
+        self.allocator = runner.allocator
+        self.req_pool = runner.req_to_token_pool
+        self.tree_cache = RadixCache(self.allocator, self.req_pool, disable=args.disable_radix_cache)
+        self.sampler = Sampler()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.running_info: Optional[SamplingBatchInfo] = None
+        self.chunked: Optional[Req] = None
+        self.new_token_ratio = decode.INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                      "retractions": 0, "forward_steps": 0}
+
+    # --- requests in and out --------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str) -> Optional[Req]:
+        """Finish `rid` with reason abort and release its KV. Returns the request if found."""
+        for queue in (self.waiting, self.running):
+            for i, req in enumerate(queue):
+                if req.rid == rid:
+                    queue.pop(i)
+                    if queue is self.running:
+                        self._filter_running_info(keep=[r for r in self.running])
+                    self._finish(req, Finish(FinishReason.ABORT, message="aborted by request"))
+                    return req
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            self._finish(req, Finish(FinishReason.ABORT, message="aborted by request"))
+            return req
+        return None
+
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked)
+
+    # --- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Req]:
+        """Run one batch. Returns the requests that produced tokens or finished in this step."""
+        admitted = self._admit()
+        if admitted:
+            return self._run_extend(admitted)
+        if self.running:
+            return self._run_decode()
+        return []
+
+    def _admit(self) -> list[Req]:
+        if not self.waiting and self.chunked is None:
+            return []
+        if len(self.running) >= self.args.max_running_requests and self.chunked is None:
+            return []
+        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+                             self.args.max_prefill_tokens, self.args.chunked_prefill_size)
+        if self.chunked is not None:
+            if adder.add_chunked(self.chunked) != AddResult.ADDED:
+                return []
+            self.chunked = None
+        slots_left = min(self.args.max_running_requests - len(self.running),
+                         self.req_pool.available_size()) - len(adder.admitted)
+        for req in order_waiting(self.waiting, self.args.schedule_policy, self.tree_cache):
+            if slots_left <= 0:
+                break
+            result = adder.add(req)
+            if result == AddResult.ADDED:
+                slots_left -= 1
+                if req.is_chunked:
+                    break  # a chunked request closes the batch
+            elif result != AddResult.DEFERRED:
+                break
+        admitted_ids = {id(r) for r in adder.admitted}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
+        for req in self.waiting:
+            req.match = None  # stale once the tree changes
+        return adder.admitted
+
+    def _run_extend(self, reqs: list[Req]) -> list[Req]:
+        for req in reqs:
+            if req.req_pool_idx is None and req.retractions == 0 and not req.output_ids:
+                req.cached_tokens = req.kv_len
+                self.stats["prompt_tokens"] += len(req.origin_input_ids)
+                self.stats["cached_tokens"] += req.kv_len
+        fb, rows = build_extend(reqs, self.req_pool, self.allocator, self.tree_cache, self.device)
+        logits = self.runner.forward(fb)  # (N, vocab)
+        self.stats["forward_steps"] += 1
+        for req in reqs:
+            req.kv_len += req.extend_len
+        self._record_input_logprobs(logits, rows)
+
+        sample_reqs = rows.sample_reqs
+        for req in reqs:
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
+                self.chunked = req
+        if not sample_reqs:
+            return []
+        info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, self.device)
+        sample_logits = logits[torch.tensor(rows.sample_rows, device=self.device)]
+        out = self._sample(sample_logits, info, sample_reqs)
+        keep = self._process_tokens(sample_reqs, out)
+        if keep:
+            info.filter(keep)
+            joining = [sample_reqs[i] for i in keep]
+            for req in joining:  # share the fresh prompt KV now, not only when the request ends
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
+            self._merge_running(joining, info)
+        return sample_reqs
+
+    def _run_decode(self) -> list[Req]:
+        retracted = decode.ensure_decode_memory(self)
+        if retracted:
+            self.stats["retractions"] += len(retracted)
+        aborted = [r for r in retracted if r.finished]
+        if not self.running:
+            return aborted
+        reqs = self.running
+        fb = build_decode(reqs, self.req_pool, self.allocator, self.tree_cache, self.device)
+        logits = self.runner.forward(fb)
+        self.stats["forward_steps"] += 1
+        for req in reqs:
+            req.kv_len += 1
+        out = self._sample(logits, self.running_info, reqs)
+        keep = self._process_tokens(reqs, out)
+        if len(keep) != len(reqs):
+            self.running = [reqs[i] for i in keep]
+            self.running_info.filter(keep)
+        self.new_token_ratio = max(decode.MIN_NEW_TOKEN_RATIO,
+                                   self.new_token_ratio - decode.NEW_TOKEN_RATIO_DECAY)
+        return reqs + aborted
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _sample(self, logits, info, reqs):
+        want_lp = any(r.return_logprob for r in reqs)
+        top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        return self.sampler(logits, info, reqs, want_lp, top_k)
+
+    def _process_tokens(self, reqs: list[Req], out) -> list[int]:
+        """Append sampled tokens; finish requests. Returns the indices of requests still running."""
+        tokens = out.next_token_ids.tolist()  # the step's one device->host sync
+        record_output_logprobs(reqs, out)
+        keep = []
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            if req.sampling_params.max_new_tokens == 0:  # prompt-only request (e.g. scoring)
+                if req.output_token_logprobs:
+                    req.output_token_logprobs.clear()
+                    req.output_top_logprobs.clear()
+                self._finish(req, Finish(FinishReason.LENGTH, matched=0))
+                continue
+            req.output_ids.append(tok)
+            self.stats["generated_tokens"] += 1
+            finish = check_finish(req, tok, self.context_len, self.tokenizer)
+            if finish is not None:
+                self._finish(req, finish)
+            else:
+                keep.append(i)
+        return keep
+
+    def _record_input_logprobs(self, logits, rows) -> None:
+        for req, first_row, n, first_pos in rows.input_spans:
+            targets = torch.tensor(req.origin_input_ids[first_pos : first_pos + n], device=self.device)
+            chosen, top_vals, top_ids = token_logprobs(logits[first_row : first_row + n], targets,
+                                                       req.top_logprobs_num)
+            if first_pos == 1 and req.logprob_start_len == 0 and not req.input_token_logprobs:
+                req.input_token_logprobs.append(None)  # the first token has no context to score it
+                req.input_top_logprobs.append(None)
+            req.input_token_logprobs.extend(chosen.tolist())
+            if req.top_logprobs_num:
+                for vals, ids in zip(top_vals.tolist(), top_ids.tolist()):
+                    req.input_top_logprobs.append(list(zip(vals, ids)))
+            else:
+                req.input_top_logprobs.extend([[] for _ in range(n)])
+        for req, *_ in rows.input_spans:
+            if req.kv_len >= len(req.origin_input_ids):
+                req.input_logprobs_done = True
+
+    def _merge_running(self, reqs: list[Req], info: SamplingBatchInfo) -> None:
+        self.running.extend(reqs)
+        if self.running_info is None or len(self.running) == len(reqs):
+            self.running_info = info
+        else:
+            self.running_info.merge(info)
+
+    def _filter_running_info(self, keep: list[Req]) -> None:
+        """Rebuild the running batch's sampling rows after an out-of-band removal (abort)."""
+        self.running_info = (SamplingBatchInfo.from_reqs(keep, self.vocab_size, self.device)
+                             if keep else None)
+
+    def _finish(self, req: Req, finish: Finish) -> None:
+        req.finish = finish
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req, req.fill_ids[: req.kv_len])
+            req.req_pool_idx = None
+            req.last_node = None
+
+    # --- maintenance ----------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Drop the whole radix cache; only allowed when no request holds KV."""
+        if not self.is_idle():
+            return False
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_pool.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        self.tree_cache.check_integrity()
+        owned = 0
+        holders = self.running + ([self.chunked] if self.chunked else [])
+        for req in holders:
+            owned += req.kv_len - self.tree_cache.tree_owned_len(req)
+        free = self.allocator.available_size()
+        tree = self.tree_cache.total_size()
+        cap = self.allocator.capacity
+        assert free + tree + owned == cap, (
+            f"KV leak: free {free} + tree {tree} + owned by requests {owned} != capacity {cap}")
+        if self.is_idle():
+            assert self.tree_cache.protected_size() == 0, "idle scheduler but locked tree nodes"
+            assert self.req_pool.available_size() == self.req_pool.max_reqs, "req_pool rows leaked"

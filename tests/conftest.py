@@ -1,0 +1,72 @@
+"""Shared fixtures: the bundled SmolLM2 model, engines built on it, and the HF reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from radixlm.runtime.models.loader import default_model_path
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the lent H100/H200: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_path):
+    """HF transformers' own model from the same GGUF file, fp32: the correctness reference."""
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(smol_path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def make_engine(smol_path):
+    """Factory for fp32 engines on SmolLM2; every engine made is shut down (and checked) at the end."""
+    import radixlm
+
+    made = []
+
+    def factory(**kwargs):
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("max_total_tokens", 20000)
+        kwargs.setdefault("context_length", 2048)
+        eng = radixlm.Engine(model_path=smol_path, **kwargs)
+        made.append(eng)
+        return eng
+
+    yield factory
+    for eng in made:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine(make_engine):
+    """The default fp32 engine, shared by tests that do not change server arguments."""
+    return make_engine()
+
+
+@pytest.fixture
+def integrity():
+    """`integrity(engine)` ends every engine test: wait until idle, then the KV integrity check
+    (free + cached + in use == capacity, no slot in two places, no lock or row left behind)."""
+
+    def check(eng) -> None:
+        eng.wait_idle()
+        eng.check_integrity()
+
+    return check
