@@ -63,8 +63,8 @@ class TorchNativeAttention(AttentionBackend):
         out = torch.empty_like(q)
         for seg in fb.attn_metadata:
             qs = q[seg.start : seg.end].transpose(0, 1)  # (Hq, E, D)
-            ks = k_buf[seg.slots].transpose(0, 1).to(q.dtype)  # (Hkv, S, D)
-            vs = v_buf[seg.slots].transpose(0, 1).to(q.dtype)
+            ks = k_buf.index_select(0, seg.slots).transpose(0, 1).to(q.dtype)  # (Hkv, S, D)
+            vs = v_buf.index_select(0, seg.slots).transpose(0, 1).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
                 attn_mask=seg.mask, is_causal=seg.mask is None,
@@ -76,8 +76,11 @@ class TorchNativeAttention(AttentionBackend):
     def _decode(self, q, k_buf, v_buf, meta: _DecodeMeta):
         bsz, hq, d = q.shape
         hkv = k_buf.shape[1]
-        ks = k_buf[meta.slots].permute(0, 2, 1, 3).to(q.dtype)  # (B, Hkv, L, D)
-        vs = v_buf[meta.slots].permute(0, 2, 1, 3).to(q.dtype)
+        # index_select on the flat (B*L,) slot list is several times faster than 2-D fancy indexing
+        flat = meta.slots.view(-1)
+        ks = k_buf.index_select(0, flat).view(bsz, -1, hkv, d).permute(0, 2, 1, 3).to(q.dtype)
+        vs = v_buf.index_select(0, flat).view(bsz, -1, hkv, d).permute(0, 2, 1, 3).to(q.dtype)
+        # ks, vs: (B, Hkv, L, D)
         qg = q.view(bsz, hkv, hq // hkv, d)  # (B, Hkv, G, D): G query heads share one KV head
         o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=meta.mask, scale=self.scale)
         return o.reshape(bsz, hq, d)

@@ -26,5 +26,5 @@ class KVPool:
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """loc: (T,) slots; k, v: (T, H_kv, D)."""
-        self.k_buffers[layer][loc] = k.to(self.dtype)
-        self.v_buffers[layer][loc] = v.to(self.dtype)
+        self.k_buffers[layer].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffers[layer].index_copy_(0, loc, v.to(self.dtype))

@@ -1,0 +1,104 @@
+"""Typed requests and messages of the server: HTTP-level inputs and the ZMQ messages between the
+TokenizerManager (main process), the scheduler process and the detokenizer process.
+
+Flow:  TokenizerManager --TokenizedGenerateReq/AbortReq/ControlReq--> scheduler
+       scheduler --BatchTokenOut--> detokenizer --BatchTextOut--> TokenizerManager
+       scheduler --ControlReply--> TokenizerManager
+Messages are pickled dataclasses (small; the hot path sends one message per step, not per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateReqInput:
+    """One native /generate request (SGLang's field names). A batch is a list of these."""
+
+    text: Optional[str] = None
+    input_ids: Optional[list[int]] = None
+    sampling_params: dict = field(default_factory=dict)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: Optional[str] = None
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    stream: bool
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class ControlReq:
+    """flush_cache | get_stats | health_check | shutdown; answered by a ControlReply with the same id."""
+
+    kind: str
+    req_id: int
+    payload: Any = None
+
+
+@dataclass
+class ControlReply:
+    req_id: int
+    result: Any = None
+    error: Optional[str] = None
+
+
+@dataclass
+class ReqUpdate:
+    """What one request produced since its last update."""
+
+    rid: str
+    new_ids: list[int]  # output tokens since the last update
+    n_output: int  # total output tokens so far
+    finish: Optional[dict]  # SGLang finish_reason dict when finished, else None
+    prompt_tokens: int
+    cached_tokens: int
+    # detokenization settings (the detokenizer keeps per-rid state, created on first sight)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_strs: tuple = ()
+    no_stop_trim: bool = False
+    # logprob deltas (only when requested): lists aligned with new_ids / the prompt
+    output_token_logprobs: Optional[list] = None  # [(logprob, token_id)]
+    output_top_logprobs: Optional[list] = None  # [[(logprob, token_id), ...]]
+    input_token_logprobs: Optional[list] = None  # full list, sent once with the first update
+    input_top_logprobs: Optional[list] = None
+
+
+@dataclass
+class BatchTokenOut:
+    updates: list[ReqUpdate]
+
+
+@dataclass
+class TextUpdate:
+    rid: str
+    text_delta: str  # never ends in half a UTF-8 character or inside a possible stop string
+    update: ReqUpdate
+
+
+@dataclass
+class BatchTextOut:
+    updates: list[TextUpdate]
+
+
+SchedulerInput = Union[TokenizedGenerateReq, AbortReq, ControlReq]

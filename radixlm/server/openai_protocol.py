@@ -1,0 +1,349 @@
+"""Pydantic models of the OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models.
+
+Requests are validated here, before anything reaches the TokenizerManager, so a bad field is a
+400 that names it. Unknown request fields are ignored (not rejected): clients written for other
+servers send vendor extras (`user`, `metadata`, `store`, ...) and must keep working.
+Responses are built through the models below so the wire format is written down in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
+
+from radixlm.server.errors import APIError
+
+MAX_N = 16  # choices per prompt; each is one generate call, so this bounds a request's fan-out
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; also used for completions' `logprobs`
+
+
+def accepted_model_names(tm) -> set[str]:
+    """The served name, the model path it was loaded from, and "default" (SGLang's examples and
+    scripts send it) all name the one model this server holds; anything else is a 404."""
+    names = {tm.model_name, "default"}
+    path = getattr(getattr(tm, "server_args", None), "model_path", None)
+    if path:
+        names.add(str(path))
+    return names
+
+
+def check_model(tm, model: Optional[str]) -> None:
+    """A missing model means the served one (curl users often leave it out)."""
+    if model is not None and model not in accepted_model_names(tm):
+        raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                       f"`{tm.model_name}`)", param="model", code="model_not_found")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share: OpenAI's sampling knobs plus SGLang's extras."""
+
+    model: Optional[str] = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None
+    # SGLang extras
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops or None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v < 1 and v != -1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        # Silently ignoring a bias would change the meaning of the request; refuse it instead.
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_new_tokens: int, seed_offset: int = 0) -> dict[str, Any]:
+        """SGLang `sampling_params` for one of the n samples. With a seed and n > 1, sample i uses
+        seed + i: the n choices differ, yet the request stays reproducible."""
+        sp: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim,
+        }
+        optional = {"stop": self.stop, "stop_token_ids": self.stop_token_ids,
+                    "regex": self.regex, "json_schema": self.json_schema, "ebnf": self.ebnf,
+                    "seed": None if self.seed is None else self.seed + seed_offset}
+        sp.update({k: v for k, v in optional.items() if v is not None})
+        return sp
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = Field(16, ge=0)  # OpenAI's default for the legacy endpoint
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, v):
+        def is_ids(x):
+            return isinstance(x, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
+
+        if isinstance(v, str):
+            items = [v]
+        elif is_ids(v) and v:
+            items = [v]
+        elif isinstance(v, list) and v and (all(isinstance(x, str) for x in v)
+                                            or all(is_ids(x) for x in v)):
+            items = v
+        else:
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                             "or a list of token id lists")
+        if any(len(x) == 0 for x in items):
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The batch of prompts, each a string or a token id list."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part of type {kind!r} is not supported "
+                                     "(only 'text' parts)")
+        return v
+
+    @model_validator(mode="after")
+    def _content_required(self):
+        # Only an assistant turn may lack content (OpenAI allows it alongside tool_calls).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        # Chat templates know "system", not OpenAI's newer "developer" role.
+        role = "system" if self.role == "developer" else self.role
+        msg = {"role": role, "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class JsonSchemaFormat(BaseModel):
+    name: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_present(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)  # OpenAI's newer name; wins
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict[str, Any]]] = None  # rendered into the prompt by the template
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and (self.json_schema or self.regex or self.ebnf):
+            raise ValueError("response_format cannot be combined with json_schema, regex or ebnf")
+        return self
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    matched_stop: Union[None, int, str] = None  # SGLang extra: the stop string or token hit
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of each streamed chunk (object "text_completion" in both, as OpenAI does)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+    refusal: None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    matched_stop: Union[None, int, str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        # OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+    matched_stop: Union[None, int, str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "radixlm"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
