@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 
@@ -93,6 +93,14 @@ class ServerArgs:
     served_model_name: Optional[str] = None
     skip_tokenizer_init: bool = False
     log_level: str = "warning"
+    # --- HTTP server ---
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None  # never reported by /get_server_info
+    max_queued_requests: Optional[int] = None  # beyond max_running_requests + this: 503
+    max_payload_size: int = 32 * 1024 * 1024  # bytes of request body; larger: 413
+    enable_metrics: bool = False
+    timeout_graceful_shutdown: float = 30.0  # SIGTERM: seconds to let running requests finish
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)

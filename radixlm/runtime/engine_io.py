@@ -85,6 +85,10 @@ class RequestBuilder:
             self.check_input_ids(ids, field)
             sp = p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
             sp.verify(self.vocab_size)
+            if len(ids) + sp.max_new_tokens > self.context_len:
+                raise ValueError(f"sampling_params.max_new_tokens: the prompt ({len(ids)} tokens) "
+                                 f"plus max_new_tokens ({sp.max_new_tokens}) exceeds the context "
+                                 f"length ({self.context_len})")
             start = -1 if start is None else start
             if lp and not -1 <= start < len(ids):
                 raise ValueError(f"logprob_start_len: must be in [-1, {len(ids)}) (got {start})")
@@ -101,7 +105,7 @@ class RequestBuilder:
 def _lp_triples(vals, ids, tokenizer, with_text: bool):
     def text(t):
         return tokenizer.decode([t]) if (with_text and tokenizer is not None) else None
-    return [None if v is None else (v, t, text(t)) for v, t in zip(vals, ids)]
+    return [(v, t, text(t)) for v, t in zip(vals, ids)]  # v is None for the first prompt token
 
 
 def _top_triples(tops, tokenizer, with_text: bool):

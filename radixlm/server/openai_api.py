@@ -43,8 +43,8 @@ async def close_all(gens: list) -> None:
 
 async def start_generations(tm, objs: list[GenerateReqInput],
                             request: Optional[Request]) -> tuple[list, list[dict]]:
-    """Start every call and return (generators, first updates). If any call fails, all are
-    closed and the first real error is raised (a ValueError in preference to a bare end)."""
+    """Start every call and return (generators, first updates). The first failure cancels and
+    closes the others at once (no waiting for their first token) and is raised."""
     gens: list = [None] * len(objs)
 
     async def first(i: int) -> dict:
@@ -54,17 +54,20 @@ async def start_generations(tm, objs: list[GenerateReqInput],
         except StopAsyncIteration:
             raise RuntimeError("the generation ended without producing any output") from None
 
+    tasks = [asyncio.ensure_future(first(i)) for i in range(len(objs))]
     try:
-        results = await asyncio.gather(*(first(i) for i in range(len(objs))),
-                                       return_exceptions=True)
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:  # cancelled (client gone) while waiting: stop everything
-        await close_all(gens)
+        for t in tasks:
+            t.cancel()
         raise
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
+    if pending or any(t.exception() is not None for t in done):
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await close_all(gens)
-        raise next((e for e in errors if isinstance(e, (ValueError, APIError))), errors[0])
-    return gens, results
+        raise next(t.exception() for t in tasks if not t.cancelled() and t.exception() is not None)
+    return gens, [t.result() for t in tasks]
 
 
 def is_finished(out: dict) -> bool:
@@ -144,13 +147,20 @@ def _lp(x: Optional[float]) -> Optional[float]:
     return None if x is None else max(float(x), MIN_LOGPROB)
 
 
+def _lp_of(entry) -> Optional[float]:
+    return None if entry is None else _lp(entry[0])
+
+
 class _TokenText:
-    """Token text of a logprob entry (logprob, id, text|None); decoded when the manager left it out."""
+    """Token text of a logprob entry (logprob, id, text|None); decoded when the manager left it
+    out. An entry may itself be None (the unscored first prompt token): its text is unknown."""
 
     def __init__(self, tm):
         self.tm = tm
 
     def __call__(self, entry) -> str:
+        if entry is None:
+            return ""
         text = entry[2] if len(entry) > 2 else None
         return text if text is not None else self.tm.tokenizer.decode([entry[1]])
 
@@ -165,12 +175,12 @@ def _add_completion_logprobs(tok, entries: list, tops: Optional[list], offset: i
     for k, e in enumerate(entries):
         t = tok(e)
         into.tokens.append(t)
-        into.token_logprobs.append(_lp(e[0]))
+        into.token_logprobs.append(_lp_of(e))
         into.text_offset.append(offset)
         offset += len(t)
         if want_top:
             top = tops[k] if tops is not None and k < len(tops) else None
-            into.top_logprobs.append(None if top is None else {tok(x): _lp(x[0]) for x in top})
+            into.top_logprobs.append(None if top is None else {tok(x): _lp_of(x) for x in top})
     return offset
 
 
@@ -225,8 +235,8 @@ def _chat_logprobs(tm, meta: dict, st: _ChoiceState) -> P.ChoiceLogprobs:
     for k, e in enumerate(entries):
         t, top = tok(e), (tops[st.n_lp + k] if st.n_lp + k < len(tops) else None) or []
         content.append(P.TokenLogprob(
-            token=t, logprob=_lpf(e[0]), bytes=list(t.encode("utf-8")),
-            top_logprobs=[P.TopLogprob(token=tok(x), logprob=_lpf(x[0]),
+            token=t, logprob=_lpf(_lp_of(e)), bytes=list(t.encode("utf-8")),
+            top_logprobs=[P.TopLogprob(token=tok(x), logprob=_lpf(_lp_of(x)),
                                        bytes=list(tok(x).encode("utf-8"))) for x in top]))
     st.n_lp += len(entries)
     return P.ChoiceLogprobs(content=content)
@@ -272,7 +282,8 @@ def register_openai_routes(app: FastAPI, tm) -> None:
 
     def card() -> P.ModelCard:
         return P.ModelCard(id=tm.model_name, created=started, max_model_len=tm.context_len,
-                           root=getattr(tm.server_args, "model_path", None))
+                           root=getattr(tm, "model_path", None)
+                           or getattr(tm.server_args, "model_path", None))
 
     @app.get("/v1/models")
     async def list_models():

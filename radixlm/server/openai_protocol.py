@@ -23,9 +23,10 @@ def accepted_model_names(tm) -> set[str]:
     """The served name, the model path it was loaded from, and "default" (SGLang's examples and
     scripts send it) all name the one model this server holds; anything else is a 404."""
     names = {tm.model_name, "default"}
-    path = getattr(getattr(tm, "server_args", None), "model_path", None)
-    if path:
-        names.add(str(path))
+    for path in (getattr(tm, "model_path", None),
+                 getattr(getattr(tm, "server_args", None), "model_path", None)):
+        if path:
+            names.add(str(path))
     return names
 
 

@@ -56,6 +56,8 @@ class FakeTM:
         self.abort_after = None  # chars after which the request is aborted
         self.chunk = 3  # chars per streamed update
         self.delay = 0.0  # seconds between streamed updates
+        self.first_delay = 0.0  # seconds before the first update (a busy queue)
+        self.fail_call = None  # index of the call that raises instead of the others
         self.completed = 0  # generators that ran to their end
         self.closed = 0  # generators that ran their cleanup (finished, closed or cancelled)
 
@@ -65,7 +67,7 @@ class FakeTM:
 
     async def generate(self, obj, request=None):
         self.calls.append(obj)
-        if self.error is not None:
+        if self.error is not None and self.fail_call in (None, len(self.calls) - 1):
             raise self.error
         sp = SamplingParams.from_dict(obj.sampling_params)
         sp.verify(VOCAB)
@@ -81,6 +83,7 @@ class FakeTM:
             text, finish = text[:sp.max_new_tokens], {"type": "length", "length": sp.max_new_tokens}
         ends = (list(range(self.chunk, len(text), self.chunk)) + [len(text)]) if obj.stream else [len(text)]
         try:
+            await asyncio.sleep(self.first_delay)
             for end in ends:
                 if self.abort_after is not None and end > self.abort_after:
                     yield self._out(obj, ids, text[:self.abort_after], {"type": "abort", "message": "aborted by test"})
@@ -247,6 +250,22 @@ def test_completion_logprobs_with_echo(client, fake):
         assert choice["text"][off:off + len(tok)] == tok
 
 
+def test_unscored_prompt_token_may_be_none(client, fake, monkeypatch):
+    """The manager may give the first prompt token's entry as None instead of (None, id, text)."""
+    out = fake._out
+
+    def none_first(*a):
+        d = out(*a)
+        if "input_token_logprobs" in d["meta_info"]:
+            d["meta_info"]["input_token_logprobs"][0] = None
+        return d
+
+    monkeypatch.setattr(fake, "_out", none_first)
+    r = client.post("/v1/completions", json={"prompt": "Hey", "echo": True, "logprobs": 1, "max_tokens": 2})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["", "e", "y", "H", "e"] and lp["token_logprobs"][0] is None
+
+
 def test_completion_logprobs_without_echo(client, fake):
     r = client.post("/v1/completions", json={"prompt": "Hey", "logprobs": 0, "max_tokens": 3}).json()
     assert fake.calls[0].logprob_start_len == -1
@@ -324,7 +343,9 @@ def test_chat_renders_template_and_maps_params(client, fake):
 
 def test_chat_max_tokens_names(client, fake):
     msgs = [{"role": "user", "content": "q"}]
-    client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 9})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 9, "tools": tools})
+    assert fake.templates[0][1] == tools  # rendered by the template; calls are not parsed back
     client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 9, "max_completion_tokens": 4})
     assert [o.sampling_params["max_new_tokens"] for o in fake.calls] == [9, 4]
     r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4}).json()
@@ -449,6 +470,13 @@ def test_manager_errors_before_queueing_map_to_status(client, fake, stream):
     fake.error = QueueFullError("too many queued requests")
     r = client.post("/v1/completions", json={"prompt": "x", "n": 3, "stream": stream})
     assert_openai_error(r, 503)
+
+
+def test_one_failing_choice_fails_the_request_at_once(client, fake):
+    fake.first_delay, fake.fail_call, fake.error = 30.0, 2, QueueFullError("full")
+    t0 = time.time()
+    assert_openai_error(client.post("/v1/completions", json={"prompt": "x", "n": 3}), 503)
+    assert time.time() - t0 < 5 and fake.closed == 2 and fake.completed == 0
 
 
 def test_abort_is_an_error_not_a_finish_reason(client, fake):

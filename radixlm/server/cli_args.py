@@ -1,0 +1,45 @@
+"""CLI flags generated from ServerArgs: one flag per field, SGLang's names (`--model-path`, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from radixlm.runtime.config import ServerArgs
+
+_HELP = {
+    "model_path": "HF folder (config.json + safetensors) or .gguf file; default: bundled SmolLM2",
+    "load_format": "auto | safetensors | gguf | dummy (random weights from config.json)",
+    "dtype": "auto (bfloat16) | float32 | bfloat16 | float16",
+    "max_total_tokens": "KV pool capacity in tokens (default: from memory)",
+    "chunked_prefill_size": "max prompt tokens computed per step (<= 0: no chunking)",
+    "schedule_policy": "lpm | dfs-weight | fcfs",
+    "max_queued_requests": "requests beyond max_running_requests + this get 503",
+    "api_key": "require 'Authorization: Bearer KEY' (or x-api-key) on every endpoint but /health",
+}
+
+
+def _kind(field: dataclasses.Field):
+    ann = str(field.type)
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+        if name in ann:
+            return typ
+    return str
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _kind(f)
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=f.default, help=_HELP.get(f.name))
+        else:
+            parser.add_argument(flag, type=kind, default=f.default,
+                                help=_HELP.get(f.name, f"default: {f.default}"))
+
+
+def parse_server_args(argv=None) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="radixlm serve", description="Serve a model over HTTP.")
+    add_server_args(parser)
+    ns = parser.parse_args(argv)
+    return ServerArgs(**vars(ns))

@@ -1,0 +1,98 @@
+"""The detokenizer process: token updates in, text deltas out.
+
+Per request it keeps an IncrementalDetokenizer (never half a UTF-8 character) and a
+StopStringChecker (never any part of a stop string); both are created on a request's first update
+and dropped when it finishes. The stop token that ended a request is not part of its text.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import traceback
+
+import zmq
+
+from radixlm.runtime.detokenize import IncrementalDetokenizer, StopStringChecker
+from radixlm.runtime.models import loader
+from radixlm.server.launch import watch_parent
+from radixlm.server.io_struct import BatchTextOut, BatchTokenOut, ReqUpdate, TextUpdate
+
+logger = logging.getLogger(__name__)
+
+
+class _DecodeState:
+    def __init__(self, tokenizer, up: ReqUpdate):
+        self.detok = IncrementalDetokenizer(tokenizer, up.skip_special_tokens,
+                                            up.spaces_between_special_tokens)
+        self.stops = StopStringChecker(list(up.stop_strs), no_stop_trim=up.no_stop_trim)
+        self.stopped = False  # a stop string matched: nothing more is emitted
+
+    def feed(self, up: ReqUpdate) -> str:
+        ids = up.new_ids
+        fin = up.finish
+        if fin and fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and ids:
+            ids = ids[:-1]  # the matched stop token is not text
+        text = self.detok.push(ids) if ids else ""
+        if fin is not None:
+            text += self.detok.flush()
+        if self.stopped:
+            return ""
+        out, matched = self.stops.feed(text)
+        if matched is not None:
+            self.stopped = True
+            return out
+        if fin is not None:
+            out += self.stops.flush()
+        return out
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, _DecodeState] = {}
+
+    def process(self, batch: BatchTokenOut) -> BatchTextOut:
+        out = []
+        for up in batch.updates:
+            if self.tokenizer is None:
+                out.append(TextUpdate(up.rid, "", up))
+                continue
+            state = self.states.get(up.rid)
+            if state is None:
+                state = self.states[up.rid] = _DecodeState(self.tokenizer, up)
+            out.append(TextUpdate(up.rid, state.feed(up), up))
+            if up.finish is not None:
+                del self.states[up.rid]
+        return BatchTextOut(out)
+
+
+def run_detokenizer_process(tokenizer_path: str, tokenizer_format: str, skip_tokenizer: bool,
+                            ipc: dict[str, str], ready_pipe, log_level: str = "warning") -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    watch_parent()
+    logging.basicConfig(level=log_level.upper(),
+                        format="[detokenizer %(asctime)s] %(levelname)s %(message)s")
+    try:
+        tok = None if skip_tokenizer else loader.load_tokenizer(tokenizer_path, tokenizer_format)
+        ctx = zmq.Context(1)
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(ipc["detokenizer_in"])
+        send = ctx.socket(zmq.PUSH)
+        send.connect(ipc["tokenizer_in"])
+        detok = Detokenizer(tok)
+        ready_pipe.send(("ready", None))
+    except Exception:
+        ready_pipe.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            msg = pickle.loads(recv.recv())
+            if msg == "shutdown":
+                return
+            send.send(pickle.dumps(detok.process(msg)))
+    except Exception:
+        logger.error("detokenizer crashed:\n%s", traceback.format_exc())
+        os._exit(1)

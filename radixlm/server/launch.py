@@ -1,0 +1,159 @@
+"""Start the server: scheduler and detokenizer processes, then FastAPI in this process.
+
+Start-up waits until each child reports ready (or fails, printing its traceback). A watchdog
+checks the children: if one dies, /health turns 503 and the server shuts down instead of
+hanging. SIGTERM lets running requests finish (up to --timeout-graceful-shutdown seconds), then
+stops the children; none is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from radixlm.runtime.config import ServerArgs
+
+logger = logging.getLogger("radixlm.server")
+
+READY_TIMEOUT_S = 600.0
+
+
+def _ipc_paths() -> tuple[str, dict[str, str]]:
+    d = tempfile.mkdtemp(prefix="radixlm-ipc-")
+    tm = f"ipc://{d}/tokenizer"
+    return d, {"scheduler_in": f"ipc://{d}/scheduler", "detokenizer_in": f"ipc://{d}/detokenizer",
+               "tokenizer_in": tm, "control_out": tm}
+
+
+def _wait_ready(name: str, proc, pipe) -> object:
+    if not pipe.poll(READY_TIMEOUT_S):
+        raise RuntimeError(f"{name} process did not report ready in {READY_TIMEOUT_S:.0f}s")
+    try:
+        status, payload = pipe.recv()
+    except EOFError:
+        raise RuntimeError(f"{name} process died during start-up (exit code {proc.exitcode})") from None
+    if status != "ready":
+        raise RuntimeError(f"{name} process failed to start:\n{payload}")
+    return payload
+
+
+def launch_server(args: ServerArgs) -> None:
+    import uvicorn
+
+    from radixlm.runtime.models import loader
+    from radixlm.server.detokenizer_process import run_detokenizer_process
+    from radixlm.server.http_server import build_app
+    from radixlm.server.scheduler_process import run_scheduler_process
+    from radixlm.server.tokenizer_manager import TokenizerManager
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="[server %(asctime)s] %(levelname)s %(message)s")
+    if args.model_path is None:
+        args = args.replace(model_path=loader.default_model_path())
+    ipc_dir, ipc = _ipc_paths()
+    ctx = mp.get_context("spawn")
+    procs: list[tuple[str, mp.Process]] = []
+    try:
+        fmt = loader.resolve_load_format(args.model_path, args.load_format)
+        tok_path = args.tokenizer_path or args.model_path
+        tok_fmt = "auto" if args.tokenizer_path or fmt == "dummy" else fmt
+        s_recv, s_send = ctx.Pipe(duplex=False)
+        sched = ctx.Process(target=run_scheduler_process, args=(args, ipc, s_send),
+                            name="radixlm-scheduler", daemon=True)
+        d_recv, d_send = ctx.Pipe(duplex=False)
+        detok = ctx.Process(target=run_detokenizer_process,
+                            args=(tok_path, tok_fmt, args.skip_tokenizer_init, ipc, d_send,
+                                  args.log_level),
+                            name="radixlm-detokenizer", daemon=True)
+        for name, p in (("scheduler", sched), ("detokenizer", detok)):
+            p.start()
+            procs.append((name, p))
+        tokenizer = None if args.skip_tokenizer_init else loader.load_tokenizer(tok_path, tok_fmt)
+        info = _wait_ready("scheduler", sched, s_recv)
+        _wait_ready("detokenizer", detok, d_recv)
+    except Exception as e:
+        _stop_children(procs)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        print(f"radixlm: start-up failed: {e}", file=sys.stderr)
+        raise SystemExit(1)
+
+    state = {"dead": None}
+
+    def health() -> Optional[str]:
+        return state["dead"]
+
+    server_box: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        tm.start()
+        watchdog = asyncio.create_task(_watch_children(procs, state, server_box, tm))
+        yield
+        watchdog.cancel()
+
+    tm = TokenizerManager(args, tokenizer, info, ipc)
+    app = build_app(tm, args, health)
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+                            loop="asyncio")
+    server = uvicorn.Server(config)
+    server_box["server"] = server
+    print(f"radixlm: serving {tm.model_name} on http://{args.host}:{args.port} "
+          f"(KV capacity {info['max_total_tokens']} tokens, {info['device']}, {info['dtype']})",
+          flush=True)
+    try:
+        server.run()
+    finally:
+        _stop_children(procs)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    if state["dead"]:
+        raise SystemExit(1)
+
+
+async def _watch_children(procs, state, server_box, tm) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        for name, p in procs:
+            if not p.is_alive():
+                state["dead"] = f"the {name} process died (exit code {p.exitcode})"
+                logger.error("%s; shutting down", state["dead"])
+                tm.fail_all(state["dead"])
+                server = server_box.get("server")
+                if server is not None:
+                    server.should_exit = True
+                return
+
+
+def _stop_children(procs) -> None:
+    for _, p in procs:
+        if p.is_alive():
+            p.terminate()
+    for _, p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def watch_parent() -> None:
+    """In a child: exit when the parent process is gone (no orphans after a crash or kill -9)."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def loop():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=loop, daemon=True, name="watch-parent").start()

@@ -1,0 +1,162 @@
+"""The scheduler process: model + Scheduler, fed by ZMQ, sending token updates to the detokenizer.
+
+Loop: take every pending message (block only when idle) -> one scheduler step -> one BatchTokenOut
+with each touched request's new tokens. The same Scheduler class runs inside the offline Engine;
+only this IO differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import traceback
+
+import torch
+import zmq
+
+from radixlm.runtime.config import ServerArgs
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.models import loader
+from radixlm.server.launch import watch_parent
+from radixlm.runtime.request import Req
+from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.server.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq,
+                                      ReqUpdate, TokenizedGenerateReq)
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerServer:
+    def __init__(self, args: ServerArgs, ipc: dict[str, str]):
+        self.args = args
+        self.runner = ModelRunner(args)
+        tok = None
+        if not args.skip_tokenizer_init:
+            tok_path = args.tokenizer_path or self.runner.model_path
+            fmt = "auto" if args.tokenizer_path or self.runner.load_format == "dummy" else self.runner.load_format
+            tok = loader.load_tokenizer(tok_path, fmt)
+        self.scheduler = Scheduler(args, self.runner, tok)
+        self.eos_token_ids = tuple(loader.eos_token_ids(self.runner.hf_config, tok))
+        ctx = zmq.Context(2)
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(ipc["scheduler_in"])
+        self.to_detok = ctx.socket(zmq.PUSH)
+        self.to_detok.connect(ipc["detokenizer_in"])
+        self.to_tm = ctx.socket(zmq.PUSH)
+        self.to_tm.connect(ipc["control_out"])
+        self.sent: dict[str, int] = {}  # rid -> output tokens already sent
+        self.input_lp_sent: set[str] = set()
+
+    def info(self) -> dict:
+        r = self.runner
+        return {"model_path": r.model_path, "load_format": r.load_format,
+                "context_len": r.context_len, "max_total_tokens": r.capacity,
+                "vocab_size": r.model_config.vocab_size, "device": str(r.device),
+                "dtype": str(r.dtype).removeprefix("torch."), "hf_config": r.hf_config,
+                "eos_token_ids": list(self.eos_token_ids)}
+
+    def serve_forever(self) -> None:
+        sched = self.scheduler
+        poller = zmq.Poller()
+        poller.register(self.recv, zmq.POLLIN)
+        while True:
+            timeout = None if sched.is_idle() else 0
+            if poller.poll(timeout):
+                while True:
+                    try:
+                        msg = pickle.loads(self.recv.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if self.handle(msg) == "shutdown":
+                        return
+            if not sched.is_idle():
+                touched = sched.step()
+                if touched:
+                    self.send_updates(touched)
+
+    def handle(self, msg):
+        sched = self.scheduler
+        if isinstance(msg, TokenizedGenerateReq):
+            req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob,
+                      msg.logprob_start_len, msg.top_logprobs_num, self.eos_token_ids)
+            sched.add_request(req)
+        elif isinstance(msg, AbortReq):
+            req = sched.abort_request(msg.rid)
+            if req is not None:
+                self.send_updates([req])
+        elif isinstance(msg, ControlReq):
+            return self.handle_control(msg)
+
+    def handle_control(self, msg: ControlReq):
+        reply = ControlReply(msg.req_id)
+        try:
+            if msg.kind == "flush_cache":
+                reply.result = self.scheduler.flush_cache()
+            elif msg.kind == "get_stats":
+                s = self.scheduler
+                reply.result = dict(s.stats, num_running=len(s.running), num_waiting=len(s.waiting),
+                                    kv_capacity=self.runner.capacity,
+                                    kv_free=s.allocator.available_size(),
+                                    kv_cached=s.tree_cache.total_size())
+            elif msg.kind == "check_integrity":
+                self.scheduler.check_integrity()
+                reply.result = True
+            elif msg.kind == "shutdown":
+                self.to_tm.send(pickle.dumps(reply))
+                return "shutdown"
+            else:
+                reply.error = f"unknown control request {msg.kind!r}"
+        except Exception as e:  # a failed control request must not kill the scheduler
+            reply.error = f"{type(e).__name__}: {e}"
+        self.to_tm.send(pickle.dumps(reply))
+
+    def send_updates(self, reqs: list[Req]) -> None:
+        updates = []
+        for req in reqs:
+            start = self.sent.get(req.rid, 0)
+            n = len(req.output_ids)
+            sp = req.sampling_params
+            up = ReqUpdate(req.rid, req.output_ids[start:n], n,
+                           req.finish.to_dict() if req.finish else None,
+                           len(req.origin_input_ids), req.cached_tokens,
+                           sp.skip_special_tokens, sp.spaces_between_special_tokens,
+                           tuple(sp.stop_strs), sp.no_stop_trim)
+            if req.return_logprob:
+                up.output_token_logprobs = list(zip(req.output_token_logprobs[start:n],
+                                                    req.output_ids[start:n]))
+                if req.top_logprobs_num:
+                    up.output_top_logprobs = req.output_top_logprobs[start:n]
+                if req.rid not in self.input_lp_sent and (req.input_logprobs_done or req.finished):
+                    self.input_lp_sent.add(req.rid)
+                    start_pos = max(req.logprob_start_len, 0)
+                    up.input_token_logprobs = list(zip(req.input_token_logprobs,
+                                                       req.origin_input_ids[start_pos:]))
+                    up.input_top_logprobs = req.input_top_logprobs
+            self.sent[req.rid] = n
+            if req.finished:
+                self.sent.pop(req.rid, None)
+                self.input_lp_sent.discard(req.rid)
+            updates.append(up)
+        self.to_detok.send(pickle.dumps(BatchTokenOut(updates)))
+
+
+def run_scheduler_process(args: ServerArgs, ipc: dict[str, str], ready_pipe) -> None:
+    """Process entry point. Reports ("ready", info) or ("error", traceback) through ready_pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    watch_parent()
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="[scheduler %(asctime)s] %(levelname)s %(message)s")
+    try:
+        torch.set_grad_enabled(False)
+        server = SchedulerServer(args, ipc)
+        ready_pipe.send(("ready", server.info()))
+    except Exception:
+        ready_pipe.send(("error", traceback.format_exc()))
+        return
+    try:
+        server.serve_forever()
+    except Exception:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        os._exit(1)

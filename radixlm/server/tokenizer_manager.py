@@ -1,0 +1,228 @@
+"""TokenizerManager: the main process's side of the runtime (asyncio).
+
+It validates and tokenizes requests (the same RequestBuilder as the offline Engine, so bad input
+fails identically, before queueing), sends them to the scheduler process, collects text updates
+from the detokenizer process and hands them to the waiting HTTP handlers. One `ReqState` per
+in-flight request; a handler whose client disconnects aborts its request (its KV is freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+import zmq
+import zmq.asyncio
+
+from radixlm.runtime.engine_io import RequestBuilder
+from radixlm.server.errors import QueueFullError
+from radixlm.server.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq,
+                                      GenerateReqInput, TokenizedGenerateReq)
+from radixlm.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+CHATML_FALLBACK = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DISCONNECT_POLL_S = 1.0
+
+
+class ReqState:
+    def __init__(self, obj: GenerateReqInput, prompt_len: int):
+        self.obj = obj
+        self.prompt_len = prompt_len
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.finish: Optional[dict] = None
+        self.cached_tokens = 0
+        self.out_lp: list = []
+        self.out_top: list = []
+        self.in_lp: Optional[list] = None
+        self.in_top: Optional[list] = None
+        self.event = asyncio.Event()
+        self.created = time.perf_counter()
+        self.last_token_time: Optional[float] = None
+
+
+class TokenizerManager:
+    def __init__(self, args, tokenizer, info: dict[str, Any], ipc: dict[str, str]):
+        self.server_args = args
+        self.tokenizer = tokenizer
+        self.info = info
+        self.context_len = info["context_len"]
+        self.model_path = info["model_path"]
+        self.model_name = args.served_model_name or os.path.basename(self.model_path.rstrip("/"))
+        self.builder = RequestBuilder(tokenizer, info["vocab_size"], self.context_len,
+                                      info["max_total_tokens"], tuple(info["eos_token_ids"]))
+        self.chat_template = _load_chat_template(args.chat_template, tokenizer)
+        ctx = zmq.asyncio.Context(1)
+        self.to_scheduler = ctx.socket(zmq.PUSH)
+        self.to_scheduler.connect(ipc["scheduler_in"])
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(ipc["tokenizer_in"])
+        self.states: dict[str, ReqState] = {}
+        self.control_waiters: dict[int, asyncio.Future] = {}
+        self.control_ids = itertools.count()
+        self.metrics = ServerMetrics() if args.enable_metrics else None
+        self._loop_task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+
+    # --- inbound from the detokenizer / scheduler ------------------------------------------------
+    async def _handle_loop(self) -> None:
+        while True:
+            msg = pickle.loads(await self.recv.recv())
+            if isinstance(msg, BatchTextOut):
+                now = time.perf_counter()
+                for tu in msg.updates:
+                    state = self.states.get(tu.rid)
+                    if state is not None:
+                        self._apply(state, tu, now)
+            elif isinstance(msg, ControlReply):
+                fut = self.control_waiters.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def _apply(self, state: ReqState, tu, now: float) -> None:
+        up = tu.update
+        state.text += tu.text_delta
+        state.output_ids.extend(up.new_ids)
+        state.cached_tokens = up.cached_tokens
+        if up.output_token_logprobs:
+            state.out_lp.extend(up.output_token_logprobs)
+        if up.output_top_logprobs:
+            state.out_top.extend(up.output_top_logprobs)
+        if up.input_token_logprobs is not None:
+            state.in_lp, state.in_top = up.input_token_logprobs, up.input_top_logprobs
+        if self.metrics is not None and up.new_ids:
+            self.metrics.on_tokens(state, len(up.new_ids), now)
+        state.last_token_time = now if up.new_ids else state.last_token_time
+        if up.finish is not None:
+            state.finish = up.finish
+            if self.metrics is not None:
+                self.metrics.on_finish(state, now)
+        state.event.set()
+
+    # --- requests ---------------------------------------------------------------------------------
+    def tokenize_request(self, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
+        """Validate and tokenize (ValueError naming the field). `n` > 1 expands to n requests."""
+        reqs, _ = self.builder.build(obj.text, obj.input_ids, obj.sampling_params,
+                                     obj.return_logprob, obj.logprob_start_len,
+                                     obj.top_logprobs_num, obj.rid or uuid.uuid4().hex, {})
+        return [TokenizedGenerateReq(r.rid, r.origin_input_ids, r.sampling_params, r.return_logprob,
+                                     r.logprob_start_len, r.top_logprobs_num, obj.stream)
+                for r in reqs]
+
+    def _check_capacity(self, n: int) -> None:
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.states) + n > self.server_args.max_running_requests + limit:
+            raise QueueFullError(f"the server has {len(self.states)} requests in flight; "
+                                 f"the limit is max_running_requests + max_queued_requests")
+
+    async def generate(self, obj: GenerateReqInput, request=None) -> AsyncIterator[dict]:
+        """Yield SGLang-shaped dicts (cumulative text and ids); non-stream: one final dict."""
+        tokenized = self.tokenize_request(obj)
+        if len(tokenized) != 1:
+            raise ValueError("sampling_params.n: use the batch form for n > 1 on /generate")
+        treq = tokenized[0]
+        if obj.rid is not None and obj.rid in self.states:
+            raise ValueError(f"rid: {obj.rid!r} is already in flight")
+        self._check_capacity(1)
+        state = ReqState(obj, len(treq.input_ids))
+        self.states[treq.rid] = state
+        if self.metrics is not None:
+            self.metrics.on_request(len(treq.input_ids))
+        await self.to_scheduler.send(pickle.dumps(treq))
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S if request else None)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        logger.info("client of %s disconnected; aborting", treq.rid)
+                        return
+                    continue
+                state.event.clear()
+                if obj.stream or state.finish is not None:
+                    yield self.result(treq.rid, state)
+                if state.finish is not None:
+                    return
+        finally:
+            if state.finish is None:  # disconnect or cancellation: free the request's KV
+                await self.abort_request(treq.rid)
+            self.states.pop(treq.rid, None)
+
+    def result(self, rid: str, state: ReqState) -> dict:
+        obj = state.obj
+        meta: dict[str, Any] = {
+            "id": rid, "prompt_tokens": state.prompt_len,
+            "completion_tokens": len(state.output_ids), "cached_tokens": state.cached_tokens,
+            "finish_reason": state.finish, "e2e_latency": time.perf_counter() - state.created,
+        }
+        if obj.return_logprob:
+            text = self._token_text if obj.return_text_in_logprobs else (lambda t: None)
+            triple = lambda pair: (pair[0], pair[1], text(pair[1]))  # logprob None: first token
+            tops = lambda lst: [None if e is None else [(v, t, text(t)) for v, t in e] for e in lst]
+            meta["input_token_logprobs"] = [triple(p) for p in (state.in_lp or [])]
+            meta["output_token_logprobs"] = [triple(p) for p in state.out_lp]
+            if obj.top_logprobs_num:
+                meta["input_top_logprobs"] = tops(state.in_top or [])
+                meta["output_top_logprobs"] = tops(state.out_top)
+        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def fail_all(self, message: str) -> None:
+        """The runtime is gone: finish every waiting handler with an abort instead of hanging."""
+        for state in self.states.values():
+            if state.finish is None:
+                state.finish = {"type": "abort", "message": message}
+                state.event.set()
+
+    async def abort_request(self, rid: str) -> None:
+        await self.to_scheduler.send(pickle.dumps(AbortReq(rid)))
+
+    def apply_chat_template(self, messages: list[dict], tools: Optional[list] = None) -> str:
+        if self.tokenizer is None:
+            raise ValueError("messages: this server runs without a tokenizer")
+        kw = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template,
+                                                  tokenize=False, add_generation_prompt=True, **kw)
+
+    # --- control ----------------------------------------------------------------------------------
+    async def control(self, kind: str, payload=None, timeout: float = 30.0):
+        req_id = next(self.control_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.control_waiters[req_id] = fut
+        await self.to_scheduler.send(pickle.dumps(ControlReq(kind, req_id, payload)))
+        try:
+            reply: ControlReply = await asyncio.wait_for(fut, timeout)
+        finally:
+            self.control_waiters.pop(req_id, None)
+        if reply.error:
+            raise RuntimeError(reply.error)
+        return reply.result
+
+
+def _load_chat_template(spec: Optional[str], tokenizer) -> Optional[str]:
+    """--chat-template: a Jinja file or inline template; default: the model's own, else ChatML."""
+    if spec:
+        if os.path.exists(spec):
+            with open(spec) as f:
+                return f.read()
+        if "{%" in spec or "{{" in spec:
+            return spec
+        raise ValueError(f"--chat-template {spec!r} is neither a file nor a Jinja template")
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return None  # the tokenizer's own
+    logger.warning("the model has no chat template; using ChatML")
+    return CHATML_FALLBACK
