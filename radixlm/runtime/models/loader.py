@@ -115,7 +115,9 @@ def _gguf_path(path: str) -> str:
 def load_hf_config(model_path: Optional[str], load_format: str = "auto") -> dict[str, Any]:
     """The model's HF config as a dict (`config.json` keys), for `ModelConfig.from_hf`."""
     path = _expand(model_path)
-    fmt = resolve_load_format(path, load_format)
+    # a folder holding only tokenizer files (--tokenizer-path) has no weights to resolve
+    only_tokenizer = os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+    fmt = "folder" if only_tokenizer else resolve_load_format(path, load_format)
     if fmt == "gguf" or (fmt == "dummy" and os.path.isfile(path)):
         return gguf_loader.gguf_to_hf_config(_gguf_path(path))
     with open(os.path.join(path, "config.json")) as f:
@@ -149,7 +151,9 @@ def load_tokenizer(model_path: Optional[str], load_format: str = "auto"):
     from transformers import AutoTokenizer
 
     path = _expand(model_path)
-    fmt = resolve_load_format(path, load_format)
+    # a folder holding only tokenizer files (--tokenizer-path) has no weights to resolve
+    only_tokenizer = os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+    fmt = "folder" if only_tokenizer else resolve_load_format(path, load_format)
     if fmt == "gguf" or (fmt == "dummy" and os.path.isfile(path)):
         file = _gguf_path(path)
         tok = AutoTokenizer.from_pretrained(os.path.dirname(file), gguf_file=os.path.basename(file))
