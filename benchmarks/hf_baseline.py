@@ -30,11 +30,13 @@ def default_device() -> str:
 
 
 def resolve_dtype(dtype, device: Optional[str] = None) -> torch.dtype:
-    """torch dtype from a flag value; "auto" is bf16 on GPU and fp32 on CPU."""
+    """torch dtype from a flag value; "auto" is what radixlm's engine picks, so both run alike."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if (device or default_device()).startswith("cuda") else torch.float32
+        from radixlm.runtime.executor.model_runner import resolve_dtype as engine_dtype
+
+        return engine_dtype("auto")
     try:
         return DTYPES[dtype]
     except KeyError:

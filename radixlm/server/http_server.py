@@ -119,7 +119,7 @@ def build_app(tm, args, health) -> FastAPI:
     async def model_info():
         return {"model_path": tm.model_path, "tokenizer_path": args.tokenizer_path or tm.model_path,
                 "is_generation": True, "served_model_name": tm.model_name,
-                "context_length": tm.context_len}
+                "context_length": tm.context_len, "eos_token_ids": tm.info["eos_token_ids"]}
 
     @app.get("/get_server_info")
     async def server_info():
@@ -127,6 +127,7 @@ def build_app(tm, args, health) -> FastAPI:
         info.pop("api_key", None)  # secrets never leave the server
         info["internal_states"] = [await tm.control("get_stats")]
         info["max_total_num_tokens"] = tm.info["max_total_tokens"]
+        info["device"], info["dtype"] = tm.info["device"], tm.info["dtype"]  # resolved, not "auto"
         info["version"] = __import__("radixlm").__version__
         return info
 
@@ -139,7 +140,10 @@ def build_app(tm, args, health) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await _json_body(request)
+        try:
+            body = await _json_body(request)
+        except ValueError as e:
+            return error(400, str(e))
         if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
             return error(400, "rid (string) is required")
         await tm.abort_request(body["rid"])
@@ -151,6 +155,15 @@ def build_app(tm, args, health) -> FastAPI:
             return error(404, "metrics are off; start the server with --enable-metrics")
         stats = await tm.control("get_stats")
         return Response(tm.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/debug/kv_integrity")
+    async def kv_integrity():
+        """KV accounting check (free + cached + in use == capacity), used by the tests."""
+        try:
+            await tm.control("check_integrity")
+        except RuntimeError as e:
+            return error(500, f"KV integrity check failed: {e}")
+        return {"ok": True, **await tm.control("get_stats")}
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
