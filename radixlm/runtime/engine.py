@@ -71,8 +71,8 @@ class Engine:
         sched = self.scheduler
         while not self._stopped:
             try:
-                self._drain_inbox(block=sched.is_idle())
-                if sched.is_idle():
+                self._drain_inbox(block=not sched.has_runnable_work())
+                if not sched.has_runnable_work():
                     continue
                 for req in sched.step():
                     sink = self._sinks.get(req.rid)
@@ -90,7 +90,8 @@ class Engine:
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            # short timeout: a request waiting for its grammar must be re-checked soon
+            item = self._inbox.get(timeout=0.005) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional
 
+from radixlm.runtime.constrained.grammar import constraint_of, validate_constraint
 from radixlm.runtime.request import FinishReason, Req
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -85,6 +86,12 @@ class RequestBuilder:
             self.check_input_ids(ids, field)
             sp = p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
             sp.verify(self.vocab_size)
+            if constraint_of(sp) is not None:
+                if self.tokenizer is None:
+                    raise ValueError("sampling_params: constrained decoding needs a tokenizer")
+                validate_constraint(sp)
+            if sp.stop_strs and self.tokenizer is None:
+                raise ValueError("sampling_params.stop: stop strings need a tokenizer")
             if len(ids) + sp.max_new_tokens > self.context_len:
                 raise ValueError(f"sampling_params.max_new_tokens: the prompt ({len(ids)} tokens) "
                                  f"plus max_new_tokens ({sp.max_new_tokens}) exceeds the context "

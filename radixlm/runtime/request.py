@@ -85,6 +85,8 @@ class Req:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.stop_str_checker: Any = None  # set by the scheduler when stop strings exist
         self.generator: Optional[torch.Generator] = None  # per-request RNG when a seed is given
+        self.grammar: Any = None  # xgrammar GrammarMatcher once the grammar is compiled
+        self.grammar_future: Any = None  # compilation in flight (the request waits for it)
         self.retractions = 0
         self.created_at = 0.0
 

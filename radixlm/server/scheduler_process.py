@@ -62,7 +62,10 @@ class SchedulerServer:
         poller = zmq.Poller()
         poller.register(self.recv, zmq.POLLIN)
         while True:
-            timeout = None if sched.is_idle() else 0
+            if sched.is_idle():
+                timeout = None
+            else:  # 0: keep stepping; 5 ms: only grammars are compiling
+                timeout = 0 if sched.has_runnable_work() else 5
             if poller.poll(timeout):
                 while True:
                     try:
@@ -71,7 +74,7 @@ class SchedulerServer:
                         break
                     if self.handle(msg) == "shutdown":
                         return
-            if not sched.is_idle():
+            if sched.has_runnable_work():
                 touched = sched.step()
                 if touched:
                     self.send_updates(touched)

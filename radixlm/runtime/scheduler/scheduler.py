@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from radixlm.runtime.constrained.grammar import (GrammarCompilerPool, MaskBuffer,
+                                                 apply_grammar_masks, constraint_of)
 from radixlm.runtime.mem_cache.radix_cache import RadixCache
 from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.sampling.logprobs import token_logprobs
@@ -47,11 +49,19 @@ class Scheduler:
         self.running_info: Optional[SamplingBatchInfo] = None
         self.chunked: Optional[Req] = None
         self.new_token_ratio = decode.INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
+        self.grammars: Optional[GrammarCompilerPool] = None  # created on the first constraint
+        self.masks = MaskBuffer(self.vocab_size)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                       "retractions": 0, "forward_steps": 0}
 
     # --- requests in and out --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
+        c = constraint_of(req.sampling_params)
+        if c is not None and req.grammar is None:
+            if self.grammars is None:
+                self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size,
+                                                    tuple(req.stop_token_ids))
+            req.grammar_future = self.grammars.submit(*c)
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> Optional[Req]:
@@ -73,16 +83,39 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked)
 
+    def has_runnable_work(self) -> bool:
+        """False when idle or when every waiting request still waits for its grammar."""
+        if self.running or self.chunked:
+            return True
+        return any(r.grammar_future is None or r.grammar_future.done() for r in self.waiting)
+
+    def _grammar_ready(self, req: Req) -> bool:
+        fut = req.grammar_future
+        if fut is None:
+            return True
+        if not fut.done():
+            return False
+        if fut.exception() is not None:  # validated before queueing, so this is a bug or OOM
+            req.finish = Finish(FinishReason.ABORT, message=f"grammar compilation failed: "
+                                                            f"{fut.exception()}")
+            return False
+        if req.grammar is None:
+            req.grammar = self.grammars.matcher(fut.result())
+        return True
+
     # --- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Run one batch. Returns the requests that produced tokens or finished in this step."""
         admitted = self._admit()
+        failed = [r for r in self.waiting if r.finished]  # e.g. a grammar that failed to compile
+        if failed:
+            self.waiting = [r for r in self.waiting if not r.finished]
         if admitted:
-            return self._run_extend(admitted)
+            return self._run_extend(admitted) + failed
         if self.running:
-            return self._run_decode()
-        return []
+            return self._run_decode() + failed
+        return failed
 
     def _admit(self) -> list[Req]:
         if not self.waiting and self.chunked is None:
@@ -97,7 +130,8 @@ class Scheduler:
             self.chunked = None
         slots_left = min(self.args.max_running_requests - len(self.running),
                          self.req_pool.available_size()) - len(adder.admitted)
-        for req in order_waiting(self.waiting, self.args.schedule_policy, self.tree_cache):
+        ready = [r for r in self.waiting if self._grammar_ready(r)]
+        for req in order_waiting(ready, self.args.schedule_policy, self.tree_cache):
             if slots_left <= 0:
                 break
             result = adder.add(req)
@@ -169,6 +203,7 @@ class Scheduler:
 
     # --- helpers --------------------------------------------------------------------------------
     def _sample(self, logits, info, reqs):
+        apply_grammar_masks(logits, reqs, self.masks)
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         return self.sampler(logits, info, reqs, want_lp, top_k)
@@ -187,7 +222,13 @@ class Scheduler:
                 continue
             req.output_ids.append(tok)
             self.stats["generated_tokens"] += 1
-            finish = check_finish(req, tok, self.context_len, self.tokenizer)
+            finish = None
+            if req.grammar is not None:
+                if not req.grammar.accept_token(tok):
+                    finish = Finish(FinishReason.ABORT, message=f"grammar rejected token {tok}")
+                elif req.grammar.is_terminated():
+                    finish = Finish(FinishReason.STOP, matched=tok if tok in req.stop_token_ids else None)
+            finish = finish or check_finish(req, tok, self.context_len, self.tokenizer)
             if finish is not None:
                 self._finish(req, finish)
             else:

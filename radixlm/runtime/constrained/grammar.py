@@ -1,0 +1,126 @@
+"""Grammar-constrained decoding through xgrammar: validation, asynchronous compilation, masks.
+
+- `validate_constraint` parses a request's regex / JSON schema / EBNF in the caller's thread
+  (cheap, tokenizer-independent), so a bad one is a 400 before anything is queued.
+- `GrammarCompilerPool` compiles against the tokenizer on a worker thread, off the scheduler loop,
+  deduplicating by (kind, spec); xgrammar's own cache makes a repeated spec nearly free.
+- `apply_grammar_masks` fills one bitmask row per constrained request and applies all of them to
+  the batch's logits in one call.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def constraint_of(sp: SamplingParams) -> Optional[tuple[str, str]]:
+    """(kind, spec) of a request's constraint, or None. JSON schemas are normalized to a string."""
+    if sp.regex is not None:
+        return "regex", sp.regex
+    if sp.json_schema is not None:
+        schema = sp.json_schema
+        if not isinstance(schema, str):
+            schema = json.dumps(schema)
+        return "json", schema
+    if sp.ebnf is not None:
+        return "ebnf", sp.ebnf
+    return None
+
+
+def validate_constraint(sp: SamplingParams) -> None:
+    """Raise ValueError naming the field if the request's regex/json_schema/ebnf is invalid."""
+    c = constraint_of(sp)
+    if c is None:
+        return
+    kind, spec = c
+    field = {"regex": "regex", "json": "json_schema", "ebnf": "ebnf"}[kind]
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"sampling_params.{field}: must be a non-empty string")
+    xgr = _xgr()
+    try:
+        if kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        elif kind == "json":
+            json.loads(spec)
+            xgr.Grammar.from_json_schema(spec)
+        else:
+            xgr.Grammar.from_ebnf(spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        # xgrammar prefixes messages with "[time] file.cc:line:"; keep the human part
+        raise ValueError(f"sampling_params.{field}: invalid {kind}: {msg.split(': ', 1)[-1]}") from None
+
+
+class GrammarCompilerPool:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...] = (),
+                 workers: int = 1):
+        xgr = _xgr()
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+        self.vocab_size = vocab_size
+        self._futures: dict[tuple[str, str], Future] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, kind: str, spec: str) -> Future:
+        key = (kind, spec)
+        with self._lock:
+            fut = self._futures.get(key)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._futures[key] = self.pool.submit(self._compile, kind, spec)
+            return fut
+
+    def _compile(self, kind: str, spec: str):
+        if kind == "regex":
+            return self.compiler.compile_regex(spec)
+        if kind == "json":
+            # strict separators: longer forced strings for jump-forward, still valid JSON
+            return self.compiler.compile_json_schema(spec, any_whitespace=False)
+        return self.compiler.compile_grammar(spec)
+
+    @staticmethod
+    def matcher(compiled):
+        return _xgr().GrammarMatcher(compiled, max_rollback_tokens=64)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class MaskBuffer:
+    """A reusable (B, ceil(V/32)) int32 bitmask, grown as batches grow."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.buf: Optional[torch.Tensor] = None
+
+    def get(self, rows: int) -> torch.Tensor:
+        if self.buf is None or self.buf.shape[0] < rows:
+            self.buf = _xgr().allocate_token_bitmask(max(rows, 16), self.vocab_size)
+        return self.buf[:rows]
+
+
+def apply_grammar_masks(logits: torch.Tensor, reqs: list, masks: MaskBuffer) -> None:
+    """logits (B, V): rows of requests with a grammar keep only the tokens it allows."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return
+    bitmask = masks.get(len(reqs))
+    for i in rows:
+        reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+    xgr = _xgr()
+    device_mask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
+    xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=masks.vocab_size, indices=rows)
