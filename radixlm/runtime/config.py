@@ -88,6 +88,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
+    disable_jump_forward: bool = False  # constrained decoding: decode forced text token by token
     attention_backend: str = "torch_native"
     chat_template: Optional[str] = None
     served_model_name: Optional[str] = None

@@ -88,6 +88,9 @@ class Req:
         self.grammar: Any = None  # xgrammar GrammarMatcher once the grammar is compiled
         self.grammar_future: Any = None  # compilation in flight (the request waits for it)
         self.retractions = 0
+        self.jumps = 0  # jump-forward splices
+        # lowest output index rewritten by a jump-forward since the last streamed update
+        self.output_rollback: Optional[int] = None
         self.created_at = 0.0
 
     # --- derived views -------------------------------------------------------------------------
@@ -110,7 +113,7 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)
 
-    def reset_for_retract(self) -> None:
+    def reset_for_retract(self, count: bool = True) -> None:
         """Forget all KV state; the request is recomputed (mostly from cache) when re-admitted."""
         self.req_pool_idx = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
@@ -118,7 +121,8 @@ class Req:
         self.kv_len = 0
         self.extend_len = 0
         self.is_chunked = False
-        self.retractions += 1
+        self.stop_str_checker = None  # rebuilt from output_ids on the next token
+        self.retractions += int(count)
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"

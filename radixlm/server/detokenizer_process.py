@@ -29,15 +29,25 @@ class _DecodeState:
                                             up.spaces_between_special_tokens)
         self.stops = StopStringChecker(list(up.stop_strs), no_stop_trim=up.no_stop_trim)
         self.stopped = False  # a stop string matched: nothing more is emitted
+        self.detok_chars = 0  # characters the detokenizer has released so far
+        self.settings = (up.skip_special_tokens, up.spaces_between_special_tokens)
 
-    def feed(self, up: ReqUpdate) -> str:
+    def feed(self, tokenizer, up: ReqUpdate) -> str:
         ids = up.new_ids
         fin = up.finish
         if fin and fin.get("type") == "stop" and isinstance(fin.get("matched"), int) and ids:
             ids = ids[:-1]  # the matched stop token is not text
-        text = self.detok.push(ids) if ids else ""
+        if up.rollback_to is not None:
+            # jump-forward re-tokenized the tail: same text, other ids. Rebuild from the ids and
+            # release only what lies past the text already released.
+            all_ids = self.detok.ids[: up.rollback_to] + list(ids)
+            self.detok = IncrementalDetokenizer(tokenizer, *self.settings)
+            text = self.detok.push(all_ids)[self.detok_chars:]
+        else:
+            text = self.detok.push(ids) if ids else ""
         if fin is not None:
             text += self.detok.flush()
+        self.detok_chars += len(text)
         if self.stopped:
             return ""
         out, matched = self.stops.feed(text)
@@ -63,7 +73,7 @@ class Detokenizer:
             state = self.states.get(up.rid)
             if state is None:
                 state = self.states[up.rid] = _DecodeState(self.tokenizer, up)
-            out.append(TextUpdate(up.rid, state.feed(up), up))
+            out.append(TextUpdate(up.rid, state.feed(self.tokenizer, up), up))
             if up.finish is not None:
                 del self.states[up.rid]
         return BatchTextOut(out)

@@ -82,6 +82,9 @@ class ReqUpdate:
     output_top_logprobs: Optional[list] = None  # [[(logprob, token_id), ...]]
     input_token_logprobs: Optional[list] = None  # full list, sent once with the first update
     input_top_logprobs: Optional[list] = None
+    # jump-forward re-tokenized earlier output: ids (and logprobs) from this index on are replaced
+    # by new_ids (the text they decode to is unchanged, so streamed text stays valid)
+    rollback_to: Optional[int] = None
 
 
 @dataclass

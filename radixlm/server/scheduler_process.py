@@ -119,13 +119,18 @@ class SchedulerServer:
         updates = []
         for req in reqs:
             start = self.sent.get(req.rid, 0)
+            rollback = None
+            if req.output_rollback is not None:
+                if req.output_rollback < start:
+                    rollback = start = req.output_rollback
+                req.output_rollback = None
             n = len(req.output_ids)
             sp = req.sampling_params
             up = ReqUpdate(req.rid, req.output_ids[start:n], n,
                            req.finish.to_dict() if req.finish else None,
                            len(req.origin_input_ids), req.cached_tokens,
                            sp.skip_special_tokens, sp.spaces_between_special_tokens,
-                           tuple(sp.stop_strs), sp.no_stop_trim)
+                           tuple(sp.stop_strs), sp.no_stop_trim, rollback_to=rollback)
             if req.return_logprob:
                 up.output_token_logprobs = list(zip(req.output_token_logprobs[start:n],
                                                     req.output_ids[start:n]))

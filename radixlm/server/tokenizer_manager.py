@@ -94,6 +94,10 @@ class TokenizerManager:
     def _apply(self, state: ReqState, tu, now: float) -> None:
         up = tu.update
         state.text += tu.text_delta
+        if up.rollback_to is not None:  # jump-forward replaced ids from here on
+            del state.output_ids[up.rollback_to:]
+            del state.out_lp[up.rollback_to:]
+            del state.out_top[up.rollback_to:]
         state.output_ids.extend(up.new_ids)
         state.cached_tokens = up.cached_tokens
         if up.output_token_logprobs:

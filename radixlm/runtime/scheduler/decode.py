@@ -48,7 +48,6 @@ def ensure_decode_memory(sched) -> list:
         sched.running_info.filter([i for i in range(len(sched.running) + 1) if i != victim_idx])
         tree.cache_finished_req(victim, victim.fill_ids[: victim.kv_len])
         victim.reset_for_retract()
-        victim.stop_str_checker = None  # rebuilt from output_ids on the next token
         sched.waiting.insert(0, victim)
         retracted.append(victim)
     if retracted:

@@ -18,6 +18,7 @@ import torch
 
 from radixlm.runtime.constrained.grammar import (GrammarCompilerPool, MaskBuffer,
                                                  apply_grammar_masks, constraint_of)
+from radixlm.runtime.constrained.jump_forward import try_jump_forward
 from radixlm.runtime.mem_cache.radix_cache import RadixCache
 from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.sampling.logprobs import token_logprobs
@@ -52,7 +53,8 @@ class Scheduler:
         self.grammars: Optional[GrammarCompilerPool] = None  # created on the first constraint
         self.masks = MaskBuffer(self.vocab_size)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                      "retractions": 0, "forward_steps": 0}
+                      "retractions": 0, "forward_steps": 0,
+                      "jump_forward_tokens": 0}
 
     # --- requests in and out --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -231,9 +233,44 @@ class Scheduler:
             finish = finish or check_finish(req, tok, self.context_len, self.tokenizer)
             if finish is not None:
                 self._finish(req, finish)
-            else:
+            elif not (req.grammar is not None and self._jump_forward(req)):
                 keep.append(i)
         return keep
+
+    def _jump_forward(self, req: Req) -> bool:
+        """Splice a grammar-forced string into the output. The request then leaves the running
+        batch and is re-admitted: one extend step recomputes from the first changed token."""
+        if self.args.disable_jump_forward:
+            return False
+        jump = try_jump_forward(req, self.tokenizer)
+        if jump is None:
+            return False
+        self.stats["jump_forward_tokens"] += jump.num_new_tokens
+        req.jumps += 1
+        prev = req.output_rollback
+        req.output_rollback = jump.first_changed if prev is None else min(prev, jump.first_changed)
+        old_kv = self._pre_jump_kv_tokens(req, jump)
+        max_new = req.sampling_params.max_new_tokens
+        if len(req.output_ids) >= max_new:
+            del req.output_ids[max_new:]
+            del req.output_token_logprobs[max_new:]
+            del req.output_top_logprobs[max_new:]
+            req.finish = Finish(FinishReason.LENGTH, matched=max_new)
+            self.tree_cache.cache_finished_req(req, old_kv)
+            req.req_pool_idx, req.last_node = None, None
+            return True
+        # the tree takes all computed KV (the replaced tokens' too: a harmless evictable branch);
+        # re-admission matches the new tokens against it and computes only what changed
+        self.tree_cache.cache_finished_req(req, old_kv)
+        req.reset_for_retract(count=False)
+        self.waiting.insert(0, req)
+        return True
+
+    @staticmethod
+    def _pre_jump_kv_tokens(req: Req, jump) -> list[int]:
+        """The tokens whose KV the request holds: its fill before the splice, minus the last."""
+        before = req.origin_input_ids + req.output_ids[: jump.first_changed] + jump.old_tail
+        return before[: req.kv_len]
 
     def _record_input_logprobs(self, logits, rows) -> None:
         for req, first_row, n, first_pos in rows.input_spans:
