@@ -1,10 +1,10 @@
 """Compiling: run a program from its traced graph instead of re-running its Python body.
 
-`compile_program(f, backend)` traces `f` once (placeholders for every unbound argument) and returns a
-`CompiledProgram`. Its `run(**kwargs)` executes the graph: each stream (the program's state and every
-fork branch) runs its nodes in order on its own thread, with the arguments substituted; a node that
-reads another stream's variable (or a join) waits for the node that produces it, so the streams run
-in a topological order of the graph and independent branches run concurrently. Fork nodes commit
+`compile_program(f, backend)` traces `f` once (placeholders for every unbound argument) and returns
+a `CompiledProgram`. Its `run(**kwargs)` executes the graph: each stream (the program's state and
+every fork branch) runs its nodes in order on its own thread, with the arguments substituted; a
+node that reads another stream's variable (or a join) waits for the node that produces it, so the
+streams run in a topological order of the graph and independent branches run concurrently. Fork nodes commit
 the shared prefix to the backend once before the branches start; `run_batch` caches the program's
 constant prefix once before the batch. Each stream executes on the interpreter's own StreamExecutor
 code, so a compiled run produces the same text, variables and messages as `f.run(...)`.
@@ -25,8 +25,8 @@ from typing import Any, Optional, Union
 from radixlm.lang import ir
 from radixlm.lang.interpreter import StreamExecutor
 from radixlm.lang.state import ProgramState
-from radixlm.lang.tracer import (TracedArgument, TracedProgram, TracedVariable, TracingError,
-                                 _Placeholder, trace_program)
+from radixlm.lang.tracer import (TracedArgument, TracedProgram, TracingError, _Placeholder,
+                                 trace_program)
 
 
 class CompileError(RuntimeError):
@@ -58,7 +58,7 @@ class CompiledProgram:
         self._signature = inspect.signature(func)
         self.__name__ = graph.name
 
-    # --- running ------------------------------------------------------------------------------------
+    # --- running ---------------------------------------------------------------------------------
     def _backend(self, backend):
         from radixlm.lang.api import _backend, as_backend
         if backend is not None:
@@ -68,7 +68,8 @@ class CompiledProgram:
     def _arguments(self, args: tuple, kwargs: dict) -> dict:
         fixed = set(self.graph.concrete) & set(kwargs)
         if fixed:
-            raise ValueError(f"{self.graph.name}: argument(s) {', '.join(sorted(fixed))} were fixed "
+            names = ", ".join(sorted(fixed))
+            raise ValueError(f"{self.graph.name}: argument(s) {names} were fixed "
                              "when the program was compiled (bound or traced concretely); "
                              "compile again to change them")
         try:
@@ -86,6 +87,9 @@ class CompiledProgram:
     def run(self, *args, backend=None, **kwargs) -> ProgramState:
         """Run once; returns a finished ProgramState (text(), [var], messages()) like f.run()."""
         from radixlm.lang.api import SglFunction
+        if "stream" in kwargs and "stream" not in self._signature.parameters:
+            raise NotImplementedError(f"{self.graph.name}: a compiled program does not stream; "
+                                      "use f.run(stream=True) on the interpreter")
         defaults, kwargs = SglFunction._split_run_kwargs(dict(kwargs))
         arguments = self._arguments(args, kwargs)
         return _GraphRun(self.graph, self._backend(backend), arguments, defaults).run()
@@ -142,7 +146,8 @@ class _GraphRun:
         self.waits: dict[int, list[int]] = {}
         for e in graph.edges:
             src = graph.nodes[e.src]
-            if src.stream is not None and src.stream != graph.nodes[e.dst].stream and e.kind != "fork":
+            other_stream = src.stream is not None and src.stream != graph.nodes[e.dst].stream
+            if other_stream and e.kind != "fork":
                 self.waits.setdefault(e.dst, []).append(e.src)
         self.main = StreamExecutor(backend, arguments, defaults, None, stream=False,
                                    use_thread=False)
@@ -193,7 +198,7 @@ class _GraphRun:
         if self.error is not None:
             raise _Aborted()
 
-    # --- values ------------------------------------------------------------------------------------
+    # --- values ----------------------------------------------------------------------------------
     def _value(self, p: _Placeholder):
         if isinstance(p, TracedArgument):
             v = self.arguments[p.name]

@@ -22,7 +22,8 @@ The graph (`TracedProgram`):
   `join` (each branch's last node -> the join). Every edge goes from a lower id to a higher one, so
   id order is a topological order.
 
-`extract_prefix_by_tracing` gives the constant text every run begins with (run_batch caches it once).
+`extract_prefix_by_tracing` gives the constant text every run begins with (run_batch caches it
+once).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _consume(op: str):
 
 
 class _Placeholder(ir.Expr):
-    """A value tracing does not have. Appending it is fine; converting it to a concrete value is not.
+    """A value tracing does not have. Appending it is fine; converting it to a concrete value is
+    not.
 
     `path` records item/attribute access and calls made on it (`item["q"]`, `q.strip()`), replayed
     on the real value at run time.
@@ -158,7 +160,7 @@ class TracedArgument(_Placeholder):
 
 
 class TracedVariable(_Placeholder):
-    """The placeholder `s["x"]` returns while tracing: the value node `producer` gives x at run time."""
+    """What `s["x"]` returns while tracing: the value node `producer` gives x at run time."""
 
     def __init__(self, tracer, name, producer: int, reader_stream: int, path: tuple = ()):
         super().__init__(tracer, name, path)
@@ -239,7 +241,8 @@ class Node:
             return f"x{self.attrs['size']} -> streams {', '.join(map(str, self.attrs['branches']))}"
         if k == "join":
             extra = f" vars={self.attrs['variables']}" if self.attrs.get("variables") else ""
-            return f"{self.attrs['mode']} streams {', '.join(map(str, self.attrs['branches']))}{extra}"
+            branches = ", ".join(map(str, self.attrs["branches"]))
+            return f"{self.attrs['mode']} streams {branches}{extra}"
         if k == "set_var":
             return f"{self.name} = {self.attrs['value']!r}"
         if k == "image":
@@ -324,8 +327,8 @@ class TracedProgram:
         for n in self.stream_nodes(0):
             if n.kind in ("text", "role_begin", "role_end", "var_scope_begin", "var_scope_end"):
                 ex.submit(n.expr)
-            elif n.kind in ("fork", "commit", "set_var") or (n.kind == "join"
-                                                              and n.attrs["mode"] == "gather_variable"):
+            elif n.kind in ("fork", "commit", "set_var") or (
+                    n.kind == "join" and n.attrs["mode"] == "gather_variable"):
                 continue  # no text of stream 0 changes
             else:
                 break
@@ -455,7 +458,7 @@ class _TracingExecutor:
     def end(self) -> None:
         pass
 
-    # --- recording ---------------------------------------------------------------------------------
+    # --- recording -------------------------------------------------------------------------------
     def submit(self, expr: ir.Expr) -> None:
         for e in ir.flatten(expr):
             self._record(e)

@@ -94,7 +94,7 @@ class GrammarCompilerPool:
 
     @staticmethod
     def matcher(compiled):
-        return _xgr().GrammarMatcher(compiled, max_rollback_tokens=64)
+        return _xgr().GrammarMatcher(compiled)  # rollback is unlimited in xgrammar >= 0.2
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
