@@ -89,8 +89,11 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_jump_forward: bool = False  # constrained decoding: decode forced text token by token
+    # by default a step that admits new requests also decodes the running ones in the same forward
+    disable_mixed_batch: bool = False
     attention_backend: str = "torch_native"
     chat_template: Optional[str] = None
+    tool_call_parser: Optional[str] = None  # hermes | llama3 | mistral; None: from the template
     served_model_name: Optional[str] = None
     skip_tokenizer_init: bool = False
     log_level: str = "warning"

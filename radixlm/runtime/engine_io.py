@@ -6,6 +6,7 @@ input with the same message (a ValueError naming the field) before anything is q
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any, Optional
 
@@ -152,6 +153,7 @@ def build_result(req: Req, tokenizer, upto: Optional[int] = None, partial: bool 
         "completion_tokens": upto,
         "cached_tokens": req.cached_tokens,
         "finish_reason": None if partial or req.finish is None else req.finish.to_dict(),
+        "e2e_latency": (req.finished_at or time.perf_counter()) - req.created_at,
     }
     if req.return_logprob:
         inp = req.origin_input_ids[req.logprob_start_len:] if req.logprob_start_len >= 0 else []

@@ -91,7 +91,8 @@ class Req:
         self.jumps = 0  # jump-forward splices
         # lowest output index rewritten by a jump-forward since the last streamed update
         self.output_rollback: Optional[int] = None
-        self.created_at = 0.0
+        self.created_at = 0.0  # perf_counter() when submitted
+        self.finished_at: Optional[float] = None
 
     # --- derived views -------------------------------------------------------------------------
     @property

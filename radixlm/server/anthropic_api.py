@@ -1,11 +1,17 @@
 """Anthropic Messages API (`POST /v1/messages`) over `TokenizerManager.generate`, so Anthropic
-clients can talk to a local model. Text only: image, document and tool blocks are refused (400).
+clients can talk to a local model. Text and tool blocks (`tool_use`, `tool_result`); image and
+document blocks are refused (400). Tools: see radixlm/server/tool_calls/.
 
 Behaviour worth knowing:
 - A final assistant message is a prefill: the prompt is the template rendered up to a new
   assistant turn, plus that text, and the reply continues it (as Anthropic documents).
 - `usage.input_tokens` counts the prompt tokens that were NOT read from the radix cache and
   `cache_read_input_tokens` those that were, as Anthropic splits them (their sum is the prompt).
+- With tools, the reply's content is a text block (when the model wrote text) followed by one
+  `tool_use` block per call, and `stop_reason` is "tool_use" when it made calls; streamed, each
+  block opens when it starts (a tool_use block carries its name at once; its input follows as
+  `input_json_delta` fragments). A call's `input` is its arguments JSON; arguments that do not
+  parse as an object (a reply cut off by max_tokens) give `{}` in a non-streamed reply.
 - Errors use Anthropic's shape `{"type": "error", "error": {"type", "message"}}`; inside a stream
   they are an `event: error` with that body.
 """
@@ -14,16 +20,18 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from radixlm.server import tool_calls as T
 from radixlm.server.errors import (APIError, anthropic_error_body, anthropic_error_response,
                                    anthropic_error_type, read_json_object, to_api_error)
 from radixlm.server.io_struct import GenerateReqInput
-from radixlm.server.openai_api import all_updates, close_all, finish_of, start_generations
+from radixlm.server.openai_api import (all_updates, close_all, finish_of, render_tool_messages,
+                                       start_generations)
 from radixlm.server.openai_protocol import check_model
 
 
@@ -48,11 +56,101 @@ def _join(content: Union[str, list[TextBlock], None]) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content)
 
 
-class InputMessage(BaseModel):
-    role: Literal["user", "assistant"]
-    content: Union[str, list[TextBlock]]
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(BaseModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[TextBlock], None] = None
+    is_error: Optional[bool] = None
 
     _blocks = field_validator("content", mode="before")(_text_blocks_only)
+
+
+MESSAGE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+
+
+class InputMessage(BaseModel):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock],
+                                       Field(discriminator="type")]]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_blocks(cls, v):
+        if isinstance(v, dict) and isinstance(v.get("content"), list):
+            allowed = MESSAGE_BLOCKS.get(v.get("role"), ("text",))
+            for block in v["content"]:
+                kind = block.get("type") if isinstance(block, dict) else None
+                if kind not in allowed:
+                    raise ValueError(f"content block of type {kind!r} is not supported in a "
+                                     f"{v.get('role')} message (only {' and '.join(allowed)})")
+        return v
+
+    def chat_messages(self) -> list[dict]:
+        """OpenAI-shaped messages: tool results become `tool` messages (before the user's
+        text, as Anthropic orders them), tool uses the assistant's `tool_calls`."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        texts = [b.text for b in self.content if isinstance(b, TextBlock)]
+        out: list[dict] = []
+        if self.role == "user":
+            for b in self.content:
+                if isinstance(b, ToolResultBlock):
+                    text = b.content if isinstance(b.content, str) else _join(b.content)
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                "content": ("Error: " + text) if b.is_error else text})
+            if texts or not out:
+                out.append({"role": "user", "content": "\n".join(texts)})
+            return out
+        msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+        calls = [{"id": b.id, "type": "function",
+                  "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                 for b in self.content if isinstance(b, ToolUseBlock)]
+        if calls:
+            msg["tool_calls"] = calls
+        return [msg]
+
+
+class AnthropicTool(BaseModel):
+    name: str
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+    type: Optional[str] = None  # client tools only ("custom" or absent)
+
+    @field_validator("type")
+    @classmethod
+    def _client_tool(cls, v):
+        if v not in (None, "custom"):
+            raise ValueError(f"tools of type {v!r} (server tools) are not supported; only "
+                             "client tools with an input_schema")
+        return v
+
+
+class ToolChoice(BaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named(self):
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type 'tool' needs the tool's name")
+        return self
+
+
+def _tool_plan(tm, req) -> Optional[T.ToolPlan]:
+    tools = [T.Tool(t.name, t.description, t.input_schema) for t in (req.tools or [])]
+    tc = req.tool_choice
+    mode = None if tc is None else {"auto": "auto", "any": "required", "tool": "named",
+                                    "none": "none"}[tc.type]
+    parallel = not (tc is not None and tc.disable_parallel_tool_use)
+    return T.build_plan(tm, tools, mode, tc.name if tc is not None else None, parallel)
 
 
 class MessagesRequest(BaseModel):
@@ -67,6 +165,8 @@ class MessagesRequest(BaseModel):
     top_k: Optional[int] = Field(None, ge=1)
     stop_sequences: Optional[list[str]] = None
     stream: bool = False
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[ToolChoice] = None
 
     _system_blocks = field_validator("system", mode="before")(_text_blocks_only)
 
@@ -82,20 +182,31 @@ class CountTokensRequest(BaseModel):
     model: Optional[str] = None
     messages: list[InputMessage] = Field(min_length=1)
     system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[ToolChoice] = None
 
     _system_blocks = field_validator("system", mode="before")(_text_blocks_only)
 
 
-def _prompt_ids(tm, req: Union[MessagesRequest, CountTokensRequest]) -> list[int]:
+def _prompt_ids(tm, req: Union[MessagesRequest, CountTokensRequest],
+                plan: Optional[T.ToolPlan] = None) -> list[int]:
     from jinja2 import TemplateError
 
     msgs = [{"role": "system", "content": _join(req.system)}] if req.system else []
-    msgs += [{"role": m.role, "content": _join(m.content)} for m in req.messages]
-    prefill = msgs.pop()["content"] if msgs[-1]["role"] == "assistant" else ""
+    for m in req.messages:
+        msgs += m.chat_messages()
+    prefill = ""
+    if msgs[-1]["role"] == "assistant":
+        if msgs[-1].get("tool_calls"):
+            raise APIError(400, "messages: a final assistant message with tool_use blocks needs "
+                           "a user message with their tool_result blocks after it")
+        prefill = msgs.pop()["content"]
     if not msgs:
         raise APIError(400, "messages: a conversation cannot consist of one assistant message")
+    msgs, tools = render_tool_messages(tm, plan, msgs)
     try:
-        prompt = tm.apply_chat_template(msgs) + prefill
+        prompt = (tm.apply_chat_template(msgs, tools=tools) if tools
+                  else tm.apply_chat_template(msgs)) + prefill
     except TemplateError as e:
         raise APIError(400, f"messages: the chat template rejected them: {e}") from None
     # Special tokens come from the template itself; see openai_api._chat_prompt_ids.
@@ -115,6 +226,23 @@ def _stop(out: dict, stops: Optional[list[str]]) -> tuple[Optional[str], Optiona
     return "end_turn", None
 
 
+def _tool_content(plan: T.ToolPlan, text: str, reason: Optional[str]
+                  ) -> tuple[list[dict], Optional[str]]:
+    """Content blocks of a reply with tools, and its stop reason (tool_use when it made calls)."""
+    content, calls = plan.parse(text)
+    if not calls:
+        return [{"type": "text", "text": content}], reason
+    blocks: list[dict] = [{"type": "text", "text": content}] if content else []
+    for c in calls:
+        try:
+            args = json.loads(c.arguments)
+        except ValueError:
+            args = None
+        blocks.append({"type": "tool_use", "id": T.new_call_id("toolu_"), "name": c.name,
+                       "input": args if isinstance(args, dict) else {}})
+    return blocks, "tool_use" if reason == "end_turn" else reason
+
+
 def _usage(meta: dict, output_tokens: Optional[int] = None) -> dict[str, int]:
     cached = meta.get("cached_tokens", 0)
     return {"input_tokens": meta["prompt_tokens"] - cached,
@@ -132,11 +260,14 @@ def register_anthropic_routes(app: FastAPI, tm) -> None:
         try:
             req = MessagesRequest.model_validate(await read_json_object(request))
             check_model(tm, req.model)
+            plan = _tool_plan(tm, req)
             sp: dict[str, Any] = {"max_new_tokens": req.max_tokens, "temperature": req.temperature,
                                   "top_p": req.top_p, "top_k": req.top_k or -1}
             if req.stop_sequences:
                 sp["stop"] = req.stop_sequences
-            obj = GenerateReqInput(input_ids=_prompt_ids(tm, req), sampling_params=sp,
+            if plan is not None:
+                sp.update(plan.sampling_params())
+            obj = GenerateReqInput(input_ids=_prompt_ids(tm, req, plan), sampling_params=sp,
                                    stream=req.stream)
             gens, firsts = await start_generations(tm, [obj], request)
             msg_id = f"msg_{uuid.uuid4().hex}"
@@ -144,12 +275,18 @@ def register_anthropic_routes(app: FastAPI, tm) -> None:
                 await close_all(gens)
                 out = firsts[0]
                 reason, seq = _stop(out, req.stop_sequences)
+                content: list[dict] = [{"type": "text", "text": out["text"]}]
+                if plan is not None:
+                    content, reason = _tool_content(plan, out["text"], reason)
                 return JSONResponse({
                     "id": msg_id, "type": "message", "role": "assistant",
-                    "content": [{"type": "text", "text": out["text"]}], "model": tm.model_name,
+                    "content": content, "model": tm.model_name,
                     "stop_reason": reason, "stop_sequence": seq, "usage": _usage(out["meta_info"])})
         except Exception as e:
             return anthropic_error_response(e)
+        if plan is not None:
+            return StreamingResponse(_stream_tools(req, plan, msg_id, gens, firsts),
+                                     media_type="text/event-stream")
         return StreamingResponse(_stream(req, msg_id, gens, firsts),
                                  media_type="text/event-stream")
 
@@ -184,11 +321,69 @@ def register_anthropic_routes(app: FastAPI, tm) -> None:
         finally:
             await updates.aclose()
 
+    async def _stream_tools(req: MessagesRequest, plan: T.ToolPlan, msg_id: str, gens, firsts):
+        """Blocks open as they start: text, then one tool_use block per call (see the module
+        docstring); the same parser as the non-streamed reply, so both carry the same calls."""
+        yield _event("message_start", {"message": {
+            "id": msg_id, "type": "message", "role": "assistant", "content": [],
+            "model": tm.model_name, "stop_reason": None, "stop_sequence": None,
+            "usage": _usage(firsts[0]["meta_info"], output_tokens=0)}})
+        yield _event("ping", {})
+        parser = plan.stream()
+        sent, updates = 0, all_updates(gens, firsts)
+        block = {"index": -1, "kind": None}  # the open block
+
+        def open_block(kind: str, start: dict) -> list[str]:
+            events = [_event("content_block_stop", {"index": block["index"]})] if block["kind"] else []
+            block["index"] += 1
+            block["kind"] = kind
+            return events + [_event("content_block_start", {"index": block["index"], "content_block": start})]
+
+        try:
+            async for _, out in updates:
+                reason, seq = _stop(out, req.stop_sequences)
+                text, deltas = parser.feed(out["text"][sent:], final=reason is not None)
+                sent = len(out["text"])
+                if text:
+                    if block["kind"] != "text":
+                        for ev in open_block("text", {"type": "text", "text": ""}):
+                            yield ev
+                    yield _event("content_block_delta", {
+                        "index": block["index"], "delta": {"type": "text_delta", "text": text}})
+                for d in deltas:
+                    if d.name is not None:
+                        for ev in open_block("tool_use", {"type": "tool_use", "id": T.new_call_id("toolu_"),
+                                                          "name": d.name, "input": {}}):
+                            yield ev
+                    if d.arguments:
+                        yield _event("content_block_delta", {
+                            "index": block["index"],
+                            "delta": {"type": "input_json_delta", "partial_json": d.arguments}})
+                if reason is not None:
+                    if block["kind"] is None:  # nothing at all: one empty text block, as unstreamed
+                        for ev in open_block("text", {"type": "text", "text": ""}):
+                            yield ev
+                    yield _event("content_block_stop", {"index": block["index"]})
+                    if parser.n_calls and reason == "end_turn":
+                        reason = "tool_use"
+                    yield _event("message_delta", {
+                        "delta": {"stop_reason": reason, "stop_sequence": seq},
+                        "usage": _usage(out["meta_info"])})
+                    yield _event("message_stop", {})
+                    return
+            raise RuntimeError("the generation ended without a finish reason")
+        except Exception as e:
+            err = to_api_error(e)
+            body = anthropic_error_body(err.message, anthropic_error_type(err.status))
+            yield f"event: error\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        finally:
+            await updates.aclose()
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         try:
             req = CountTokensRequest.model_validate(await read_json_object(request))
             check_model(tm, req.model)
-            return JSONResponse({"input_tokens": len(_prompt_ids(tm, req))})
+            return JSONResponse({"input_tokens": len(_prompt_ids(tm, req, _tool_plan(tm, req)))})
         except Exception as e:
             return anthropic_error_response(e)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from radixlm.runtime.config import ServerArgs
+from radixlm.server.tool_calls.parsers import PARSER_NAMES
 
 _HELP = {
     "model_path": "HF folder (config.json + safetensors) or .gguf file; default: bundled SmolLM2",
@@ -16,7 +17,12 @@ _HELP = {
     "schedule_policy": "lpm | dfs-weight | fcfs",
     "max_queued_requests": "requests beyond max_running_requests + this get 503",
     "api_key": "require 'Authorization: Bearer KEY' (or x-api-key) on every endpoint but /health",
+    "tool_call_parser": "tool call format: hermes | llama3 | mistral (default: detected from the "
+                        "chat template, hermes when it says nothing)",
 }
+
+
+_CHOICES = {"tool_call_parser": PARSER_NAMES}
 
 
 def _kind(field: dataclasses.Field):
@@ -34,7 +40,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, action="store_true", default=f.default, help=_HELP.get(f.name))
         else:
-            parser.add_argument(flag, type=kind, default=f.default,
+            parser.add_argument(flag, type=kind, default=f.default, choices=_CHOICES.get(f.name),
                                 help=_HELP.get(f.name, f"default: {f.default}"))
 
 

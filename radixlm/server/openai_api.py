@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radixlm.server import openai_protocol as P
+from radixlm.server import tool_calls as T
 from radixlm.server.errors import (APIError, openai_error_body, openai_error_response,
                                    openai_error_type, read_json_object, to_api_error)
 from radixlm.server.io_struct import GenerateReqInput
@@ -242,12 +243,34 @@ def _chat_logprobs(tm, meta: dict, st: _ChoiceState) -> P.ChoiceLogprobs:
     return P.ChoiceLogprobs(content=content)
 
 
-def _chat_prompt_ids(tm, req: P.ChatCompletionRequest) -> list[int]:
+def chat_tool_plan(tm, req: P.ChatCompletionRequest) -> Optional[T.ToolPlan]:
+    """The request's tools and tool_choice, validated (ValueError -> 400) before queueing."""
+    tools = [T.Tool(t.function.name, t.function.description, t.function.parameters)
+             for t in (req.tools or [])]
+    mode, name = req.tool_mode()
+    return T.build_plan(tm, tools, mode, name, req.parallel_tool_calls, where="tools")
+
+
+def render_tool_messages(tm, plan: Optional[T.ToolPlan], messages: list[dict]
+                         ) -> tuple[list[dict], Optional[list[dict]]]:
+    """Messages and tools for the template (see tool_calls/render.py); unchanged without any
+    tools or tool traffic."""
+    traffic = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if plan is None and not traffic:
+        return messages, None
+    fmt = plan.fmt if plan is not None else T.resolve_format(tm)
+    offered = plan.offered if plan is not None else None
+    forced = plan.name if plan is not None and plan.mode == "named" else None
+    return T.prepare_messages(fmt, T.template_supports_tools(T.model_template(tm)), messages,
+                              offered, forced)
+
+
+def _chat_prompt_ids(tm, req: P.ChatCompletionRequest, plan: Optional[T.ToolPlan] = None) -> list[int]:
     from jinja2 import TemplateError
 
-    messages = [m.for_template() for m in req.messages]
+    messages, tools = render_tool_messages(tm, plan, [m.for_template() for m in req.messages])
     try:
-        prompt = tm.apply_chat_template(messages, tools=req.tools)
+        prompt = tm.apply_chat_template(messages, tools=tools)
     except TemplateError as e:  # e.g. the template's own raise_exception on a role order
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages")
     # The rendered text already holds the template's special tokens (BOS included where the
@@ -268,10 +291,38 @@ def _chat_piece(tm, req, st: _ChoiceState, index: int, out: dict) -> Optional[P.
     delta = out["text"][st.text_len:]
     st.text_len = len(out["text"])
     lps = _chat_logprobs(tm, out["meta_info"], st) if req.logprobs else None
-    if not delta and reason is None and not (lps and lps.content):
+    calls = None
+    tools: Optional[T.ToolStream] = getattr(st, "tools", None)
+    if tools is not None:  # markup never reaches `content`; calls go out as tool_calls deltas
+        delta, deltas = tools.feed(delta, final=reason is not None)
+        calls = [_delta_tool_call(st, d) for d in deltas] or None
+        if reason == "stop" and tools.n_calls:
+            reason = "tool_calls"
+    if not delta and not calls and reason is None and not (lps and lps.content):
         return None
-    return P.ChatStreamChoice(index=index, delta=P.DeltaMessage(content=delta or None),
+    return P.ChatStreamChoice(index=index, delta=P.DeltaMessage(content=delta or None, tool_calls=calls),
                               logprobs=lps, finish_reason=reason, matched_stop=matched)
+
+
+def _delta_tool_call(st: _ChoiceState, d: T.ToolCallDelta) -> P.DeltaToolCall:
+    if d.name is None:
+        return P.DeltaToolCall(index=d.index, function=P.DeltaFunctionCall(arguments=d.arguments))
+    return P.DeltaToolCall(index=d.index, id=T.new_call_id(), type="function",
+                           function=P.DeltaFunctionCall(name=d.name, arguments=d.arguments))
+
+
+def _chat_message(plan: Optional[T.ToolPlan], text: str, reason: Optional[str]
+                  ) -> tuple[P.ChatMessageOut, Optional[str]]:
+    """The final message of a choice and its finish reason (tool_calls when it made calls)."""
+    if plan is None:
+        return P.ChatMessageOut(content=text), reason
+    content, calls = plan.parse(text)
+    if not calls:
+        return P.ChatMessageOut(content=content), reason
+    out = [P.ToolCallOut(id=T.new_call_id(), function=P.FunctionCallOut(name=c.name, arguments=c.arguments))
+           for c in calls]
+    return (P.ChatMessageOut(content=content or None, tool_calls=out),
+            "tool_calls" if reason == "stop" else reason)
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -279,6 +330,7 @@ def _chat_piece(tm, req, st: _ChoiceState, index: int, out: dict) -> Optional[P.
 
 def register_openai_routes(app: FastAPI, tm) -> None:
     started = int(time.time())
+    T.resolve_format(tm)  # an unknown --tool-call-parser stops the server at start-up
 
     def card() -> P.ModelCard:
         return P.ModelCard(id=tm.model_name, created=started, max_model_len=tm.context_len,
@@ -361,16 +413,20 @@ def register_openai_routes(app: FastAPI, tm) -> None:
         try:
             req = P.ChatCompletionRequest.model_validate(await read_json_object(request))
             P.check_model(tm, req.model)
-            ids = _chat_prompt_ids(tm, req)
+            plan = chat_tool_plan(tm, req)
+            ids = _chat_prompt_ids(tm, req, plan)
             max_new = req.requested_max_tokens()
             if max_new is None:  # OpenAI's default: as much as the context has room for
                 max_new = max(tm.context_len - len(ids), 1)
             objs = [GenerateReqInput(
                 input_ids=list(ids),
-                sampling_params={**req.sampling_params(max_new, j), **_format_constraint(req)},
+                sampling_params={**req.sampling_params(max_new, j), **_format_constraint(req),
+                                 **(plan.sampling_params() if plan is not None else {})},
                 return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                 return_text_in_logprobs=True, stream=req.stream) for j in range(req.n)]
             states = [_ChoiceState() for _ in objs]
+            for st in states:
+                st.tools = plan.stream() if plan is not None else None
             rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
             def chunk(choices, usage=None) -> str:
@@ -382,7 +438,8 @@ def register_openai_routes(app: FastAPI, tm) -> None:
                 for i, o in enumerate(outs):
                     reason, matched = finish_of(o)
                     lps = _chat_logprobs(tm, o["meta_info"], states[i]) if req.logprobs else None
-                    choices.append(P.ChatChoice(index=i, message=P.ChatMessageOut(content=o["text"]),
+                    message, reason = _chat_message(plan, o["text"], reason)
+                    choices.append(P.ChatChoice(index=i, message=message,
                                                 logprobs=lps, finish_reason=reason, matched_stop=matched))
                 return P.ChatCompletionResponse(id=rid, created=created, model=tm.model_name,
                                                 choices=choices, usage=usage_of(outs, req.n))

@@ -153,10 +153,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"  # OpenAI sends JSON text; a dict is accepted
+
+
+class ToolCallIn(BaseModel):
+    """A call in an assistant message of the history."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # assistant only
+    tool_call_id: Optional[str] = None  # tool only: the call this message answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -174,6 +189,8 @@ class ChatMessage(BaseModel):
         # Only an assistant turn may lack content (OpenAI allows it alongside tool_calls).
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message cannot have tool_calls")
         return self
 
     def text(self) -> str:
@@ -189,6 +206,13 @@ class ChatMessage(BaseModel):
         msg = {"role": role, "content": self.text()}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -209,6 +233,27 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class FunctionDef(BaseModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # JSON schema; None: no arguments
+    strict: Optional[bool] = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=0)
@@ -216,7 +261,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = None  # rendered into the prompt by the template
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -225,7 +272,18 @@ class ChatCompletionRequest(_SamplingFields):
         fmt = self.response_format
         if fmt is not None and fmt.type != "text" and (self.json_schema or self.regex or self.ebnf):
             raise ValueError("response_format cannot be combined with json_schema, regex or ebnf")
+        constrained = (fmt is not None and fmt.type != "text") or self.json_schema or self.regex or self.ebnf
+        if constrained and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
+            raise ValueError("a tool_choice that forces a call cannot be combined with "
+                             "response_format, json_schema, regex or ebnf")
         return self
+
+    def tool_mode(self) -> tuple[Optional[str], Optional[str]]:
+        """(none | auto | required | named, the named function) or (None, None): not given."""
+        tc = self.tool_choice
+        if isinstance(tc, NamedToolChoice):
+            return "named", tc.function.name
+        return tc, None
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -286,16 +344,35 @@ class ChoiceLogprobs(BaseModel):
     refusal: None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[Literal["stop", "length", "tool_calls"]] = None
     matched_stop: Union[None, int, str] = None
 
 
@@ -309,9 +386,37 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
 
 
+def _without_none(handler, obj) -> dict:
+    return {k: v for k, v in handler(obj).items() if v is not None}
+
+
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_none(handler, self)
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta has id, type and function.name (and arguments ""); later ones only
+    `index` and function.arguments fragments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_none(handler, self)
+
+
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
@@ -323,7 +428,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[Literal["stop", "length", "tool_calls"]] = None
     matched_stop: Union[None, int, str] = None
 
 

@@ -164,6 +164,6 @@ def test_hf_load_dummy_from_config(tmp_path):
     model = hf.load_hf_model(str(tmp_path), "bfloat16", device="cpu", load_format="dummy")
     assert next(model.parameters()).dtype == torch.bfloat16
     assert model.config.hidden_size == 32
-    assert hf.resolve_dtype("auto", "cpu") == torch.float32
+    assert hf.resolve_dtype("auto", "cpu") == torch.bfloat16  # same as the engine's auto
     with pytest.raises(ValueError):
         hf.resolve_dtype("int3")

@@ -106,3 +106,11 @@ def test_forced_retraction_matches(make_engine, engine, integrity):
     assert tiny.get_stats()["retractions"] > 0, "the pool was meant to be too small"
     integrity(tiny)
     assert tok is not None
+
+
+def test_unmixed_steps_match(make_engine, reference, integrity):
+    """Prefill-only steps (no decoding mixed in) give the same greedy text as mixed steps."""
+    eng = make_engine(disable_mixed_batch=True)
+    ids, _ = _run(eng, _prompts(eng.tokenizer))
+    assert ids == reference
+    integrity(eng)

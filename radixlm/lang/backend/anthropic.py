@@ -61,7 +61,7 @@ class Anthropic(BaseBackend):
                                    "no decoding constraint; use the OpenAI backend or "
                                    "RuntimeEndpoint")
 
-    # --- requests -------------------------------------------------------------------------------
+    # --- requests ---------------------------------------------------------------------------------
     def request_kwargs(self, params: SamplingParams) -> dict:
         """The SDK keyword arguments for `params` (no model/messages/system/stream)."""
         d = params.resolved()
@@ -73,7 +73,8 @@ class Anthropic(BaseBackend):
         if extras:
             raise UnsupportedPrimitive(self, extra_name(next(iter(extras)), params))
         if d["return_logprob"]:
-            raise UnsupportedPrimitive(self, "return_logprob", "the Messages API returns no logprobs")
+            raise UnsupportedPrimitive(self, "return_logprob",
+                                       "the Messages API returns no logprobs")
         kw: dict[str, Any] = {"max_tokens": d["max_new_tokens"]}
         stops = stop_list(params)
         if stops:
@@ -131,7 +132,8 @@ class Anthropic(BaseBackend):
             for ev in stream:
                 if ev.type == "message_start":
                     msg_id, usage = ev.message.id, ev.message.usage
-                elif ev.type == "content_block_delta" and getattr(ev.delta, "type", None) == "text_delta":
+                elif (ev.type == "content_block_delta"
+                      and getattr(ev.delta, "type", None) == "text_delta"):
                     text = ev.delta.text
                     if cut:  # drop the whitespace the prefill already ends with
                         text = text.lstrip()

@@ -108,7 +108,7 @@ def sampling_extras(params: SamplingParams) -> dict[str, Any]:
     out = {}
     for ours, _ in _EXTRAS:
         v = d[ours]
-        if v is None or v is False or (ours in SamplingParams.DEFAULTS and v == SamplingParams.DEFAULTS[ours]):
+        if v is None or v is False or v == SamplingParams.DEFAULTS.get(ours, None):
             continue
         if ours == "stop_token_ids" and not v:
             continue
@@ -241,8 +241,10 @@ class OpenAI(BaseBackend):
             if chat and list(extras) == ["json_schema"]:
                 import json
                 schema = extras.pop("json_schema")
-                kw["response_format"] = {"type": "json_schema", "json_schema": {
-                    "name": "output", "schema": json.loads(schema) if isinstance(schema, str) else schema}}
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                kw["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": schema}}
             else:
                 field = next(iter(extras))
                 raise UnsupportedPrimitive(
@@ -260,7 +262,7 @@ class OpenAI(BaseBackend):
                 kw["logprobs"] = d["top_logprobs_num"] or 0
         return kw
 
-    # --- calls --------------------------------------------------------------------------------------
+    # --- calls ------------------------------------------------------------------------------------
     def _prompt_kwargs(self, s) -> dict:
         if not self.is_chat_model:
             return {"prompt": s.text_}
@@ -349,7 +351,7 @@ class OpenAI(BaseBackend):
     def commit_lazy_operations(self, s) -> None:
         self.cache_prefix(s.text_)
 
-    # --- select -------------------------------------------------------------------------------------
+    # --- select -----------------------------------------------------------------------------------
     def _score(self, prompts: list[str]) -> list[tuple[list[str], list[Optional[float]]]]:
         """(tokens, logprobs) of each prompt, scored in one echo call."""
         resp = self.client.completions.create(model=self.model_name, prompt=prompts, echo=True,

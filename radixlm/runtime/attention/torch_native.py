@@ -33,17 +33,26 @@ class _ExtendSeg:
 
 
 class TorchNativeAttention(AttentionBackend):
+    def _decode_meta(self, req_pool_indices, seq_lens, seq_lens_cpu) -> _DecodeMeta:
+        max_len = max(seq_lens_cpu)
+        slots = self.req_to_token[req_pool_indices, :max_len]
+        ar = torch.arange(max_len, device=slots.device)
+        mask = (ar[None, :] < seq_lens[:, None]).view(-1, 1, 1, max_len)
+        return _DecodeMeta(slots, mask)
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode == ForwardMode.DECODE:
-            max_len = max(fb.seq_lens_cpu)
-            slots = self.req_to_token[fb.req_pool_indices, :max_len]
-            ar = torch.arange(max_len, device=slots.device)
-            mask = (ar[None, :] < fb.seq_lens[:, None]).view(-1, 1, 1, max_len)
-            fb.attn_metadata = _DecodeMeta(slots, mask)
+            fb.attn_metadata = (self._decode_meta(fb.req_pool_indices, fb.seq_lens,
+                                                  fb.seq_lens_cpu), [])
             return
+        n_ext = fb.batch_size - fb.num_decode_tail
+        decode = None
+        if fb.num_decode_tail:
+            decode = self._decode_meta(fb.req_pool_indices[n_ext:], fb.seq_lens[n_ext:],
+                                       fb.seq_lens_cpu[n_ext:])
         segs = []
         start = 0
-        rows = fb.req_pool_indices.tolist()
+        rows = fb.req_pool_indices[:n_ext].tolist()
         for row, prefix, ext in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_lens_cpu):
             total = prefix + ext
             mask = None
@@ -53,15 +62,19 @@ class TorchNativeAttention(AttentionBackend):
                 mask = torch.arange(total, device=dev)[None, :] <= q_pos[:, None]
             segs.append(_ExtendSeg(start, start + ext, self.req_to_token[row, :total], mask))
             start += ext
-        fb.attn_metadata = segs
+        fb.attn_metadata = (decode, segs)
 
     def forward(self, q, k, v, layer, fb):
         self.kv_pool.write(layer, fb.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
+        decode, segs = fb.attn_metadata
         if fb.mode == ForwardMode.DECODE:
-            return self._decode(q, k_buf, v_buf, fb.attn_metadata)
+            return self._decode(q, k_buf, v_buf, decode)
         out = torch.empty_like(q)
-        for seg in fb.attn_metadata:
+        if decode is not None:  # the mixed-in decode requests' rows come last
+            n_dec = fb.num_decode_tail
+            out[-n_dec:] = self._decode(q[-n_dec:], k_buf, v_buf, decode)
+        for seg in segs:
             qs = q[seg.start : seg.end].transpose(0, 1)  # (Hq, E, D)
             ks = k_buf.index_select(0, seg.slots).transpose(0, 1).to(q.dtype)  # (Hkv, S, D)
             vs = v_buf.index_select(0, seg.slots).transpose(0, 1).to(q.dtype)

@@ -31,6 +31,9 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)  # (B,) EXTEND only
     extend_lens_cpu: list[int] = field(default_factory=list)  # (B,) EXTEND only
+    # EXTEND only: the last `num_decode_tail` requests are plain decodes (one token each) mixed
+    # into the step, so a backend may run them as one batched decode
+    num_decode_tail: int = 0
     attn_backend: Any = None  # the AttentionBackend running this forward
     # attention backends stash per-batch metadata (gather indices, masks) here, once per forward
     attn_metadata: Optional[Any] = None

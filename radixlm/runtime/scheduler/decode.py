@@ -52,4 +52,5 @@ def ensure_decode_memory(sched) -> list:
         retracted.append(victim)
     if retracted:
         sched.new_token_ratio = min(1.0, sched.new_token_ratio + RETRACT_RATIO_BUMP)
+        sched.stats["retractions"] += sum(not r.finished for r in retracted)
     return retracted

@@ -12,6 +12,7 @@ Invariant (checked by `check_integrity`): free slots + slots in the tree + slots
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import torch
@@ -109,15 +110,20 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Run one batch. Returns the requests that produced tokens or finished in this step."""
+        mixed = bool(self.running) and not self.args.disable_mixed_batch
+        aborted = []
+        if mixed:  # the running requests decode in this step whatever it admits: room first
+            aborted = [r for r in decode.ensure_decode_memory(self) if r.finished]
+            mixed = bool(self.running)
         admitted = self._admit()
         failed = [r for r in self.waiting if r.finished]  # e.g. a grammar that failed to compile
         if failed:
             self.waiting = [r for r in self.waiting if not r.finished]
         if admitted:
-            return self._run_extend(admitted) + failed
+            return self._run_extend(admitted, mixed) + failed + aborted
         if self.running:
-            return self._run_decode() + failed
-        return failed
+            return self._run_decode() + failed + aborted
+        return failed + aborted
 
     def _admit(self) -> list[Req]:
         if not self.waiting and self.chunked is None:
@@ -149,28 +155,39 @@ class Scheduler:
             req.match = None  # stale once the tree changes
         return adder.admitted
 
-    def _run_extend(self, reqs: list[Req]) -> list[Req]:
+    def _run_extend(self, reqs: list[Req], mixed: bool = False) -> list[Req]:
+        """Prefill `reqs`; with `mixed`, the running requests decode in the same forward (as
+        one-token extends placed last, so the backend can batch them as a decode)."""
         for req in reqs:
             if req.req_pool_idx is None and req.retractions == 0 and not req.output_ids:
                 req.cached_tokens = req.kv_len
                 self.stats["prompt_tokens"] += len(req.origin_input_ids)
                 self.stats["cached_tokens"] += req.kv_len
-        fb, rows = build_extend(reqs, self.req_pool, self.allocator, self.tree_cache, self.device)
+        decoding = list(self.running) if mixed else []
+        for req in decoding:
+            req.extend_len = 1
+        fb, rows = build_extend(reqs + decoding, self.req_pool, self.allocator, self.tree_cache,
+                                self.device)
+        fb.num_decode_tail = len(decoding)
         logits = self.runner.forward(fb)  # (N, vocab)
         self.stats["forward_steps"] += 1
-        for req in reqs:
+        for req in reqs + decoding:
             req.kv_len += req.extend_len
         self._record_input_logprobs(logits, rows)
 
-        sample_reqs = rows.sample_reqs
+        n_new = len(rows.sample_reqs) - len(decoding)
+        sample_reqs = rows.sample_reqs[:n_new]
         for req in reqs:
             if req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
                 self.chunked = req
+        if decoding:
+            self._decode_results(decoding, logits[torch.tensor(rows.sample_rows[n_new:],
+                                                               device=self.device)])
         if not sample_reqs:
-            return []
+            return decoding
         info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, self.device)
-        sample_logits = logits[torch.tensor(rows.sample_rows, device=self.device)]
+        sample_logits = logits[torch.tensor(rows.sample_rows[:n_new], device=self.device)]
         out = self._sample(sample_logits, info, sample_reqs)
         keep = self._process_tokens(sample_reqs, out)
         if keep:
@@ -179,12 +196,10 @@ class Scheduler:
             for req in joining:  # share the fresh prompt KV now, not only when the request ends
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
             self._merge_running(joining, info)
-        return sample_reqs
+        return sample_reqs + decoding
 
     def _run_decode(self) -> list[Req]:
         retracted = decode.ensure_decode_memory(self)
-        if retracted:
-            self.stats["retractions"] += len(retracted)
         aborted = [r for r in retracted if r.finished]
         if not self.running:
             return aborted
@@ -194,6 +209,11 @@ class Scheduler:
         self.stats["forward_steps"] += 1
         for req in reqs:
             req.kv_len += 1
+        self._decode_results(reqs, logits)
+        return reqs + aborted
+
+    def _decode_results(self, reqs: list[Req], logits) -> None:
+        """Sample the running batch (`reqs` is self.running, logits its rows) and drop finished."""
         out = self._sample(logits, self.running_info, reqs)
         keep = self._process_tokens(reqs, out)
         if len(keep) != len(reqs):
@@ -201,7 +221,6 @@ class Scheduler:
             self.running_info.filter(keep)
         self.new_token_ratio = max(decode.MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - decode.NEW_TOKEN_RATIO_DECAY)
-        return reqs + aborted
 
     # --- helpers --------------------------------------------------------------------------------
     def _sample(self, logits, info, reqs):
@@ -256,6 +275,7 @@ class Scheduler:
             del req.output_token_logprobs[max_new:]
             del req.output_top_logprobs[max_new:]
             req.finish = Finish(FinishReason.LENGTH, matched=max_new)
+            req.finished_at = time.perf_counter()
             self.tree_cache.cache_finished_req(req, old_kv)
             req.req_pool_idx, req.last_node = None, None
             return True
@@ -304,6 +324,7 @@ class Scheduler:
 
     def _finish(self, req: Req, finish: Finish) -> None:
         req.finish = finish
+        req.finished_at = time.perf_counter()
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req, req.fill_ids[: req.kv_len])
             req.req_pool_idx = None
