@@ -23,20 +23,24 @@ sys.path.insert(0, _ROOT)
 SCHEMA = {
     "type": "object",
     "properties": {
-        "document_title": {"type": "string", "maxLength": 60},
+        "document_title": {"type": "string", "maxLength": 32},
+        "document_type": {"type": "string", "enum": ["conversation", "article", "source_code",
+                                                     "instructions", "other"]},
         "primary_language": {"type": "string", "enum": ["english", "chinese", "spanish", "other"]},
         "subject_area": {"type": "object", "properties": {
             "category": {"type": "string", "enum": ["technology", "science", "business", "arts",
                                                     "health", "education", "other"]},
-            "keywords": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                         "minItems": 1, "maxItems": 3}},
+            "keywords": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                         "minItems": 1, "maxItems": 2}},
             "required": ["category", "keywords"]},
+        "audience_level": {"type": "string", "enum": ["beginner", "intermediate", "expert"]},
         "overall_sentiment": {"type": "string", "enum": ["positive", "neutral", "negative"]},
         "contains_a_question": {"type": "boolean"},
         "number_of_people_mentioned": {"type": "integer", "minimum": 0, "maximum": 9},
     },
-    "required": ["document_title", "primary_language", "subject_area", "overall_sentiment",
-                 "contains_a_question", "number_of_people_mentioned"],
+    "required": ["document_title", "document_type", "primary_language", "subject_area",
+                 "audience_level", "overall_sentiment", "contains_a_question",
+                 "number_of_people_mentioned"],
 }
 
 
@@ -55,9 +59,9 @@ def documents(tokenizer, n: int, doc_tokens: int, seed: int) -> list[str]:
 
 
 def prompt_for(tokenizer, doc: str) -> str:
-    q = ("Read the document and fill in this JSON record about it: title, language, topic "
-         "(category and up to 3 keywords), sentiment, whether it asks a question, and how many "
-         "people are involved.\n\nDocument:\n" + doc)
+    q = ("Read the document and fill in this JSON record about it: a short title, its type, "
+         "language, subject (category and up to 2 keywords), audience level, sentiment, whether "
+         "it asks a question, and how many people it mentions.\n\nDocument:\n" + doc)
     return tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                          add_generation_prompt=True)
 
