@@ -158,8 +158,6 @@ class SglFunction:
     @staticmethod
     def _split_run_kwargs(kwargs: dict) -> tuple[ir.SamplingParams, dict]:
         run = {k: kwargs.pop(k) for k in list(kwargs) if k in _RUN_PARAMS}
-        if "max_new_tokens" in run:
-            run["max_new_tokens"] = run.pop("max_new_tokens")
         return ir.SamplingParams(**run), kwargs
 
     def run(self, *args, stream: bool = False, backend=None, use_thread: bool = True, **kwargs):

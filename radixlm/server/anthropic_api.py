@@ -123,11 +123,12 @@ class AnthropicTool(BaseModel):
     input_schema: dict[str, Any]
     type: Optional[str] = None  # client tools only ("custom" or absent)
 
-    @field_validator("type")
+    @model_validator(mode="before")
     @classmethod
     def _client_tool(cls, v):
-        if v not in (None, "custom"):
-            raise ValueError(f"tools of type {v!r} (server tools) are not supported; only "
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind not in (None, "custom"):
+            raise ValueError(f"tools of type {kind!r} (server tools) are not supported; only "
                              "client tools with an input_schema")
         return v
 

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 
 from radixlm.server.anthropic_api import register_anthropic_routes
 from radixlm.server.errors import QueueFullError
@@ -78,23 +79,58 @@ def parse_generate_body(body: Any) -> list[GenerateReqInput] | GenerateReqInput:
     return out
 
 
+class _Guard:
+    """API key and body size checks, as a plain ASGI middleware.
+
+    Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides the client's disconnect
+    from `Request.is_disconnected()`, so a non-streaming request whose client went away would
+    run to its end. A body without Content-Length (chunked) is read here up to
+    --max-payload-size and answered 413 beyond it, so no route reads an unbounded body.
+    """
+
+    def __init__(self, app, api_key, max_payload_size: int):
+        self.app, self.api_key, self.limit = app, api_key, max_payload_size
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if self.api_key and scope["path"] != "/health":
+            auth = headers.get("authorization", "")
+            key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key")
+            if key != self.api_key:
+                return await error(401, "invalid or missing API key")(scope, receive, send)
+        size = headers.get("content-length")
+        if size is not None:
+            if size.isdigit() and int(size) > self.limit:
+                return await error(413, f"request body of {size} bytes exceeds "
+                                        f"--max-payload-size ({self.limit})")(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, total, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            total += len(chunks[-1])
+            more = message.get("more_body", False)
+            if total > self.limit:
+                return await error(413, f"request body exceeds --max-payload-size "
+                                        f"({self.limit})")(scope, receive, send)
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():  # the buffered body once, then the client's own events (disconnect)
+            return pending.pop() if pending else await receive()
+
+        return await self.app(scope, replay, send)
+
+
 def build_app(tm, args, health) -> FastAPI:
     """`health()` -> None when all processes live, else a message (then /health answers 503)."""
     app = FastAPI(title="radixlm")
     app.state.tm = tm
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if args.api_key and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            key = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
-            if key != args.api_key:
-                return error(401, "invalid or missing API key")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > args.max_payload_size:
-            return error(413, f"request body of {size} bytes exceeds --max-payload-size "
-                              f"({args.max_payload_size})")
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=args.api_key, max_payload_size=args.max_payload_size)
 
     @app.exception_handler(json.JSONDecodeError)
     async def bad_json(request, exc):

@@ -146,13 +146,20 @@ class TokenizerManager:
             self.metrics.on_request(len(treq.input_ids))
         await self.to_scheduler.send(pickle.dumps(treq))
         try:
+            # Updates arrive every step, so the client is checked on a clock, not only when
+            # no update came for a while (a non-streaming request would never notice).
+            next_check = time.monotonic() + DISCONNECT_POLL_S
             while True:
                 try:
                     await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S if request else None)
                 except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    pass
+                if request is not None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
                         logger.info("client of %s disconnected; aborting", treq.rid)
                         return
+                if not state.event.is_set():
                     continue
                 state.event.clear()
                 if obj.stream or state.finish is not None:

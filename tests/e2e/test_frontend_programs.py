@@ -23,6 +23,20 @@ def runtime():
     rt.shutdown()
 
 
+@pytest.fixture(autouse=True, params=["native", "openai"])
+def backend(request, runtime):
+    """Every program runs twice: on the native API, and on the OpenAI backend pointed at our own
+    /v1 (completion form: select via echo + logprobs, constraints via SGLang's extra fields)."""
+    if request.param == "native":
+        b = runtime
+    else:
+        b = sgl.OpenAI(runtime.get_model_name(), base_url=runtime.url + "/v1", api_key="x",
+                       is_chat_model=False)
+    sgl.set_default_backend(b)
+    yield b
+    sgl.set_default_backend(runtime)
+
+
 @pytest.fixture
 def kv_ok(runtime):
     def check():
@@ -189,7 +203,7 @@ def test_fork_branches_share_the_prefix(runtime, kv_ok):
         st_metas.extend(f.get_meta_info("ans") for f in forks)
 
     st_metas: list = []
-    sgl.flush_cache()
+    runtime.flush_cache()
     branches.run()
     prompt = st_metas[0]["prompt_tokens"]
     for m in st_metas:
@@ -216,7 +230,7 @@ def test_run_batch_progress_bar_and_cache(runtime, kv_ok, capsys):
         s += "You are a quiz master. Answer each question in a few words, politely and clearly.\n"
         s += "Q: " + q + "\nA:" + sgl.gen("a", max_tokens=8, stop="\n", temperature=0)
 
-    sgl.flush_cache()
+    runtime.flush_cache()
     qs = [{"q": f"What is {i} + {i}?"} for i in range(6)]
     states = qa.run_batch(qs, progress_bar=True, num_threads=3)
     assert len(states) == 6 and all(st["a"] for st in states)

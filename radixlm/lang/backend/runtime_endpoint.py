@@ -17,8 +17,8 @@ from radixlm.lang.choices import ChoicesDecision, decide
 from radixlm.lang.ir import SamplingParams
 
 
-class RuntimeError_(RuntimeError):
-    pass
+class ServerError(RuntimeError):
+    """The server answered with an error (its message included)."""
 
 
 class RuntimeEndpoint(BaseBackend):
@@ -50,7 +50,7 @@ class RuntimeEndpoint(BaseBackend):
                 msg = r.json().get("error", {}).get("message", r.text)
             except (json.JSONDecodeError, AttributeError):
                 msg = r.text
-            raise RuntimeError_(f"{r.request.method} {r.request.url.path} -> {r.status_code}: {msg}")
+            raise ServerError(f"{r.request.method} {r.request.url.path} -> {r.status_code}: {msg}")
 
     def get_model_name(self) -> str:
         return self.model_info.get("served_model_name") or self.model_info.get("model_path", "")
@@ -77,7 +77,7 @@ class RuntimeEndpoint(BaseBackend):
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    raise RuntimeError_(f"/generate stream: {chunk['error'].get('message')}")
+                    raise ServerError(f"/generate stream: {chunk['error'].get('message')}")
                 yield chunk
 
     def cache_prefix(self, prefix: str) -> None:

@@ -47,18 +47,14 @@ def render_calls(fmt: ToolCallFormat, calls: list[tuple[str, str]]) -> str:
 
 
 def tool_instructions(fmt: ToolCallFormat, tools: list[Tool], forced_name: Optional[str] = None) -> str:
+    """The system-prompt text that offers the tools (kept short: it precedes every turn)."""
     listing = "\n".join(json.dumps(t.openai_dict(), ensure_ascii=False) for t in tools)
     example = render_calls(fmt, [("<function name>", "<arguments as a JSON object>")])
-    if forced_name is not None:
-        rule = f"You must call the function {forced_name!r} now."
-    else:
-        rule = ("When a function would help answer the user, call it; otherwise answer "
-                "directly. You may call several functions at once.")
-    return (f"You can call functions. They are listed below, one JSON definition per line, "
-            f"between <tools> and </tools>.\n<tools>\n{listing}\n</tools>\n{rule}\n"
-            f"To call a function, reply with exactly this, one block per call, filling in "
-            f"the function's name and its arguments as JSON:\n{example}\n"
-            "Each function's result comes back to you inside <tool_response></tool_response>.")
+    rule = (f"Call the function {forced_name!r} now." if forced_name is not None
+            else "Call functions when they help; otherwise answer directly.")
+    return (f"You can call these functions:\n<tools>\n{listing}\n</tools>\n{rule} "
+            f"To call a function, reply with:\n{example}\n"
+            "Results come back inside <tool_response></tool_response>.")
 
 
 def _tool_result_text(msg: dict) -> str:
