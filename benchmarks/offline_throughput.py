@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="run N short throwaway requests first (and flush the cache after)")
+    p.add_argument("--compare-no-cache", action="store_true",
+                   help="also run with --disable-radix-cache in this process and report the ratio")
     p.add_argument("--compare-hf", action="store_true", help="also time HF generate on the same prompts")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--result-file", default=None, help="append the JSON line to this file")
@@ -222,6 +224,16 @@ def main(argv=None) -> dict:
         print(f"warning: engine reported {rl['completion_tokens']} output tokens, expected {n_out}", file=sys.stderr)
     if rl["stats"] is not None:
         result["engine_stats"] = rl["stats"]
+
+    if args.compare_no_cache:  # the same requests again with the radix cache off, same process
+        off = run_radixlm(argparse.Namespace(**{**vars(args), "disable_radix_cache": True}),
+                          reqs, tokenizer)
+        result.update({
+            "no_cache_elapsed_s": round(off["elapsed_s"], 4),
+            "no_cache_total_token_throughput": round((n_in + n_out) / off["elapsed_s"], 2),
+            "cache_speedup": round(off["elapsed_s"] / el, 3),  # = throughput on / off
+            "no_cache_identical_outputs": sum(a == b for a, b in zip(rl["output_ids"], off["output_ids"])),
+        })
 
     if args.compare_hf:
         hf = run_hf(args, reqs, tokenizer, args.model_path)
