@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 # Below this temperature a request is sampled greedily (argmax); SGLang uses the same cut-off.
 GREEDY_TEMPERATURE = 1e-6
+MAX_N = 128  # samples per prompt; each is a full request
 
 
 @dataclass
@@ -94,8 +95,8 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not 0 < self.repetition_penalty <= 2:
             bad("repetition_penalty", "must be in (0, 2]")
-        if self.n < 1:
-            bad("n", "must be >= 1")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"must be in [1, {MAX_N}]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad("seed", "must be an integer")
         for s in self.stop_strs:

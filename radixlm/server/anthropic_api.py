@@ -30,8 +30,8 @@ from radixlm.server import tool_calls as T
 from radixlm.server.errors import (APIError, anthropic_error_body, anthropic_error_response,
                                    anthropic_error_type, read_json_object, to_api_error)
 from radixlm.server.io_struct import GenerateReqInput
-from radixlm.server.openai_api import (all_updates, close_all, finish_of, render_tool_messages,
-                                       start_generations)
+from radixlm.server.openai_api import (all_updates, apply_chat_template_with_tools, close_all,
+                                       finish_of, start_generations)
 from radixlm.server.openai_protocol import check_model
 
 
@@ -204,10 +204,8 @@ def _prompt_ids(tm, req: Union[MessagesRequest, CountTokensRequest],
         prefill = msgs.pop()["content"]
     if not msgs:
         raise APIError(400, "messages: a conversation cannot consist of one assistant message")
-    msgs, tools = render_tool_messages(tm, plan, msgs)
     try:
-        prompt = (tm.apply_chat_template(msgs, tools=tools) if tools
-                  else tm.apply_chat_template(msgs)) + prefill
+        prompt = apply_chat_template_with_tools(tm, plan, msgs) + prefill
     except TemplateError as e:
         raise APIError(400, f"messages: the chat template rejected them: {e}") from None
     # Special tokens come from the template itself; see openai_api._chat_prompt_ids.

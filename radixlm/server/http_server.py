@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 from typing import Any
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
+from radixlm.runtime.sampling_params import MAX_N
 from radixlm.server.anthropic_api import register_anthropic_routes
 from radixlm.server.errors import QueueFullError
 from radixlm.server.io_struct import GenerateReqInput
@@ -98,7 +100,7 @@ class _Guard:
         if self.api_key and scope["path"] != "/health":
             auth = headers.get("authorization", "")
             key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key")
-            if key != self.api_key:
+            if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
                 return await error(401, "invalid or missing API key")(scope, receive, send)
         size = headers.get("content-length")
         if size is not None:
@@ -208,6 +210,7 @@ def build_app(tm, args, health) -> FastAPI:
         except ValueError as e:
             return error(400, str(e))
         try:
+            parsed = _expand_n(parsed)
             if isinstance(parsed, list):
                 if any(p.stream for p in parsed):
                     return error(400, "stream: streaming takes a single prompt")
@@ -227,6 +230,26 @@ def build_app(tm, args, health) -> FastAPI:
     register_openai_routes(app, tm)
     register_anthropic_routes(app, tm)
     return app
+
+
+def _expand_n(parsed):
+    """`sampling_params.n` > 1: n requests per prompt, prompt-major, as a batch (SGLang's shape)."""
+    items = parsed if isinstance(parsed, list) else [parsed]
+    ns = []
+    for p in items:
+        n = p.sampling_params.get("n", 1) if isinstance(p.sampling_params, dict) else 1
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise ValueError(f"sampling_params.n: must be an integer in [1, {MAX_N}] (got {n!r})")
+        ns.append(n)
+    if all(n == 1 for n in ns):
+        return parsed
+    out = []
+    for p, n in zip(items, ns):
+        for k in range(n):
+            sp = {**p.sampling_params, "n": 1}
+            rid = f"{p.rid}-{k}" if p.rid else None
+            out.append(dataclasses.replace(p, sampling_params=sp, rid=rid))
+    return out
 
 
 async def _json_body(request: Request) -> Any:

@@ -251,26 +251,35 @@ def chat_tool_plan(tm, req: P.ChatCompletionRequest) -> Optional[T.ToolPlan]:
     return T.build_plan(tm, tools, mode, name, req.parallel_tool_calls, where="tools")
 
 
-def render_tool_messages(tm, plan: Optional[T.ToolPlan], messages: list[dict]
-                         ) -> tuple[list[dict], Optional[list[dict]]]:
-    """Messages and tools for the template (see tool_calls/render.py); unchanged without any
-    tools or tool traffic."""
+def apply_chat_template_with_tools(tm, plan: Optional[T.ToolPlan], messages: list[dict]) -> str:
+    """The template applied to messages that may hold tools, calls and results (rendered as
+    tool_calls/render.py says; unchanged without any of them). A template that rejects the
+    `tool` role of rendered results gets them as user turns instead."""
     traffic = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if plan is None and not traffic:
-        return messages, None
+        return tm.apply_chat_template(messages)
+    from jinja2 import TemplateError
+
     fmt = plan.fmt if plan is not None else T.resolve_format(tm)
     offered = plan.offered if plan is not None else None
     forced = plan.name if plan is not None and plan.mode == "named" else None
-    return T.prepare_messages(fmt, T.template_supports_tools(T.model_template(tm)), messages,
-                              offered, forced)
+    own = T.template_supports_tools(T.model_template(tm))
+    msgs, tools = T.prepare_messages(fmt, own, messages, offered, forced)
+    try:
+        return tm.apply_chat_template(msgs, tools=tools)
+    except TemplateError:
+        if own or not any(m["role"] == "tool" for m in msgs):
+            raise
+    msgs, tools = T.prepare_messages(fmt, own, messages, offered, forced, results_role="user")
+    return tm.apply_chat_template(msgs, tools=tools)
 
 
 def _chat_prompt_ids(tm, req: P.ChatCompletionRequest, plan: Optional[T.ToolPlan] = None) -> list[int]:
     from jinja2 import TemplateError
 
-    messages, tools = render_tool_messages(tm, plan, [m.for_template() for m in req.messages])
+    messages = [m.for_template() for m in req.messages]
     try:
-        prompt = tm.apply_chat_template(messages, tools=tools)
+        prompt = apply_chat_template_with_tools(tm, plan, messages)
     except TemplateError as e:  # e.g. the template's own raise_exception on a role order
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages")
     # The rendered text already holds the template's special tokens (BOS included where the

@@ -254,12 +254,12 @@ def test_greedy_text_equals_engine(main_server):
     engine = radixlm.Engine(dtype="float32", max_total_tokens=4096, context_length=MAIN_CONTEXT_LEN)
     try:
         local = [engine.generate(p, sp) for p in PROMPTS]
-        batched = engine.generate(PROMPTS, sp)
     finally:
         engine.shutdown()
-    for p, s, e, b in zip(PROMPTS, served, local, batched):
+    for p, s, e in zip(PROMPTS, served, local):
         assert s["text"] == e["text"], f"prompt {p!r}"
-        assert s["output_ids"] == e["output_ids"] == b["output_ids"], f"prompt {p!r}"
+        assert s["output_ids"] == e["output_ids"], f"prompt {p!r}"
+        assert s["meta_info"]["finish_reason"] == e["meta_info"]["finish_reason"]
     main_server.check_integrity()
 
 
@@ -404,9 +404,6 @@ def test_metrics(main_server):
     main_server.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: /generate refuses sampling_params.n > 1 for a single "
-                   "prompt and for a batch alike ('use the batch form for n > 1'), although "
-                   "SGLang's native API returns n results per prompt")
 def test_generate_native_n(main_server):
     sp = {"max_new_tokens": 4, "temperature": 0, "n": 2}
     r = main_server.post("/generate", {"text": ["Hello", "Goodbye"], "sampling_params": sp})

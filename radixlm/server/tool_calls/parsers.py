@@ -526,7 +526,8 @@ def parse_tool_calls(fmt: ToolCallFormat, text: str) -> tuple[str, list[ParsedTo
 # --- registry ---------------------------------------------------------------------------------
 
 HERMES = ToolCallFormat(
-    name="hermes", region="tagged", open_markers=("<tool_call>",), drop_markers=("</tool_call>",),
+    name="hermes", region="tagged", open_markers=("<tool_call>",),
+    drop_markers=("</tool_call>", "<tool_response>", "</tool_response>"),
     close_marker="</tool_call>", description="<tool_call>{json}</tool_call> (Hermes, Qwen, SmolLM)")
 LLAMA3 = ToolCallFormat(
     name="llama3", region="sequence", open_markers=("<|python_tag|>",), json_at_start=True,

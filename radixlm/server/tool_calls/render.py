@@ -9,8 +9,10 @@ carry a result for a `tool_call_id`.
   `tojson` them; a string would be encoded twice).
 - Otherwise (SmolLM2's template, for one) radixlm renders them: the tool list and the expected
   call format go into the system message; earlier calls are written into the assistant's text in
-  the model family's format; tool results become a user turn of <tool_response> blocks. The
-  conversation then only has roles every template knows.
+  the model family's format; tool results become one `tool` turn of <tool_response> blocks
+  (`results_role`: a template that refuses unknown roles is retried with "user", see
+  openai_api.apply_chat_template_with_tools). SmolLM2 answers from a result far better in a
+  turn of its own role than in a user turn, which it tends to echo.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def render_calls(fmt: ToolCallFormat, calls: list[tuple[str, str]]) -> str:
 
 def tool_instructions(fmt: ToolCallFormat, tools: list[Tool], forced_name: Optional[str] = None) -> str:
     """The system-prompt text that offers the tools (kept short: it precedes every turn)."""
-    listing = "\n".join(json.dumps(t.openai_dict(), ensure_ascii=False) for t in tools)
+    # compact: a small model's context (and the attention cost of every later token) is short
+    listing = "\n".join(json.dumps(t.openai_dict()["function"], ensure_ascii=False,
+                                   separators=(",", ":")) for t in tools)
     example = render_calls(fmt, [("<function name>", "<arguments as a JSON object>")])
     rule = (f"Call the function {forced_name!r} now." if forced_name is not None
             else "Call functions when they help; otherwise answer directly.")
@@ -62,8 +66,8 @@ def _tool_result_text(msg: dict) -> str:
 
 
 def prepare_messages(fmt: ToolCallFormat, template_has_tools: bool, messages: list[dict],
-                     tools: Optional[list[Tool]], forced_name: Optional[str] = None
-                     ) -> tuple[list[dict], Optional[list[dict]]]:
+                     tools: Optional[list[Tool]], forced_name: Optional[str] = None,
+                     results_role: str = "tool") -> tuple[list[dict], Optional[list[dict]]]:
     """(messages for the template, tools for the template). `tools` None: not offered."""
     template_tools = [t.openai_dict() for t in tools] if tools else None
     if template_has_tools:
@@ -85,7 +89,7 @@ def prepare_messages(fmt: ToolCallFormat, template_has_tools: bool, messages: li
             if merging_results:
                 out[-1]["content"] += "\n" + text
             else:
-                out.append({"role": "user", "content": text})
+                out.append({"role": results_role, "content": text})
             merging_results = True
             continue
         merging_results = False
