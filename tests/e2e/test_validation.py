@@ -78,6 +78,18 @@ CASES = [
     ("chat-long-stream", "/v1/chat/completions", {"messages": [{"role": "user",
                                                                 "content": LONG_TEXT}],
                                                   "max_tokens": 1, "stream": True}, {400}),
+    # invalid constraints (issue 5): a 400 naming the problem, before anything is queued
+    ("generate-bad-regex", "/generate", {"text": "Hi", "sampling_params": {"regex": "[0-9"}}, {400}),
+    ("generate-bad-schema", "/generate", {"text": "Hi", "sampling_params":
+                                          {"json_schema": '{"type": "objectx"}'}}, {400}),
+    ("generate-two-constraints", "/generate", {"text": "Hi", "sampling_params":
+                                               {"regex": "a", "json_schema": "{}"}}, {400}),
+    ("completions-bad-regex", "/v1/completions", {"prompt": "Hi", "regex": "(a|b"}, {400}),
+    ("completions-bad-schema", "/v1/completions", {"prompt": "Hi", "json_schema": "{not json"},
+     {400}),
+    ("chat-bad-schema", "/v1/chat/completions", {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     {400}),
     # an oversized body (Content-Length above --max-payload-size)
     ("generate-oversized", "/generate", {"text": "x" * (MAIN_MAX_PAYLOAD + 10)}, {413}),
     ("chat-oversized", "/v1/chat/completions",
