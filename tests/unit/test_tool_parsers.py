@@ -521,3 +521,11 @@ def test_generated_arguments_validate_against_their_schema():
     for t in (WEATHER, ADD, REFS):
         jsonschema.validators.validator_for(t.parameters).check_schema(_schema_of(t))
     assert NOARGS.arguments_schema() == {"type": "object", "properties": {}}
+
+
+def test_anthropic_count_tokens_counts_the_tools(client, fake):
+    base = {"messages": [{"role": "user", "content": "q"}]}
+    plain = client.post("/v1/messages/count_tokens", json=base).json()["input_tokens"]
+    with_tools = client.post("/v1/messages/count_tokens", json={
+        **base, "tools": [{"name": "add", "input_schema": ADD.parameters}]}).json()["input_tokens"]
+    assert with_tools > plain
