@@ -212,7 +212,8 @@ class SglFunction:
 
     def compile(self, *, backend=None):
         from radixlm.lang.compiler import compile_program
-        return compile_program(self, as_backend(backend) if backend else _default_backend)
+        # no backend given: the default is looked up when the compiled program runs
+        return compile_program(self, as_backend(backend) if backend else None)
 
     def __call__(self, *args, **kwargs):
         """`other(s, ...)` inside a program runs other's body on state s; otherwise it is run()."""

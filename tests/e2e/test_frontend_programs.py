@@ -20,6 +20,7 @@ def runtime():
     rt = sgl.Runtime(max_total_tokens=30000)
     sgl.set_default_backend(rt)
     yield rt
+    sgl.set_default_backend(None)  # later tests must not inherit a stopped server
     rt.shutdown()
 
 
