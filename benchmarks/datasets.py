@@ -294,3 +294,21 @@ def summarize(reqs: list[BenchRequest]) -> dict:
         "total_input_tokens": sum(len(r.prompt_ids) for r in reqs),
         "total_output_tokens": sum(r.output_len for r in reqs),
     }
+
+
+def add_dataset_args(p) -> None:
+    """The workload flags shared by offline_throughput.py and serving.py (SGLang's names)."""
+    p.add_argument("--dataset-name", default="sharegpt",
+                   choices=["sharegpt", "random", "generated-shared-prefix"])
+    p.add_argument("--num-prompts", type=int, default=1000,
+                   help="sharegpt and random; generated-shared-prefix uses groups x prompts per group")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length for ShareGPT")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=1024)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--gsp-num-groups", type=int, default=64)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    p.add_argument("--gsp-question-len", type=int, default=128)
+    p.add_argument("--gsp-output-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=1)

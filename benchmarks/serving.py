@@ -263,20 +263,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="openai backend: model name (default: first of /v1/models)")
     p.add_argument("--tokenizer-path", default=None, help="default: the bundled SmolLM2 GGUF")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--dataset-name", default="sharegpt",
-                   choices=["sharegpt", "random", "generated-shared-prefix"])
-    p.add_argument("--num-prompts", type=int, default=1000,
-                   help="sharegpt and random; generated-shared-prefix uses groups x prompts per group")
-    p.add_argument("--sharegpt-output-len", type=int, default=None)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=1024)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--gsp-num-groups", type=int, default=64)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
-    p.add_argument("--gsp-question-len", type=int, default=128)
-    p.add_argument("--gsp-output-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=1)
+    ds.add_dataset_args(p)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--disable-ignore-eos", action="store_true",
