@@ -91,7 +91,14 @@ class ServerArgs:
     disable_jump_forward: bool = False  # constrained decoding: decode forced text token by token
     # by default a step that admits new requests also decodes the running ones in the same forward
     disable_mixed_batch: bool = False
-    attention_backend: str = "torch_native"
+    # CUDA: the CPU completes step N while the GPU runs step N+1 (scheduler/overlap.py)
+    disable_overlap_schedule: bool = False
+    disable_cuda_graph: bool = False  # CUDA: decode launched op by op instead of graph replay
+    cuda_graph_max_bs: int = 160  # largest decode batch captured in a graph; larger ones run eagerly
+    # decode reads a prefix shared by running requests once per group (attention/shared_prefix.py)
+    # where the attention backend supports it (triton, cpu)
+    disable_shared_prefix_attention: bool = False
+    attention_backend: str = "auto"  # auto | torch_native | triton (CUDA) | cpu (C++ kernels)
     chat_template: Optional[str] = None
     tool_call_parser: Optional[str] = None  # hermes | llama3 | mistral; None: from the template
     served_model_name: Optional[str] = None
@@ -105,6 +112,13 @@ class ServerArgs:
     max_payload_size: int = 32 * 1024 * 1024  # bytes of request body; larger: 413
     enable_metrics: bool = False
     timeout_graceful_shutdown: float = 30.0  # SIGTERM: seconds to let running requests finish
+    # --- SGLang drop-in (server API) ---
+    stream_interval: int = 1  # a stream sends an update every this many tokens
+    incremental_streaming_output: bool = False  # /generate streams text and ids as deltas
+    log_requests: bool = False  # log every request's input and output
+    enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
+    reasoning_parser: Optional[str] = None  # deepseek-r1 | qwen3 | ...: split <think> output
+    embedding_pooling: str = "last"  # /v1/embeddings and /encode: last | mean (L2-normalized)
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)

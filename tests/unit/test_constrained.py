@@ -119,10 +119,20 @@ def test_mixed_constrained_and_free_batch(engine, integrity):
     integrity(eng)
 
 
-def test_jump_forward_greedy_matches_without(engines, integrity):
+@pytest.fixture(scope="module")
+def fp32_engines(make_engine):
+    # fp32: jump-forward turns decode steps into one extend of the forced tokens; in bf16 those two
+    # paths round differently and can flip a near-tie (seen in CI: '1982-02-22' vs '-23'), which
+    # says nothing about jump-forward itself
+    return {True: make_engine(dtype="float32"),
+            False: make_engine(dtype="float32", disable_jump_forward=True)}
+
+
+def test_jump_forward_greedy_matches_without(fp32_engines, integrity):
     """Where the forced text's tokens are the ones the model would pick anyway, jump-forward only
     changes speed: fixed literals between digit runs (dates, phone numbers) qualify, because the
     literal characters ('-', '(', ') ') are single tokens here that never merge with digits."""
+    engines = fp32_engines
     tok = engines[True].tokenizer
     prompts = [_chat(tok, q) for q in ("When was the moon landing?", "Call me at?", "A date?")]
     for rx in (REGEXES["date"], REGEXES["phone"]):

@@ -21,10 +21,14 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool
 
 
 class AttentionBackend(ABC):
-    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, scale: float):
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, scale: float, *,
+                 max_batch_size: int = 256, max_context_len: int = 8192):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token  # (max_reqs, max_context) int64
         self.scale = scale
+        # upper bounds a backend may size persistent scratch buffers by (CUDA graphs need them)
+        self.max_batch_size = max_batch_size
+        self.max_context_len = max_context_len
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None: ...

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from radixlm.runtime.attention import shared_prefix
 from radixlm.runtime.attention.base import AttentionBackend
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
@@ -33,6 +34,18 @@ class _ExtendSeg:
 
 
 class TorchNativeAttention(AttentionBackend):
+    # the ranged ops below are the reference for shared-prefix attention, not a fast path: the
+    # scheduler only plans prefix groups for backends whose kernels read the prefix once
+    supports_shared_prefix = False
+
+    def ranged_decode(self, q, k_buf, v_buf, req_pool_indices, kv_start, seq_lens):
+        return shared_prefix.torch_ranged_decode(q, k_buf, v_buf, self.req_to_token,
+                                                 req_pool_indices, kv_start, seq_lens, self.scale)
+
+    def prefix_attention(self, q, k_buf, v_buf, groups):
+        return shared_prefix.torch_prefix_attention(q, k_buf, v_buf, self.req_to_token, groups,
+                                                    self.scale)
+
     def _decode_meta(self, req_pool_indices, seq_lens, seq_lens_cpu) -> _DecodeMeta:
         max_len = max(seq_lens_cpu)
         slots = self.req_to_token[req_pool_indices, :max_len]
@@ -69,6 +82,8 @@ class TorchNativeAttention(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
         decode, segs = fb.attn_metadata
         if fb.mode == ForwardMode.DECODE:
+            if fb.prefix_groups is not None:
+                return shared_prefix.decode_with_groups(self, q, k_buf, v_buf, fb)
             return self._decode(q, k_buf, v_buf, decode)
         out = torch.empty_like(q)
         if decode is not None:  # the mixed-in decode requests' rows come last

@@ -37,6 +37,9 @@ class ForwardBatch:
     attn_backend: Any = None  # the AttentionBackend running this forward
     # attention backends stash per-batch metadata (gather indices, masks) here, once per forward
     attn_metadata: Optional[Any] = None
+    # DECODE only: groups of rows that share a cached prefix (attention/shared_prefix.py), read
+    # once per group; None runs plain decode attention
+    prefix_groups: Optional[Any] = None
 
     @property
     def batch_size(self) -> int:

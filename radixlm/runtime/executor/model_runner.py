@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from radixlm.runtime.attention.torch_native import TorchNativeAttention
+from radixlm.runtime.attention.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.config import ModelConfig, ServerArgs
+from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool
@@ -76,17 +77,24 @@ class ModelRunner:
         # +1 row of slack so a request being re-admitted never waits on its own row
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1,
                                                 self.context_len + 1, self.device)
-        if args.attention_backend != "torch_native":
-            raise ValueError(f"attention_backend {args.attention_backend!r} is not available "
-                             "(available: torch_native)")
-        self.attn_backend = TorchNativeAttention(self.kv_pool, self.req_to_token_pool.req_to_token,
-                                                 scale=cfg.head_dim ** -0.5)
+        self.attention_backend_name = resolve_backend_name(args.attention_backend, self.device)
+        self.attn_backend = create_attention_backend(
+            self.attention_backend_name, self.kv_pool, self.req_to_token_pool.req_to_token,
+            scale=cfg.head_dim ** -0.5, device=self.device,
+            max_batch_size=args.max_running_requests + 1, max_context_len=self.context_len + 1)
+        self.graph_runner = None
+        if (self.device.type == "cuda" and not args.disable_cuda_graph
+                and getattr(self.attn_backend, "supports_cuda_graph", False)):
+            max_bs = min(args.cuda_graph_max_bs, args.max_running_requests + 1)
+            self.graph_runner = CudaGraphRunner(self, max_bs)
 
     def _load_model(self, cfg: ModelConfig, seed: int) -> LlamaForCausalLM:
         t0 = time.perf_counter()
         with torch.device("meta"):  # no init kernels: every parameter is overwritten below
             model = LlamaForCausalLM(cfg)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        # dtype first, while on meta (free): casting after to_empty would read and write every
+        # byte of uninitialized fp32 weights (seconds here, where fresh pages are slow)
+        model = model.to(self.dtype).to_empty(device=self.device)
         model.rope.reset(self.device)  # buffers are computed, not loaded
         if self.load_format == "dummy":
             model.init_dummy_weights(seed)
@@ -116,7 +124,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if (self.graph_runner is not None and fb.prefix_groups is None
+                and self.graph_runner.can_run(fb)):
+            return self.graph_runner.replay(fb)
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb)
+        fb.hidden_states = hidden  # (N, H) final hidden states of the logits rows (embeddings)
         return self.model.compute_logits(hidden)

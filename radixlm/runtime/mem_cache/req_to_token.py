@@ -7,10 +7,14 @@ import torch
 
 class ReqToTokenPool:
     def __init__(self, max_reqs: int, max_context_len: int, device: str | torch.device = "cpu"):
-        self.max_reqs = max_reqs
+        self.max_reqs = max_reqs  # rows handed out to requests
         self.max_context_len = max_context_len
-        # (max_reqs, max_context_len) int64 slot indices; unused entries point at scratch slot 0
-        self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int64, device=device)
+        # (max_reqs + 1, max_context_len) int64 slot indices; unused entries point at scratch slot
+        # 0. The extra last row is never handed out and stays all zeros: padded rows of a batch
+        # (CUDA-graph buckets) read it, so they attend to the scratch slot only.
+        self.req_to_token = torch.zeros(max_reqs + 1, max_context_len, dtype=torch.int64,
+                                        device=device)
+        self.pad_row = max_reqs
         self._free_rows = list(range(max_reqs))
 
     def available_size(self) -> int:

@@ -8,6 +8,7 @@ Slots for the whole batch come from one allocation (evicting from the tree if ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -80,18 +81,29 @@ def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tu
     return fb, rows
 
 
-def build_decode(reqs: list[Req], req_pool, allocator, tree_cache, device) -> ForwardBatch:
+def build_decode(reqs: list[Req], req_pool, allocator, tree_cache, device,
+                 input_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
+    """`input_ids` (B,) on the device: the tokens to run when they are not yet on the host (the
+    overlap schedule chains a step onto the previous one's samples); else each request's last."""
     bsz = len(reqs)
     slots = alloc_slots(bsz, allocator, tree_cache)
-    pool_idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device)
     kv_lens = [r.kv_len for r in reqs]
-    positions = torch.tensor(kv_lens, dtype=torch.int64, device=device)
+    # one host tensor, one copy: rows = (pool row, position[, input id])
+    cols = [[r.req_pool_idx for r in reqs], kv_lens]
+    if input_ids is None:
+        cols.append([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs])
+    host = torch.tensor(cols, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    meta = host.to(device, non_blocking=True)
+    pool_idx, positions = meta[0], meta[1]
+    if input_ids is None:
+        input_ids = meta[2]
     req_pool.req_to_token[pool_idx, positions] = slots
     seq_lens_cpu = [n + 1 for n in kv_lens]
     return ForwardBatch(
         mode=ForwardMode.DECODE,
-        input_ids=torch.tensor([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1]
-                                for r in reqs], dtype=torch.int64, device=device),
+        input_ids=input_ids,
         positions=positions,
         out_cache_loc=slots,
         req_pool_indices=pool_idx,

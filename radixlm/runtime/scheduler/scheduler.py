@@ -27,7 +27,11 @@ from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
 from radixlm.runtime.scheduler import decode
 from radixlm.runtime.scheduler.batch_builder import build_decode, build_extend
-from radixlm.runtime.scheduler.output import check_finish, record_output_logprobs
+from radixlm.runtime.scheduler.output import (check_finish, record_embeddings,
+                                              record_input_ids_logprobs, record_output_logprobs)
+from radixlm.runtime.attention.shared_prefix import PrefixGrouper
+from radixlm.runtime.scheduler.overlap import (InFlightDecode, chained_input_ids,
+                                               start_host_copy, surely_finishes)
 from radixlm.runtime.scheduler.policy import order_waiting
 from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder
 
@@ -53,9 +57,18 @@ class Scheduler:
         self.new_token_ratio = decode.INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.grammars: Optional[GrammarCompilerPool] = None  # created on the first constraint
         self.masks = MaskBuffer(self.vocab_size)
+        # overlap schedule (see overlap.py): on CUDA unless disabled; on the CPU nothing runs
+        # asynchronously, so it would only waste the rows of finishing requests
+        self.overlap = not args.disable_overlap_schedule and self.device.type == "cuda"
+        self.prefix_grouper: Optional[PrefixGrouper] = None
+        if (not args.disable_shared_prefix_attention and not args.disable_radix_cache
+                and getattr(runner.attn_backend, "supports_shared_prefix", False)):
+            self.prefix_grouper = PrefixGrouper(self.device)
+        self.inflight: Optional[InFlightDecode] = None  # a launched decode step not yet completed
+        self._deferred: list[Req] = []  # requests completed outside step(), reported by the next
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                       "retractions": 0, "forward_steps": 0,
-                      "jump_forward_tokens": 0}
+                      "jump_forward_tokens": 0, "shared_prefix_steps": 0}
 
     # --- requests in and out --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -69,6 +82,7 @@ class Scheduler:
 
     def abort_request(self, rid: str) -> Optional[Req]:
         """Finish `rid` with reason abort and release its KV. Returns the request if found."""
+        self._settle()
         for queue in (self.waiting, self.running):
             for i, req in enumerate(queue):
                 if req.rid == rid:
@@ -84,11 +98,12 @@ class Scheduler:
         return None
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked)
+        return not (self.waiting or self.running or self.chunked or self.inflight
+                    or self._deferred)
 
     def has_runnable_work(self) -> bool:
         """False when idle or when every waiting request still waits for its grammar."""
-        if self.running or self.chunked:
+        if self.running or self.chunked or self.inflight or self._deferred:
             return True
         return any(r.grammar_future is None or r.grammar_future.done() for r in self.waiting)
 
@@ -110,6 +125,43 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Run one batch. Returns the requests that produced tokens or finished in this step."""
+        done, self._deferred = self._deferred, []
+        if self.inflight is not None:
+            prev, self.inflight = self.inflight, None
+            chain = self._chainable()
+            if chain:  # launch step N+1 first, then do step N's CPU work while the GPU runs
+                self.inflight = self._launch_decode(chain, chained_input_ids(prev, chain))
+            done += self._complete_decode(prev)
+            if self.inflight is not None:
+                return done
+        return done + self._step()
+
+    def _settle(self) -> None:
+        """Complete the step in flight now (before an out-of-band change to the batch)."""
+        if self.inflight is not None:
+            prev, self.inflight = self.inflight, None
+            self._deferred += self._complete_decode(prev)
+
+    def _chainable(self) -> list[Req]:
+        """The running requests to launch the next decode step for before completing the one in
+        flight, or [] when chaining could change a result (see overlap.py)."""
+        if not self.overlap or self.waiting or self.chunked:
+            return []
+        if any(r.grammar is not None for r in self.running):
+            return []
+        chain = [r for r in self.running if not surely_finishes(r, self.context_len)]
+        if not chain:
+            return []
+        if self.allocator.available_size() < len(chain):
+            self.tree_cache.evict(len(chain) - self.allocator.available_size())
+            if self.allocator.available_size() < len(chain):
+                return []
+        if len(chain) != len(self.running):  # their last token is in flight: leave the batch now
+            staying = {id(r) for r in chain}
+            self._drop_from_running({id(r) for r in self.running if id(r) not in staying})
+        return chain
+
+    def _step(self) -> list[Req]:
         mixed = bool(self.running) and not self.args.disable_mixed_batch
         aborted = []
         if mixed:  # the running requests decode in this step whatever it admits: room first
@@ -173,6 +225,8 @@ class Scheduler:
         self.stats["forward_steps"] += 1
         for req in reqs + decoding:
             req.kv_len += req.extend_len
+        if any(r.embed_pooling for r in reqs):
+            record_embeddings(rows, getattr(fb, "hidden_states", None))
         self._record_input_logprobs(logits, rows)
 
         n_new = len(rows.sample_reqs) - len(decoding)
@@ -203,14 +257,45 @@ class Scheduler:
         aborted = [r for r in retracted if r.finished]
         if not self.running:
             return aborted
-        reqs = self.running
-        fb = build_decode(reqs, self.req_pool, self.allocator, self.tree_cache, self.device)
+        step = self._launch_decode(list(self.running))
+        if self.overlap and not any(r.grammar is not None for r in self.running):
+            self.inflight = step  # completed by the next step(), after it launches its own
+            return aborted
+        return self._complete_decode(step) + aborted
+
+    def _launch_decode(self, reqs: list[Req], input_ids=None) -> InFlightDecode:
+        """Enqueue one decode step for `reqs` (== self.running, in order); no host sync."""
+        fb = build_decode(reqs, self.req_pool, self.allocator, self.tree_cache, self.device,
+                          input_ids)
+        if self.prefix_grouper is not None:
+            fb.prefix_groups = self.prefix_grouper.plan(reqs)
+            self.stats["shared_prefix_steps"] += fb.prefix_groups is not None
         logits = self.runner.forward(fb)
         self.stats["forward_steps"] += 1
         for req in reqs:
             req.kv_len += 1
-        self._decode_results(reqs, logits)
-        return reqs + aborted
+        return start_host_copy(reqs, self._sample(logits, self.running_info, reqs))
+
+    def _complete_decode(self, step: InFlightDecode) -> list[Req]:
+        """Append a decode step's tokens, finish requests, drop them from the running batch.
+        Rows of requests that finished while the step was in flight are ignored."""
+        live = [i for i, r in enumerate(step.reqs) if not r.finished]
+        out = step.wait()
+        if len(live) != len(step.reqs):
+            out = _take_rows(out, live)
+        reqs = [step.reqs[i] for i in live]
+        keep = set(self._process_tokens(reqs, out))
+        self._drop_from_running({id(r) for i, r in enumerate(reqs) if i not in keep})
+        self.new_token_ratio = max(decode.MIN_NEW_TOKEN_RATIO,
+                                   self.new_token_ratio - decode.NEW_TOKEN_RATIO_DECAY)
+        return reqs
+
+    def _drop_from_running(self, gone: set) -> None:
+        """Remove the requests whose id() is in `gone` from the batch and its sampling rows."""
+        if gone:
+            keep = [i for i, r in enumerate(self.running) if id(r) not in gone]
+            self.running = [self.running[i] for i in keep]
+            self.running_info.filter(keep)
 
     def _decode_results(self, reqs: list[Req], logits) -> None:
         """Sample the running batch (`reqs` is self.running, logits its rows) and drop finished."""
@@ -294,6 +379,9 @@ class Scheduler:
 
     def _record_input_logprobs(self, logits, rows) -> None:
         for req, first_row, n, first_pos in rows.input_spans:
+            if req.embed_pooling:  # its rows were kept for pooling, not for logprobs
+                continue
+            record_input_ids_logprobs(req, logits[first_row : first_row + n], first_pos)
             targets = torch.tensor(req.origin_input_ids[first_pos : first_pos + n], device=self.device)
             chosen, top_vals, top_ids = token_logprobs(logits[first_row : first_row + n], targets,
                                                        req.top_logprobs_num)
@@ -333,6 +421,7 @@ class Scheduler:
     # --- maintenance ----------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         """Drop the whole radix cache; only allowed when no request holds KV."""
+        self._settle()
         if not self.is_idle():
             return False
         self.tree_cache.reset()
@@ -341,6 +430,7 @@ class Scheduler:
         return True
 
     def check_integrity(self) -> None:
+        self._settle()
         self.tree_cache.check_integrity()
         owned = 0
         holders = self.running + ([self.chunked] if self.chunked else [])
@@ -354,3 +444,12 @@ class Scheduler:
         if self.is_idle():
             assert self.tree_cache.protected_size() == 0, "idle scheduler but locked tree nodes"
             assert self.req_pool.available_size() == self.req_pool.max_reqs, "req_pool rows leaked"
+
+
+def _take_rows(out, rows: list[int]):
+    """The SampleOutput of the given rows only (host tensors)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    pick = (lambda t: None if t is None else t.index_select(0, index))
+    return type(out)(next_token_ids=pick(out.next_token_ids), logprobs=pick(out.logprobs),
+                     top_logprobs_vals=pick(out.top_logprobs_vals),
+                     top_logprobs_ids=pick(out.top_logprobs_ids))

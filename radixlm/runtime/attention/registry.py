@@ -1,0 +1,71 @@
+"""Attention backends by name (`--attention-backend`), imported lazily so that e.g. the CPU path
+never imports triton and a missing optional dependency only matters to the backend that needs it.
+
+`auto` picks the fast backend of the device: `triton` on CUDA, `cpu` (C++ kernels) on the CPU.
+On the CPU, when the kernels cannot be built or loaded (no compiler, RADIXLM_DISABLE_CPU_KERNELS=1)
+`auto` falls back to `torch_native` with ONE logged warning naming the reason, never silently;
+`cpu` asked for by name raises instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from radixlm.runtime.attention.base import AttentionBackend
+
+BACKENDS = {
+    "torch_native": "radixlm.runtime.attention.torch_native:TorchNativeAttention",
+    "triton": "radixlm.runtime.attention.triton_backend:TritonAttention",
+    "cpu": "radixlm.runtime.attention.cpu_backend:CpuAttention",
+}
+# which backend `auto` means on each device type; flipped to the fast backends as they land
+AUTO = {"cuda": "triton", "cpu": "cpu"}
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name == "auto":
+        name = AUTO.get(device.type, "torch_native")
+        if name == "cpu" and (err := _cpu_kernels_error()) is not None:
+            from radixlm.runtime.attention import cpu_kernels
+            cpu_kernels.warn_fallback(err)  # once per process
+            return "torch_native"
+        return name
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of auto, {', '.join(BACKENDS)} "
+                         f"(got {name!r})")
+    if name == "triton" and device.type != "cuda" and not _triton_interpreted():
+        raise ValueError("attention_backend 'triton' needs a CUDA device "
+                         "(or TRITON_INTERPRET=1 for tests)")
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention_backend 'cpu' needs the CPU device")
+        if (err := _cpu_kernels_error()) is not None:
+            raise ValueError(f"attention_backend 'cpu': the kernels are unavailable: {err}")
+    return name
+
+
+def _cpu_kernels_error():
+    """None when the CPU kernels load (built once, cached on disk), else the reason."""
+    from radixlm.runtime.attention import cpu_kernels
+    try:
+        cpu_kernels.load()
+        return None
+    except cpu_kernels.CpuKernelsUnavailable as e:
+        return str(e)
+
+
+def _triton_interpreted() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def create_attention_backend(name: str, kv_pool, req_to_token: torch.Tensor, scale: float,
+                             device: torch.device, max_batch_size: int,
+                             max_context_len: int) -> AttentionBackend:
+    """Build the backend `name` (already resolved, see resolve_backend_name)."""
+    module, cls = BACKENDS[name].split(":")
+    backend_cls = getattr(importlib.import_module(module), cls)
+    return backend_cls(kv_pool, req_to_token, scale, max_batch_size=max_batch_size,
+                       max_context_len=max_context_len)

@@ -1,0 +1,112 @@
+"""CUDA graphs for the decode forward: one captured graph per batch-size bucket.
+
+A decode step of an 8B model launches ~500 small kernels; launched op by op from Python that costs
+more than the GPU work at small batch sizes. Each bucket (1, 2, 4, 8, 16, 24, 32, ... up to
+`--cuda-graph-max-bs`) is captured once at start-up; a step of B requests replays the smallest
+bucket >= B with the B real rows copied into static input buffers and the rest padded.
+
+Padding rows are harmless by construction: they read request row `pad_row` of req_to_token (all
+zeros -> scratch slot 0), have seq_len 1, and write their K/V into scratch slot 0; their logits
+rows are never read.
+
+Contract with the attention backend: `supports_cuda_graph = True` means its DECODE
+`init_forward_metadata` and `forward` read only device tensors of the ForwardBatch (no host
+lists, no syncs, no data-dependent allocation), so they can run inside the capture and replay
+with new values in the same buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def batch_size_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 256, then every 16: few buckets, little padding."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
+    out = [b for b in sizes if b <= max_bs]
+    if not out or out[-1] != max_bs:
+        out.append(max_bs)
+    return out
+
+
+class CudaGraphRunner:
+    def __init__(self, runner, max_bs: int):
+        self.runner = runner
+        self.device = runner.device
+        self.buckets = batch_size_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        dev, n = self.device, self.max_bs
+        i64 = dict(dtype=torch.int64, device=dev)
+        # static inputs: every captured graph reads slices [:bucket] of these
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.out_cache_loc = torch.zeros(n, **i64)  # padding writes to scratch slot 0
+        self.req_pool_indices = torch.full((n,), runner.req_to_token_pool.pad_row, **i64)
+        self.seq_lens = torch.ones(n, **i64)
+        self.logits_indices = torch.arange(n, **i64)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> (bucket, vocab) float32 logits
+        self.pool = None
+        self._capture_all()
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], logits_indices=self.logits_indices[:bs],
+            seq_lens_cpu=[1] * bs)
+
+    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        r = self.runner
+        fb.attn_backend = r.attn_backend
+        r.attn_backend.init_forward_metadata(fb)
+        return r.model.compute_logits(r.model(fb))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        # largest first: smaller graphs then fit into the memory pool the largest one reserved
+        for bs in reversed(self.buckets):
+            fb = self._batch(bs)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up outside capture (autotuning, lazy init)
+                for _ in range(2):
+                    self._run_model(fb)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self._run_model(fb)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (bs %s) in %.1fs", len(self.buckets),
+                    self.buckets, time.perf_counter() - t0)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.mode == ForwardMode.DECODE and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run the decode batch `fb` through its bucket's graph; returns (B, vocab) logits."""
+        bs = fb.batch_size
+        bucket = next(b for b in self.buckets if b >= bs)
+        self.input_ids[:bs].copy_(fb.input_ids)
+        self.positions[:bs].copy_(fb.positions)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        self.seq_lens[:bs].copy_(fb.seq_lens)
+        if bucket > bs:  # rows left over from a larger earlier batch become padding again
+            self.out_cache_loc[bs:bucket].zero_()
+            self.req_pool_indices[bs:bucket].fill_(self.runner.req_to_token_pool.pad_row)
+            self.seq_lens[bs:bucket].fill_(1)
+            self.positions[bs:bucket].zero_()
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:bs]
