@@ -38,6 +38,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos, self.sin = self._tables(device)
 
     def _tables(self, device):
+        # Computed on the CPU, then moved: under a `torch.device("meta")` context (how the model
+        # is built) these ops would otherwise run through torch's Python reference
+        # decompositions, which import torch._dynamo (seconds), for tables reset() recomputes.
+        with torch.device("cpu"):
+            cos, sin = self._cpu_tables()
+        return cos.to(device), sin.to(device)
+
+    def _cpu_tables(self):
         head_dim, scaling = self.head_dim, self.scaling
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         if scaling is not None:
@@ -52,7 +60,7 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(t, inv_freq).float()  # (max_positions, head_dim/2)
         # cos/sin duplicated over both halves: (max_positions, head_dim), kept in fp32
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(device), emb.sin().to(device)
+        return emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,) -> cos, sin (T, 1, D) fp32; looked up once per forward, used by all layers."""

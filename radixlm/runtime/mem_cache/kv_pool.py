@@ -6,7 +6,23 @@ Slot 0 is scratch (padding writes land there); real slots are 1..capacity, hande
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor. On the CPU it is backed by an anonymous mmap: the kernel maps zeroed pages
+    on first write, so a pool of GiBs costs no start-up time and only the memory tokens actually
+    use (torch.zeros writes every byte up front: seconds for the default 4 GiB CPU pool)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
 
 
 class KVPool:
@@ -16,8 +32,8 @@ class KVPool:
         self.num_layers = num_layers
         self.dtype = dtype
         shape = (capacity + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [zeros_lazy(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [zeros_lazy(shape, dtype, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the tokenizer-only processes
+    import torch   # (server parent, detokenizer) read GGUF metadata without paying for torch
 
 # GGUF architecture name -> (HF architectures[0], HF model_type, rows were permuted for rotary).
 # llama.cpp's converter permutes q/k only for its Llama family; Qwen2 keeps HF's half-split order.
@@ -160,9 +162,24 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_weight_plan(path: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, torch shape) of every tensor `iter_gguf_weights` yields, in the same order,
+    without dequantizing anything (the weight cache writes its header from this)."""
+    r = open_gguf(path)
+    plan = []
+    for t in r.tensors:
+        try:
+            name = hf_name(t.name)
+        except KeyError:
+            raise NotImplementedError(f"{path}: no HF name for GGUF tensor {t.name!r}") from None
+        plan.append((name, tuple(int(n) for n in reversed(t.shape))))
+    return plan
+
+
 def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, dense `dtype` tensor) for every tensor of the file, one at a time, so peak
     memory stays at one float32 tensor above the model's own weights."""
+    import torch
     from gguf.quants import dequantize
 
     r = open_gguf(path)

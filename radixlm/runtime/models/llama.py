@@ -19,6 +19,16 @@ from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding minus its random init on the meta device (ModelRunner builds the model
+    there): normal_ on meta runs through torch's Python reference decompositions, which import
+    torch._dynamo (seconds of start-up), for values the checkpoint overwrites anyway."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -80,13 +90,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling)
+
+    def to_empty(self, *, device, recurse: bool = True) -> "LlamaForCausalLM":
+        """nn.Module.to_empty, allocating with torch.empty(shape): torch's own calls empty_like
+        on the meta tensors, whose Python reference decomposition imports sympy and torch.fx
+        (1-3 s of start-up) to work out strides that are contiguous anyway."""
+        return self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device),
+                           recurse=recurse)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Returns final hidden states of the rows `fb.logits_indices`: (N, hidden)."""

@@ -9,6 +9,11 @@ file format. Three formats:
   dummy        config only; the model keeps its random init (benchmarks, tests without weights)
 
 Only local paths: the GPU machines have no network, so a hub id is an error, not a download.
+
+What a GGUF file yields (config, tokenizer, dense weights) comes from the on-disk cache in
+cache.py when it can: deriving it from the file again costs seconds per process.
+torch is imported only where tensors are made, so the tokenizer-only processes (server parent,
+detokenizer) do not pay ~2 s for it.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import importlib.util
 import json
 import logging
 import os
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-import torch
+from radixlm.runtime.models import cache, gguf_loader
 
-from radixlm.runtime.models import gguf_loader
+if TYPE_CHECKING:
+    import torch
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -119,24 +125,33 @@ def load_hf_config(model_path: Optional[str], load_format: str = "auto") -> dict
     only_tokenizer = os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
     fmt = "folder" if only_tokenizer else resolve_load_format(path, load_format)
     if fmt == "gguf" or (fmt == "dummy" and os.path.isfile(path)):
-        return gguf_loader.gguf_to_hf_config(_gguf_path(path))
+        file = _gguf_path(path)
+        c = cache.try_cache(file)
+        return c.get_config() if c is not None else gguf_loader.gguf_to_hf_config(file)
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)
 
 
 def iter_weights(
-    model_path: Optional[str], load_format: str = "auto", dtype: torch.dtype = torch.float32
+    model_path: Optional[str], load_format: str = "auto", dtype: Optional[torch.dtype] = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for every weight, floating tensors cast to `dtype`, one tensor at
-    a time (the model copies each into its parameters, so only one extra tensor is ever alive)."""
+    """Yield `(hf_name, tensor)` for every weight, floating tensors cast to `dtype` (default
+    float32), one tensor at a time (the model copies each into its parameters, so only one
+    extra tensor is ever alive)."""
+    import torch
+    from safetensors import safe_open
+
+    dtype = torch.float32 if dtype is None else dtype
     path = _expand(model_path)
     fmt = resolve_load_format(path, load_format)
     if fmt == "dummy":
         raise ValueError("load_format=dummy has no weights to iterate: keep the random init")
     if fmt == "gguf":
-        yield from gguf_loader.iter_gguf_weights(_gguf_path(path), dtype)
+        file = _gguf_path(path)
+        c = cache.try_cache(file)
+        yield from (c.iter_weights(dtype) if c is not None
+                    else gguf_loader.iter_gguf_weights(file, dtype))
         return
-    from safetensors import safe_open
 
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
@@ -147,17 +162,19 @@ def iter_weights(
 
 def load_tokenizer(model_path: Optional[str], load_format: str = "auto"):
     """The HF tokenizer, chat template included. For GGUF, transformers rebuilds it from the
-    file's metadata (~4.5 s for SmolLM2's 49k vocab; not cached)."""
-    from transformers import AutoTokenizer
-
+    file's metadata (~5 s for SmolLM2's 49k vocab) once; later loads read the cached
+    `tokenizer.json` (cache.py)."""
     path = _expand(model_path)
     # a folder holding only tokenizer files (--tokenizer-path) has no weights to resolve
     only_tokenizer = os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
     fmt = "folder" if only_tokenizer else resolve_load_format(path, load_format)
     if fmt == "gguf" or (fmt == "dummy" and os.path.isfile(path)):
         file = _gguf_path(path)
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(file), gguf_file=os.path.basename(file))
+        c = cache.try_cache(file)
+        tok = c.get_tokenizer() if c is not None else cache.tokenizer_from_gguf(file)
     else:
+        from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(path)
     if getattr(tok, "chat_template", None) is None:
         # Not fatal (base models have none), but the chat API will need --chat-template.

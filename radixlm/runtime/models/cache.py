@@ -1,0 +1,406 @@
+"""On-disk cache of what start-up derives from a GGUF file: HF config, tokenizer, dense weights.
+
+Why: without it every process that starts (the Engine; the server's parent, scheduler and
+detokenizer) parses the GGUF header (~100k metadata strings read field by field, ~2 s), lets
+transformers rebuild the tokenizer from it (parsing the file again, ~5 s) and dequantizes Q4_1 in
+numpy (~3 s). With it a warm start reads a small JSON, a `tokenizer.json` and one mmap-able
+safetensors file.
+
+Layout under `$RADIXLM_CACHE_DIR` (default `~/.cache/radixlm`):
+
+    hashes/<sha256 of (realpath, size, mtime_ns)>.json   {"sha256": <content hash>, ...}
+    gguf/<content sha256>-v<FORMAT_VERSION>/
+        config.json                      the HF config dict
+        tokenizer/                       save_pretrained output + MANIFEST.json (file sizes)
+        weights-<dtype>.safetensors      HF-named tensors in the runtime dtype
+
+Keying: hashing the whole file (98 MB: ~0.1 s, more for big models) on every launch is wasted
+work, so the content hash is computed once and memoized by (path, size, mtime). An edited file
+changes size or mtime, is hashed again and gets its own entry; a copy with the same bytes reuses
+the entry.
+
+Integrity: each artifact is written under a temporary name in its final directory, fsynced, and
+renamed into place, so readers see all of it or none of it. One that is present but damaged
+(truncated, edited) fails its check on load -- JSON that does not parse, a safetensors file whose
+size differs from what its header declares, a tokenizer file whose size differs from its
+MANIFEST -- and is rebuilt from the GGUF, never used. A builder holds the entry's lock (flock),
+so the server's processes starting together on a cold cache build each artifact once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+from typing import Any, Callable, Iterator, Optional
+
+logger = logging.getLogger(__name__)
+
+# Bump when what is stored changes meaning (a new config key, another tokenizer save format):
+# old entries are then simply not found.
+FORMAT_VERSION = 1
+_MANIFEST = "MANIFEST.json"
+# safetensors dtype names for the runtime dtypes (torch.dtype's str without "torch.")
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def cache_root() -> Optional[str]:
+    """The cache directory, or None when caching is off (`RADIXLM_DISABLE_CACHE=1`)."""
+    if os.environ.get("RADIXLM_DISABLE_CACHE", "") not in ("", "0"):
+        return None
+    root = os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "radixlm")
+    return os.path.abspath(root)
+
+
+# --- atomic files --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _atomic_file(path: str, mode: str = "wb"):
+    """Write `path` all-or-nothing: a temp file in the same directory, fsynced, then renamed.
+    On any exception the temp file is removed and `path` is left as it was."""
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-" + os.path.basename(path) + "-")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache is readable like any cache
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with _atomic_file(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+
+
+def _read_json(path: str) -> Optional[Any]:
+    """The parsed file, or None when it is missing or does not parse (truncated, garbage)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("cache file %s is unreadable (%s); rebuilding it", path, e)
+        return None
+
+
+@contextlib.contextmanager
+def _locked(entry: str):
+    """Exclusive lock on a cache entry while building into it (released if the process dies)."""
+    os.makedirs(entry, exist_ok=True)
+    with open(os.path.join(entry, ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# --- keys ----------------------------------------------------------------------------------------
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def content_hash(path: str, root: str) -> str:
+    """sha256 of the file's bytes, memoized by (realpath, size, mtime_ns)."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    ident = {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    memo_name = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+    memo_path = os.path.join(root, "hashes", memo_name + ".json")
+    memo = _read_json(memo_path)
+    if isinstance(memo, dict) and all(memo.get(k) == v for k, v in ident.items()) \
+            and isinstance(memo.get("sha256"), str) and len(memo["sha256"]) == 64:
+        return memo["sha256"]
+    digest = file_sha256(real)
+    _write_json(memo_path, dict(ident, sha256=digest))
+    return digest
+
+
+class GGUFCache:
+    """The cache entry of one GGUF file. `get_*` return the cached artifact, building it first
+    (under the entry lock) when it is missing or damaged."""
+
+    def __init__(self, gguf_path: str, root: Optional[str] = None):
+        self.gguf_path = gguf_path
+        self.root = root or cache_root()
+        if self.root is None:
+            raise ValueError("the radixlm cache is disabled (RADIXLM_DISABLE_CACHE)")
+        self.sha256 = content_hash(gguf_path, self.root)
+        self.entry = os.path.join(self.root, "gguf", f"{self.sha256}-v{FORMAT_VERSION}")
+
+    def _get(self, load: Callable[[], Any], build: Callable[[], Any],
+             save: Callable[[Any], None]) -> Any:
+        """The cached artifact (`load()`), else `build()` it and `save` it for next time. When the
+        cache cannot be written (disk full, read-only) the built object is still returned."""
+        got = load()
+        if got is not None:
+            return got
+        with _locked(self.entry):
+            got = load()  # another process may have built it while we waited for the lock
+            if got is not None:
+                return got
+            obj = build()
+            try:
+                save(obj)
+            except OSError as e:
+                logger.warning("could not write to the radixlm cache %s: %s", self.entry, e)
+            return obj
+
+    # --- config ----------------------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        from radixlm.runtime.models.gguf_loader import gguf_to_hf_config
+
+        path = os.path.join(self.entry, "config.json")
+
+        def load():
+            cfg = _read_json(path)
+            return cfg if isinstance(cfg, dict) and "architectures" in cfg else None
+
+        return self._get(load, lambda: gguf_to_hf_config(self.gguf_path),
+                         lambda cfg: _write_json(path, cfg))
+
+    # --- tokenizer -------------------------------------------------------------------------------
+    @property
+    def tokenizer_dir(self) -> str:
+        return os.path.join(self.entry, "tokenizer")
+
+    def _tokenizer_intact(self) -> bool:
+        manifest = _read_json(os.path.join(self.tokenizer_dir, _MANIFEST))
+        if not isinstance(manifest, dict) or not manifest.get("files"):
+            return False
+        for name, size in manifest["files"].items():
+            try:
+                if os.path.getsize(os.path.join(self.tokenizer_dir, name)) != size:
+                    logger.warning("cache file %s/%s has the wrong size; rebuilding",
+                                   self.tokenizer_dir, name)
+                    return False
+            except OSError:
+                return False
+        return True
+
+    def get_tokenizer(self):
+        """The HF tokenizer that `AutoTokenizer.from_pretrained(dir, gguf_file=...)` builds, loaded
+        from its saved `tokenizer.json` + config + chat template instead of from the GGUF."""
+        d = os.path.dirname(self.gguf_path)
+
+        def load():
+            if not self._tokenizer_intact():
+                return None
+            try:
+                tok = tokenizer_from_dir(self.tokenizer_dir)
+            except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exception on bad JSON
+                # a file that is the right size but does not parse: rebuild it
+                logger.warning("cached tokenizer %s does not load (%s); rebuilding it",
+                               self.tokenizer_dir, e)
+                return None
+            tok.name_or_path = d  # what the uncached path reports
+            return tok
+
+        return self._get(load, lambda: tokenizer_from_gguf(self.gguf_path), self._save_tokenizer)
+
+    def _save_tokenizer(self, tok) -> None:
+        # Saved into a temp folder, then renamed: a reader never sees a half-written folder.
+        tmp = tempfile.mkdtemp(dir=self.entry, prefix=".tmp-tokenizer-")
+        try:
+            tok.save_pretrained(tmp)
+            files = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+            for f in files:
+                with open(os.path.join(tmp, f), "rb") as fh:
+                    os.fsync(fh.fileno())
+            _write_json(os.path.join(tmp, _MANIFEST), {"files": files, "source": self.sha256})
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+            # A damaged folder may be there (we hold the lock, so nobody is building it).
+            shutil.rmtree(self.tokenizer_dir, ignore_errors=True)
+            os.rename(tmp, self.tokenizer_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    # --- weights ---------------------------------------------------------------------------------
+    def weights_path(self, dtype_name: str) -> str:
+        return os.path.join(self.entry, f"weights-{dtype_name}.safetensors")
+
+    def iter_weights(self, dtype) -> Iterator[tuple[str, Any]]:
+        """(HF name, tensor) pairs, as `gguf_loader.iter_gguf_weights` yields them. On a miss
+        the tensors come from the GGUF and are written to the cache as they pass."""
+        from radixlm.runtime.models.gguf_loader import iter_gguf_weights
+
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in _ST_DTYPES:  # not a runtime dtype: nothing to gain from caching
+            yield from iter_gguf_weights(self.gguf_path, dtype)
+            return
+        path = self.weights_path(dtype_name)
+        mapped = _map_safetensors(path)
+        if mapped is None:
+            with _locked(self.entry):
+                mapped = _map_safetensors(path)
+                if mapped is None:
+                    # Stream into the file while the consumer copies: no second full copy of the
+                    # weights in memory (an 8B model would need 16 GB more).
+                    writer = _StreamWriter.create(path, self.gguf_path, dtype, self.sha256)
+                    try:
+                        for name, t in iter_gguf_weights(self.gguf_path, dtype):
+                            if writer is not None:
+                                writer = writer.write(name, t)
+                            yield name, t
+                        if writer is not None:
+                            writer, w = None, writer
+                            w.commit()
+                    finally:  # the consumer stopped early (or failed): drop the partial file
+                        if writer is not None:
+                            writer.abort(RuntimeError("the load stopped before the last tensor"))
+                    return
+        yield from mapped
+
+
+def tokenizer_from_dir(path: str):
+    # The class transformers builds for GGUF tokenizers, imported directly: AutoTokenizer's
+    # dispatch machinery costs more import time than the load itself.
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(path)
+
+
+def tokenizer_from_gguf(gguf_path: str):
+    from transformers import AutoTokenizer
+
+    d, name = os.path.split(gguf_path)
+    return AutoTokenizer.from_pretrained(d, gguf_file=name)
+
+
+def _map_safetensors(path: str) -> Optional[list[tuple[str, Any]]]:
+    """(name, tensor) views over a private memory map of the file, in file order, or None when
+    the file is missing or damaged. Views, not copies: the model copies each tensor into its
+    parameters straight from the page cache (safe_open's get_tensor would first copy it into
+    fresh memory: one more pass over the weights, page faults included).
+    Validity is checked by safetensors itself: the header's offsets must cover the file exactly,
+    so a truncated or extended file is refused."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            # ACCESS_COPY (MAP_PRIVATE): writable for torch, but a write never reaches the file
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        header.pop("__metadata__", None)
+        data = torch.frombuffer(mapped, dtype=torch.uint8)[8 + n:]
+        out = []
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            start, end = info["data_offsets"]
+            dtype = getattr(torch, _TORCH_DTYPES[info["dtype"]])
+            out.append((name, data[start:end].view(dtype).view(info["shape"])))
+        return out
+    except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
+        logger.warning("cache file %s is damaged (%s); rebuilding it", path, e)
+        return None
+
+
+class _StreamWriter:
+    """Writes a safetensors file one tensor at a time. The header (names, shapes, offsets) is
+    known up front from the GGUF's tensor table. The file is renamed into place only by
+    `commit()` after the last tensor: a consumer that stops early (an error in load_weights)
+    leaves no cache file behind. A write error disables the writer, never the load."""
+
+    def __init__(self, path: str, plan: list, dtype, ctx):
+        self.path, self.plan, self.dtype, self.ctx = path, plan, dtype, ctx
+        self.f = ctx.__enter__()
+        self.next = 0
+
+    @classmethod
+    def create(cls, path: str, gguf_path: str, dtype, source_sha256: str) -> Optional["_StreamWriter"]:
+        import torch
+
+        from radixlm.runtime.models.gguf_loader import gguf_weight_plan
+
+        plan = gguf_weight_plan(gguf_path)
+        elem = torch.empty((), dtype=dtype).element_size()
+        dtype_name = str(dtype).removeprefix("torch.")
+        header: dict[str, Any] = {"__metadata__": {"source_sha256": source_sha256,
+                                                   "format_version": str(FORMAT_VERSION)}}
+        offset = 0
+        for name, shape in plan:
+            nbytes = elem
+            for n in shape:
+                nbytes *= n
+            header[name] = {"dtype": _ST_DTYPES[dtype_name], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors pads the header: data is 8-byte aligned
+        ctx = _atomic_file(path)
+        try:
+            w = cls(path, plan, dtype, ctx)
+            w.f.write(struct.pack("<Q", len(raw)) + raw)
+            return w
+        except OSError as e:
+            logger.warning("not caching weights in %s: %s", path, e)
+            with contextlib.suppress(BaseException):
+                ctx.__exit__(type(e), e, None)
+            return None
+
+    def write(self, name: str, t) -> Optional["_StreamWriter"]:
+        import torch
+
+        want_name, want_shape = self.plan[self.next]
+        self.next += 1
+        if (name, tuple(t.shape), t.dtype) != (want_name, tuple(want_shape), self.dtype):
+            # the plan and the reader disagree: a bug, but the tensors themselves are fine
+            self.abort(RuntimeError(f"tensor {name} {tuple(t.shape)} {t.dtype} does not match "
+                                    f"the planned {want_name} {want_shape} {self.dtype}"))
+            return None
+        try:
+            self.f.write(t.contiguous().view(torch.uint8).numpy().data)
+        except OSError as e:
+            self.abort(e)
+            return None
+        return self
+
+    def abort(self, e: BaseException) -> None:
+        logger.warning("not caching weights in %s: %s", self.path, e)
+        with contextlib.suppress(BaseException):
+            self.ctx.__exit__(type(e), e, None)  # removes the temp file
+
+    def commit(self) -> None:
+        if self.next != len(self.plan):
+            self.abort(RuntimeError(f"{self.next} of {len(self.plan)} tensors were written"))
+            return
+        try:
+            self.ctx.__exit__(None, None, None)  # fsync + rename into place
+            logger.info("cached weights in %s", self.path)
+        except OSError as e:
+            logger.warning("not caching weights in %s: %s", self.path, e)
+
+
+def try_cache(gguf_path: str) -> Optional[GGUFCache]:
+    """The file's cache entry, or None when caching is off or the cache dir is unusable (e.g.
+    read-only): then callers read the GGUF directly, as without a cache."""
+    if cache_root() is None:
+        return None
+    try:
+        return GGUFCache(gguf_path)
+    except OSError as e:
+        logger.warning("radixlm cache unavailable (%s); reading %s directly", e, gguf_path)
+        return None
