@@ -155,6 +155,24 @@ class Engine:
         results = [build_result(s.req, self.tokenizer) for s in sinks]
         return results[0] if single else results
 
+    def encode(self, prompt: Union[None, str, list[str]] = None,
+               input_ids: Union[None, list[int], list[list[int]]] = None,
+               pooling: str = "last") -> Union[dict, list[dict]]:
+        """Embeddings (SGLang's Engine.encode): the final hidden state pooled over the prompt,
+        "last" token or "mean", L2-normalized -> {"embedding": [...], "meta_info": {...}}."""
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"pooling: must be last or mean (got {pooling!r})")
+        reqs, single = self.builder.build(prompt, input_ids, {"max_new_tokens": 0}, False, None,
+                                          None, None, {}, embed_pooling=pooling)
+        sinks = [self._submit(r) for r in reqs]
+        for sink in sinks:
+            while not sink.done.wait(0.1):
+                self._raise_if_dead()
+        self._raise_if_dead()
+        results = [{"embedding": s.req.embedding,
+                    "meta_info": build_result(s.req, self.tokenizer)["meta_info"]} for s in sinks]
+        return results[0] if single else results
+
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
                              return_logprob=False, logprob_start_len=None, top_logprobs_num=None,
                              stream: bool = False, rid=None, **kwargs):

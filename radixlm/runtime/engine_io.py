@@ -52,7 +52,10 @@ class RequestBuilder:
                              f"holds ({self.kv_capacity}; see --max-total-tokens)")
 
     def build(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-              top_logprobs_num, rid, extra: dict[str, Any]) -> tuple[list[Req], bool]:
+              top_logprobs_num, rid, extra: dict[str, Any],
+              embed_pooling: Optional[str] = None) -> tuple[list[Req], bool]:
+        extra = dict(extra)
+        token_ids_logprob = extra.pop("token_ids_logprob", None)
         if extra:
             raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(extra)}")
         if (prompt is None) == (input_ids is None):
@@ -79,20 +82,30 @@ class RequestBuilder:
         starts = _per_item(logprob_start_len, n, "logprob_start_len")
         tops = _per_item(top_logprobs_num, n, "top_logprobs_num")
         rids = _per_item(rid, n, "rid") if rid is not None else [None] * n
+        nested = isinstance(token_ids_logprob, list) and token_ids_logprob and \
+            isinstance(token_ids_logprob[0], list)
+        tids = token_ids_logprob if nested else [token_ids_logprob] * n
+        if len(tids) != n:
+            raise ValueError(f"token_ids_logprob: got {len(tids)} entries for a batch of {n}")
         if rid is not None and single is False and not isinstance(rid, list):
             raise ValueError("rid: a batch needs a list of rids")
 
         reqs = []
-        for ids, p, lp, start, top, r in zip(all_ids, params, lps, starts, tops, rids):
+        for ids, p, lp, start, top, r, tid in zip(all_ids, params, lps, starts, tops, rids, tids):
             self.check_input_ids(ids, field)
             sp = p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
+            if sp.max_new_tokens is None:  # SGLang: no limit but the context
+                sp.max_new_tokens = max(self.context_len - len(ids), 0)
             sp.verify(self.vocab_size)
+            self.check_token_ids_logprob(tid)
             if constraint_of(sp) is not None:
                 if self.tokenizer is None:
                     raise ValueError("sampling_params: constrained decoding needs a tokenizer")
                 validate_constraint(sp)
             if sp.stop_strs and self.tokenizer is None:
                 raise ValueError("sampling_params.stop: stop strings need a tokenizer")
+            if sp.stop_regex_strs and self.tokenizer is None:
+                raise ValueError("sampling_params.stop_regex: stop_regex needs a tokenizer")
             if len(ids) + sp.max_new_tokens > self.context_len:
                 raise ValueError(f"sampling_params.max_new_tokens: the prompt ({len(ids)} tokens) "
                                  f"plus max_new_tokens ({sp.max_new_tokens}) exceeds the context "
@@ -104,10 +117,25 @@ class RequestBuilder:
             if isinstance(top, bool) or not isinstance(top, int) or top < 0:
                 raise ValueError(f"top_logprobs_num: must be a non-negative integer (got {top!r})")
             base = r or uuid.uuid4().hex
+            if embed_pooling == "mean":  # every prompt position's hidden state is needed
+                start = 0
             for k in range(sp.n):
                 reqs.append(Req(base if sp.n == 1 else f"{base}-{k}", ids, sp, bool(lp),
-                                start if lp else -1, top if lp else 0, self.eos_token_ids))
+                                start if lp or embed_pooling == "mean" else -1,
+                                top if lp else 0, self.eos_token_ids,
+                                token_ids_logprob=tid if lp else None,
+                                embed_pooling=embed_pooling))
         return reqs, single and len(reqs) == 1
+
+    def check_token_ids_logprob(self, tid) -> None:
+        if tid is None:
+            return
+        if not isinstance(tid, list) or len(tid) > self.vocab_size:
+            raise ValueError("token_ids_logprob: must be a list of token ids")
+        for t in tid:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"token_ids_logprob: ids must be integers in "
+                                 f"[0, {self.vocab_size}) (got {t!r})")
 
 
 def _lp_triples(vals, ids, tokenizer, with_text: bool):
@@ -137,7 +165,7 @@ def output_text(req: Req, tokenizer, upto: Optional[int] = None) -> str:
         ids = ids[:-1]  # the stop token is not part of the text
     sp = req.sampling_params
     text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
-    if done and fin is not None and isinstance(fin.matched, str):
+    if done and fin is not None and isinstance(fin.matched, str) and not fin.regex:
         cut = text.find(fin.matched)
         if cut >= 0:
             text = text[: cut + len(fin.matched)] if sp.no_stop_trim else text[:cut]
@@ -149,23 +177,32 @@ def build_result(req: Req, tokenizer, upto: Optional[int] = None, partial: bool 
     upto = len(req.output_ids) if upto is None else upto
     meta: dict[str, Any] = {
         "id": req.rid,
+        "finish_reason": None if partial or req.finish is None else req.finish.to_dict(),
         "prompt_tokens": len(req.origin_input_ids),
+        "weight_version": "default",
+        "num_retractions": req.retractions,
+        "reasoning_tokens": 0,
         "completion_tokens": upto,
         "cached_tokens": req.cached_tokens,
-        "finish_reason": None if partial or req.finish is None else req.finish.to_dict(),
-        "e2e_latency": (req.finished_at or time.perf_counter()) - req.created_at,
     }
     if req.return_logprob:
+        with_text = return_text_in_logprobs
         inp = req.origin_input_ids[req.logprob_start_len:] if req.logprob_start_len >= 0 else []
         meta["input_token_logprobs"] = _lp_triples(req.input_token_logprobs, inp, tokenizer,
-                                                   return_text_in_logprobs)
+                                                   with_text)
         meta["output_token_logprobs"] = _lp_triples(req.output_token_logprobs[:upto],
-                                                    req.output_ids[:upto], tokenizer,
-                                                    return_text_in_logprobs)
+                                                    req.output_ids[:upto], tokenizer, with_text)
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if req.top_logprobs_num:
-            meta["input_top_logprobs"] = _top_triples(req.input_top_logprobs, tokenizer,
-                                                      return_text_in_logprobs)
+            meta["input_top_logprobs"] = _top_triples(req.input_top_logprobs, tokenizer, with_text)
             meta["output_top_logprobs"] = _top_triples(req.output_top_logprobs[:upto], tokenizer,
-                                                       return_text_in_logprobs)
+                                                       with_text)
+        if req.token_ids_logprob is not None:
+            meta["input_token_ids_logprobs"] = _top_triples(req.input_token_ids_logprobs,
+                                                            tokenizer, with_text)
+            meta["output_token_ids_logprobs"] = _top_triples(req.output_token_ids_logprobs[:upto],
+                                                             tokenizer, with_text)
+    if not partial and req.finish is not None:
+        meta["e2e_latency"] = (req.finished_at or time.perf_counter()) - req.created_at
     return {"text": output_text(req, tokenizer, None if not partial else upto),
             "output_ids": list(req.output_ids[:upto]), "meta_info": meta}

@@ -28,8 +28,9 @@ class FinishReason(enum.Enum):
 @dataclass
 class Finish:
     reason: FinishReason
-    matched: Any = None  # stop token id (int) or stop string (str)
+    matched: Any = None  # stop token id (int), stop string or stop_regex pattern (str)
     message: Optional[str] = None  # for aborts
+    regex: bool = False  # `matched` is a stop_regex pattern: the output keeps the matched text
 
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"type": self.reason.value}
@@ -52,6 +53,8 @@ class Req:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         eos_token_ids: tuple[int, ...] = (),
+        token_ids_logprob: Optional[list[int]] = None,
+        embed_pooling: Optional[str] = None,
     ):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -61,6 +64,13 @@ class Req:
         # -1: no prompt logprobs; otherwise the first prompt position whose logprob is returned
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        # logprobs of these token ids at every scored position (SGLang's token_ids_logprob)
+        self.token_ids_logprob = list(token_ids_logprob) if token_ids_logprob else None
+        # "last" | "mean": an embedding request (prompt only); its pooled final hidden state
+        self.embed_pooling = embed_pooling
+        self.embedding: Optional[list[float]] = None
+        self.embed_sum: Any = None  # mean pooling across prefill chunks: running sum, count
+        self.embed_count = 0
         stop_ids = set(sampling_params.stop_token_ids or [])
         if not sampling_params.ignore_eos:
             stop_ids |= set(eos_token_ids)
@@ -83,6 +93,8 @@ class Req:
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_ids_logprobs: list = []  # [[(logprob, id) per token_ids_logprob id]]
+        self.output_token_ids_logprobs: list = []
         self.stop_str_checker: Any = None  # set by the scheduler when stop strings exist
         self.generator: Optional[torch.Generator] = None  # per-request RNG when a seed is given
         self.grammar: Any = None  # xgrammar GrammarMatcher once the grammar is compiled
@@ -109,7 +121,10 @@ class Req:
 
     @property
     def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids)
+        """The prompt's rows from logprob_start_len on are computed and kept: for prompt
+        logprobs, or for mean-pooled embeddings (which need every position's hidden state)."""
+        return ((self.return_logprob or self.embed_pooling == "mean")
+                and 0 <= self.logprob_start_len < len(self.origin_input_ids))
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)

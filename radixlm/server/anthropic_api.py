@@ -30,8 +30,8 @@ from radixlm.server import tool_calls as T
 from radixlm.server.errors import (APIError, anthropic_error_body, anthropic_error_response,
                                    anthropic_error_type, read_json_object, to_api_error)
 from radixlm.server.io_struct import GenerateReqInput
-from radixlm.server.openai_api import (all_updates, apply_chat_template_with_tools, close_all,
-                                       finish_of, start_generations)
+from radixlm.server.openai_chat import apply_chat_template_with_tools
+from radixlm.server.openai_common import all_updates, close_all, finish_of, start_generations
 from radixlm.server.openai_protocol import check_model
 
 

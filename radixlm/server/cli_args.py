@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from radixlm.runtime.config import ServerArgs
+from radixlm.server.reasoning import PARSER_NAMES as REASONING_PARSERS
 from radixlm.server.tool_calls.parsers import PARSER_NAMES
 
 _HELP = {
@@ -19,10 +20,24 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' (or x-api-key) on every endpoint but /health",
     "tool_call_parser": "tool call format: hermes | llama3 | mistral (default: detected from the "
                         "chat template, hermes when it says nothing)",
+    "served_model_name": "the model's name in /v1/models and responses (default: the path's "
+                         "last part)",
+    "chat_template": "a Jinja file or inline template (default: the model's own)",
+    "stream_interval": "streams send an update every this many tokens (a request's "
+                       "sampling_params.stream_interval wins)",
+    "incremental_streaming_output": "/generate streams send text and output_ids as deltas "
+                                    "instead of cumulative",
+    "log_requests": "log every request's input and output (at INFO, whatever --log-level)",
+    "enable_cache_report": "report cached prompt tokens in OpenAI usage "
+                           "(prompt_tokens_details.cached_tokens)",
+    "reasoning_parser": "split <think> reasoning into reasoning_content (chat API): "
+                        + " | ".join(REASONING_PARSERS),
+    "embedding_pooling": "/v1/embeddings and /encode: last (token) | mean, L2-normalized",
 }
 
 
-_CHOICES = {"tool_call_parser": PARSER_NAMES}
+_CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSERS,
+            "embedding_pooling": ("last", "mean")}
 
 
 def _kind(field: dataclasses.Field):

@@ -17,7 +17,7 @@ import zmq
 
 from radixlm.runtime.detokenize import IncrementalDetokenizer, StopStringChecker
 from radixlm.runtime.models import loader
-from radixlm.server.launch import watch_parent
+from radixlm.server.child_process import watch_parent
 from radixlm.server.io_struct import BatchTextOut, BatchTokenOut, ReqUpdate, TextUpdate
 
 logger = logging.getLogger(__name__)
@@ -80,13 +80,18 @@ class Detokenizer:
 
 
 def run_detokenizer_process(tokenizer_path: str, tokenizer_format: str, skip_tokenizer: bool,
-                            ipc: dict[str, str], ready_pipe, log_level: str = "warning") -> None:
+                            ipc: dict[str, str], ready_pipe, log_level: str = "warning",
+                            tokenizer=None) -> None:
+    """Process entry point. `tokenizer`: the parent's, when this process was forked from it
+    (saves loading it again); else it is loaded from `tokenizer_path`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     watch_parent()
     logging.basicConfig(level=log_level.upper(),
                         format="[detokenizer %(asctime)s] %(levelname)s %(message)s")
     try:
-        tok = None if skip_tokenizer else loader.load_tokenizer(tokenizer_path, tokenizer_format)
+        tok = tokenizer
+        if tok is None and not skip_tokenizer:
+            tok = loader.load_tokenizer(tokenizer_path, tokenizer_format)
         ctx = zmq.Context(1)
         recv = ctx.socket(zmq.PULL)
         recv.bind(ipc["detokenizer_in"])

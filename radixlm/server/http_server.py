@@ -1,84 +1,28 @@
-"""FastAPI app: SGLang's native API (/generate, /health, ...) plus the OpenAI and Anthropic APIs.
+"""FastAPI app: health, cache, abort, metrics and debug routes here; SGLang's native API
+(native_api.py: /generate, /encode, /tokenize, /detokenize; admin_api.py: model and server
+info, profiling, weight updates) and the OpenAI and Anthropic APIs are registered from their
+modules.
 
 Bad input answers 400 with a message before anything is queued; the server never crashes on it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import hmac
 import json
 import logging
-from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.datastructures import Headers
 
-from radixlm.runtime.sampling_params import MAX_N
+from radixlm.server.admin_api import register_admin_routes
 from radixlm.server.anthropic_api import register_anthropic_routes
-from radixlm.server.errors import QueueFullError
 from radixlm.server.io_struct import GenerateReqInput
+from radixlm.server.native_api import error, json_body, register_native_routes
 from radixlm.server.openai_api import register_openai_routes
 
 logger = logging.getLogger(__name__)
-
-_GENERATE_FIELDS = {f.name for f in dataclasses.fields(GenerateReqInput)}
-# fields SGLang clients may send that this server accepts and ignores (no effect on text output)
-_IGNORED_FIELDS = {"image_data", "lora_path", "session_params", "return_hidden_states",
-                   "custom_logit_processor", "bootstrap_host", "bootstrap_room", "log_metrics",
-                   "modalities", "token_ids_logprob"}
-
-
-def error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def parse_generate_body(body: Any) -> list[GenerateReqInput] | GenerateReqInput:
-    """A native /generate body -> one GenerateReqInput, or a list for a batch (ValueError if bad)."""
-    if not isinstance(body, dict):
-        raise ValueError("the request body must be a JSON object")
-    unknown = set(body) - _GENERATE_FIELDS - _IGNORED_FIELDS
-    if unknown:
-        raise ValueError(f"unknown field(s): {sorted(unknown)}")
-    fields = {k: v for k, v in body.items() if k in _GENERATE_FIELDS and v is not None}
-    text, ids = fields.get("text"), fields.get("input_ids")
-    if text is None and ids is None:
-        raise ValueError("text or input_ids is required")
-    if not isinstance(fields.get("sampling_params", {}), (dict, list)):
-        raise ValueError("sampling_params must be an object (or a list of them for a batch)")
-    batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
-    if not batch:
-        if isinstance(fields.get("sampling_params"), list):
-            raise ValueError("sampling_params: a list needs a batch of prompts")
-        return GenerateReqInput(**fields)
-    items = text if text is not None else ids
-    if not items:
-        raise ValueError("text/input_ids: the batch is empty")
-    n = len(items)
-    out = []
-    for i in range(n):
-        one = {}
-        for k, v in fields.items():
-            per_item = k in ("text", "input_ids") or (isinstance(v, list) and k != "input_ids"
-                                                       and k in ("sampling_params", "rid",
-                                                                 "return_logprob",
-                                                                 "logprob_start_len",
-                                                                 "top_logprobs_num"))
-            if per_item:
-                if len(v) != n:
-                    raise ValueError(f"{k}: {len(v)} entries for a batch of {n}")
-                one[k] = v[i]
-            else:
-                one[k] = v
-        out.append(GenerateReqInput(**one))
-    return out
 
 
 class _Guard:
@@ -153,22 +97,6 @@ def build_app(tm, args, health) -> FastAPI:
             return error(503, f"generation failed: {e}")
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
-    async def model_info():
-        return {"model_path": tm.model_path, "tokenizer_path": args.tokenizer_path or tm.model_path,
-                "is_generation": True, "served_model_name": tm.model_name,
-                "context_length": tm.context_len, "eos_token_ids": tm.info["eos_token_ids"]}
-
-    @app.get("/get_server_info")
-    async def server_info():
-        info = dataclasses.asdict(args)
-        info.pop("api_key", None)  # secrets never leave the server
-        info["internal_states"] = [await tm.control("get_stats")]
-        info["max_total_num_tokens"] = tm.info["max_total_tokens"]
-        info["device"], info["dtype"] = tm.info["device"], tm.info["dtype"]  # resolved, not "auto"
-        info["version"] = __import__("radixlm").__version__
-        return info
-
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         ok = await tm.control("flush_cache")
@@ -179,7 +107,7 @@ def build_app(tm, args, health) -> FastAPI:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
         except ValueError as e:
             return error(400, str(e))
         if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
@@ -203,74 +131,8 @@ def build_app(tm, args, health) -> FastAPI:
             return error(500, f"KV integrity check failed: {e}")
         return {"ok": True, **await tm.control("get_stats")}
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request):
-        try:
-            parsed = parse_generate_body(await _json_body(request))
-        except ValueError as e:
-            return error(400, str(e))
-        try:
-            parsed = _expand_n(parsed)
-            if isinstance(parsed, list):
-                if any(p.stream for p in parsed):
-                    return error(400, "stream: streaming takes a single prompt")
-                for p in parsed:  # validate the whole batch before queueing any of it
-                    tm.tokenize_request(p)
-                results = await asyncio.gather(*(_final(tm, p, request) for p in parsed))
-                return results
-            if parsed.stream:
-                tm.tokenize_request(parsed)  # 400 before the stream starts
-                return StreamingResponse(_stream(tm, parsed, request), media_type="text/event-stream")
-            return await _final(tm, parsed, request)
-        except ValueError as e:
-            return error(400, str(e))
-        except QueueFullError as e:
-            return error(503, str(e))
-
+    register_native_routes(app, tm, args)
+    register_admin_routes(app, tm, args)
     register_openai_routes(app, tm)
     register_anthropic_routes(app, tm)
     return app
-
-
-def _expand_n(parsed):
-    """`sampling_params.n` > 1: n requests per prompt, prompt-major, as a batch (SGLang's shape)."""
-    items = parsed if isinstance(parsed, list) else [parsed]
-    ns = []
-    for p in items:
-        n = p.sampling_params.get("n", 1) if isinstance(p.sampling_params, dict) else 1
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise ValueError(f"sampling_params.n: must be an integer in [1, {MAX_N}] (got {n!r})")
-        ns.append(n)
-    if all(n == 1 for n in ns):
-        return parsed
-    out = []
-    for p, n in zip(items, ns):
-        for k in range(n):
-            sp = {**p.sampling_params, "n": 1}
-            rid = f"{p.rid}-{k}" if p.rid else None
-            out.append(dataclasses.replace(p, sampling_params=sp, rid=rid))
-    return out
-
-
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON: {e}") from None
-
-
-async def _final(tm, obj: GenerateReqInput, request) -> dict:
-    out = None
-    async for out in tm.generate(obj, request):
-        pass
-    return out
-
-
-async def _stream(tm, obj: GenerateReqInput, request):
-    try:
-        async for chunk in tm.generate(obj, request):
-            yield sse(chunk)
-    except (ValueError, QueueFullError) as e:
-        yield sse({"error": {"message": str(e)}})
-    yield b"data: [DONE]\n\n"

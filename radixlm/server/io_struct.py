@@ -17,7 +17,8 @@ from radixlm.runtime.sampling_params import SamplingParams
 
 @dataclass
 class GenerateReqInput:
-    """One native /generate request (SGLang's field names). A batch is a list of these."""
+    """One native /generate request (SGLang's field names; the fields this server honours, see
+    generate_fields.py for all of SGLang's). A batch is a list of these."""
 
     text: Optional[str] = None
     input_ids: Optional[list[int]] = None
@@ -25,9 +26,15 @@ class GenerateReqInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[str] = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_prompt_token_ids: bool = False
+    # internal (not an HTTP field): "last" | "mean" makes this an embedding request
+    embed_pooling: Optional[str] = None
 
 
 @dataclass
@@ -39,6 +46,8 @@ class TokenizedGenerateReq:
     logprob_start_len: int
     top_logprobs_num: int
     stream: bool
+    token_ids_logprob: Optional[list[int]] = None
+    embed_pooling: Optional[str] = None
 
 
 @dataclass
@@ -48,7 +57,8 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """flush_cache | get_stats | health_check | shutdown; answered by a ControlReply with the same id."""
+    """flush_cache | get_stats | check_integrity | start_profile | stop_profile |
+    update_weights_from_disk | shutdown; answered by a ControlReply with the same id."""
 
     kind: str
     req_id: int
@@ -60,6 +70,7 @@ class ControlReply:
     req_id: int
     result: Any = None
     error: Optional[str] = None
+    bad_request: bool = False  # the error is the caller's (a ValueError): answered 400
 
 
 @dataclass
@@ -82,6 +93,10 @@ class ReqUpdate:
     output_top_logprobs: Optional[list] = None  # [[(logprob, token_id), ...]]
     input_token_logprobs: Optional[list] = None  # full list, sent once with the first update
     input_top_logprobs: Optional[list] = None
+    output_token_ids_logprobs: Optional[list] = None  # [[(logprob, id) per asked id]]
+    input_token_ids_logprobs: Optional[list] = None  # full list, with input_token_logprobs
+    embedding: Optional[list] = None  # embedding requests: the pooled, normalized vector
+    retractions: int = 0
     # jump-forward re-tokenized earlier output: ids (and logprobs) from this index on are replaced
     # by new_ids (the text they decode to is unchanged, so streamed text stays valid)
     rollback_to: Optional[int] = None

@@ -1,5 +1,6 @@
 """Start the server: scheduler and detokenizer processes, then FastAPI in this process.
 
+This module is imported before the scheduler is forked, so it imports nothing heavy at the top.
 Start-up waits until each child reports ready (or fails, printing its traceback). A watchdog
 checks the children: if one dies, /health turns 503 and the server shuts down instead of
 hanging. SIGTERM lets running requests finish (up to --timeout-graceful-shutdown seconds), then
@@ -19,6 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Optional
 
 from radixlm.runtime.config import ServerArgs
+from radixlm.server.child_process import forget_parent_logging
 
 logger = logging.getLogger("radixlm.server")
 
@@ -44,38 +46,79 @@ def _wait_ready(name: str, proc, pipe) -> object:
     return payload
 
 
-def launch_server(args: ServerArgs) -> None:
-    import uvicorn
+def _start_method() -> str:
+    """`fork` while this process has no other threads, else `spawn`.
 
-    from radixlm.runtime.models import loader
-    from radixlm.server.detokenizer_process import run_detokenizer_process
-    from radixlm.server.http_server import build_app
+    fork skips what spawn repeats in every child: a fresh interpreter and its imports. It is
+    unsafe once other threads exist (a lock one of them holds is copied held, forever) and once
+    torch's intra-op pool has run (the child's first parallel op can hang), so start-up forks
+    before any thread or torch op exists here; an embedding program that already has threads
+    gets spawn."""
+    import threading
+
+    return "fork" if threading.active_count() == 1 else "spawn"
+
+
+def _scheduler_main(args: ServerArgs, ipc: dict[str, str], ready_pipe) -> None:
+    # imported in the child: this module stays light, so the parent can fork the scheduler
+    # before it imports torch or anything else heavy
+    forget_parent_logging()
     from radixlm.server.scheduler_process import run_scheduler_process
-    from radixlm.server.tokenizer_manager import TokenizerManager
+
+    run_scheduler_process(args, ipc, ready_pipe)
+
+
+def _detokenizer_main(*args) -> None:
+    forget_parent_logging()
+    from radixlm.server.detokenizer_process import run_detokenizer_process
+
+    run_detokenizer_process(*args)
+
+
+def launch_server(args: ServerArgs) -> None:
+    """Start-up, ordered for the critical path (two CPU cores are enough to overlap it all):
+      1. fork the scheduler first: importing torch and loading the model is the longest path;
+      2. meanwhile import the HTTP stack and load the tokenizer here (the GGUF-derived parts
+         come from the on-disk cache, see runtime/models/cache.py);
+      3. fork the detokenizer from here, so it inherits the loaded tokenizer instead of
+         importing transformers and loading it a third time on the same cores;
+      4. wait for both to report ready, then serve."""
+    from radixlm.runtime.models import loader
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="[server %(asctime)s] %(levelname)s %(message)s")
     if args.model_path is None:
         args = args.replace(model_path=loader.default_model_path())
     ipc_dir, ipc = _ipc_paths()
-    ctx = mp.get_context("spawn")
     procs: list[tuple[str, mp.Process]] = []
     try:
         fmt = loader.resolve_load_format(args.model_path, args.load_format)
         tok_path = args.tokenizer_path or args.model_path
         tok_fmt = "auto" if args.tokenizer_path or fmt == "dummy" else fmt
+        ctx = mp.get_context(_start_method())
         s_recv, s_send = ctx.Pipe(duplex=False)
-        sched = ctx.Process(target=run_scheduler_process, args=(args, ipc, s_send),
+        sched = ctx.Process(target=_scheduler_main, args=(args, ipc, s_send),
                             name="radixlm-scheduler", daemon=True)
-        d_recv, d_send = ctx.Pipe(duplex=False)
-        detok = ctx.Process(target=run_detokenizer_process,
-                            args=(tok_path, tok_fmt, args.skip_tokenizer_init, ipc, d_send,
-                                  args.log_level),
-                            name="radixlm-detokenizer", daemon=True)
-        for name, p in (("scheduler", sched), ("detokenizer", detok)):
-            p.start()
-            procs.append((name, p))
+        sched.start()
+        procs.append(("scheduler", sched))
+
+        import uvicorn
+
+        from radixlm.server.http_server import build_app
+        from radixlm.server.tokenizer_manager import TokenizerManager
+
         tokenizer = None if args.skip_tokenizer_init else loader.load_tokenizer(tok_path, tok_fmt)
+        method = _start_method()
+        ctx = mp.get_context(method)
+        d_recv, d_send = ctx.Pipe(duplex=False)
+        # a forked child inherits the tokenizer; a spawned one would get it pickled, so it
+        # loads its own (from the cache) instead
+        detok = ctx.Process(target=_detokenizer_main,
+                            args=(tok_path, tok_fmt, args.skip_tokenizer_init, ipc, d_send,
+                                  args.log_level, tokenizer if method == "fork" else None),
+                            name="radixlm-detokenizer", daemon=True)
+        detok.start()
+        procs.append(("detokenizer", detok))
         info = _wait_ready("scheduler", sched, s_recv)
         _wait_ready("detokenizer", detok, d_recv)
     except Exception as e:
@@ -141,19 +184,3 @@ def _stop_children(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
-
-
-def watch_parent() -> None:
-    """In a child: exit when the parent process is gone (no orphans after a crash or kill -9)."""
-    import threading
-    import time
-
-    parent = os.getppid()
-
-    def loop():
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=loop, daemon=True, name="watch-parent").start()

@@ -1,19 +1,40 @@
-"""Pydantic models of the OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models.
+"""Pydantic models of the OpenAI-compatible requests: /v1/completions, /v1/chat/completions.
 
 Requests are validated here, before anything reaches the TokenizerManager, so a bad field is a
 400 that names it. Unknown request fields are ignored (not rejected): clients written for other
 servers send vendor extras (`user`, `metadata`, `store`, ...) and must keep working.
-Responses are built through the models below so the wire format is written down in one place.
+The response models live in openai_responses.py (re-exported here).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from radixlm.server.errors import APIError
+from radixlm.server.openai_responses import (  # noqa: F401  (re-exported: P.<Response model>)
+    PromptTokensDetails,
+    UsageInfo,
+    CompletionLogprobs,
+    CompletionChoice,
+    CompletionResponse,
+    TopLogprob,
+    TokenLogprob,
+    ChoiceLogprobs,
+    FunctionCallOut,
+    ToolCallOut,
+    ChatMessageOut,
+    ChatChoice,
+    ChatCompletionResponse,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    DeltaMessage,
+    ChatStreamChoice,
+    ChatCompletionChunk,
+    ModelCard,
+    ModelList,
+)
 
 MAX_N = 16  # choices per prompt; each is one generate call, so this bounds a request's fan-out
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; also used for completions' `logprobs`
@@ -54,8 +75,9 @@ class _SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None  # {token id: bias in [-100, 100]}
     # SGLang extras
+    stop_regex: Optional[Union[str, list[str]]] = None
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=2)
@@ -85,11 +107,11 @@ class _SamplingFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        # Silently ignoring a bias would change the meaning of the request; refuse it instead.
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _logit_bias_range(cls, v):
+        for k, b in (v or {}).items():
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias of token {k}: must be in [-100, 100] (got {b})")
+        return v or None
 
     @property
     def include_usage(self) -> bool:
@@ -107,6 +129,7 @@ class _SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim,
         }
         optional = {"stop": self.stop, "stop_token_ids": self.stop_token_ids,
+                    "stop_regex": self.stop_regex, "logit_bias": self.logit_bias,
                     "regex": self.regex, "json_schema": self.json_schema, "ebnf": self.ebnf,
                     "seed": None if self.seed is None else self.seed + seed_offset}
         sp.update({k: v for k, v in optional.items() if v is not None})
@@ -264,6 +287,20 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[ChatTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    # SGLang extras: --reasoning-parser output split (reasoning_content), template variables
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_kwargs(cls, v):
+        reserved = sorted(set(v or {}) & {"messages", "conversation", "tools", "chat_template",
+                                           "tokenize", "add_generation_prompt", "return_dict",
+                                           "documents", "continue_final_message"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved} cannot be set here")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -287,169 +324,3 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# --- responses --------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
-    matched_stop: Union[None, int, str] = None  # SGLang extra: the stop string or token hit
-
-
-class CompletionResponse(BaseModel):
-    """Also the shape of each streamed chunk (object "text_completion" in both, as OpenAI does)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(BaseModel):
-    content: Optional[list[TokenLogprob]] = None
-    refusal: None = None
-
-
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallOut]] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_no_calls(self, handler):
-        out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
-        return out
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "tool_calls"]] = None
-    matched_stop: Union[None, int, str] = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    system_fingerprint: Optional[str] = None
-
-
-def _without_none(handler, obj) -> dict:
-    return {k: v for k, v in handler(obj).items() if v is not None}
-
-
-class DeltaFunctionCall(BaseModel):
-    name: Optional[str] = None
-    arguments: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
-        return _without_none(handler, self)
-
-
-class DeltaToolCall(BaseModel):
-    """A call's first delta has id, type and function.name (and arguments ""); later ones only
-    `index` and function.arguments fragments."""
-
-    index: int
-    id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
-    function: Optional[DeltaFunctionCall] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
-        return _without_none(handler, self)
-
-
-class DeltaMessage(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-    tool_calls: Optional[list[DeltaToolCall]] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
-        # OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "tool_calls"]] = None
-    matched_stop: Union[None, int, str] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "radixlm"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -19,11 +19,12 @@ import zmq
 from radixlm.runtime.config import ServerArgs
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.models import loader
-from radixlm.server.launch import watch_parent
+from radixlm.server.child_process import watch_parent
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.server.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq,
                                       ReqUpdate, TokenizedGenerateReq)
+from radixlm.server.scheduler_control import Profiler, update_weights_from_disk
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class SchedulerServer:
         self.to_tm.connect(ipc["control_out"])
         self.sent: dict[str, int] = {}  # rid -> output tokens already sent
         self.input_lp_sent: set[str] = set()
+        self.profiler = Profiler()
 
     def info(self) -> dict:
         r = self.runner
@@ -78,12 +80,15 @@ class SchedulerServer:
                 touched = sched.step()
                 if touched:
                     self.send_updates(touched)
+                if self.profiler.active:
+                    self.profiler.on_step()
 
     def handle(self, msg):
         sched = self.scheduler
         if isinstance(msg, TokenizedGenerateReq):
             req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob,
-                      msg.logprob_start_len, msg.top_logprobs_num, self.eos_token_ids)
+                      msg.logprob_start_len, msg.top_logprobs_num, self.eos_token_ids,
+                      token_ids_logprob=msg.token_ids_logprob, embed_pooling=msg.embed_pooling)
             sched.add_request(req)
         elif isinstance(msg, AbortReq):
             req = sched.abort_request(msg.rid)
@@ -106,11 +111,19 @@ class SchedulerServer:
             elif msg.kind == "check_integrity":
                 self.scheduler.check_integrity()
                 reply.result = True
+            elif msg.kind == "start_profile":
+                reply.result = self.profiler.start(msg.payload or {})
+            elif msg.kind == "stop_profile":
+                reply.result = self.profiler.stop()
+            elif msg.kind == "update_weights_from_disk":
+                reply.result = update_weights_from_disk(self.runner, self.scheduler, msg.payload)
             elif msg.kind == "shutdown":
                 self.to_tm.send(pickle.dumps(reply))
                 return "shutdown"
             else:
                 reply.error = f"unknown control request {msg.kind!r}"
+        except ValueError as e:  # the caller's mistake: a 400 naming it
+            reply.error, reply.bad_request = str(e), True
         except Exception as e:  # a failed control request must not kill the scheduler
             reply.error = f"{type(e).__name__}: {e}"
         self.to_tm.send(pickle.dumps(reply))
@@ -130,18 +143,25 @@ class SchedulerServer:
                            req.finish.to_dict() if req.finish else None,
                            len(req.origin_input_ids), req.cached_tokens,
                            sp.skip_special_tokens, sp.spaces_between_special_tokens,
-                           tuple(sp.stop_strs), sp.no_stop_trim, rollback_to=rollback)
+                           tuple(sp.stop_strs), sp.no_stop_trim, rollback_to=rollback,
+                           retractions=req.retractions)
+            if req.embedding is not None:
+                up.embedding = req.embedding
             if req.return_logprob:
                 up.output_token_logprobs = list(zip(req.output_token_logprobs[start:n],
                                                     req.output_ids[start:n]))
                 if req.top_logprobs_num:
                     up.output_top_logprobs = req.output_top_logprobs[start:n]
+                if req.token_ids_logprob:
+                    up.output_token_ids_logprobs = req.output_token_ids_logprobs[start:n]
                 if req.rid not in self.input_lp_sent and (req.input_logprobs_done or req.finished):
                     self.input_lp_sent.add(req.rid)
                     start_pos = max(req.logprob_start_len, 0)
                     up.input_token_logprobs = list(zip(req.input_token_logprobs,
                                                        req.origin_input_ids[start_pos:]))
                     up.input_top_logprobs = req.input_top_logprobs
+                    if req.token_ids_logprob:
+                        up.input_token_ids_logprobs = req.input_token_ids_logprobs
             self.sent[req.rid] = n
             if req.finished:
                 self.sent.pop(req.rid, None)

@@ -46,6 +46,10 @@ class ReqState:
         self.out_top: list = []
         self.in_lp: Optional[list] = None
         self.in_top: Optional[list] = None
+        self.out_tid: list = []  # token_ids_logprob entries
+        self.in_tid: Optional[list] = None
+        self.embedding: Optional[list] = None
+        self.retractions = 0
         self.event = asyncio.Event()
         self.created = time.perf_counter()
         self.last_token_time: Optional[float] = None
@@ -59,6 +63,7 @@ class TokenizerManager:
         self.context_len = info["context_len"]
         self.model_path = info["model_path"]
         self.model_name = args.served_model_name or os.path.basename(self.model_path.rstrip("/"))
+        self.weight_version = "default"  # set by /update_weights_from_disk (weight_version)
         self.builder = RequestBuilder(tokenizer, info["vocab_size"], self.context_len,
                                       info["max_total_tokens"], tuple(info["eos_token_ids"]))
         self.chat_template = _load_chat_template(args.chat_template, tokenizer)
@@ -72,6 +77,15 @@ class TokenizerManager:
         self.control_ids = itertools.count()
         self.metrics = ServerMetrics() if args.enable_metrics else None
         self._loop_task: Optional[asyncio.Task] = None
+        self._resumed: Optional[asyncio.Event] = None  # cleared while weights are swapped
+        self.request_log = _request_logger() if getattr(args, "log_requests", False) else None
+
+    @property
+    def resumed(self) -> asyncio.Event:
+        if self._resumed is None:  # created on first use, inside the server's event loop
+            self._resumed = asyncio.Event()
+            self._resumed.set()
+        return self._resumed
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
@@ -98,31 +112,42 @@ class TokenizerManager:
             del state.output_ids[up.rollback_to:]
             del state.out_lp[up.rollback_to:]
             del state.out_top[up.rollback_to:]
+            del state.out_tid[up.rollback_to:]
         state.output_ids.extend(up.new_ids)
+        state.retractions = up.retractions
         state.cached_tokens = up.cached_tokens
         if up.output_token_logprobs:
             state.out_lp.extend(up.output_token_logprobs)
         if up.output_top_logprobs:
             state.out_top.extend(up.output_top_logprobs)
+        if up.output_token_ids_logprobs:
+            state.out_tid.extend(up.output_token_ids_logprobs)
         if up.input_token_logprobs is not None:
             state.in_lp, state.in_top = up.input_token_logprobs, up.input_top_logprobs
-        if self.metrics is not None and up.new_ids:
+            state.in_tid = up.input_token_ids_logprobs
+        if up.embedding is not None:
+            state.embedding = up.embedding
+        measured = self.metrics is not None and state.obj.log_metrics
+        if measured and up.new_ids:
             self.metrics.on_tokens(state, len(up.new_ids), now)
         state.last_token_time = now if up.new_ids else state.last_token_time
         if up.finish is not None:
             state.finish = up.finish
-            if self.metrics is not None:
+            if measured:
                 self.metrics.on_finish(state, now)
         state.event.set()
 
     # --- requests ---------------------------------------------------------------------------------
     def tokenize_request(self, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
         """Validate and tokenize (ValueError naming the field). `n` > 1 expands to n requests."""
+        extra = {"token_ids_logprob": obj.token_ids_logprob} if obj.token_ids_logprob else {}
         reqs, _ = self.builder.build(obj.text, obj.input_ids, obj.sampling_params,
                                      obj.return_logprob, obj.logprob_start_len,
-                                     obj.top_logprobs_num, obj.rid or uuid.uuid4().hex, {})
+                                     obj.top_logprobs_num, obj.rid or uuid.uuid4().hex, extra,
+                                     embed_pooling=obj.embed_pooling)
         return [TokenizedGenerateReq(r.rid, r.origin_input_ids, r.sampling_params, r.return_logprob,
-                                     r.logprob_start_len, r.top_logprobs_num, obj.stream)
+                                     r.logprob_start_len, r.top_logprobs_num, obj.stream,
+                                     r.token_ids_logprob, r.embed_pooling)
                 for r in reqs]
 
     def _check_capacity(self, n: int) -> None:
@@ -132,7 +157,9 @@ class TokenizerManager:
                                  f"the limit is max_running_requests + max_queued_requests")
 
     async def generate(self, obj: GenerateReqInput, request=None) -> AsyncIterator[dict]:
-        """Yield SGLang-shaped dicts (cumulative text and ids); non-stream: one final dict."""
+        """Yield SGLang-shaped dicts (cumulative text, ids and logprobs); non-stream: one final
+        dict. A stream yields every `stream_interval` tokens (the request's, else the server's)."""
+        await self.resumed.wait()  # a weight update is in progress: wait for it
         tokenized = self.tokenize_request(obj)
         if len(tokenized) != 1:
             raise ValueError("sampling_params.n: use the batch form for n > 1 on /generate")
@@ -141,9 +168,16 @@ class TokenizerManager:
             raise ValueError(f"rid: {obj.rid!r} is already in flight")
         self._check_capacity(1)
         state = ReqState(obj, len(treq.input_ids))
+        state.prompt_ids = treq.input_ids
         self.states[treq.rid] = state
-        if self.metrics is not None:
+        if self.metrics is not None and obj.log_metrics:
             self.metrics.on_request(len(treq.input_ids))
+        if self.request_log is not None and not obj.no_logs:
+            self.request_log.info("Receive: rid=%s prompt_tokens=%d text=%r sampling_params=%s",
+                                  treq.rid, len(treq.input_ids), obj.text, obj.sampling_params)
+        interval = max(1, treq.sampling_params.stream_interval
+                       or getattr(self.server_args, "stream_interval", 1) or 1)
+        sent_n = 0
         await self.to_scheduler.send(pickle.dumps(treq))
         try:
             # Updates arrive every step, so the client is checked on a clock, not only when
@@ -162,32 +196,53 @@ class TokenizerManager:
                 if not state.event.is_set():
                     continue
                 state.event.clear()
-                if obj.stream or state.finish is not None:
-                    yield self.result(treq.rid, state)
                 if state.finish is not None:
+                    out = self.result(treq.rid, state)
+                    if self.request_log is not None and not obj.no_logs:
+                        self.request_log.info("Finish: rid=%s text=%r meta_info=%s", treq.rid,
+                                              out["text"], _short_meta(out["meta_info"]))
+                    yield out
                     return
+                n_out = len(state.output_ids)  # the first token goes out at once (SGLang)
+                if obj.stream and (n_out - sent_n >= interval or (sent_n == 0 and n_out)):
+                    sent_n = len(state.output_ids)
+                    yield self.result(treq.rid, state)
         finally:
             if state.finish is None:  # disconnect or cancellation: free the request's KV
                 await self.abort_request(treq.rid)
             self.states.pop(treq.rid, None)
 
     def result(self, rid: str, state: ReqState) -> dict:
+        """SGLang's result dict: meta_info keys in SGLang's order; logprob lists cumulative (the
+        native stream slices them per chunk)."""
         obj = state.obj
         meta: dict[str, Any] = {
-            "id": rid, "prompt_tokens": state.prompt_len,
-            "completion_tokens": len(state.output_ids), "cached_tokens": state.cached_tokens,
-            "finish_reason": state.finish, "e2e_latency": time.perf_counter() - state.created,
+            "id": rid, "finish_reason": state.finish, "prompt_tokens": state.prompt_len,
+            "weight_version": self.weight_version, "num_retractions": state.retractions,
         }
         if obj.return_logprob:
             text = self._token_text if obj.return_text_in_logprobs else (lambda t: None)
             triple = lambda pair: (pair[0], pair[1], text(pair[1]))  # logprob None: first token
-            tops = lambda lst: [None if e is None else [(v, t, text(t)) for v, t in e] for e in lst]
+            tops = lambda lst: [None if not e else [(v, t, text(t)) for v, t in e] for e in lst]
             meta["input_token_logprobs"] = [triple(p) for p in (state.in_lp or [])]
             meta["output_token_logprobs"] = [triple(p) for p in state.out_lp]
+            meta["output_token_logprobs_length"] = len(state.out_lp)
             if obj.top_logprobs_num:
                 meta["input_top_logprobs"] = tops(state.in_top or [])
                 meta["output_top_logprobs"] = tops(state.out_top)
-        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+            if obj.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = tops(state.in_tid or [])
+                meta["output_token_ids_logprobs"] = tops(state.out_tid)
+        meta.update(reasoning_tokens=0, completion_tokens=len(state.output_ids),
+                    cached_tokens=state.cached_tokens)
+        if state.finish is not None:
+            meta["e2e_latency"] = time.perf_counter() - state.created
+        out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+        if state.embedding is not None:
+            out["embedding"] = state.embedding
+        if obj.return_prompt_token_ids:
+            out["prompt_token_ids"] = list(state.prompt_ids)
+        return out
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
@@ -202,10 +257,11 @@ class TokenizerManager:
     async def abort_request(self, rid: str) -> None:
         await self.to_scheduler.send(pickle.dumps(AbortReq(rid)))
 
-    def apply_chat_template(self, messages: list[dict], tools: Optional[list] = None) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: Optional[list] = None,
+                            template_kwargs: Optional[dict] = None) -> str:
         if self.tokenizer is None:
             raise ValueError("messages: this server runs without a tokenizer")
-        kw = {"tools": tools} if tools else {}
+        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template,
                                                   tokenize=False, add_generation_prompt=True, **kw)
 
@@ -220,8 +276,28 @@ class TokenizerManager:
         finally:
             self.control_waiters.pop(req_id, None)
         if reply.error:
-            raise RuntimeError(reply.error)
+            raise (ValueError if reply.bad_request else RuntimeError)(reply.error)
         return reply.result
+
+    async def update_weights_from_disk(self, req: dict, drain_timeout: float = 300.0) -> dict:
+        """Hold new requests back, let the running ones finish (or abort them with
+        abort_all_requests), swap the weights in the scheduler, then let requests in again."""
+        self.resumed.clear()
+        try:
+            if req.get("abort_all_requests"):
+                for rid in list(self.states):
+                    await self.abort_request(rid)
+            deadline = time.monotonic() + drain_timeout
+            while self.states and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if self.states:
+                raise ValueError(f"{len(self.states)} requests still running after "
+                                 f"{drain_timeout:.0f}s; pass abort_all_requests")
+            result = await self.control("update_weights_from_disk", req, timeout=600.0)
+            self.model_path = req["model_path"]
+            return result
+        finally:
+            self.resumed.set()
 
 
 def _load_chat_template(spec: Optional[str], tokenizer) -> Optional[str]:
@@ -237,3 +313,20 @@ def _load_chat_template(spec: Optional[str], tokenizer) -> Optional[str]:
         return None  # the tokenizer's own
     logger.warning("the model has no chat template; using ChatML")
     return CHATML_FALLBACK
+
+
+def _request_logger() -> logging.Logger:
+    """--log-requests: its own logger at INFO, shown whatever --log-level says."""
+    log = logging.getLogger("radixlm.requests")
+    log.setLevel(logging.INFO)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[requests %(asctime)s] %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    return log
+
+
+def _short_meta(meta: dict) -> dict:
+    """meta_info for the request log, without the (long) logprob lists."""
+    return {k: v for k, v in meta.items() if "logprobs" not in k}

@@ -6,8 +6,8 @@ resource tracker) outlived it, and then SIGKILLs the whole group anyway so that 
 never leaks processes into the rest of the run.
 
 Servers are expensive on a 2-core CPU (~20 s to start), so tests share them:
-- `main_server` (session): fp32, metrics on, a small context and payload limit; every test whose
-  settings allow it runs here (acceptance, validation, streaming, disconnects, load).
+- `main_server` (session): fp32, metrics and cache report on, a small context and payload
+  limit; every test whose settings allow it runs here (acceptance, validation, streaming, disconnects, load).
 - modules with special flags (--api-key, --max-queued-requests) start their own;
 - tests that kill or stop the server start a private one.
 """
@@ -37,7 +37,7 @@ MAIN_CONTEXT_LEN = 1024
 MAIN_MAX_PAYLOAD = 64 * 1024
 MAIN_ARGS = ["--dtype", "float32", "--enable-metrics", "--context-length", str(MAIN_CONTEXT_LEN),
              "--max-total-tokens", "24576", "--max-payload-size", str(MAIN_MAX_PAYLOAD),
-             "--timeout-graceful-shutdown", "10"]
+             "--timeout-graceful-shutdown", "10", "--enable-cache-report"]
 
 
 def free_port() -> int:

@@ -44,7 +44,8 @@ class FakeTM:
 
     def __init__(self):
         self.model_name, self.context_len = "fake-model", 200
-        self.server_args = SimpleNamespace(model_path="/models/fake-path", served_model_name="fake-model")
+        self.server_args = SimpleNamespace(model_path="/models/fake-path", served_model_name="fake-model",
+                                           enable_cache_report=True)
         self.tokenizer = CharTokenizer()
         self.reset()
 
@@ -61,8 +62,9 @@ class FakeTM:
         self.completed = 0  # generators that ran to their end
         self.closed = 0  # generators that ran their cleanup (finished, closed or cancelled)
 
-    def apply_chat_template(self, messages, tools=None):
+    def apply_chat_template(self, messages, tools=None, template_kwargs=None):
         self.templates.append((messages, tools))
+        self.template_kwargs = template_kwargs
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
     async def generate(self, obj, request=None):
@@ -421,7 +423,7 @@ MSGS = [{"role": "user", "content": "q"}]
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "top_k": 0}, "top_k"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),

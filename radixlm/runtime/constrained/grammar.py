@@ -37,7 +37,35 @@ def constraint_of(sp: SamplingParams) -> Optional[tuple[str, str]]:
         return "json", schema
     if sp.ebnf is not None:
         return "ebnf", sp.ebnf
+    if sp.structural_tag is not None:
+        tag = sp.structural_tag
+        return "structural_tag", tag if isinstance(tag, str) else json.dumps(tag)
     return None
+
+
+def structural_tag_arg(spec: str):
+    """SGLang's structural_tag JSON -> what xgrammar takes: the legacy form
+    {"structures": [{"begin", "schema", "end"}], "triggers": [...]} becomes a StructuralTag;
+    the current form ({"type": "structural_tag", "format": ...}) is passed as JSON text."""
+    xgr = _xgr()
+    obj = json.loads(spec)
+    if not isinstance(obj, dict):
+        raise ValueError("must be a JSON object")
+    if obj.get("structures") is None:
+        if obj.get("format") is None:
+            raise ValueError("needs either structures + triggers (legacy) or format")
+        return spec
+    if not isinstance(obj.get("triggers"), list):
+        raise ValueError("a legacy structural tag (structures) needs triggers")
+    for s in obj["structures"]:
+        if not isinstance(s, dict) or "begin" not in s or "end" not in s:
+            raise ValueError("each of structures needs begin and end")
+    items = [xgr.StructuralTagItem(begin=s["begin"], end=s["end"],
+                                   schema=json.dumps(s.get("schema") or {}))
+             for s in obj["structures"]]
+    tag = xgr.StructuralTag.from_legacy_structural_tag(items, obj["triggers"])
+    tag.format.at_least_one = bool(obj.get("at_least_one", False))
+    return tag
 
 
 def validate_constraint(sp: SamplingParams) -> None:
@@ -46,7 +74,8 @@ def validate_constraint(sp: SamplingParams) -> None:
     if c is None:
         return
     kind, spec = c
-    field = {"regex": "regex", "json": "json_schema", "ebnf": "ebnf"}[kind]
+    field = {"regex": "regex", "json": "json_schema", "ebnf": "ebnf",
+             "structural_tag": "structural_tag"}[kind]
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"sampling_params.{field}: must be a non-empty string")
     xgr = _xgr()
@@ -56,9 +85,11 @@ def validate_constraint(sp: SamplingParams) -> None:
         elif kind == "json":
             json.loads(spec)
             xgr.Grammar.from_json_schema(spec)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(structural_tag_arg(spec))
         else:
             xgr.Grammar.from_ebnf(spec)
-    except (RuntimeError, ValueError, TypeError) as e:
+    except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as e:
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         # xgrammar prefixes messages with "[time] file.cc:line:"; keep the human part
         raise ValueError(f"sampling_params.{field}: invalid {kind}: {msg.split(': ', 1)[-1]}") from None
@@ -90,6 +121,8 @@ class GrammarCompilerPool:
         if kind == "json":
             # strict separators: longer forced strings for jump-forward, still valid JSON
             return self.compiler.compile_json_schema(spec, any_whitespace=False)
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(structural_tag_arg(spec))
         return self.compiler.compile_grammar(spec)
 
     @staticmethod

@@ -83,4 +83,7 @@ def try_jump_forward(req, tokenizer) -> Optional[JumpResult]:
         if req.top_logprobs_num:
             del req.output_top_logprobs[first_changed:]
             req.output_top_logprobs.extend([[]] * n_new)
+        if req.token_ids_logprob:  # forced tokens were not sampled: no distribution to report
+            del req.output_token_ids_logprobs[first_changed:]
+            req.output_token_ids_logprobs.extend([None] * n_new)
     return JumpResult(first_changed, tail[common:], forced, len(new_tail) - common)

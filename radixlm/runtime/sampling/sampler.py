@@ -42,6 +42,8 @@ class SampleOutput:
     logprobs: Optional[torch.Tensor] = None  # (B,) float32, logprob of the chosen token
     top_logprobs_vals: Optional[torch.Tensor] = None  # (B, top_logprobs_num) float32, descending
     top_logprobs_ids: Optional[torch.Tensor] = None  # (B, top_logprobs_num) int64
+    # (B, V) the unpenalized logits, kept when logprobs are asked for: token_ids_logprob reads them
+    raw_logits: Optional[torch.Tensor] = None
 
 
 class Sampler:
@@ -70,7 +72,7 @@ class Sampler:
         else:
             next_ids = self._sample(logits, info, reqs)
 
-        out = SampleOutput(next_token_ids=next_ids)
+        out = SampleOutput(next_token_ids=next_ids, raw_logits=raw)
         if return_logprob:
             out.logprobs, out.top_logprobs_vals, out.top_logprobs_ids = token_logprobs(
                 raw, next_ids, top_logprobs_num)

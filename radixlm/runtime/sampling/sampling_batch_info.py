@@ -12,6 +12,8 @@ Large (B, V) tensors exist only while some row needs them:
 - `prompt_seen` (bool): token occurs in the prompt; the repetition penalty (HF / vLLM semantics)
   also penalizes prompt tokens, the OpenAI-style frequency/presence penalties do not.
 - `stop_mask` (bool): the request's stop tokens, blocked while `min_tokens_left > 0`.
+- `logit_bias` (float32): the request's `logit_bias` {token: bias} as a dense row (0 elsewhere),
+  added to the logits after the penalties, before the hard masks (SGLang's order).
 
 Host-side flags (`is_all_greedy`, `need_*`, the min-tokens deadline) are plain Python values kept
 next to the tensors, so deciding which kernels to run never reads a device tensor (no sync).
@@ -39,6 +41,7 @@ class _RowFlags:
     freq_or_presence: list[bool]
     repetition: list[bool]
     seeded: list[bool]
+    biased: list[bool]  # the row has a logit_bias
     # Step number (see SamplingBatchInfo.step) at which the row's min_new_tokens is satisfied.
     min_tokens_deadline: list[int]
 
@@ -69,6 +72,7 @@ class SamplingBatchInfo:
         self.prompt_seen: Optional[torch.Tensor] = None  # (B, V) bool
         self.min_tokens_left: Optional[torch.Tensor] = None  # (B,) int64
         self.stop_mask: Optional[torch.Tensor] = None  # (B, V) bool
+        self.logit_bias: Optional[torch.Tensor] = None  # (B, V) float32
         # Set by grammar code before sampling (True = allowed); consumed by one step (update()
         # clears it) so a stale mask can never constrain the next token.
         self.vocab_mask: Optional[torch.Tensor] = None  # (B, V) bool
@@ -87,6 +91,7 @@ class SamplingBatchInfo:
             freq_or_presence=[p.frequency_penalty != 0 or p.presence_penalty != 0 for p in ps],
             repetition=[p.repetition_penalty != 1 for p in ps],
             seeded=[p.seed is not None for p in ps],
+            biased=[bool(p.logit_bias) for p in ps],
             min_tokens_deadline=[max(0, p.min_new_tokens - len(r.output_ids))
                                  for p, r in zip(ps, reqs)],
         )
@@ -120,6 +125,14 @@ class SamplingBatchInfo:
                                    for r, rep in zip(reqs, info.flags.repetition)], dev)
             info.prompt_seen = torch.zeros(len(reqs), V, dtype=torch.bool, device=dev)
             info.prompt_seen[rows, toks] = True
+        if info.need_logit_bias:
+            # One scatter from the flat (row, token, bias) triples of the rows that have a bias.
+            biases = [p.logit_bias or {} for p in ps]
+            rows, toks = _flatten([[int(t) for t in b] for b in biases], dev)
+            vals = torch.tensor([v for b in biases for v in b.values()], dtype=torch.float32,
+                                device=dev)
+            info.logit_bias = torch.zeros(len(reqs), V, dtype=torch.float32, device=dev)
+            info.logit_bias.index_put_((rows, toks), vals)
         if info.need_min_tokens:
             info.min_tokens_left = torch.tensor(info.flags.min_tokens_deadline, dtype=torch.int64,
                                                 device=dev)
@@ -145,6 +158,7 @@ class SamplingBatchInfo:
         self.need_freq_presence = any(f.freq_or_presence)
         self.need_repetition = any(f.repetition)
         self.need_penalties = self.need_freq_presence or self.need_repetition
+        self.need_logit_bias = any(f.biased)
         self.seeded_rows = [i for i in sampled if f.seeded[i]]
         self._min_tokens_until = max(f.min_tokens_deadline, default=0)
 
@@ -159,7 +173,8 @@ class SamplingBatchInfo:
     # --- the per-step work ----------------------------------------------------------------------
     def apply_penalties_and_masks(self, logits: torch.Tensor) -> None:
         """In place on logits (B, V) float32. Order as in vLLM: repetition, then frequency /
-        presence, then the hard masks (min_new_tokens stop tokens, grammar vocab_mask)."""
+        presence, then logit_bias, then the hard masks (min_new_tokens stop tokens, grammar
+        vocab_mask)."""
         if self.output_counts is not None:
             counts = self.output_counts  # (B, V)
             if self.need_repetition:
@@ -174,6 +189,8 @@ class SamplingBatchInfo:
                 # OpenAI semantics: logit -= frequency * count + presence * [count > 0]
                 logits.addcmul_(counts, self.frequency_penalties.view(-1, 1), value=-1.0)
                 logits.sub_((counts > 0) * self.presence_penalties.view(-1, 1))
+        if self.logit_bias is not None:
+            logits.add_(self.logit_bias)
         if self.stop_mask is not None:
             active = (self.min_tokens_left > 0).view(-1, 1)  # (B, 1)
             logits.masked_fill_(self.stop_mask & active, float("-inf"))
@@ -197,7 +214,7 @@ class SamplingBatchInfo:
     _ROW_TENSORS = ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_rows",
                     "frequency_penalties", "presence_penalties", "repetition_penalties")
     _OPTIONAL_TENSORS = ("output_counts", "prompt_seen", "min_tokens_left", "stop_mask",
-                         "vocab_mask")
+                         "vocab_mask", "logit_bias")
 
     def filter(self, keep: list[int]) -> None:
         """Keep rows `keep` (indices into the current rows, in the new order)."""
@@ -215,6 +232,8 @@ class SamplingBatchInfo:
             self.prompt_seen = None
         if not self.need_min_tokens:
             self.min_tokens_left = self.stop_mask = None
+        if not self.need_logit_bias:
+            self.logit_bias = None
 
     def merge(self, other: "SamplingBatchInfo") -> None:
         """Append other's rows after ours. A (B, V) tensor that only one side has is padded with
@@ -227,7 +246,7 @@ class SamplingBatchInfo:
         for name in self._ROW_TENSORS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         neutral = {"output_counts": 0.0, "prompt_seen": False, "min_tokens_left": 0,
-                   "stop_mask": False, "vocab_mask": True}
+                   "stop_mask": False, "vocab_mask": True, "logit_bias": 0.0}
         for name in self._OPTIONAL_TENSORS:
             a, b = getattr(self, name), getattr(other, name)
             if a is None and b is None:

@@ -147,7 +147,7 @@ class Scheduler:
         flight, or [] when chaining could change a result (see overlap.py)."""
         if not self.overlap or self.waiting or self.chunked:
             return []
-        if any(r.grammar is not None for r in self.running):
+        if not self._overlappable():
             return []
         chain = [r for r in self.running if not surely_finishes(r, self.context_len)]
         if not chain:
@@ -160,6 +160,12 @@ class Scheduler:
             staying = {id(r) for r in chain}
             self._drop_from_running({id(r) for r in self.running if id(r) not in staying})
         return chain
+
+    def _overlappable(self) -> bool:
+        """Whether the running batch may decode with overlap: not with a grammar (the next mask
+        needs this step's token) nor with token_ids_logprob (read from logits the in-flight step
+        does not keep)."""
+        return not any(r.grammar is not None or r.token_ids_logprob for r in self.running)
 
     def _step(self) -> list[Req]:
         mixed = bool(self.running) and not self.args.disable_mixed_batch
@@ -258,7 +264,7 @@ class Scheduler:
         if not self.running:
             return aborted
         step = self._launch_decode(list(self.running))
-        if self.overlap and not any(r.grammar is not None for r in self.running):
+        if self.overlap and self._overlappable():
             self.inflight = step  # completed by the next step(), after it launches its own
             return aborted
         return self._complete_decode(step) + aborted
@@ -281,6 +287,10 @@ class Scheduler:
         Rows of requests that finished while the step was in flight are ignored."""
         live = [i for i, r in enumerate(step.reqs) if not r.finished]
         out = step.wait()
+        if out is not step.out and step.out.raw_logits is not None:
+            # a CUDA host copy: token_ids_logprob reads the step's logits, still on the device
+            # (such a batch never overlaps, see _overlappable, so they are not overwritten yet)
+            out.raw_logits = step.out.raw_logits
         if len(live) != len(step.reqs):
             out = _take_rows(out, live)
         reqs = [step.reqs[i] for i in live]

@@ -1,0 +1,81 @@
+"""SGLang request fields through the real scheduler (offline Engine, SmolLM2 fp32): stop_regex,
+logit_bias, token_ids_logprob, a null max_new_tokens, and embeddings (last / mean pooling,
+chunked prefill) checked against HF transformers' hidden states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+COUNT = "Count: 1, 2, 3,"
+
+
+def test_stop_regex_keeps_the_match(engine, integrity):
+    plain = engine.generate(COUNT, GREEDY)
+    assert plain["text"].startswith(" 4, 5, 6")
+    o = engine.generate(COUNT, {**GREEDY, "stop_regex": r"[6-7]"})
+    assert o["text"] == " 4, 5, 6"  # through the token that completed the match, untrimmed
+    assert o["meta_info"]["finish_reason"] == {"type": "stop", "matched": "[6-7]"}
+    assert o["output_ids"] == plain["output_ids"][: len(o["output_ids"])]
+    # the frontend's defaults (every field, empty stop lists, null constraints) change nothing
+    frontend = {**GREEDY, "stop": [], "stop_regex": [], "stop_token_ids": [], "n": 1,
+                "regex": None, "json_schema": None, "top_k": -1, "min_p": 0.0,
+                "sampling_seed": None, "custom_params": None, "logit_bias": None}
+    assert engine.generate(COUNT, frontend)["output_ids"] == plain["output_ids"]
+    integrity(engine)
+
+
+def test_logit_bias_and_null_max_new_tokens(engine, integrity):
+    tok = engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    o = engine.generate(COUNT, {**GREEDY, "max_new_tokens": 4, "logit_bias": {str(tok): 100}})
+    assert o["output_ids"] == [tok] * 4
+    # null max_new_tokens: no limit but the context (SGLang); a stop_regex ends it here
+    o = engine.generate(COUNT, {"temperature": 0, "max_new_tokens": None, "stop_regex": r"1\d"})
+    assert o["meta_info"]["finish_reason"]["type"] == "stop" and o["text"].endswith("10")
+    integrity(engine)
+
+
+def test_token_ids_logprob_matches_the_chosen_token_logprob(engine, integrity):
+    o = engine.generate(COUNT, {**GREEDY, "max_new_tokens": 6}, return_logprob=True,
+                        logprob_start_len=0, top_logprobs_num=3, token_ids_logprob=[33, 34])
+    m = o["meta_info"]
+    out, tops, ids_lp = m["output_token_logprobs"], m["output_top_logprobs"], m["output_token_ids_logprobs"]
+    assert len(ids_lp) == len(out) == len(o["output_ids"])
+    for (lp, tid, _), top, entries in zip(out, tops, ids_lp):
+        assert [e[1] for e in entries] == [33, 34]
+        for v, t, _ in top:  # the same distribution: top-k values agree where the ids meet
+            for ev, et, _ in entries:
+                if et == t:
+                    assert ev == pytest.approx(v, abs=1e-5)
+        assert all(ev <= top[0][0] + 1e-6 for ev, _, _ in entries)
+    assert m["input_token_ids_logprobs"][0] is None  # the first prompt token is not scored
+    assert len(m["input_token_ids_logprobs"]) == m["prompt_tokens"]
+    integrity(engine)
+
+
+def _hf_states(hf_smol, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out = hf_smol(torch.tensor([ids]), output_hidden_states=True)
+    return out.hidden_states[-1][0]  # (T, H), after the final norm
+
+
+@pytest.mark.parametrize("chunk", [2048, 5])
+def test_embeddings_match_hf_hidden_states(make_engine, hf_smol, integrity, chunk):
+    eng = make_engine(chunked_prefill_size=chunk)
+    texts = ["The capital of France is Paris.", "Radix trees share prefixes"]
+    last = eng.encode(texts, pooling="last")
+    mean = eng.encode(texts[0], pooling="mean")
+    again = eng.encode(texts[0], pooling="last")  # served with a cached prefix this time
+    for text, res in zip(texts, last):
+        ids = eng.tokenizer.encode(text)
+        ref = torch.nn.functional.normalize(_hf_states(hf_smol, ids)[-1], dim=-1)
+        got = torch.tensor(res["embedding"])
+        assert got.shape == ref.shape and torch.allclose(got, ref, atol=2e-3)
+        assert res["meta_info"]["prompt_tokens"] == len(ids)
+    assert torch.allclose(torch.tensor(again["embedding"]), torch.tensor(last[0]["embedding"]),
+                          atol=1e-4)
+    ids = eng.tokenizer.encode(texts[0])
+    ref = torch.nn.functional.normalize(_hf_states(hf_smol, ids).mean(0), dim=-1)
+    assert torch.allclose(torch.tensor(mean["embedding"]), ref, atol=2e-3)
+    integrity(eng)
