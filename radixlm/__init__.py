@@ -6,8 +6,9 @@ light; the runtime (torch) and the API backends (openai, anthropic SDKs) load on
 
 from radixlm.lang.api import (SglFunction, assistant, assistant_begin, assistant_end,
                               flush_cache, function, gen, gen_int, gen_string, get_server_info,
-                              image, select, set_default_backend, system, system_begin,
-                              system_end, user, user_begin, user_end)
+                              global_config, image, select, separate_reasoning,
+                              set_default_backend, system, system_begin, system_end, user,
+                              user_begin, user_end, video)
 from radixlm.lang.choices import (greedy_token_selection, token_length_normalized,
                                   unconditional_likelihood_normalized)
 

@@ -19,18 +19,23 @@ class ChatTemplate:
     begin: str = ""  # text before the first turn (e.g. a BOS string)
     stop_str: tuple = ()
     style: str = "plain"  # "plain": roles become text; "messages": API backends take messages
+    image_token: str = "<image>"
 
     def prefix_and_suffix(self, role: str, history: list[dict]) -> tuple[str, str]:
+        """The text a `role` turn begins and ends with, after the turns in `history`. (A template's
+        default system prompt is a turn of its own: the interpreter inserts it, as SGLang does.)"""
         if role not in self.roles:
             raise ValueError(f"chat template {self.name!r} has no role {role!r}")
         prefix, suffix = self.roles[role]
         if not history:
-            head = self.begin
-            if role != "system" and self.default_system_prompt is not None:
-                sp, ss = self.roles["system"]
-                head += sp + self.default_system_prompt + ss
-            prefix = head + prefix
+            prefix = self.begin + prefix
         return prefix, suffix
+
+    get_prefix_and_suffix = prefix_and_suffix  # SGLang's name
+
+    @property
+    def role_prefix_and_suffix(self) -> dict:  # SGLang's name
+        return self.roles
 
 
 _CHATML = {"system": ("<|im_start|>system\n", "<|im_end|>\n"),

@@ -23,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
 
 from radixlm.lang import ir
+from radixlm.lang.global_config import global_config
 from radixlm.lang.interpreter import StreamExecutor
+from radixlm.lang.resolve import as_backend, resolve_backend, split_run_kwargs
 from radixlm.lang.state import ProgramState
 from radixlm.lang.tracer import (TracedArgument, TracedProgram, TracingError, _Placeholder,
                                  trace_program)
@@ -60,10 +62,9 @@ class CompiledProgram:
 
     # --- running ---------------------------------------------------------------------------------
     def _backend(self, backend):
-        from radixlm.lang.api import _backend, as_backend
         if backend is not None:
             return as_backend(backend)
-        return self.backend if self.backend is not None else _backend(None)
+        return self.backend if self.backend is not None else resolve_backend(None)
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict:
         fixed = set(self.graph.concrete) & set(kwargs)
@@ -86,11 +87,10 @@ class CompiledProgram:
 
     def run(self, *args, backend=None, **kwargs) -> ProgramState:
         """Run once; returns a finished ProgramState (text(), [var], messages()) like f.run()."""
-        from radixlm.lang.api import SglFunction
         if "stream" in kwargs and "stream" not in self._signature.parameters:
             raise NotImplementedError(f"{self.graph.name}: a compiled program does not stream; "
                                       "use f.run(stream=True) on the interpreter")
-        defaults, kwargs = SglFunction._split_run_kwargs(dict(kwargs))
+        defaults, kwargs = split_run_kwargs(dict(kwargs), self._signature.parameters)
         arguments = self._arguments(args, kwargs)
         return _GraphRun(self.graph, self._backend(backend), arguments, defaults).run()
 
@@ -103,9 +103,10 @@ class CompiledProgram:
         if not batch_kwargs:
             return []
         backend = self._backend(backend)
-        prefix = self.graph.constant_prefix(backend)
-        if prefix:
-            backend.cache_prefix(prefix)
+        if global_config.enable_precache_with_tracing and len(batch_kwargs) > 1:
+            prefix = self.graph.constant_prefix(backend)
+            if prefix:
+                backend.cache_prefix(prefix)
         if num_threads == "auto":
             num_threads = max(96, (os.cpu_count() or 1) * 16)
         num_threads = max(1, min(int(num_threads), len(batch_kwargs)))
@@ -235,8 +236,13 @@ class _GraphRun:
     # --- nodes -----------------------------------------------------------------------------------
     def _execute(self, node, ex: StreamExecutor) -> None:
         k = node.kind
-        if k in ("text", "role_begin", "role_end", "var_scope_begin", "commit", "image"):
+        if k in ("text", "role_begin", "role_end", "var_scope_begin", "commit", "image", "video"):
             ex.submit(node.expr)
+        elif k == "separate_reasoning":
+            ex.submit(node.expr)
+            self._record(node, ex)
+            name = node.expr.reasoning_name
+            self.values[(node.id, name)] = ex.variables.get(name)
         elif k == "var_scope_end":
             ex.submit(node.expr)
             self._record(node, ex)

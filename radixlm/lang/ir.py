@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
-REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
 REGEX_BOOL = r"(True|False)"
 REGEX_STR = r"\"[\w\d\s]*\""  # a quoted string; used by dtype=str
 
@@ -25,6 +25,7 @@ class SamplingParams:
     n: Optional[int] = None
     stop: Union[None, str, list[str]] = None
     stop_token_ids: Optional[list[int]] = None
+    stop_regex: Union[None, str, list[str]] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -40,8 +41,8 @@ class SamplingParams:
     regex: Optional[str] = None
     dtype: Any = None
 
-    DEFAULTS = dict(max_new_tokens=128, min_new_tokens=0, stop=(), temperature=1.0, top_p=1.0,
-                    top_k=-1, min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0,
+    DEFAULTS = dict(max_new_tokens=128, min_new_tokens=0, stop=(), stop_regex=(), temperature=1.0,
+                    top_p=1.0, top_k=-1, min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0,
                     ignore_eos=False)
 
     def merged(self, defaults: "SamplingParams") -> "SamplingParams":
@@ -53,14 +54,27 @@ class SamplingParams:
                 setattr(out, f.name, v)
         return out
 
+    def with_stops(self, extra: Sequence[str]) -> "SamplingParams":
+        """A copy whose stop strings also include `extra` (a chat template's stop strings, as
+        SGLang's interpreter adds them to every gen)."""
+        if not extra:
+            return self
+        return dataclasses.replace(self, stop=as_list(self.stop) + list(extra))
+
     def resolved(self) -> dict[str, Any]:
-        """Every field with library defaults filled in (None stays None for optional ones)."""
+        """Every field with library defaults filled in (None stays None for optional ones).
+
+        A `dtype` becomes its regex (it wins over `regex`, as in SGLang); int and float also stop
+        at a space or newline, as SGLang's RuntimeEndpoint does.
+        """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for k, v in self.DEFAULTS.items():
             if d[k] is None:
                 d[k] = v
-        if d["dtype"] is not None and d["regex"] is None:
+        if d["dtype"] is not None:
             d["regex"] = dtype_regex(d["dtype"])
+            if d["dtype"] in (int, "int", float, "float"):
+                d["stop"] = as_list(d["stop"]) + [" ", "\n"]
         return d
 
     def to_runtime(self) -> dict[str, Any]:
@@ -69,15 +83,22 @@ class SamplingParams:
         out = {k: d[k] for k in ("max_new_tokens", "min_new_tokens", "temperature", "top_p",
                                  "top_k", "min_p", "frequency_penalty", "presence_penalty",
                                  "ignore_eos")}
-        stop = d["stop"]
-        if stop:
-            out["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        for k in ("stop", "stop_regex"):
+            if d[k]:
+                out[k] = as_list(d[k])
         if d["stop_token_ids"]:
             out["stop_token_ids"] = list(d["stop_token_ids"])
         for k in ("regex", "json_schema"):
             if d[k] is not None:
                 out[k] = d[k]
         return out
+
+
+def as_list(x) -> list:
+    """None/()/"" -> [], a string -> [it], a sequence -> a list."""
+    if not x:
+        return []
+    return [x] if isinstance(x, str) else list(x)
 
 
 def dtype_regex(dtype) -> str:
@@ -131,6 +152,29 @@ class Select(Expr):
 @dataclass(eq=False)
 class Image(Expr):
     path: str
+
+
+@dataclass(eq=False)
+class Video(Expr):
+    path: str
+    num_frames: int
+
+
+@dataclass(eq=False)
+class SeparateReasoning(Expr):
+    """After the gen/select `expr` named `name` ran: split its reasoning (`<think>...`) from its
+    answer; `name` keeps the answer, `{name}_reasoning_content` gets the reasoning."""
+
+    model_type: Optional[str]
+    name: str
+
+    @property
+    def reasoning_name(self) -> str:
+        return reasoning_name(self.name)
+
+
+def reasoning_name(name: str) -> str:
+    return f"{name}_reasoning_content"
 
 
 @dataclass(eq=False)

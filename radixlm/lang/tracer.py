@@ -8,19 +8,7 @@ executing them; `s["x"]` returns a `TracedVariable` placeholder for the value th
 (str(), f-strings, len(), iteration, truth tests, comparisons, ...) raises `TracingError`, because
 the program's text or control flow would then depend on a value tracing does not have.
 
-The graph (`TracedProgram`):
-- nodes: `Node(id, kind, stream, name, text, attrs, expr)`. Kinds: `argument` (an input, no stream),
-  `text`, `arg` (an argument appended), `gen`, `select`, `role_begin`, `role_end`,
-  `var_scope_begin`, `var_scope_end`, `var` (a variable of the same state appended),
-  `get_fork_var` (a variable of another state appended, e.g. `s += f["judgment"]`), `set_var`,
-  `fork` (commit the shared prefix, then k branch streams), `join`, `commit`, `image`.
-- streams: stream 0 is the program's state; each fork branch is a stream whose text starts as a
-  copy of its parent's at the fork node.
-- edges: `Edge(src, dst, kind)`, dataflow: `seq` (a stream's text so far flows into its next node),
-  `arg` (argument -> its use), `var` (producer of a variable -> its reader), `param` (an argument
-  or variable used as a gen/select parameter), `fork` (fork node -> each branch's first node),
-  `join` (each branch's last node -> the join). Every edge goes from a lower id to a higher one, so
-  id order is a topological order.
+The graph format is described in radixlm.lang.tracer_graph.
 
 `extract_prefix_by_tracing` gives the constant text every run begins with (run_batch caches it
 once).
@@ -28,342 +16,21 @@ once).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 from radixlm.lang import ir
 from radixlm.lang.state import ProgramState, ProgramStateGroup
+from radixlm.lang.tracer_graph import Edge, Node, Stream, TracedProgram
+from radixlm.lang.tracer_placeholders import (TracedArgument, TracedVariable, TracingError,
+                                              _Placeholder, placeholders_in)
+
+__all__ = ["Edge", "Node", "Stream", "TracedArgument", "TracedProgram", "TracedVariable",
+           "TracingError", "TracingState", "TracingStateGroup", "extract_prefix_by_tracing",
+           "placeholders_in", "program_parameters", "trace_program"]
 
 logger = logging.getLogger(__name__)
-
-
-class TracingError(RuntimeError):
-    """The program does something tracing cannot follow (see the message for what and why)."""
-
-    def __init__(self, message: str, placeholder: Optional["_Placeholder"] = None,
-                 operation: Optional[str] = None):
-        super().__init__(message)
-        self.placeholder = placeholder
-        self.operation = operation
-
-
-# --- placeholders ---------------------------------------------------------------------------------
-def _consume(op: str):
-    def method(self, *args, **kwargs):
-        raise self._error(op)
-    method.__name__ = f"_consume_{op}"
-    return method
-
-
-class _Placeholder(ir.Expr):
-    """A value tracing does not have. Appending it is fine; converting it to a concrete value is
-    not.
-
-    `path` records item/attribute access and calls made on it (`item["q"]`, `q.strip()`), replayed
-    on the real value at run time.
-    """
-
-    def __init__(self, tracer: "_Tracer", name: str, path: tuple = ()):
-        object.__setattr__(self, "_tracer", tracer)
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "path", path)
-
-    # derived placeholders
-    def _derive(self, step) -> "_Placeholder":
-        raise NotImplementedError
-
-    def __getitem__(self, key):
-        if isinstance(key, _Placeholder):
-            raise key._error("use as an index")
-        return self._derive(("item", key))
-
-    def __getattr__(self, attr):
-        if attr.startswith("_"):
-            raise AttributeError(attr)
-        return self._derive(("attr", attr))
-
-    def __call__(self, *args, **kwargs):
-        return self._derive(("call", args, kwargs))
-
-    def __setattr__(self, key, value):
-        raise self._error("attribute assignment")
-
-    @property
-    def display(self) -> str:
-        out = self.name
-        for step in self.path:
-            if step[0] == "item":
-                out += f"[{step[1]!r}]"
-            elif step[0] == "attr":
-                out += f".{step[1]}"
-            else:
-                out += "(...)"
-        return out
-
-    def _error(self, op: str) -> TracingError:
-        raise NotImplementedError
-
-    # concrete conversions: each is a point where the program's text or control flow would depend
-    # on the value
-    __str__ = _consume("str() or %-formatting")
-    __format__ = _consume("an f-string or str.format()")
-    __bytes__ = _consume("bytes()")
-    __len__ = _consume("len()")
-    __iter__ = _consume("iteration (a for loop, list(), unpacking or str.join())")
-    __reversed__ = _consume("reversed()")
-    __contains__ = _consume("an `in` test")
-    __bool__ = _consume("a truth test (if / while / and / or / not)")
-    __eq__ = _consume("a comparison (==)")
-    __ne__ = _consume("a comparison (!=)")
-    __lt__ = _consume("a comparison (<)")
-    __le__ = _consume("a comparison (<=)")
-    __gt__ = _consume("a comparison (>)")
-    __ge__ = _consume("a comparison (>=)")
-    __int__ = _consume("int()")
-    __float__ = _consume("float()")
-    __complex__ = _consume("complex()")
-    __index__ = _consume("use as an integer index")
-    __round__ = _consume("round()")
-    __mul__ = __rmul__ = _consume("multiplication")
-    __mod__ = __rmod__ = _consume("%-formatting")
-    __sub__ = __rsub__ = _consume("subtraction")
-    __truediv__ = __rtruediv__ = _consume("division")
-    __floordiv__ = __rfloordiv__ = _consume("division")
-    __pow__ = __rpow__ = _consume("exponentiation")
-    __neg__ = __pos__ = __abs__ = _consume("arithmetic")
-    __hash__ = object.__hash__
-
-
-class TracedArgument(_Placeholder):
-    """The placeholder for a program argument (named after the parameter)."""
-
-    def _derive(self, step):
-        return TracedArgument(self._tracer, self.name, self.path + (step,))
-
-    def _error(self, op: str) -> TracingError:
-        t = self._tracer
-        err = TracingError(
-            f"tracing program {t.program_name!r}: argument {self.display!r} is converted to a "
-            f"concrete value by {op}, so the program's text depends on it in a way tracing cannot "
-            "follow (tracing runs the body with placeholders, not real values). Append the "
-            f"argument as an expression instead: `s += \"...\" + {self.name}` or a separate "
-            f"`s += {self.name}`; or give it a fixed value (f.trace({self.name}=...) or "
-            f"f.bind({self.name}=...)).", self, op)
-        t.note_error(err)
-        return err
-
-    def __repr__(self):
-        return f"TracedArgument({self.display})"
-
-
-class TracedVariable(_Placeholder):
-    """What `s["x"]` returns while tracing: the value node `producer` gives x at run time."""
-
-    def __init__(self, tracer, name, producer: int, reader_stream: int, path: tuple = ()):
-        super().__init__(tracer, name, path)
-        object.__setattr__(self, "producer", producer)
-        object.__setattr__(self, "reader_stream", reader_stream)
-
-    def _derive(self, step):
-        return TracedVariable(self._tracer, self.name, self.producer, self.reader_stream,
-                              self.path + (step,))
-
-    def _error(self, op: str) -> TracingError:
-        t = self._tracer
-        err = TracingError(
-            f"tracing program {t.program_name!r}: the generated variable {self.display!r} (node "
-            f"n{self.producer}) is used as a concrete Python value by {op}, e.g. control flow on "
-            "the model's output or formatting it into a string. Its value exists only at run "
-            "time, so the program's text and control flow cannot be traced. Append it as an "
-            f"expression instead (`s += s[{self.name!r}]`), or run the program with the "
-            "interpreter (f.run / f.run_batch) instead.", self, op)
-        t.note_error(err)
-        return err
-
-    def __repr__(self):
-        return f"TracedVariable({self.display} <- n{self.producer})"
-
-
-def placeholders_in(x) -> list[_Placeholder]:
-    """Every placeholder inside x (lists, tuples, dicts, SamplingParams, call arguments)."""
-    out: list[_Placeholder] = []
-
-    def walk(v):
-        if isinstance(v, _Placeholder):
-            out.append(v)
-            for step in v.path:
-                if step[0] == "call":
-                    walk(step[1])
-                    walk(step[2])
-        elif isinstance(v, (list, tuple)):
-            for item in v:
-                walk(item)
-        elif isinstance(v, dict):
-            for item in v.values():
-                walk(item)
-        elif isinstance(v, ir.SamplingParams):
-            for f in dataclasses.fields(v):
-                walk(getattr(v, f.name))
-
-    walk(x)
-    return out
-
-
-# --- the graph ------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class Node:
-    id: int
-    kind: str
-    stream: Optional[int]  # None for argument nodes
-    name: Optional[str] = None  # variable, argument or role name
-    text: Optional[str] = None  # constant text of a `text` node
-    attrs: dict = field(default_factory=dict)
-    expr: Any = None  # the ir expression (with placeholders) the compiler executes
-
-    def label(self) -> str:
-        k = self.kind
-        if k == "text":
-            t = self.text if len(self.text) <= 60 else self.text[:57] + "..."
-            return repr(t)
-        if k in ("arg", "var", "get_fork_var"):
-            return self.attrs["placeholder"].display
-        if k == "gen":
-            p = self.attrs["params"]
-            shown = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)
-                     if getattr(p, f.name) is not None}
-            return " ".join([self.name or "(unnamed)"] + [f"{a}={v!r}" for a, v in shown.items()])
-        if k == "select":
-            return f"{self.name or '(unnamed)'} choices={self.attrs['choices']!r}"
-        if k == "fork":
-            return f"x{self.attrs['size']} -> streams {', '.join(map(str, self.attrs['branches']))}"
-        if k == "join":
-            extra = f" vars={self.attrs['variables']}" if self.attrs.get("variables") else ""
-            branches = ", ".join(map(str, self.attrs["branches"]))
-            return f"{self.attrs['mode']} streams {branches}{extra}"
-        if k == "set_var":
-            return f"{self.name} = {self.attrs['value']!r}"
-        if k == "image":
-            return repr(self.attrs["path"])
-        return self.name or ""
-
-
-class Edge(NamedTuple):
-    src: int
-    dst: int
-    kind: str  # seq | arg | var | param | fork | join
-
-
-@dataclass
-class Stream:
-    id: int
-    parent: Optional[int] = None  # the stream it forked from
-    fork_node: Optional[int] = None
-    branch: Optional[int] = None  # index among the fork's branches
-    nodes: list = field(default_factory=list)  # node ids in execution order
-
-
-class TracedProgram:
-    """A program's dataflow graph. `nodes[i].id == i`; see the module docstring for the format."""
-
-    def __init__(self, name: str, parameters: list[str], arguments: dict, concrete: dict,
-                 nodes: list, edges: list, streams: list, variables: dict):
-        self.name = name
-        self.parameters = parameters  # the program's parameters (after the state)
-        self.arguments = arguments  # placeholder argument name -> its `argument` node id
-        self.concrete = concrete  # arguments traced with a concrete value
-        self.nodes: list[Node] = nodes
-        self.edges: list[Edge] = edges
-        self.streams: list[Stream] = streams
-        self.variables: dict[str, list[int]] = variables  # name -> producing node ids
-
-    def node(self, i: int) -> Node:
-        return self.nodes[i]
-
-    def stream_nodes(self, stream: int = 0) -> list[Node]:
-        return [self.nodes[i] for i in self.streams[stream].nodes]
-
-    def nodes_of(self, kind: str) -> list[Node]:
-        return [n for n in self.nodes if n.kind == kind]
-
-    def edges_into(self, i: int, kind: Optional[str] = None) -> list[Edge]:
-        return [e for e in self.edges if e.dst == i and (kind is None or e.kind == kind)]
-
-    def edges_from(self, i: int, kind: Optional[str] = None) -> list[Edge]:
-        return [e for e in self.edges if e.src == i and (kind is None or e.kind == kind)]
-
-    def topological_order(self) -> list[int]:
-        """Node ids, every node after all its inputs (Kahn's algorithm, lowest id first)."""
-        import heapq
-        indeg = [0] * len(self.nodes)
-        out: dict[int, list[int]] = {}
-        for e in self.edges:
-            indeg[e.dst] += 1
-            out.setdefault(e.src, []).append(e.dst)
-        ready = [i for i, d in enumerate(indeg) if d == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            i = heapq.heappop(ready)
-            order.append(i)
-            for j in out.get(i, ()):
-                indeg[j] -= 1
-                if indeg[j] == 0:
-                    heapq.heappush(ready, j)
-        if len(order) != len(self.nodes):
-            raise TracingError(f"the graph of {self.name!r} has a cycle")
-        return order
-
-    def constant_prefix(self, backend=None) -> str:
-        """The text every run of the program begins with: stream 0's leading constant nodes,
-        executed by the interpreter's own code (so role markup matches a real run exactly)."""
-        from radixlm.lang.backend.base import BaseBackend
-        from radixlm.lang.interpreter import StreamExecutor
-
-        ex = StreamExecutor(backend if backend is not None else BaseBackend(), {},
-                            ir.SamplingParams(), None, use_thread=False)
-        for n in self.stream_nodes(0):
-            if n.kind in ("text", "role_begin", "role_end", "var_scope_begin", "var_scope_end"):
-                ex.submit(n.expr)
-            elif n.kind in ("fork", "commit", "set_var") or (
-                    n.kind == "join" and n.attrs["mode"] == "gather_variable"):
-                continue  # no text of stream 0 changes
-            else:
-                break
-        return ex.text_
-
-    def pretty(self) -> str:
-        params = ", ".join(self.parameters)
-        lines = [f"TracedProgram {self.name}({params}): {len(self.nodes)} nodes, "
-                 f"{len(self.streams)} stream(s)"]
-        if self.concrete:
-            lines.append("concrete arguments: " + ", ".join(
-                f"{k}={v!r}" for k, v in self.concrete.items()))
-        if self.arguments:
-            lines.append("arguments:")
-            for name, i in self.arguments.items():
-                lines.append(f"  n{i:<3} argument      {name}")
-        for st in self.streams:
-            head = "main" if st.parent is None else (
-                f"branch {st.branch} of fork n{st.fork_node} in stream {st.parent}")
-            lines.append(f"stream {st.id} ({head}):")
-            for n in self.stream_nodes(st.id):
-                ins = [f"n{e.src} {e.kind}" for e in self.edges_into(n.id)
-                       if e.kind not in ("seq", "fork")]
-                tail = f"  <- {', '.join(ins)}" if ins else ""
-                lines.append(f"  n{n.id:<3} {n.kind:<13} {n.label()}{tail}")
-        if self.variables:
-            lines.append("variables: " + ", ".join(
-                f"{k} <- {', '.join(f'n{i}' for i in v)}" for k, v in self.variables.items()))
-        return "\n".join(lines)
-
-    __str__ = pretty
-
-    def __repr__(self):
-        return (f"<TracedProgram {self.name}: {len(self.nodes)} nodes, {len(self.edges)} edges, "
-                f"{len(self.streams)} streams>")
 
 
 # --- recording ------------------------------------------------------------------------------------
@@ -506,6 +173,15 @@ class _TracingExecutor:
             self._add("commit", e)
         elif isinstance(e, ir.Image):
             self._add("image", e, attrs={"path": e.path})
+        elif isinstance(e, ir.Video):
+            self._add("video", e, attrs={"path": e.path})
+        elif isinstance(e, ir.SeparateReasoning):
+            n = self._add("separate_reasoning", e, name=e.name,
+                          attrs={"model_type": e.model_type})
+            if e.name in self.variables:
+                t.add_edge(self.variables[e.name], n.id, "var")
+            self._produce(e.name, n)
+            self._produce(e.reasoning_name, n)
         elif isinstance(e, ir.GetForkVariable) and isinstance(e.state, _TracingExecutor):
             self._record(e.state.get_var(e.name))
         elif isinstance(e, ir.FuncCall):
@@ -670,4 +346,3 @@ def extract_prefix_by_tracing(program, backend) -> Optional[str]:
         logger.debug("no constant prefix for %s: %s", getattr(program, "__name__", program), e)
         return None
     return prefix or None
-

@@ -15,9 +15,19 @@ import pytest
 import radixlm as sgl
 
 
+def cache_report_args() -> dict:
+    """SGLang's `--enable-cache-report`, where this server has the flag: OpenAI usage reports
+    cached prompt tokens (which these tests assert through the OpenAI backend) only with it."""
+    import dataclasses
+
+    from radixlm.runtime.config import ServerArgs
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    return {"enable_cache_report": True} if "enable_cache_report" in names else {}
+
+
 @pytest.fixture(scope="module")
 def runtime():
-    rt = sgl.Runtime(max_total_tokens=30000)
+    rt = sgl.Runtime(max_total_tokens=30000, **cache_report_args())
     sgl.set_default_backend(rt)
     yield rt
     sgl.set_default_backend(None)  # later tests must not inherit a stopped server
@@ -84,7 +94,12 @@ def test_multi_turn_chat_both_forms(runtime, kv_ok):
             s += sgl.gen("a2", max_tokens=24, temperature=0)
 
     qs = dict(q1="What is the capital of France?", q2="And of Spain?")
-    a, b = call_form.run(**qs), with_form.run(**qs)
+    # both forms run on a cold cache: this test compares how they render, and in bf16 a prompt
+    # read from the cache may decode differently from the same prompt computed afresh
+    runtime.flush_cache()
+    a = call_form.run(**qs)
+    runtime.flush_cache()
+    b = with_form.run(**qs)
     assert a.text() == b.text()
     assert [m["role"] for m in a.messages()] == ["system", "user", "assistant", "user", "assistant"]
     assert "Paris" in a["a1"]
@@ -116,7 +131,11 @@ def test_gen_int_and_dtypes(runtime, kv_ok):
         s += "\nQ: What is pi to two decimals?\nA: " + sgl.gen("pi", dtype=float, max_tokens=8)
 
     st = typed.run(temperature=0)
-    assert isinstance(st["legs"], int) and isinstance(st["wet"], bool) and isinstance(st["pi"], float)
+    # as in SGLang, the variables hold the constrained text; the program converts it
+    assert re.fullmatch(r"[-+]?[0-9]+", st["legs"].strip()), st["legs"]
+    assert st["wet"] in ("True", "False")
+    assert re.fullmatch(r"[-+]?[0-9]*\.?[0-9]+", st["pi"].strip()), st["pi"]
+    assert int(st["legs"]) >= 0 or int(st["legs"]) < 0  # converts
     kv_ok()
 
 
@@ -241,18 +260,23 @@ def test_run_batch_progress_bar_and_cache(runtime, kv_ok, capsys):
 
 
 def test_min_tokens(runtime, kv_ok):
+    # a question whose greedy answer is a few tokens ("Yes." then EOS), so that min_tokens is
+    # what lengthens it (a prompt like "Say hi." answers in ~25 tokens: too close to the bound)
+    q = "Reply with one word: yes or no?"
+
     @sgl.function
     def short(s):
-        s += sgl.user("Say hi.") + sgl.assistant(sgl.gen("a", max_tokens=40, temperature=0))
+        s += sgl.user(q) + sgl.assistant(sgl.gen("a", max_tokens=40, temperature=0))
 
     @sgl.function
     def longer(s):
-        s += sgl.user("Say hi.") + sgl.assistant(sgl.gen("a", min_tokens=25, max_tokens=40,
-                                                         temperature=0))
+        s += sgl.user(q) + sgl.assistant(sgl.gen("a", min_tokens=25, max_tokens=40,
+                                                 temperature=0))
 
-    n = short.run().get_meta_info("a")["completion_tokens"]
-    assert n < 25
-    assert longer.run().get_meta_info("a")["completion_tokens"] >= 25
+    meta = short.run().get_meta_info("a")
+    assert meta["completion_tokens"] < 10 and meta["finish_reason"]["type"] == "stop", meta
+    meta = longer.run().get_meta_info("a")
+    assert meta["completion_tokens"] >= 25, meta
     kv_ok()
 
 

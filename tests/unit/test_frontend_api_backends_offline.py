@@ -250,7 +250,7 @@ def test_server_errors_surface():
 
     @sgl.function
     def prog(s):
-        s += sgl.gen("a", regex="(")
+        s += sgl.gen("a", regex="[0-9]+")
 
     with pytest.raises(RuntimeError, match="bad pattern"):
         prog.run(backend=openai_backend(chat=False, reply=reply))
@@ -296,7 +296,9 @@ def test_select_scores_choices_with_echo_logprobs():
     assert kw["prompt"] == ["The sky is", "The sky is blue", "The sky is grey", "The sky is!x"]
     assert kw["echo"] is True and kw["logprobs"] == 0 and kw["max_tokens"] == 0
     meta = st.get_meta_info("c")
-    assert meta["input_token_logprobs"] == [[-0.5], [-3.0, -0.1], [-6.0, -6.0]]
+    assert meta["input_token_logprobs"] == [[(-0.5, None, " blue")],
+                                            [(-3.0, None, " gr"), (-0.1, None, "ey")],
+                                            [(-6.0, None, " is!"), (-6.0, None, "x")]]
     assert meta["normalized_prompt_logprobs"] == pytest.approx([-0.5, -1.55, -6.0])
 
     # greedy: the first tokens decide
@@ -304,8 +306,8 @@ def test_select_scores_choices_with_echo_logprobs():
     # unconditional: grey gains most over its no-context likelihood (mean gains 0.2, 0.55, 0.5)
     st = prog.run(method=sgl.unconditional_likelihood_normalized, backend=b)
     assert b.client.calls[-1][1]["prompt"] == ["\n", "\n blue", "\n grey", "\n is!x"]
-    assert st.get_meta_info("c")["unconditional_token_logprobs"] == [[-0.7], [-4.0, -0.2],
-                                                                     [-6.5, -6.5]]
+    assert [[t[0] for t in row] for row in st.get_meta_info("c")[
+        "unconditional_token_logprobs"]] == [[-0.7], [-4.0, -0.2], [-6.5, -6.5]]
     assert st["c"] == " grey"
 
 

@@ -1,8 +1,8 @@
 """Anthropic: the frontend over the Messages API (api.anthropic.com, or radixlm's own
 `/v1/messages`: pass the server's root as `base_url`; the SDK appends `/v1/messages`).
 
-- Chat only. A program becomes messages by the rules in `radixlm.lang.backend.openai`'s
-  docstring (`chat_messages`): finished turns are messages, text outside roles is a user message,
+- Chat only. A program becomes messages by the rules in `radixlm.lang.backend.api_common`
+  (`chat_messages`): finished turns are messages, text outside roles is a user message,
   gen must be inside an assistant turn unless the program uses no roles at all. System turns go
   to the request's `system` field (several are joined by a blank line), wherever they appear.
 - Text before a `gen` inside the same assistant turn is sent as a trailing assistant message: a
@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 from radixlm.lang.backend.base import BaseBackend, UnsupportedPrimitive
-from radixlm.lang.backend.openai import (chat_messages, extra_name, finish_meta,
-                                         resolve_api_key, sampling_extras, stop_list)
+from radixlm.lang.backend.api_common import (chat_messages, extra_name, finish_meta,
+                                             resolve_api_key, sampling_extras, stop_list)
 from radixlm.lang.chat_template import get_chat_template
 from radixlm.lang.choices import ChoicesDecision
 from radixlm.lang.ir import SamplingParams

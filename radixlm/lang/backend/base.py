@@ -22,6 +22,10 @@ class UnsupportedPrimitive(NotImplementedError):
 
 class BaseBackend:
     chat_template: ChatTemplate = get_chat_template("default")
+    is_chat_model = False
+    # SGLang's flag for backends that splice fork branches' KV caches on
+    # join("concate_and_append"); none of radixlm's do (the branches' text is appended instead)
+    support_concate_and_append = False
 
     def get_model_name(self) -> str:
         raise UnsupportedPrimitive(self, "get_model_name")
@@ -31,6 +35,29 @@ class BaseBackend:
 
     def cache_prefix(self, prefix: str) -> None:
         """Warm the cache with a prefix (run_batch does this with the program's constant prefix)."""
+
+    # SGLang's life-cycle hooks; nothing to do for a backend that keeps no per-program state
+    def begin_program(self, s) -> None:
+        pass
+
+    def end_program(self, s) -> None:
+        pass
+
+    def end_request(self, rid) -> None:
+        pass
+
+    def uncache_prefix(self, rid: str) -> None:
+        pass
+
+    def fork_program(self, src, dst, position_ids_offset=None) -> None:
+        pass
+
+    def fill_image(self, s) -> None:
+        pass
+
+    def concatenate_and_append(self, src_rids, dst_rid) -> None:
+        raise UnsupportedPrimitive(self, "concatenate_and_append", "join(\"concate_and_append\") "
+                                   "appends the branches' text instead")
 
     def commit_lazy_operations(self, s) -> None:
         """Make the backend compute s.text_ now (fork calls it so branches share the prefix)."""

@@ -48,138 +48,21 @@ is sent (local servers do not check it).
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Iterator, Optional, Union
 
+from radixlm.lang.backend.api_common import (EXTRA_PARAMS, STANDARD_PARAMS,
+                                             UNCONDITIONAL_PREFIX, chat_messages, extra_name, finish_meta,
+                                             is_completion_model_name, probe_native_server,
+                                             regex_literal, resolve_api_key, sampling_extras,
+                                             stop_list)
 from radixlm.lang.backend.base import BaseBackend, UnsupportedPrimitive
 from radixlm.lang.chat_template import (ChatTemplate, chat_template_for_model,
                                         get_chat_template)
 from radixlm.lang.choices import ChoicesDecision, decide, greedy_token_selection
 from radixlm.lang.ir import SamplingParams
 
-_COMPLETION_MODEL = re.compile(r"turbo-instruct|davinci|babbage|curie|(^|[-/:])ada($|[-:])")
-
-# our field -> OpenAI's name, for the parameters every OpenAI server knows
-_STANDARD = (("temperature", "temperature"), ("top_p", "top_p"),
-             ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"))
-# our field -> SGLang's extra_body name
-_EXTRAS = (("top_k", "top_k"), ("min_p", "min_p"), ("min_new_tokens", "min_tokens"),
-           ("ignore_eos", "ignore_eos"), ("stop_token_ids", "stop_token_ids"),
-           ("regex", "regex"), ("json_schema", "json_schema"))
-# with no prefix to condition on, a choice is scored after this text
-UNCONDITIONAL_PREFIX = "\n"
-
-
-def is_completion_model_name(model_name: str) -> bool:
-    return bool(_COMPLETION_MODEL.search((model_name or "").lower()))
-
-
-def resolve_api_key(api_key: Optional[str], env_var: str, base_url: Optional[str]) -> Optional[str]:
-    if api_key is not None:
-        return api_key
-    if os.environ.get(env_var):
-        return os.environ[env_var]
-    return "EMPTY" if base_url else None
-
-
-def probe_native_server(base_url: Optional[str], timeout: float = 5.0) -> Optional[dict]:
-    """radixlm's / SGLang's `/get_model_info` next to an OpenAI-style base URL, or None."""
-    if not base_url:
-        return None
-    import httpx
-
-    root = str(base_url).rstrip("/")
-    if root.endswith("/v1"):
-        root = root[:-3]
-    try:
-        r = httpx.get(root + "/get_model_info", timeout=timeout)
-        if r.status_code == 200:
-            info = r.json()
-            if isinstance(info, dict) and "model_path" in info:
-                return info
-    except (httpx.HTTPError, ValueError):
-        pass
-    return None
-
-
-def sampling_extras(params: SamplingParams) -> dict[str, Any]:
-    """SGLang's extra sampling fields that are set (differ from the defaults), by our field name."""
-    d = params.resolved()
-    out = {}
-    for ours, _ in _EXTRAS:
-        v = d[ours]
-        if v is None or v is False or v == SamplingParams.DEFAULTS.get(ours, None):
-            continue
-        if ours == "stop_token_ids" and not v:
-            continue
-        out[ours] = list(v) if ours == "stop_token_ids" else v
-    return out
-
-
-def stop_list(params: SamplingParams) -> list[str]:
-    stop = params.resolved()["stop"]
-    if not stop:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
-def extra_name(field: str, params: SamplingParams) -> str:
-    """How to name a sampling field in an error: `regex` that came from dtype says so."""
-    if field == "regex" and params.regex is None and params.dtype is not None:
-        dtype = params.dtype.__name__ if isinstance(params.dtype, type) else params.dtype
-        return f"gen(dtype={dtype}) (gen_int/gen_string; a regex constraint)"
-    return {"min_new_tokens": "min_tokens"}.get(field, field)
-
-
-# --- programs as chat messages (used by the Anthropic backend too) ------------------------------
-
-def chat_messages(s, backend) -> tuple[list[dict], str]:
-    """(messages, partial assistant text) of the program state `s` for a gen/select now.
-
-    See the module docstring for the rules. Raises ValueError when the gen is not in an assistant
-    turn of a program that uses roles.
-    """
-    name = type(backend).__name__
-    text, msgs = s.text_, list(s.messages_)
-    if s.cur_role is None:
-        if msgs:
-            raise ValueError(
-                f"the {name} backend (a chat model) needs gen/select inside an assistant turn: "
-                "`s += sgl.assistant(sgl.gen(...))` or `with s.assistant(): ...`")
-        if not text.strip():
-            raise ValueError(f"the {name} backend: nothing to send (the program's text is empty)")
-        return [{"role": "user", "content": text}], ""
-    if s.cur_role != "assistant":
-        raise ValueError(f"the {name} backend (a chat model) generates assistant turns only; "
-                         f"this gen/select is inside a {s.cur_role!r} turn")
-    end = s.cur_role_begin_pos
-    partial = text[end:]
-    out: list[dict] = []
-    pos = 0
-    for m in msgs:  # recover text outside roles: it lies between the messages' contents
-        at = text.find(m["content"], pos, end) if m["content"] else pos
-        if at < 0:  # not a markup-free template: the messages alone
-            return [dict(m) for m in msgs], partial
-        if text[pos:at].strip():
-            out.append({"role": "user", "content": text[pos:at]})
-        out.append({"role": m["role"], "content": m["content"]})
-        pos = at + len(m["content"])
-    if text[pos:end].strip():
-        out.append({"role": "user", "content": text[pos:end]})
-    return out, partial
-
-
-def finish_meta(reason: Optional[str], matched: Any = None) -> Optional[dict]:
-    """A native-style `finish_reason` dict from an API's finish reason."""
-    if reason is None:
-        return None
-    if reason in ("length", "max_tokens"):
-        return {"type": "length"}
-    return {"type": "stop", "matched": matched}
-
-
-def _regex_literal(s: str) -> str:
-    return "".join("\\" + c if c in "\\.^$|?*+()[]{}" else c for c in s)
+__all__ = ["OpenAI", "chat_messages", "extra_name", "finish_meta", "is_completion_model_name",
+           "probe_native_server", "resolve_api_key", "sampling_extras", "stop_list"]
 
 
 class OpenAI(BaseBackend):
@@ -233,7 +116,7 @@ class OpenAI(BaseBackend):
         stops = stop_list(params)
         if stops:
             kw["stop"] = stops
-        for ours, theirs in _STANDARD:
+        for ours, theirs in STANDARD_PARAMS:
             if d[ours] != SamplingParams.DEFAULTS[ours]:
                 kw[theirs] = d[ours]
         extras = sampling_extras(params)
@@ -252,7 +135,7 @@ class OpenAI(BaseBackend):
                     "it is an SGLang extension; this server did not answer radixlm's/SGLang's "
                     "/get_model_info (pass server_extras=True to send it anyway)")
         if extras:
-            kw["extra_body"] = {dict(_EXTRAS)[k]: v for k, v in extras.items()}
+            kw["extra_body"] = {dict(EXTRA_PARAMS)[k]: v for k, v in extras.items()}
         if d["return_logprob"]:
             if chat:
                 kw["logprobs"] = True
@@ -363,14 +246,14 @@ class OpenAI(BaseBackend):
         return [(list(c.logprobs.tokens), list(c.logprobs.token_logprobs)) for c in by_index]
 
     @staticmethod
-    def _after(base: list[str], full: tuple[list[str], list]) -> tuple[list[str], list[float]]:
+    def _after(base: list[str], full: tuple[list[str], list]) -> tuple[list[str], list[tuple]]:
         """Tokens of `full` after the longest token prefix it shares with `base`, and their
-        logprobs (None, i.e. the unscored first token, left out)."""
+        `(logprob, None, token)` triples (the unscored first token, logprob None, left out)."""
         toks, lps = full
         j = 0
         while j < len(base) and j < len(toks) and toks[j] == base[j]:
             j += 1
-        return toks[j:], [lp for lp in lps[j:] if lp is not None]
+        return toks[j:], [(lp, None, t) for lp, t in zip(lps[j:], toks[j:]) if lp is not None]
 
     def select(self, s, choices: list[str], temperature: float, choices_method) -> ChoicesDecision:
         if not choices:
@@ -402,7 +285,7 @@ class OpenAI(BaseBackend):
                 self, f"select with choices_method={type(choices_method).__name__}",
                 "on a chat model select is greedy constrained decoding (choices_method=None or "
                 "greedy_token_selection); scoring needs a completion model")
-        regex = "(" + "|".join(_regex_literal(c) for c in choices) + ")"
+        regex = "(" + "|".join(regex_literal(c) for c in choices) + ")"
         params = SamplingParams(max_new_tokens=max(len(c.encode("utf-8")) for c in choices) + 2,
                                 temperature=temperature or 0.0, regex=regex)
         text, meta = self.generate(s, params)

@@ -24,7 +24,15 @@ def free_port() -> int:
 
 
 class Runtime(RuntimeEndpoint):
-    def __init__(self, model_path: Optional[str] = None, log_file: Optional[str] = None, **server_args):
+    """SGLang's `Runtime(model_path=..., log_level=..., launch_timeout=..., **server_args)`: the
+    keyword arguments are the server's flags (`max_total_tokens=...` -> `--max-total-tokens`).
+    It is a RuntimeEndpoint itself; `runtime.endpoint` (what SGLang programs use) is itself."""
+
+    def __init__(self, model_path: Optional[str] = None, log_file: Optional[str] = None,
+                 log_level: Optional[str] = None, launch_timeout: float = START_TIMEOUT_S,
+                 **server_args):
+        if log_level is not None:
+            server_args["log_level"] = log_level
         self.port = server_args.pop("port", None) or free_port()
         cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port)]
         if model_path:
@@ -39,7 +47,7 @@ class Runtime(RuntimeEndpoint):
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # its own group: one kill stops all
         url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + launch_timeout
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the radixlm server exited during start-up (code "
@@ -51,10 +59,11 @@ class Runtime(RuntimeEndpoint):
                 pass
             if time.monotonic() > deadline:
                 self.shutdown()
-                raise RuntimeError(f"the radixlm server did not start in {START_TIMEOUT_S:.0f}s")
+                raise TimeoutError(f"the radixlm server did not start in {launch_timeout:.0f}s")
             time.sleep(0.5)
         super().__init__(url, api_key=server_args.get("api_key"))
         self.url = url
+        self.generate_url = url + "/generate"
 
     def shutdown(self) -> None:
         proc = getattr(self, "process", None)

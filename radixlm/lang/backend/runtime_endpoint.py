@@ -12,8 +12,9 @@ from typing import Iterator, Optional
 import httpx
 
 from radixlm.lang.backend.base import BaseBackend
-from radixlm.lang.chat_template import chat_template_for_model
+from radixlm.lang.chat_template import chat_template_for_model, get_chat_template
 from radixlm.lang.choices import ChoicesDecision, decide
+from radixlm.lang.global_config import global_config
 from radixlm.lang.ir import SamplingParams
 
 
@@ -22,15 +23,26 @@ class ServerError(RuntimeError):
 
 
 class RuntimeEndpoint(BaseBackend):
-    def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = 600.0,
+    """SGLang's arguments: `base_url`, `api_key`, `verify` (TLS: a CA bundle path, or False),
+    `chat_template_name`; radixlm's `chat_template` is the same as `chat_template_name`."""
+
+    def __init__(self, base_url: str, api_key: Optional[str] = None, verify=None,
+                 chat_template_name: Optional[str] = None, *, timeout: float = 600.0,
                  chat_template: Optional[str] = None):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
+                                   verify=True if verify is None else verify)
         self.model_info = self._get("/get_model_info")
-        from radixlm.lang.chat_template import get_chat_template
-        self.chat_template = (get_chat_template(chat_template) if chat_template
+        name = chat_template_name or chat_template
+        self.chat_template = (get_chat_template(name) if name
                               else chat_template_for_model(self.model_info.get("model_path", "")))
+
+    @property
+    def endpoint(self) -> "RuntimeEndpoint":
+        """SGLang programs reach for `runtime.endpoint`; an endpoint is its own."""
+        return self
 
     # --- HTTP -------------------------------------------------------------------------------------
     def _get(self, path: str) -> dict:
@@ -53,7 +65,9 @@ class RuntimeEndpoint(BaseBackend):
             raise ServerError(f"{r.request.method} {r.request.url.path} -> {r.status_code}: {msg}")
 
     def get_model_name(self) -> str:
-        return self.model_info.get("served_model_name") or self.model_info.get("model_path", "")
+        """The model path the server loaded (SGLang's answer; radixlm's /v1 accepts it as a model
+        name, as it does the served name)."""
+        return self.model_info.get("model_path") or self.model_info.get("served_model_name", "")
 
     def flush_cache(self) -> None:
         r = self.client.post("/flush_cache")
@@ -89,7 +103,10 @@ class RuntimeEndpoint(BaseBackend):
 
     def _generate_body(self, s, params: SamplingParams, stream: bool) -> dict:
         d = params.resolved()
-        body = {"text": s.text_, "sampling_params": params.to_runtime(), "stream": stream}
+        sp = {"skip_special_tokens": global_config.skip_special_tokens_in_output,
+              "spaces_between_special_tokens": global_config.spaces_between_special_tokens_in_out,
+              **params.to_runtime()}
+        body = {"text": s.text_, "sampling_params": sp, "stream": stream}
         if d["return_logprob"]:
             body["return_logprob"] = True
             body["logprob_start_len"] = d["logprob_start_len"] if d["logprob_start_len"] is not None else -1
@@ -113,7 +130,8 @@ class RuntimeEndpoint(BaseBackend):
 
         Token healing: the choice may merge with the prefix's last token when tokenized together,
         so scoring starts two tokens before the boundary and each choice's span begins at its
-        first token that differs from the prefix's own tokenization.
+        first token that differs from the prefix's own tokenization. The choice method gets
+        SGLang's `(logprob, token_id, token_text)` triples of each span.
         """
         if not choices:
             raise ValueError("select: choices must not be empty")
@@ -123,28 +141,27 @@ class RuntimeEndpoint(BaseBackend):
         start = max(n_prefix - 2, 0)
         texts = [prefix] + [prefix + c for c in choices]
         outs = self._generate_call({
-            "text": texts, "sampling_params": {"max_new_tokens": 0},
-            "return_logprob": True, "logprob_start_len": start})
+            "text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": start, "return_text_in_logprobs": True})
         prefix_ids = [t[1] for t in outs[0]["meta_info"]["input_token_logprobs"]]
-        token_lps, span_ids = [], []
+        spans = []
         for out in outs[1:]:
             triples = out["meta_info"]["input_token_logprobs"]
             j = 0
             while j < len(prefix_ids) and j < len(triples) and triples[j][1] == prefix_ids[j]:
                 j += 1
-            token_lps.append([lp for lp, _, _ in triples[j:] if lp is not None])
-            span_ids.append([t for _, t, _ in triples[j:]])
+            spans.append([tuple(t) for t in triples[j:] if t[0] is not None])
         uncond = None
         if getattr(choices_method, "requires_unconditional_logprobs", False):
             # the same tokens after only a document separator: what the model thinks of the choice
             # with no context
             sep = (self.model_info.get("eos_token_ids") or [0])[0]
             outs = self._generate_call({
-                "input_ids": [[sep] + ids for ids in span_ids],
+                "input_ids": [[sep] + [t[1] for t in span] for span in spans],
                 "sampling_params": {"max_new_tokens": 0},
-                "return_logprob": True, "logprob_start_len": 1})
-            uncond = [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"]] for o in outs]
-        return decide(choices_method, choices, token_lps, uncond)
+                "return_logprob": True, "logprob_start_len": 1, "return_text_in_logprobs": True})
+            uncond = [[tuple(t) for t in o["meta_info"]["input_token_logprobs"]] for o in outs]
+        return decide(choices_method, choices, spans, uncond)
 
     def shutdown(self) -> None:
         self.client.close()
