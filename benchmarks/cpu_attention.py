@@ -7,7 +7,9 @@ backends alternate within one run and the ratio compares medians from that run (
 shared: absolute times are noisy, same-run ratios much less so).
 
 Cases: decode at batch 1 / 16 / 64 with 1000 tokens of context; extend of 64 requests x 20 new
-tokens over one shared (cached) 1000-token prefix; one 1000-token prefill.
+tokens over one shared (cached) 1000-token prefix; decode of those 64 requests (1000 shared + 20
+own tokens), plain and with the shared prefix read once for the group ("cpu_grouped", what the
+scheduler plans on such a batch; torch_native has no grouped path); one 1000-token prefill.
 
 `--engine`: also the end-to-end figure, workload (b) of issue 10 (32 x (200 random ids in, 64 out),
 greedy, `ignore_eos`, SmolLM2, bf16 unless `--engine-dtype`), in this one process with
@@ -24,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -45,20 +48,23 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool  # noqa: E402
 HQ, HKV, D = 9, 3, 64
 
 
-def make_batch(mode, prefix_lens, ext_lens, rows, capacity_used, req_to_token, shared_prefix):
-    """A ForwardBatch whose requests' histories already sit in the pool (slots assigned in order)."""
+def make_batch(mode, prefix_lens, ext_lens, rows, capacity_used, req_to_token, shared_prefix,
+               shared_len=None):
+    """A ForwardBatch whose requests' histories already sit in the pool (slots assigned in order).
+    shared_prefix: every request's first `shared_len` (default: its whole prefix) slots are the
+    same slots (a radix-cache prefix)."""
     next_slot = 1 + capacity_used
     out_loc = []
     shared = None
     for r, (p, e) in enumerate(zip(prefix_lens, ext_lens)):
-        if shared_prefix and p:
+        sh = min(p, p if shared_len is None else shared_len) if shared_prefix else 0
+        if sh:
             if shared is None:
-                shared = torch.arange(next_slot, next_slot + p)
-                next_slot += p
-            req_to_token[rows[r], :p] = shared
-        else:
-            req_to_token[rows[r], :p] = torch.arange(next_slot, next_slot + p)
-            next_slot += p
+                shared = torch.arange(next_slot, next_slot + sh)
+                next_slot += sh
+            req_to_token[rows[r], :sh] = shared[:sh]
+        req_to_token[rows[r], sh:p] = torch.arange(next_slot, next_slot + p - sh)
+        next_slot += p - sh
         new = torch.arange(next_slot, next_slot + e)
         next_slot += e
         req_to_token[rows[r], p:p + e] = new
@@ -76,29 +82,53 @@ def make_batch(mode, prefix_lens, ext_lens, rows, capacity_used, req_to_token, s
     return fb, next_slot
 
 
-def run_case(backends, fb, layers, reps, dtype):
+def one_group(fb, shared_len):
+    """PrefixGroups putting every row of a decode batch in one group sharing `shared_len` slots
+    (what the scheduler's PrefixGrouper plans for such a batch)."""
+    from radixlm.runtime.attention.shared_prefix import PrefixGroups
+
+    b = fb.batch_size
+    return PrefixGroups(
+        rows=torch.arange(b), qo_indptr=torch.tensor([0, b]),
+        rep_pool_indices=fb.req_pool_indices[:1].clone(), shared_lens=torch.tensor([shared_len]),
+        zeros=torch.zeros(1, dtype=torch.int64), kv_start=torch.full((b,), shared_len),
+        max_group=b, shared_lens_cpu=[shared_len], group_sizes_cpu=[b],
+        saved_tokens=(b - 1) * shared_len)
+
+
+def run_case(backends, fb, layers, reps, dtype, groups=None):
+    """Median ms per layer of each backend; `groups`: PrefixGroups for an extra "cpu_grouped"
+    run of the cpu backend (shared-prefix decode)."""
     t = fb.num_tokens
     q = torch.randn(t, HQ, D).to(dtype)
     kv = torch.randn(t, 2, HKV, D).to(dtype)
     k, v = kv[:, 0], kv[:, 1]
-    times = {name: [] for name in backends}
+    runs = {name: (be, None) for name, be in backends.items()}
+    if groups is not None:
+        runs["cpu_grouped"] = (backends["cpu"], groups)
+    times = {name: [] for name in runs}
 
-    def step(be):
+    def step(be, grp):
         fb.attn_metadata = None
+        fb.prefix_groups = grp
         be.init_forward_metadata(fb)
         for layer in range(layers):
             be.forward(q, k, v, layer, fb)
 
-    for be in backends.values():  # warm-up
-        step(be)
+    for be, grp in runs.values():  # warm-up
+        step(be, grp)
     for _ in range(reps):
-        for name, be in backends.items():
+        for name, (be, grp) in runs.items():
             t0 = time.perf_counter()
-            step(be)
+            step(be, grp)
             times[name].append((time.perf_counter() - t0) / layers * 1e3)
+    fb.prefix_groups = None
     med = {name: statistics.median(v) for name, v in times.items()}
-    return {"native_ms": round(med["torch_native"], 4), "cpu_ms": round(med["cpu"], 4),
-            "speedup": round(med["torch_native"] / med["cpu"], 2)}
+    res = {f"{name}_ms": round(m, 4) for name, m in med.items()}
+    res["speedup"] = round(med["torch_native"] / med["cpu"], 2)
+    if groups is not None:
+        res["speedup_grouped"] = round(med["torch_native"] / med["cpu_grouped"], 2)
+    return res
 
 
 def run_engine(args) -> dict:
@@ -115,20 +145,33 @@ def run_engine(args) -> dict:
     sz = wl.sizes("full", short_num=args.engine_num, short_input_len=args.engine_input_len,
                   short_output_len=args.engine_output_len)
     out = {"workload": f"{sz.short_num} x ({sz.short_input_len} in, {sz.short_output_len} out), "
-                       "random ids, greedy, ignore_eos", "dtype": args.engine_dtype, "runs": []}
+                       "random ids, greedy, ignore_eos", "dtype": args.engine_dtype,
+           "weights": "dummy (random)" if args.engine_load_format else "SmolLM2-135M GGUF",
+           "runs": []}
     backends = ("torch_native", "cpu")
     engines = {}
     try:
         for backend in backends:
             t0 = time.perf_counter()
-            engines[backend] = eng = radixlm.Engine(attention_backend=backend,
-                                                    dtype=args.engine_dtype)
+            kw = {"dtype": args.engine_dtype}
+            if args.engine_model_path:
+                kw["model_path"] = args.engine_model_path
+            if args.engine_load_format == "dummy":  # random weights: token ids only
+                kw.update(load_format="dummy", skip_tokenizer_init=True)
+            engines[backend] = eng = radixlm.Engine(attention_backend=backend, **kw)
             assert eng.runner.attention_backend_name == backend, eng.runner.attention_backend_name
             out[f"engine_start_s_{backend}"] = round(time.perf_counter() - t0, 2)
         tok = engines["cpu"].tokenizer
         same = []
         for rnd in range(1, args.engine_rounds + 1):
-            w = wl.offline_workload("short", rnd, tok, sz)
+            if tok is not None:
+                w = wl.offline_workload("short", rnd, tok, sz)
+            else:  # the same shape of workload from random ids (no tokenizer with dummy weights)
+                rng = random.Random(wl.round_seed(0, rnd, "short"))
+                vocab = engines["cpu"].runner.model_config.vocab_size
+                w = wl.OfflineWorkload("short", rnd, 0, [
+                    [rng.randrange(3, vocab) for _ in range(sz.short_input_len)]
+                    for _ in range(sz.short_num)], [sz.short_output_len] * sz.short_num)
             params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
                       for n in w.output_lens]
             ids = {}
@@ -187,6 +230,9 @@ def main(argv=None):
     p.add_argument("--engine", action="store_true", help="also workload (b) through the Engine")
     p.add_argument("--engine-rounds", type=int, default=4, help="rounds of fresh prompts")
     p.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--engine-model-path", default=None, help="default: the bundled SmolLM2")
+    p.add_argument("--engine-load-format", default=None, choices=["dummy"],
+                   help="dummy: random weights from --engine-model-path's config.json")
     p.add_argument("--engine-num", type=int, default=32)
     p.add_argument("--engine-input-len", type=int, default=200)
     p.add_argument("--engine-output-len", type=int, default=64)
@@ -235,8 +281,8 @@ def run_micro(args) -> dict:
     pool = KVPool(capacity, args.layers, HKV, D, dtype, "cpu")
     for buf in pool.k_buffers + pool.v_buffers:  # the histories' K/V (contents do not matter)
         buf.copy_(torch.randn(buf.shape).to(dtype))
-    r2t = torch.zeros(max_b + 1, ctx + 32, dtype=torch.int64)
-    kw = dict(max_batch_size=max_b + 1, max_context_len=ctx + 32)
+    r2t = torch.zeros(max_b + 1, ctx + 64, dtype=torch.int64)
+    kw = dict(max_batch_size=max_b + 1, max_context_len=ctx + 64)
     backends = {"torch_native": TorchNativeAttention(pool, r2t, D ** -0.5, **kw),
                 "cpu": CpuAttention(pool, r2t, D ** -0.5, **kw)}
 
@@ -248,6 +294,11 @@ def run_micro(args) -> dict:
     fb, _ = make_batch(ForwardMode.EXTEND, [ctx] * 64, [20] * 64, list(range(64)), 0, r2t,
                        shared_prefix=True)
     results["extend_64x20_prefix"] = run_case(backends, fb, args.layers, args.reps, dtype)
+    # workload (a)'s decode steps: 64 requests on one cached 1000-token prefix + 20 own tokens
+    fb, _ = make_batch(ForwardMode.DECODE, [ctx + 19] * 64, [1] * 64, list(range(64)), 0, r2t,
+                       shared_prefix=True, shared_len=ctx)
+    results["decode_b64_shared_prefix"] = run_case(backends, fb, args.layers, args.reps, dtype,
+                                                   groups=one_group(fb, ctx))
     fb, _ = make_batch(ForwardMode.EXTEND, [0], [ctx], [0], 0, r2t, shared_prefix=False)
     results[f"prefill_{ctx}"] = run_case(backends, fb, args.layers, args.reps, dtype)
 

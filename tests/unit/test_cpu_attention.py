@@ -8,8 +8,8 @@ Engine level: SmolLM2 gives the same greedy tokens with attention_backend "cpu" 
 "torch_native". Plus the fallback: one warning, torch_native, never silent.
 
 The kernels are built once per machine (~30 s, cached under ~/.cache/radixlm/kernels; `make
-install` prebuilds them). The module skips only when no C++ compiler exists; any other build
-failure fails the tests.
+install` prebuilds them). The module skips only when the build tools are missing (no C++
+compiler, or no ninja); any other build failure fails the tests.
 """
 
 from __future__ import annotations
@@ -34,10 +34,14 @@ if os.environ.get("RADIXLM_DISABLE_CPU_KERNELS") == "1":
 try:
     OPS = cpu_kernels.load()
 except CpuKernelsUnavailable as _e:
-    if not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "c++", "g++", "clang++")):
+    if not shutil.which(os.environ.get("CXX", "c++")):
         pytest.skip(f"no C++ compiler, the CPU kernels cannot be built: {_e}",
                     allow_module_level=True)
-    raise  # a compiler exists: a build failure is a bug, not a skip
+    from torch.utils.cpp_extension import is_ninja_available
+    if not is_ninja_available():
+        pytest.skip(f"no ninja (torch.utils.cpp_extension needs it), the CPU kernels cannot be "
+                    f"built: {_e}", allow_module_level=True)
+    raise  # the tools exist: a build failure is a bug, not a skip
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -343,6 +347,36 @@ def test_backend_prefill_without_prefix_matches_torch_native():
     close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_backend_shared_prefix_decode_matches_plain(dtype):
+    """Decode with prefix groups (own suffix by a ranged decode, each group's prefix once by a
+    non-causal extend, merged by lse) equals torch_native's plain decode over every key."""
+    from test_shared_prefix import cascade_vs_plain
+
+    out, ref = cascade_vs_plain(CpuAttention, dtype)
+    close(out, ref, dtype)
+
+
+def test_ranged_ops_match_torch_reference():
+    from radixlm.runtime.attention import shared_prefix
+    from test_shared_prefix import make_batch
+
+    gen = torch.Generator().manual_seed(0)
+    pool, r2t, fb, (q, _, _), groups = make_batch(torch.float32, gen)
+    cpu_be = CpuAttention(pool, r2t, 0.125)
+    k_buf, v_buf = pool.k_buffers[0], pool.v_buffers[0]
+    got = cpu_be.ranged_decode(q, k_buf, v_buf, fb.req_pool_indices, groups.kv_start, fb.seq_lens)
+    want = shared_prefix.torch_ranged_decode(q, k_buf, v_buf, r2t, fb.req_pool_indices,
+                                             groups.kv_start, fb.seq_lens, 0.125)
+    close(got[0], want[0], torch.float32)
+    close_lse(got[1], want[1])
+    q_sh = q.index_select(0, groups.rows)
+    got = cpu_be.prefix_attention(q_sh, k_buf, v_buf, groups)
+    want = shared_prefix.torch_prefix_attention(q_sh, k_buf, v_buf, r2t, groups, 0.125)
+    close(got[0], want[0], torch.float32)
+    close_lse(got[1], want[1])
+
+
 # ---- wiring: auto picks the kernels; a failure falls back with one warning -----------------------
 
 def test_auto_picks_cpu_kernels():
@@ -374,9 +408,11 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
 
 def test_engine_greedy_matches_torch_native(smol_path, integrity):
     """The cache-equivalence prompts (8 chat prompts sharing a long system prompt: prefill,
-    cached-prefix extend, mixed extend + decode steps, decode), fp32, 40 greedy tokens each, then
-    a repeat served from the cache: the same tokens with either backend."""
+    cached-prefix extend, mixed extend + decode steps, decode with the shared prefix read once per
+    group, plain decode), fp32, 24 greedy tokens each, then a repeat served from the cache: the
+    same tokens with either backend."""
     import radixlm
+    from radixlm.runtime.attention.shared_prefix import PrefixGrouper
     from test_cache_equivalence import _prompts, _run
 
     seen = []
@@ -392,18 +428,26 @@ def test_engine_greedy_matches_torch_native(smol_path, integrity):
                 orig = be.init_forward_metadata
 
                 def record(fb, orig=orig):
-                    seen.append((fb.mode, any(fb.extend_prefix_lens_cpu), fb.num_decode_tail > 0))
+                    seen.append((fb.mode, any(fb.extend_prefix_lens_cpu), fb.num_decode_tail > 0,
+                                 fb.prefix_groups is not None))
                     orig(fb)
                 be.init_forward_metadata = record
+                # group whenever two running requests share >= 64 cached tokens (the default
+                # thresholds would group only part of these steps)
+                sched = eng.scheduler
+                assert sched.prefix_grouper is not None  # the cpu backend supports groups
+                sched.prefix_grouper = PrefixGrouper(sched.device, min_shared=64,
+                                                     min_saved_fraction=0.0)
             prompts = _prompts(eng.tokenizer)
-            ids, _ = _run(eng, prompts)
-            again = eng.generate(prompts[3], {"temperature": 0, "max_new_tokens": 40})
+            ids, _ = _run(eng, prompts, max_new=24)
+            again = eng.generate(prompts[3], {"temperature": 0, "max_new_tokens": 24})
             integrity(eng)
         finally:
             eng.shutdown()
         results[backend] = (ids, again["output_ids"])
     assert results["cpu"] == results["torch_native"]
     assert results["cpu"][1] == results["cpu"][0][3]
-    assert (ForwardMode.DECODE, False, False) in seen  # pure decode steps
-    assert any(m == ForwardMode.EXTEND and pre for m, pre, _ in seen)  # cached-prefix extend
-    assert any(m == ForwardMode.EXTEND and tail for m, _, tail in seen)  # mixed steps
+    assert (ForwardMode.DECODE, False, False, False) in seen  # plain decode steps
+    assert (ForwardMode.DECODE, False, False, True) in seen  # decode through prefix groups
+    assert any(m == ForwardMode.EXTEND and pre for m, pre, _, _ in seen)  # cached-prefix extend
+    assert any(m == ForwardMode.EXTEND and tail for m, _, tail, _ in seen)  # mixed steps

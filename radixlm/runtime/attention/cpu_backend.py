@@ -3,15 +3,17 @@
 Same contract and numbers as `TorchNativeAttention` (up to fp32 summation order), without copying
 any request's history out of the pool: the kernels follow `req_to_token` slot by slot.
 
-- DECODE: one `decode` call per layer over the whole batch.
+- DECODE: one `decode` call per layer over the whole batch. With `fb.prefix_groups` (rows that
+  share a cached prefix, planned by the scheduler): each row's own suffix by a ranged `decode`,
+  each group's prefix once for all its members by a non-causal `extend`, merged by lse.
 - EXTEND (prefill, with or without a cached prefix, with `num_decode_tail` decode rows at the
   end): one `extend` call per layer; a decode row is just a sequence with one query token.
 The index tensors (qo_indptr, lengths) are built once per forward in `init_forward_metadata`.
 
 Fallback: `CpuAttention(...)` raises `CpuKernelsUnavailable` (with the reason) when the kernels
-cannot be built or loaded. `CpuAttention.create(...)` (same arguments) catches that, logs ONE
-warning naming the reason, and returns a `TorchNativeAttention` instead: the registry should
-construct this backend through `create`.
+cannot be built or loaded. The registry's `auto` checks the kernels before choosing this backend
+and falls back to torch_native with ONE warning (registry.resolve_backend_name);
+`CpuAttention.create(...)` (same arguments) does the same for callers that construct it directly.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.runtime.attention import cpu_kernels
+from radixlm.runtime.attention import cpu_kernels, shared_prefix
 from radixlm.runtime.attention.base import AttentionBackend
 from radixlm.runtime.attention.cpu_kernels import CpuKernelsUnavailable
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
@@ -40,6 +42,9 @@ class _Meta:
 
 
 class CpuAttention(AttentionBackend):
+    # decode batches whose rows share a cached prefix read it once per group (shared_prefix.py)
+    supports_shared_prefix = True
+
     def __init__(self, kv_pool, req_to_token, scale, *, max_batch_size: int = 256,
                  max_context_len: int = 8192):
         super().__init__(kv_pool, req_to_token, scale, max_batch_size=max_batch_size,
@@ -63,6 +68,20 @@ class CpuAttention(AttentionBackend):
             from radixlm.runtime.attention.torch_native import TorchNativeAttention
             return TorchNativeAttention(kv_pool, req_to_token, scale, **kwargs)
 
+    # --- shared-prefix (cascade) decode, see shared_prefix.py ------------------------------------
+    def ranged_decode(self, q, k_buf, v_buf, req_pool_indices, kv_start, seq_lens):
+        """(out, lse): row b over its keys [kv_start[b], seq_lens[b])."""
+        return cpu_kernels.decode(q, k_buf, v_buf, self.req_to_token, req_pool_indices, seq_lens,
+                                  self.scale, kv_start=kv_start, return_lse=True)
+
+    def prefix_attention(self, q, k_buf, v_buf, groups):
+        """(out, lse): group g's member rows, packed, over its prefix, non-causal. In the kernel a
+        group is one sequence whose "query tokens" are its members: each prefix K/V block is
+        loaded once for (members x G) query rows of a KV head."""
+        return cpu_kernels.extend(q, k_buf, v_buf, self.req_to_token, groups.rep_pool_indices,
+                                  groups.qo_indptr, groups.shared_lens, self.scale,
+                                  kv_start=groups.zeros, causal=False, return_lse=True)
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         rows = fb.req_pool_indices.to(torch.int64).contiguous()
         lens = fb.seq_lens.to(torch.int64).contiguous()
@@ -77,6 +96,8 @@ class CpuAttention(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
         self.ops.store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)
         meta: _Meta = fb.attn_metadata
+        if meta.decode and fb.prefix_groups is not None:
+            return shared_prefix.decode_with_groups(self, q, k_buf, v_buf, fb)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.decode:
             self.ops.decode(q, k_buf, v_buf, self.req_to_token, meta.rows, self._empty_i64,

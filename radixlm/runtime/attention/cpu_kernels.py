@@ -174,6 +174,10 @@ def _summary(text: str) -> str:
 def _build(name: str, build_dir: Path, verbose: bool):
     from torch.utils import cpp_extension
 
+    # cpp_extension runs `ninja` from PATH: let a venv's own ninja (pip's) count without activation
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), bin_dir]).strip(os.pathsep)
     t0 = time.perf_counter()
     logger.info("building the CPU attention kernels into %s (once per CPU/torch/source)", build_dir)
     # is_python_module=False: the .so registers torch.ops.radixlm_cpu.* with the dispatcher and
