@@ -43,6 +43,8 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     "external_trace_header": (IGNORED, None, "tracing is not implemented; the header is dropped"),
     "routing_key": (IGNORED, None, "a data-parallel routing hint; " + _DP),
     "conversation_id": (IGNORED, None, "a data-parallel routing hint; " + _DP),
+    "kv_router_hint": (IGNORED, None, "a KV-routing hint for a hierarchical cache this server "
+                                      "does not have"),
     "custom_labels": (IGNORED, None, "metrics carry no per-request labels here"),
     "routed_dp_rank": (DEFAULT_ONLY, 0, _DP),
     "data_parallel_rank": (DEFAULT_ONLY, 0, _DP),

@@ -104,12 +104,17 @@ def update_weights_from_disk(runner, scheduler, req: dict) -> dict:
     path = req.get("model_path")
     if not isinstance(path, str) or not path:
         raise ValueError("model_path: required (a folder or .gguf file)")
+    if not os.path.exists(path):
+        raise ValueError(f"model_path: {path!r} does not exist")
     if not scheduler.is_idle():
         raise ValueError("requests are running; retry, or pass abort_all_requests")
-    fmt = loader.resolve_load_format(path, req.get("load_format") or "auto")
+    try:
+        fmt = loader.resolve_load_format(path, req.get("load_format") or "auto")
+        new_cfg = ModelConfig.from_hf(loader.load_hf_config(path, fmt))
+    except (OSError, KeyError, ValueError) as e:  # not a model folder / file we can read
+        raise ValueError(f"model_path: cannot read a model config from {path!r}: {e}") from None
     if fmt == "dummy":
         raise ValueError("load_format: dummy has no weights to load")
-    new_cfg = ModelConfig.from_hf(loader.load_hf_config(path, fmt))
     old = runner.model_config
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias"):

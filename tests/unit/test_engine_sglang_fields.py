@@ -4,6 +4,8 @@ chunked prefill) checked against HF transformers' hidden states."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -51,6 +53,21 @@ def test_token_ids_logprob_matches_the_chosen_token_logprob(engine, integrity):
         assert all(ev <= top[0][0] + 1e-6 for ev, _, _ in entries)
     assert m["input_token_ids_logprobs"][0] is None  # the first prompt token is not scored
     assert len(m["input_token_ids_logprobs"]) == m["prompt_tokens"]
+    integrity(engine)
+
+
+def test_structural_tag_constrains_the_output(engine, integrity):
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<f>", "end": "</f>",
+        "content": {"type": "json_schema", "json_schema": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+            "additionalProperties": False}}}}
+    o = engine.generate("Call f:", {"temperature": 0, "max_new_tokens": 40,
+                                    "structural_tag": json.dumps(tag)})
+    text = o["text"]
+    assert text.startswith("<f>") and text.endswith("</f>"), text
+    assert isinstance(json.loads(text[3:-4])["a"], int)
+    assert o["meta_info"]["finish_reason"]["type"] == "stop"  # the grammar ended it
     integrity(engine)
 
 

@@ -4,9 +4,12 @@ anything else is "unknown". Plus stop_regex matching and logit_bias in the sampl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from radixlm.runtime.constrained.grammar import validate_constraint
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
@@ -22,7 +25,8 @@ SGLANG_SAMPLING_FIELDS = [
     "beam_width", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos",
     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
     "logit_bias", "sampling_seed", "custom_params", "watermark"]
-# python/sglang/srt/managers/io_struct.py, GenerateReqInput (sglang 0.5.23)
+# python/sglang/srt/managers/io_struct.py, GenerateReqInput (sglang 0.5.23, plus kv_router_hint
+# from its main branch; fields main has since dropped stay here: older clients still send them)
 SGLANG_GENERATE_FIELDS = [
     "rid", "session_id", "text", "input_ids", "input_embeds", "image_data", "video_data",
     "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video", "video_config",
@@ -41,7 +45,7 @@ SGLANG_GENERATE_FIELDS = [
     "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls", "max_dynamic_patch",
     "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config",
     "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool", "cache_salt",
-    "kv_hints"]
+    "kv_hints", "kv_router_hint"]
 # what SGLang's frontend (sglang.lang) sends for a plain gen(): every field, unset ones too
 FRONTEND_SP = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
                "max_new_tokens": 16, "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": [],
@@ -219,3 +223,30 @@ def test_logit_bias_rows_follow_filter_and_merge():
     logits = zeros.clone()
     info.apply_penalties_and_masks(logits)
     assert torch.equal(logits, zeros)
+
+
+# --- structural_tag ----------------------------------------------------------------------------
+TAG = {"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<f>", "end": "</f>",
+    "content": {"type": "json_schema", "json_schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}
+LEGACY_TAG = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+              "triggers": ["<f"]}
+
+
+@pytest.mark.parametrize("tag", [TAG, LEGACY_TAG, json.dumps(TAG)])
+def test_structural_tag_forms_are_accepted(tag):
+    validate_constraint(verified({"structural_tag": tag}))
+
+
+@pytest.mark.parametrize("tag", ['{"format": 3}', "[1]", "not json",
+                                 {"structures": [{"begin": "a"}], "triggers": ["a"]},
+                                 {"structures": [], "triggers": "a"}])
+def test_bad_structural_tag_is_a_400_naming_it(tag):
+    with pytest.raises(ValueError, match="structural_tag"):
+        validate_constraint(verified({"structural_tag": tag}))
+
+
+def test_structural_tag_excludes_other_constraints():
+    with pytest.raises(ValueError, match="structural_tag"):
+        verified({"structural_tag": TAG, "regex": "a+"})
