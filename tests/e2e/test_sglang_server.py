@@ -223,3 +223,22 @@ def test_update_weights_from_disk(server):
     assert r.status_code == 400 and "manifest" in r.json()["message"]
     server.assert_serving()
     server.check_integrity()
+
+
+def test_sampling_seed_and_streamed_batch(server):
+    sp = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 1234}
+    a, b = (gen(server, {"text": COUNT, "sampling_params": sp})["output_ids"] for _ in range(2))
+    assert a == b  # the same seed: the same sample
+    others = {tuple(gen(server, {"text": COUNT, "sampling_params": {**sp, "sampling_seed": s}})
+                    ["output_ids"]) for s in range(3)}
+    assert len(others | {tuple(a)}) > 1
+    # a streamed batch: chunks of both prompts interleaved, each tagged with its index
+    body = {"text": [COUNT, "Hello"], "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}
+    with stream(server, body) as r:
+        chunks = list(sse_events(r))
+    last = {c["index"]: c for c in chunks}
+    assert sorted(last) == [0, 1]
+    whole = gen(server, {**body, "stream": False})
+    assert [last[i]["text"] for i in (0, 1)] == [w["text"] for w in whole]
+    server.check_integrity()
