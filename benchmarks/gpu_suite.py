@@ -67,10 +67,25 @@ def sync() -> None:
 _T0 = time.perf_counter()
 
 
+class Terminated(Exception):
+    """SIGTERM (e.g. from `timeout`) while a part runs: that part is recorded as failed and the
+    suite still prints and stores its line with every figure measured so far."""
+
+
+def _on_sigterm(signum, frame):
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process
+    raise Terminated("SIGTERM (time limit)")
+
+
 def run_part(args, res: dict, name: str, fn) -> bool:
     """Run one part; a failure is recorded in res["errors"] (with its traceback printed) and the
     suite goes on, so one broken part never loses the others' figures. Parts that would start
     after --budget-s seconds are skipped and listed in res["skipped"]."""
+    if "errors" in res and any("SIGTERM" in e for e in res["errors"].values()):
+        res.setdefault("skipped", []).append(name)
+        return False
     if args.budget_s and time.perf_counter() - _T0 > args.budget_s:
         res.setdefault("skipped", []).append(name)
         print(f"SKIP {name}: past --budget-s {args.budget_s}", flush=True)
@@ -128,6 +143,8 @@ def free_engine(holder: dict) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        print(f"freed engine: {torch.cuda.memory_allocated() / 1e9:.2f} GB still allocated",
+              flush=True)
 
 
 def run_radixlm(args, res: dict, vocab: int) -> None:
@@ -135,7 +152,13 @@ def run_radixlm(args, res: dict, vocab: int) -> None:
     h: dict = {}
     t0 = time.perf_counter()
     if not run_part(args, res, "engine", lambda: h.update(eng=make_engine(args))):
-        return
+        free_engine(h)
+        if args.disable_cuda_graph:
+            return
+        # a broken graph capture must not lose every other figure: go on without graphs
+        args.disable_cuda_graph = True
+        if not run_part(args, res, "engine_no_graph", lambda: h.update(eng=make_engine(args))):
+            return
     res["engine_ready_s"] = round(time.perf_counter() - t0, 2)
     eng = h["eng"]
     eng.generate(input_ids=[rand_ids(rng, 32, vocab) for _ in range(4)],  # warm-up
@@ -177,7 +200,8 @@ def run_radixlm(args, res: dict, vocab: int) -> None:
     if "batch128" in args.only:
         run_part(args, res, "batch128", batch128)
     if args.profile:
-        run_part(args, res, "profile", lambda: profile_decode(eng, rng, vocab, args.profile, res))
+        run_part(args, res, "profile", lambda: profile_decode(eng, rng, vocab, args.profile, res,
+                                                       args.profile_bs))
     if "shared_prefix" in args.only:
         run_part(args, res, "shared_prefix_on", shared_on)
     if "sharegpt" in args.only and args.sharegpt:  # the longest radixlm part
@@ -212,14 +236,15 @@ def shared_prefix_workload(rng: random.Random, vocab: int, groups=32, per_group=
     return prompts, [out] * len(prompts)
 
 
-def profile_decode(eng, rng, vocab: int, out_dir: str, res: dict) -> None:
+def profile_decode(eng, rng, vocab: int, out_dir: str, res: dict,
+                   batch_sizes=(1, 64)) -> None:
     """Profile a batch-1 and a batch-64 generation (256 in, 64 out: mostly decode steps); write
     the top kernels / ops tables and put the GPU-busy vs wall time per decode step in res."""
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(out_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
-    for bs in (1, 64):
+    for bs in batch_sizes:
         prompts = [rand_ids(rng, 256, vocab) for _ in range(bs)]
         timed_generate(eng, prompts, [2] * bs)  # same prefill shapes once, outside the profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -286,7 +311,10 @@ def hf_bs1(args, res: dict, vocab: int, h: dict) -> None:
     model = hf_model(args, h)
     rng = random.Random(args.seed + 2)
     ids = torch.tensor([rand_ids(rng, 128, vocab)], device="cuda")
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    # HF's own path: with a static cache `generate` compiles the decode step itself
+    # (GenerationConfig.compile_config: torch.compile, mode "reduce-overhead" = CUDA graphs). A
+    # hand-wrapped `torch.compile(model.forward, mode="reduce-overhead")` fails in transformers
+    # 5.17 ("accessing tensor output of CUDAGraphs that has been overwritten"; first H100 run).
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=256, min_new_tokens=256,
               do_sample=False, pad_token_id=0, cache_implementation="static")
     with torch.inference_mode():
@@ -308,6 +336,7 @@ def main(argv=None) -> dict:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {PARTS}")
     p.add_argument("--profile", default=None, metavar="DIR")
+    p.add_argument("--profile-bs", default="1,64", help="batch sizes the profile runs")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--result-file", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the suite's logic only")
@@ -319,6 +348,10 @@ def main(argv=None) -> dict:
     p.add_argument("--note", default=None, help="free text stored in the result line")
     args = p.parse_args(argv)
     args.only = set(args.only.split(","))
+    args.profile_bs = [int(b) for b in args.profile_bs.split(",")]
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     unknown = args.only - set(PARTS)
     if unknown:
         p.error(f"--only: unknown part(s) {sorted(unknown)}; parts are {PARTS}")
@@ -360,6 +393,7 @@ def main(argv=None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": os.environ.get("RADIXLM_GIT_COMMIT", "unknown"),
         "engine_kw": args.engine_kw,
+        "fused_ops": os.environ.get("RADIXLM_DISABLE_FUSED_OPS", "") in ("", "0"),
         "command": "python " + " ".join([os.path.relpath(__file__, _ROOT)] + sys.argv[1:]),
     })
     if args.note:

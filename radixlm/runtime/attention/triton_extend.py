@@ -101,12 +101,17 @@ def _extend_kernel(Q, K, V, Out, Lse, R2T, ReqIdx, QoIndptr, KvStart, KvLen, sca
             tl.store(Lse + (q_lo + qi) * stride_lt + heads, lse, mask=row_ok)
 
 
-def default_config(d: int, device: torch.device) -> tuple[int, int, int, int]:
+def default_config(d: int, device: torch.device,
+                   dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Compiled for sm_90 with Triton 3.7 (ptxas -v,
-    bf16, D 128): 128/64/8/2 uses 255 registers and spills ~300 bytes; 64/32/4/3 spills none.
+    bf16, D 128): 128/64/8/2 uses 255 registers and spills ~300 bytes; 64/32/4/2 spills none.
+    fp32 (tests only; products on CUDA cores): 128/64 tiles spill 28-60 KB per thread, 64/32/4/2
+    the least (0.9 KB at D 64, 2.5 KB at D 128).
     Not yet timed on a GPU: tests/gpu/test_triton_attention_gpu.py prints a sweep."""
     if device.type != "cuda":
         return 64, 64, 4, 1  # the interpreter runs programs one by one: few, big tiles
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
     if d <= 64:
         return 128, 64, 4, 2
     return 128, 64, 8, 2
@@ -136,7 +141,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     if n_seq == 0 or max_q_len <= 0 or t == 0:
         return out
     g = hq // hkv
-    block_m, block_n, warps, stages = config or default_config(d, q.device)
+    block_m, block_n, warps, stages = config or default_config(d, q.device, q.dtype)
     if lse_out is not None:
         assert lse_out.dtype == torch.float32 and lse_out.shape == (t, hq)
         assert lse_out.stride(1) == 1

@@ -8,7 +8,7 @@ HF checkpoint names onto the fused parameters.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,16 @@ from torch import nn
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+def _fused_ops(x: torch.Tensor):
+    """layers/triton_ops (one Triton kernel per norm / rotary / SiLU-and-mul) for CUDA tensors,
+    None elsewhere: the CPU path never imports triton."""
+    if not x.is_cuda:
+        return None
+    from radixlm.runtime.layers import triton_ops
+
+    return triton_ops if triton_ops.ENABLED else None
 
 
 class Embedding(nn.Embedding):
@@ -35,7 +45,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """norm(x); with `residual`: s = x + residual, returns (norm(s), s)."""
+        ops = _fused_ops(x)
+        if ops is not None:
+            return ops.rmsnorm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -54,9 +74,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.hq, self.d), *cos_sin)
-        k = apply_rotary(k.view(t, self.hkv, self.d), *cos_sin)
+        qkv = self.qkv_proj(x)
+        ops = _fused_ops(qkv)
+        if ops is not None:  # q and k heads are adjacent in each qkv row: one in-place launch
+            ops.rotary_inplace(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv,
+                                                                          self.d), *cos_sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d)
+        if ops is None:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         o = fb.attn_backend.forward(q, k, v.view(t, self.hkv, self.d), self.layer_id, fb)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -69,7 +95,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = _fused_ops(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -81,9 +111,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos_sin, fb):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos_sin, fb, residual=None):
+        """Returns (h, residual): the layer's output is h + residual. Carrying the residual
+        stream separately lets each residual add fuse into the next norm (one kernel on CUDA)."""
+        if residual is None:
+            h = self.input_layernorm(x)
+            residual = x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,9 +147,11 @@ class LlamaForCausalLM(nn.Module):
         """Returns final hidden states of the rows `fb.logits_indices`: (N, hidden)."""
         x = self.embed_tokens(fb.input_ids)  # (T, hidden)
         cos_sin = self.rope(fb.positions)  # (T, 1, head_dim) each
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos_sin, fb)
-        return self.norm(x[fb.logits_indices])
+            x, residual = layer(x, cos_sin, fb, residual)
+        idx = fb.logits_indices
+        return self.norm(x[idx], residual[idx])[0]  # norm of (x + residual) at the logits rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""

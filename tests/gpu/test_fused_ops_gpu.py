@@ -1,0 +1,59 @@
+"""The fused Llama-layer ops of layers/triton_ops.py (residual add + RMSNorm, in-place rotary,
+SiLU-and-mul) against llama.py's / rotary.py's plain torch ops: compiled on a CUDA GPU here, at the
+Llama-3.1-8B layer shapes and at odd small ones (`pytest -m gpu tests/gpu`); `check_ops` also runs
+on the CPU through Triton's interpreter (tests/unit/test_triton_ops.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def check_ops(dtype, device, t=5, hidden=96, hq=4, hkv=2, d=16, inter=80):
+    from radixlm.runtime.layers import triton_ops
+    from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+    from radixlm.runtime.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    norm = RMSNorm(hidden, 1e-5).to(device, dtype)
+    norm.weight.data.normal_(1.0, 0.1)
+    x = torch.randn(t, 2 * hidden, device=device).to(dtype)[:, :hidden]  # strided rows
+    r = torch.randn(t, hidden, device=device).to(dtype)
+    torch.testing.assert_close(triton_ops.rmsnorm(x, norm.weight, 1e-5), norm._norm(x), **tol)
+    out, s = triton_ops.rmsnorm(x, norm.weight, 1e-5, r)
+    # the residual stream is exact when compiled; the interpreter's fp32 -> bf16 cast truncates
+    exact = dtype == torch.float32 or device == "cuda"
+    torch.testing.assert_close(s, x + r, **(dict(atol=0, rtol=0) if exact else tol))
+    torch.testing.assert_close(out, norm._norm(x + r), **tol)
+
+    rope = RotaryEmbedding(d, 64, 10000.0, device=device)
+    pos = torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(t)).to(device)
+    cos, sin = rope(pos)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=device).to(dtype)
+    ref_q = apply_rotary(qkv[:, : hq * d].reshape(t, hq, d), cos, sin)
+    ref_k = apply_rotary(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), cos, sin)
+    v_before = qkv[:, (hq + hkv) * d:].clone()
+    triton_ops.rotary_inplace(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+    torch.testing.assert_close(qkv[:, : hq * d].reshape(t, hq, d), ref_q, **tol)
+    torch.testing.assert_close(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), ref_k, **tol)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v untouched
+
+    gu = torch.randn(t, 2 * inter, device=device).to(dtype) * 3
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(triton_ops.silu_and_mul(gu), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", [dict(t=1, hidden=4096, hq=32, hkv=8, d=128, inter=14336),
+                                   dict(t=300, hidden=96, hq=4, hkv=2, d=16, inter=80)],
+                         ids=["8b-bs1", "small"])
+def test_fused_ops_match_torch_on_cuda(dtype, shape):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiled kernels only")
+    check_ops(dtype, "cuda", **shape)
