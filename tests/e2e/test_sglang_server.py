@@ -1,7 +1,7 @@
 """SGLang's server surface over real HTTP (and the openai SDK): the endpoints users script against
 (/tokenize, /detokenize, /v1/embeddings, /encode, /get_model_info, /update_weights_from_disk,
-/start_profile + /stop_profile, /v1/models), the flags --served-model-name, --stream-interval,
---log-requests, --reasoning-parser (cache report off here), and SGLang's /generate fields and
+/start_profile + /stop_profile, /v1/models), the flags --served-model-name, --chat-template,
+--stream-interval, --log-requests, --reasoning-parser (cache report off here), and SGLang's /generate fields and
 stream shapes. One server for the module; every test that generates ends with the KV check."""
 
 from __future__ import annotations
@@ -23,11 +23,15 @@ ARGS = ["--dtype", "float32", "--context-length", "1024", "--max-total-tokens", 
         "--served-model-name", NAME, "--stream-interval", str(INTERVAL), "--log-requests",
         "--reasoning-parser", "qwen3", "--timeout-graceful-shutdown", "5"]
 COUNT = "Count: 1, 2, 3,"
+TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}|{{ greeting | default('none') }}>>"
+            "{{ m['content'] }}\n{% endfor %}<<assistant>>")
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server(ARGS, name="sglang")
+def server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    srv = start_server(ARGS + ["--chat-template", str(template)], name="sglang")
     yield srv
     stop_and_check(srv)
 
@@ -59,6 +63,20 @@ def test_served_model_name_and_model_info(server, oai):
         oai.completions.create(model="some-other-model", prompt=COUNT, max_tokens=2)
     # --enable-cache-report is off here: no prompt_tokens_details (SGLang's default)
     assert r.usage.prompt_tokens_details is None
+    server.check_integrity()
+
+
+def test_chat_template_flag(server, oai):
+    def prompt_tokens(rendered: str) -> int:
+        return server.post("/tokenize", {"prompt": rendered, "add_special_tokens": False}).json()[
+            "count"]
+
+    msgs = [{"role": "user", "content": "Hi there"}]
+    r = oai.chat.completions.create(model=NAME, messages=msgs, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == prompt_tokens("<<user|none>>Hi there\n<<assistant>>")
+    r = oai.chat.completions.create(model=NAME, messages=msgs, max_tokens=1, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"greeting": "hey"}})
+    assert r.usage.prompt_tokens == prompt_tokens("<<user|hey>>Hi there\n<<assistant>>")
     server.check_integrity()
 
 
