@@ -180,7 +180,7 @@ def build_result(req: Req, tokenizer, upto: Optional[int] = None, partial: bool 
         "finish_reason": None if partial or req.finish is None else req.finish.to_dict(),
         "prompt_tokens": len(req.origin_input_ids),
         "weight_version": "default",
-        "num_retractions": req.retractions,
+        "total_retractions": req.retractions,
         "reasoning_tokens": 0,
         "completion_tokens": upto,
         "cached_tokens": req.cached_tokens,

@@ -218,7 +218,7 @@ class TokenizerManager:
         obj = state.obj
         meta: dict[str, Any] = {
             "id": rid, "finish_reason": state.finish, "prompt_tokens": state.prompt_len,
-            "weight_version": self.weight_version, "num_retractions": state.retractions,
+            "weight_version": self.weight_version, "total_retractions": state.retractions,
         }
         if obj.return_logprob:
             text = self._token_text if obj.return_text_in_logprobs else (lambda t: None)

@@ -137,6 +137,9 @@ def test_log_requests(server):
     server.check_integrity()
 
 
+# the meta_info keys SGLang's TokenizerManager always sets on a finished generation
+SGLANG_META = {"id", "finish_reason", "prompt_tokens", "weight_version", "total_retractions",
+               "completion_tokens", "cached_tokens", "e2e_latency"}
 THINK = {"regex": r"<think>[a-z]{3,8}</think>[A-Z][a-z]{2,6}"}
 
 
@@ -178,6 +181,7 @@ def test_sglang_frontend_fields_and_streamed_logprobs(server):
     full = gen(server, body)
     assert full["text"].endswith("6") and "7" not in full["text"]
     m = full["meta_info"]
+    assert SGLANG_META <= set(m), SGLANG_META - set(m)
     assert m["finish_reason"] == {"type": "stop", "matched": "[6-7]"}
     n = m["completion_tokens"]
     assert len(m["output_token_logprobs"]) == len(m["output_top_logprobs"]) == n

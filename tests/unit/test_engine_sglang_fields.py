@@ -19,6 +19,8 @@ def test_stop_regex_keeps_the_match(engine, integrity):
     o = engine.generate(COUNT, {**GREEDY, "stop_regex": r"[6-7]"})
     assert o["text"] == " 4, 5, 6"  # through the token that completed the match, untrimmed
     assert o["meta_info"]["finish_reason"] == {"type": "stop", "matched": "[6-7]"}
+    assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+            "total_retractions"} <= set(o["meta_info"])
     assert o["output_ids"] == plain["output_ids"][: len(o["output_ids"])]
     # the frontend's defaults (every field, empty stop lists, null constraints) change nothing
     frontend = {**GREEDY, "stop": [], "stop_regex": [], "stop_token_ids": [], "n": 1,
