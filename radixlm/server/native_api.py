@@ -2,12 +2,13 @@
 
 /generate answers SGLang's shapes. Non-streamed: one result dict, or a list for a batch
 (`n` > 1 expands a prompt into n results, prompt-major). Streamed: SSE `data: {...}` chunks,
-then `data: [DONE]`; each chunk is a result dict whose `text` and `output_ids` are cumulative
-(SGLang's default; with --incremental-streaming-output they are deltas) while the output-side
-logprob lists (`output_token_logprobs`, `output_top_logprobs`, `output_token_ids_logprobs`) carry
-only the entries new in that chunk and `output_token_logprobs_length` counts them all, so a
-client concatenating chunks (SGLang's frontend: `text_async_iter(return_meta_data=True)`) gets
-each token's logprob once. A batch streams its requests' chunks interleaved, each with `index`.
+then `data: [DONE]`; each chunk is a result dict. As in SGLang, a chunk is cumulative by default:
+`text`, `output_ids` and the output-side logprob lists (`output_token_logprobs`,
+`output_top_logprobs`, `output_token_ids_logprobs`) hold everything so far, so the last chunk
+equals the non-streamed result (SGLang's frontend keeps the latest chunk's meta_info). With
+--incremental-streaming-output all of them are deltas: each chunk carries only what is new,
+while `completion_tokens` and `output_token_logprobs_length` count everything. A batch streams
+its requests' chunks interleaved, each with `index`.
 """
 
 from __future__ import annotations
@@ -45,15 +46,18 @@ async def json_body(request: Request) -> Any:
 
 
 class ChunkShaper:
-    """Turns one request's cumulative updates into SGLang stream chunks (see module doc)."""
+    """Turns one request's cumulative updates into SGLang stream chunks (see module doc):
+    unchanged by default, deltas of text, ids and output logprob lists when incremental."""
 
-    def __init__(self, incremental_text: bool = False):
-        self.incremental_text = incremental_text
+    def __init__(self, incremental: bool = False):
+        self.incremental = incremental
         self.text_len = 0
         self.ids_len = 0
         self.lp_sent = 0  # output logprob entries already sent
 
     def __call__(self, out: dict) -> dict:
+        if not self.incremental:
+            return out
         meta = dict(out["meta_info"])
         n_lp = len(meta.get("output_token_logprobs") or [])
         start = min(self.lp_sent, n_lp)  # a jump-forward may have re-tokenized sent entries
@@ -62,9 +66,8 @@ class ChunkShaper:
                 meta[key] = meta[key][start:]
         self.lp_sent = n_lp
         chunk = {**out, "meta_info": meta}
-        if self.incremental_text:
-            chunk["text"] = out["text"][self.text_len:]
-            chunk["output_ids"] = out["output_ids"][min(self.ids_len, len(out["output_ids"])):]
+        chunk["text"] = out["text"][self.text_len:]
+        chunk["output_ids"] = out["output_ids"][min(self.ids_len, len(out["output_ids"])):]
         self.text_len, self.ids_len = len(out["text"]), len(out["output_ids"])
         return chunk
 

@@ -188,13 +188,18 @@ def test_sglang_frontend_fields_and_streamed_logprobs(server):
     assert len(m["output_token_ids_logprobs"]) == n
     assert all(isinstance(e[2], str) for e in m["output_token_logprobs"])  # text in logprobs
     assert [e[1] for e in m["output_token_ids_logprobs"][0]] == [33, 34]
-    # streamed: cumulative text, each chunk's output logprobs are only the new ones
+    # streamed (SGLang's default shape): every chunk is cumulative, logprob lists included
     with stream(server, {**body, "stream": True, "rid": "sgl-fields-s"}) as r:
         chunks = list(sse_events(r))
-    assert chunks[-1]["text"] == full["text"]
-    joined = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]
-    assert [e[1] for e in joined] == [e[1] for e in m["output_token_logprobs"]]
-    assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(joined, m["output_token_logprobs"]))
+    assert len(chunks) > 1 and chunks[-1]["text"] == full["text"]
+    for c in chunks:
+        cm = c["meta_info"]
+        assert len(cm["output_token_logprobs"]) == cm["completion_tokens"] == len(c["output_ids"])
+        assert len(cm["output_top_logprobs"]) == len(cm["output_token_ids_logprobs"]) == \
+            cm["completion_tokens"]
+    got = chunks[-1]["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in got] == [e[1] for e in m["output_token_logprobs"]]
+    assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(got, m["output_token_logprobs"]))
     # fields SGLang has and this server does not: a 400 that names them
     for extra in ({"lora_path": "adapter"}, {"return_hidden_states": True},
                   {"session_params": {"id": "s"}}):

@@ -28,30 +28,35 @@ def cumulative_updates(n: int) -> list[dict]:
     return outs
 
 
-def test_stream_chunks_carry_new_logprobs_and_cumulative_text():
+def test_stream_chunks_are_cumulative_by_default():
+    """SGLang's default: every chunk holds everything so far (text, ids, logprob lists), so the
+    last chunk is the whole result; SGLang's frontend keeps the latest chunk's meta_info."""
     shape = ChunkShaper()
-    chunks = [shape(o) for o in cumulative_updates(5)]
-    prev = 0
-    for k, c in enumerate(chunks, 1):
-        m = c["meta_info"]
-        assert c["text"] == "ab" * k and c["output_ids"] == list(range(k))  # cumulative
-        assert m["completion_tokens"] == m["output_token_logprobs_length"] == k
-        assert len(m["output_token_logprobs"]) == k - prev == len(m["output_top_logprobs"])
-        assert m["input_token_logprobs"] == [(None, 1, None)]  # prompt side stays whole
-        prev = k
-    joined = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]
-    assert joined == cumulative_updates(5)[-1]["meta_info"]["output_token_logprobs"]
+    updates = cumulative_updates(5)
+    chunks = [shape(o) for o in updates]
+    assert chunks == updates
+    last = chunks[-1]["meta_info"]
+    assert len(last["output_token_logprobs"]) == last["output_token_logprobs_length"] == 5
 
 
 def test_incremental_streaming_output_sends_deltas():
-    shape = ChunkShaper(incremental_text=True)
+    shape = ChunkShaper(incremental=True)
     chunks = [shape(o) for o in cumulative_updates(4)]
     assert [c["text"] for c in chunks] == ["ab"] * 4
     assert [c["output_ids"] for c in chunks] == [[0], [1], [2], [3]]
+    prev = 0
+    for k, c in enumerate(chunks, 1):
+        m = c["meta_info"]
+        assert m["completion_tokens"] == m["output_token_logprobs_length"] == k
+        assert len(m["output_token_logprobs"]) == k - prev == len(m["output_top_logprobs"])
+        assert m["input_token_logprobs"] == [(None, 1, None)]  # the prompt side stays whole
+        prev = k
+    joined = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]
+    assert joined == cumulative_updates(4)[-1]["meta_info"]["output_token_logprobs"]
 
 
 def test_shaper_survives_a_rollback():
-    shape = ChunkShaper()
+    shape = ChunkShaper(incremental=True)
     outs = cumulative_updates(4)
     shape(outs[3])
     shorter = shape(outs[1])  # a jump-forward re-tokenized: fewer entries than already sent
