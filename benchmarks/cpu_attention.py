@@ -153,7 +153,7 @@ def run_engine(args) -> dict:
     try:
         for backend in backends:
             t0 = time.perf_counter()
-            kw = {"dtype": args.engine_dtype}
+            kw = {"dtype": args.engine_dtype, "device": "cpu"}
             if args.engine_model_path:
                 kw["model_path"] = args.engine_model_path
             if args.engine_load_format == "dummy":  # random weights: token ids only

@@ -1,17 +1,19 @@
 """The C++ CPU attention kernels (csrc/cpu_attention.cpp): build once, then load in milliseconds.
 
-`load()` returns the compiled module. The module name carries a hash of the sources, the compile
-flags, the CPU's feature flags (the build is `-march=native`), torch's and Python's versions, so a
-build is never loaded on a CPU or torch it was not made for. Builds live in
-`$RADIXLM_KERNEL_CACHE` (default `~/.cache/radixlm/kernels/<name>/`); when `<name>.so` and its
-`built` marker exist the .so is loaded directly (`torch.ops.load_library`, a dlopen): no ninja,
-no compiler, no `torch.utils.cpp_extension` bookkeeping (engine start-up stays fast). The ops
-live in `torch.ops.radixlm_cpu` (decode, extend, store_kv, isa); `load()` returns that namespace. Otherwise it is built with
-`torch.utils.cpp_extension.load` (~30 s on 2 cores; `make install` triggers it once).
+`load()` returns the ops namespace `torch.ops.radixlm_cpu` (decode, extend, store_kv, isa). The
+build's name carries a hash of the sources, the compile flags, the CPU's feature flags (the build
+is `-march=native`: AVX-512, AVX2 or generic code, see cpu_vec.h), torch's and Python's versions,
+so a build is never loaded on a CPU or torch it was not made for. Builds live in
+`$RADIXLM_KERNEL_CACHE/<name>/` (default `~/.cache/radixlm/kernels/`), one per machine, shared by
+every process: when `<name>.so` and its `built` marker exist the .so is loaded directly
+(`torch.ops.load_library`, a dlopen; no compiler, no lock). Otherwise one process builds it with
+`torch.utils.cpp_extension.load` (~30 s on 2 cores; `make install` does it once) while the
+others wait on a flock of the build folder.
 
-Failure (no compiler, unsupported platform, `RADIXLM_DISABLE_CPU_KERNELS=1`) raises
-`CpuKernelsUnavailable` with the reason; the failure is remembered so a process tries once.
-`CpuAttention.create` turns it into one logged warning and the torch_native fallback.
+Failure (no compiler or ninja, a compile error, `RADIXLM_DISABLE_CPU_KERNELS=1`) raises
+`CpuKernelsUnavailable` with the reason. A failed build writes `<name>/failed` (its log) and is
+not retried by later processes until `python -m radixlm.runtime.attention.cpu_kernels --rebuild`.
+The registry's `auto` turns it into ONE logged warning (`warn_fallback`) and torch_native.
 
 Functional API (the cascade / shared-prefix code builds on these; all tensors on the CPU):
   decode(q (B,Hq,D), k_buf, v_buf (N,Hkv,D), req_to_token (R,C) int64, req_pool_indices (B,),
