@@ -20,13 +20,21 @@ INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs",
 
 
 def merge_stream_meta(pending: Optional[dict], meta: dict) -> dict:
-    """Meta info of a chunk, with the incremental fields of earlier text-less chunks prepended."""
+    """Meta info of a chunk, with the logprob lists of earlier text-less chunks prepended when the
+    server sends per-chunk lists (--incremental-streaming-output: a list shorter than the chunk's
+    `completion_tokens`); a server's default cumulative lists already hold them."""
     if pending is None:
         return meta
     out = dict(meta)
+    n = meta.get("completion_tokens")
     for key in INCREMENTAL_META_KEYS:
-        if key in meta or key in pending:
-            out[key] = list(pending.get(key) or []) + list(meta.get(key) or [])
+        if key not in meta and key not in pending:
+            continue
+        items = list(meta.get(key) or [])
+        if key in meta and n is not None and len(items) >= n:  # cumulative
+            out[key] = items
+        else:
+            out[key] = list(pending.get(key) or []) + items
     return out
 
 

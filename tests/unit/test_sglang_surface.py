@@ -98,6 +98,34 @@ def test_stream_text_async_iter_with_meta_data():
     assert ids == [0, 1, 99, 2, 3, 4, 5]
     assert st["a"] == "hello!"
 
+
+class CumulativeFake(Fake):
+    """Streams as a server does by default (SGLang's shape): every chunk's logprob list holds all
+    tokens so far; the second chunk brings a token but no text (held back)."""
+
+    def generate_stream(self, s, params):
+        lps = [(-0.5, i, c) for i, c in enumerate("hello!")]
+        yield "he", {"completion_tokens": 2, "output_token_logprobs": lps[:2]}
+        yield "", {"completion_tokens": 3, "output_token_logprobs": lps[:3]}
+        yield "llo!", {"completion_tokens": 6, "output_token_logprobs": lps[:6]}
+
+
+def test_stream_meta_data_with_cumulative_lists():
+    @sgl.function
+    def prog(s):
+        s += "Say:" + sgl.gen("a", max_tokens=8)
+
+    async def collect(st):
+        return [c async for c in st.text_async_iter("a", return_meta_data=True)]
+
+    st = prog.run(backend=CumulativeFake(), stream=True)
+    chunks = asyncio.run(collect(st))
+    assert [c for c, _ in chunks] == ["he", "llo!"]
+    # cumulative lists are taken as they are: nothing is prepended twice
+    assert [lp[1] for lp in chunks[1][1]["output_token_logprobs"]] == [0, 1, 2, 3, 4, 5]
+    st.sync()
+    assert [lp[1] for lp in st.get_meta_info("a")["output_token_logprobs"]] == [0, 1, 2, 3, 4, 5]
+
     st = prog.run(backend=Fake(lambda t, p: "hello!"), stream=True)
     assert "".join(st.text_iter()) == "Say:hello!"
     st = prog.run(backend=Fake(lambda t, p: "hello!"), stream=True)
