@@ -20,6 +20,9 @@ _LAZY = {
     "Runtime": ("radixlm.lang.backend.runtime", "Runtime"),
     "OpenAI": ("radixlm.lang.backend.openai", "OpenAI"),
     "Anthropic": ("radixlm.lang.backend.anthropic", "Anthropic"),
+    "LiteLLM": ("radixlm.lang.backend.litellm", "LiteLLM"),
+    "VertexAI": ("radixlm.lang.backend.vertexai", "VertexAI"),
+    "Gemini": ("radixlm.lang.backend.vertexai", "Gemini"),
 }
 
 

@@ -31,7 +31,7 @@ SGLANG = "sglang==0.5.23"
 # numpy, transformers, orjson, pyzmq, pydantic, starlette, psutil, comes from radixlm's venv)
 SGLANG_CLIENT_DEPS = ["aiohttp", "pybase64", "pillow", "msgspec", "IPython", "requests_toolbelt",
                       "partial_json_parser"]  # the last for sgl.separate_reasoning
-CLIENT_SDKS: list[str] = []  # litellm / google-genai join when the LiteLLM and VertexAI backends land
+CLIENT_SDKS = ["litellm", "google-genai"]  # for radixlm's LiteLLM and VertexAI backends
 STAMP_NAME = ".compat-ready.json"
 
 

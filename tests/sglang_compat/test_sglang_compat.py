@@ -8,8 +8,12 @@ frontend on its own. The server runs in float32 so that greedy decoding does not
 runs whose requests met the cache at different points (in bf16 a cached prefix can decode
 differently from the same prefix computed afresh).
 
-The SGLang half is skipped, with the reason, when the clients venv cannot be made (no package
-index) or RADIXLM_SKIP_SGLANG_COMPAT=1 is set; radixlm's half always runs.
+The same module drives radixlm's LiteLLM backend (real `litellm`, against the server's `/v1`)
+and VertexAI/Gemini backend (real `google-genai`, against fake_gemini.py) in the clients venv:
+those packages' pins fight radixlm's venv.
+
+Everything that needs the clients venv is skipped, with the reason, when the venv cannot be made
+(no package index) or RADIXLM_SKIP_SGLANG_COMPAT=1 is set; radixlm's own half always runs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import radixlm
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import clients_venv  # noqa: E402
+from fake_gemini import FakeGemini  # noqa: E402
 import compat_programs as programs  # noqa: E402
 import compat_runner as runner  # noqa: E402
 
@@ -53,23 +58,24 @@ def ours(server) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sglang_python() -> str:
+def clients_python() -> str:
     if os.environ.get("RADIXLM_SKIP_SGLANG_COMPAT") == "1":
-        pytest.skip("RADIXLM_SKIP_SGLANG_COMPAT=1: the real SGLang frontend's half is off")
+        pytest.skip("RADIXLM_SKIP_SGLANG_COMPAT=1: the clients venv's half is off")
     try:
         return clients_venv.ensure(log=lambda msg: print(msg, file=sys.stderr))
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         last = str(exc).strip().splitlines()[-1:] or ["?"]
-        pytest.skip(f"the real SGLang frontend ({clients_venv.SGLANG}) could not be installed "
-                    f"into {clients_venv.VENV}: {last[0][:300]}")
+        what = ", ".join([clients_venv.SGLANG] + clients_venv.CLIENT_SDKS)
+        pytest.skip(f"the clients venv ({what}) could not be installed into "
+                    f"{clients_venv.VENV}: {last[0][:300]}")
 
 
 @pytest.fixture(scope="module")
-def theirs(server, sglang_python, tmp_path_factory) -> dict:
+def theirs(server, clients_python, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sglang") / "results.json"
     # the clients venv sees radixlm's site-packages (reused packages); keep radixlm itself out
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sglang_python, os.path.join(HERE, "compat_runner.py"),
+    r = subprocess.run([clients_python, os.path.join(HERE, "compat_runner.py"),
                         "--frontend", "sglang", "--url", server, "--out", str(out)],
                        capture_output=True, text=True, timeout=SGLANG_TIMEOUT_S, env=env)
     assert r.returncode == 0, f"the SGLang runner failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
@@ -209,3 +215,74 @@ def test_sglang_frontend(theirs, name):
 def test_same_results(ours, theirs, name):
     a, b = result_of(ours, name)["same"], result_of(theirs, name)["same"]
     assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+# --- radixlm's LiteLLM and VertexAI backends through the real packages (clients venv) -------------
+
+@pytest.fixture(scope="module")
+def api_backends(server, clients_python, tmp_path_factory):
+    """(results of api_backends_check.py, the requests the fake Gemini server received)."""
+    out = tmp_path_factory.mktemp("api") / "results.json"
+    root = os.path.dirname(os.path.dirname(HERE))
+    env = dict(os.environ, PYTHONPATH=root, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    fake = FakeGemini()
+    try:
+        r = subprocess.run([clients_python, os.path.join(HERE, "api_backends_check.py"),
+                            "--radixlm-url", server, "--gemini-url", fake.url, "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        fake.close()
+    assert r.returncode == 0, (f"api_backends_check.py failed:\n{r.stdout[-3000:]}\n"
+                               f"{r.stderr[-5000:]}")
+    with open(out) as f:
+        return json.load(f), fake.requests
+
+
+def cases_of(results: dict, backend: str) -> dict:
+    res = results[backend]
+    assert "error" not in res, res["error"]
+    for name, case in res.items():
+        assert "error" not in case, f"{backend} {name}:\n{case['error']}"
+    return res
+
+
+def check_api_cases(res: dict, backend: str) -> None:
+    chat = res["chat"]
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "user",
+                                                     "assistant"]
+    assert chat["messages"][2]["content"] == chat["a"] and chat["a"].strip()
+    assert chat["messages"][4]["content"] == chat["b"] and chat["b"].strip()
+    for meta in (chat["meta_a"], chat["meta_b"], res["stream"]["meta_a"]):
+        assert meta["finish_reason"]["type"] in ("stop", "length") and meta["completion_tokens"]
+    stream = res["stream"]
+    assert len(stream["pieces"]) >= 2 and "".join(stream["pieces"]) == stream["a"] == chat["a"]
+    assert res["plain"]["text"] == "Q: What is the capital of Italy?\nA:" + res["plain"]["a"]
+    assert res["regex"]["raised"] == "UnsupportedPrimitive"
+    assert f"the {backend} backend does not support regex" in res["regex"]["message"]
+
+
+def test_litellm_backend_against_radixlm(api_backends):
+    res = cases_of(api_backends[0], "litellm")
+    check_api_cases(res, "LiteLLM")
+    assert res["chat"]["meta_b"]["prompt_tokens"] > res["chat"]["meta_a"]["prompt_tokens"]
+
+
+def test_vertexai_backend_against_a_fake_gemini(api_backends):
+    results, requests = api_backends
+    res = cases_of(results, "vertexai")
+    check_api_cases(res, "VertexAI")
+    assert res["chat"]["a"] == "Paris is the capital."
+    assert res["chat"]["meta_a"] == {"id": "resp-1", "finish_reason": {"type": "stop",
+                                                                       "matched": None},
+                                     "prompt_tokens": 7, "completion_tokens": 5}
+    first, second, streamed = requests[0], requests[1], requests[2]
+    assert first["path"].endswith("/models/gemini-2.0-flash:generateContent")
+    assert first["key"] == "test-key"
+    body = first["body"]
+    assert body["systemInstruction"]["parts"] == [{"text": "You are a terse assistant."}]
+    assert body["contents"] == [{"role": "user",
+                                 "parts": [{"text": "What is the capital of France?"}]}]
+    assert body["generationConfig"] == {"maxOutputTokens": 12, "stopSequences": ["."],
+                                        "temperature": 0.0}
+    assert [c["role"] for c in second["body"]["contents"]] == ["user", "model", "user"]
+    assert ":streamGenerateContent" in streamed["path"]
