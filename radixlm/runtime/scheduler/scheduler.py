@@ -17,28 +17,25 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.constrained.grammar import (GrammarCompilerPool, MaskBuffer,
-                                                 apply_grammar_masks, constraint_of)
-from radixlm.runtime.constrained.jump_forward import try_jump_forward
+from radixlm.runtime.attention.shared_prefix import PrefixGrouper
+from radixlm.runtime.constrained.grammar import GrammarCompilerPool, MaskBuffer, constraint_of
 from radixlm.runtime.mem_cache.radix_cache import RadixCache
 from radixlm.runtime.request import Finish, FinishReason, Req
-from radixlm.runtime.sampling.logprobs import token_logprobs
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
 from radixlm.runtime.scheduler import decode
 from radixlm.runtime.scheduler.batch_builder import build_decode, build_extend
-from radixlm.runtime.scheduler.output import (check_finish, record_embeddings,
-                                              record_input_ids_logprobs, record_output_logprobs)
-from radixlm.runtime.attention.shared_prefix import PrefixGrouper
+from radixlm.runtime.scheduler.output import record_embeddings
 from radixlm.runtime.scheduler.overlap import (InFlightDecode, chained_input_ids,
                                                start_host_copy, surely_finishes)
 from radixlm.runtime.scheduler.policy import order_waiting
 from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder
+from radixlm.runtime.scheduler.token_processing import TokenProcessing
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(TokenProcessing):
     def __init__(self, args, runner, tokenizer=None):
         self.args = args
         self.runner = runner
@@ -318,96 +315,6 @@ class Scheduler:
                                    self.new_token_ratio - decode.NEW_TOKEN_RATIO_DECAY)
 
     # --- helpers --------------------------------------------------------------------------------
-    def _sample(self, logits, info, reqs):
-        apply_grammar_masks(logits, reqs, self.masks)
-        want_lp = any(r.return_logprob for r in reqs)
-        top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        return self.sampler(logits, info, reqs, want_lp, top_k)
-
-    def _process_tokens(self, reqs: list[Req], out) -> list[int]:
-        """Append sampled tokens; finish requests. Returns the indices of requests still running."""
-        tokens = out.next_token_ids.tolist()  # the step's one device->host sync
-        record_output_logprobs(reqs, out)
-        keep = []
-        for i, (req, tok) in enumerate(zip(reqs, tokens)):
-            if req.sampling_params.max_new_tokens == 0:  # prompt-only request (e.g. scoring)
-                if req.output_token_logprobs:
-                    req.output_token_logprobs.clear()
-                    req.output_top_logprobs.clear()
-                self._finish(req, Finish(FinishReason.LENGTH, matched=0))
-                continue
-            req.output_ids.append(tok)
-            self.stats["generated_tokens"] += 1
-            finish = None
-            if req.grammar is not None:
-                if not req.grammar.accept_token(tok):
-                    finish = Finish(FinishReason.ABORT, message=f"grammar rejected token {tok}")
-                elif req.grammar.is_terminated():
-                    finish = Finish(FinishReason.STOP, matched=tok if tok in req.stop_token_ids else None)
-            finish = finish or check_finish(req, tok, self.context_len, self.tokenizer)
-            if finish is not None:
-                self._finish(req, finish)
-            elif not (req.grammar is not None and self._jump_forward(req)):
-                keep.append(i)
-        return keep
-
-    def _jump_forward(self, req: Req) -> bool:
-        """Splice a grammar-forced string into the output. The request then leaves the running
-        batch and is re-admitted: one extend step recomputes from the first changed token."""
-        if self.args.disable_jump_forward:
-            return False
-        jump = try_jump_forward(req, self.tokenizer)
-        if jump is None:
-            return False
-        self.stats["jump_forward_tokens"] += jump.num_new_tokens
-        req.jumps += 1
-        prev = req.output_rollback
-        req.output_rollback = jump.first_changed if prev is None else min(prev, jump.first_changed)
-        old_kv = self._pre_jump_kv_tokens(req, jump)
-        max_new = req.sampling_params.max_new_tokens
-        if len(req.output_ids) >= max_new:
-            del req.output_ids[max_new:]
-            del req.output_token_logprobs[max_new:]
-            del req.output_top_logprobs[max_new:]
-            req.finish = Finish(FinishReason.LENGTH, matched=max_new)
-            req.finished_at = time.perf_counter()
-            self.tree_cache.cache_finished_req(req, old_kv)
-            req.req_pool_idx, req.last_node = None, None
-            return True
-        # the tree takes all computed KV (the replaced tokens' too: a harmless evictable branch);
-        # re-admission matches the new tokens against it and computes only what changed
-        self.tree_cache.cache_finished_req(req, old_kv)
-        req.reset_for_retract(count=False)
-        self.waiting.insert(0, req)
-        return True
-
-    @staticmethod
-    def _pre_jump_kv_tokens(req: Req, jump) -> list[int]:
-        """The tokens whose KV the request holds: its fill before the splice, minus the last."""
-        before = req.origin_input_ids + req.output_ids[: jump.first_changed] + jump.old_tail
-        return before[: req.kv_len]
-
-    def _record_input_logprobs(self, logits, rows) -> None:
-        for req, first_row, n, first_pos in rows.input_spans:
-            if req.embed_pooling:  # its rows were kept for pooling, not for logprobs
-                continue
-            record_input_ids_logprobs(req, logits[first_row : first_row + n], first_pos)
-            targets = torch.tensor(req.origin_input_ids[first_pos : first_pos + n], device=self.device)
-            chosen, top_vals, top_ids = token_logprobs(logits[first_row : first_row + n], targets,
-                                                       req.top_logprobs_num)
-            if first_pos == 1 and req.logprob_start_len == 0 and not req.input_token_logprobs:
-                req.input_token_logprobs.append(None)  # the first token has no context to score it
-                req.input_top_logprobs.append(None)
-            req.input_token_logprobs.extend(chosen.tolist())
-            if req.top_logprobs_num:
-                for vals, ids in zip(top_vals.tolist(), top_ids.tolist()):
-                    req.input_top_logprobs.append(list(zip(vals, ids)))
-            else:
-                req.input_top_logprobs.extend([[] for _ in range(n)])
-        for req, *_ in rows.input_spans:
-            if req.kv_len >= len(req.origin_input_ids):
-                req.input_logprobs_done = True
-
     def _merge_running(self, reqs: list[Req], info: SamplingBatchInfo) -> None:
         self.running.extend(reqs)
         if self.running_info is None or len(self.running) == len(reqs):
