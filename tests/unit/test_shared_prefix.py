@@ -148,9 +148,11 @@ def test_engine_greedy_identical_with_prefix_groups(make_engine, integrity):
     system = "You are a careful assistant. " * 40  # ~250 tokens shared by every request
     prompts = [system + f"Question {i}: name a colour and a number." for i in range(6)]
     params = {"temperature": 0, "max_new_tokens": 24}
-    plain = make_engine()
+    # torch_native plans no groups by itself: `plain` runs plain decode attention
+    plain = make_engine(attention_backend="torch_native")
+    assert plain.scheduler.prefix_grouper is None
     want = [o["output_ids"] for o in plain.generate(prompts, params)]
-    grouped = make_engine()
+    grouped = make_engine(attention_backend="torch_native")
     sched = grouped.scheduler
     sched.prefix_grouper = PrefixGrouper(sched.device, min_shared=64, min_saved_fraction=0.0)
     grouped.generate(prompts[0], {"max_new_tokens": 1})  # the prefix is cached first
