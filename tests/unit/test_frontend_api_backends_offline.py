@@ -1,6 +1,7 @@
-"""The OpenAI and Anthropic frontend backends without a server: parameter mapping, how programs
-become messages, select's scoring arithmetic, streaming. The SDK clients are replaced by fakes
-that record each call's keyword arguments and answer with scripted objects."""
+"""The OpenAI frontend backend without a server: parameter mapping, how programs become
+messages, select's scoring arithmetic, streaming. The SDK client is replaced by a fake that
+records each call's keyword arguments and answers with scripted objects (frontend_fakes.py); the
+Anthropic backend is in test_frontend_anthropic_offline.py."""
 
 from __future__ import annotations
 
@@ -10,61 +11,11 @@ from types import SimpleNamespace as NS
 import pytest
 
 import radixlm as sgl
+from frontend_fakes import openai_backend, prefilled, two_turns, usage
 from radixlm.lang.backend.anthropic import Anthropic
 from radixlm.lang.backend.base import UnsupportedPrimitive
 from radixlm.lang.backend.openai import OpenAI, is_completion_model_name
 from radixlm.lang.ir import REGEX_INT, SamplingParams
-
-
-class FakeStream(list):
-    closed = False
-
-    def close(self):
-        self.closed = True
-
-
-def usage(prompt=10, completion=3, cached=4):
-    return NS(prompt_tokens=prompt, completion_tokens=completion,
-              prompt_tokens_details=NS(cached_tokens=cached))
-
-
-class FakeOpenAIClient:
-    """`chat.completions.create` / `completions.create`: each call recorded, answered by
-    `self.reply(kind, kwargs)` (default: the text "ok" finishing on a stop string)."""
-
-    def __init__(self, reply=None):
-        self.calls = []
-        self.reply = reply or (lambda kind, kw: "ok")
-        self.chat = NS(completions=NS(create=lambda **kw: self._create("chat", kw)))
-        self.completions = NS(create=lambda **kw: self._create("completion", kw))
-
-    def close(self):
-        pass
-
-    def _create(self, kind, kw):
-        self.calls.append((kind, kw))
-        out = self.reply(kind, kw)
-        if not isinstance(out, str):
-            return out
-        if kw.get("stream"):
-            pieces = [out[:1], out[1:]]
-            chunks = [NS(id="c1", usage=None, choices=[NS(
-                index=0, finish_reason=None, logprobs=None, model_extra={},
-                delta=NS(content=p), text=p)]) for p in pieces]
-            chunks.append(NS(id="c1", usage=None, choices=[NS(
-                index=0, finish_reason="stop", logprobs=None, model_extra={"matched_stop": "\n"},
-                delta=NS(content=None), text="")]))
-            chunks.append(NS(id="c1", usage=usage(), choices=[]))
-            return FakeStream(chunks)
-        choice = NS(index=0, finish_reason="stop", logprobs=None,
-                    model_extra={"matched_stop": "\n"}, message=NS(content=out), text=out)
-        return NS(id="r1", model="m", choices=[choice], usage=usage())
-
-
-def openai_backend(chat=True, extras=True, reply=None, **kw):
-    b = OpenAI("m", api_key="x", is_chat_model=chat, server_extras=extras, **kw)
-    b.client = FakeOpenAIClient(reply)
-    return b
 
 
 # --- the model kind and the parameters -------------------------------------------------------
@@ -152,19 +103,6 @@ def test_flush_cache_and_server_info_are_unsupported():
 
 # --- programs as messages (OpenAI chat) ------------------------------------------------------
 
-@sgl.function
-def two_turns(s):
-    s += "Context outside roles. "
-    s += sgl.system("Be brief.")
-    s += sgl.user("Hi")
-    s += sgl.assistant(sgl.gen("a1", max_tokens=5))
-    s += "  \n"  # whitespace between turns is dropped
-    with s.user():
-        s += "Again: " + s["a1"]
-    with s.assistant():
-        s += sgl.gen("a2", max_tokens=6)
-
-
 def test_chat_messages_from_roles():
     b = openai_backend(reply=lambda kind, kw: f"r{len(kw['messages'])}")
     st = two_turns.run(backend=b)
@@ -208,14 +146,6 @@ def test_gen_outside_an_assistant_turn_is_an_error():
         for b in (openai_backend(), Anthropic("claude", api_key="x")):
             with pytest.raises(ValueError, match=match):
                 prog.run(backend=b)
-
-
-@sgl.function
-def prefilled(s):
-    s += sgl.user("Capital of France?")
-    with s.assistant():
-        s += "The capital is "
-        s += sgl.gen("a", max_tokens=4)
 
 
 def test_openai_chat_refuses_a_partial_assistant_message():
@@ -340,93 +270,3 @@ def test_chat_select_is_constrained_decoding_on_radixlm_servers():
         prog.run(method=sgl.unconditional_likelihood_normalized, backend=b)
     with pytest.raises(UnsupportedPrimitive, match="select"):
         prog.run(backend=openai_backend(chat=True, extras=False))
-
-
-# --- Anthropic -------------------------------------------------------------------------------
-
-class FakeAnthropicClient:
-    def __init__(self, reply="ok", stop_reason="end_turn", stop_sequence=None):
-        self.calls = []
-        self.reply, self.stop_reason, self.stop_sequence = reply, stop_reason, stop_sequence
-        self.messages = NS(create=self._create)
-
-    def close(self):
-        pass
-
-    def _create(self, **kw):
-        self.calls.append(kw)
-        u = NS(input_tokens=6, output_tokens=2, cache_read_input_tokens=5)
-        if kw.get("stream"):
-            evs = [NS(type="message_start", message=NS(id="msg1", usage=u)),
-                   NS(type="content_block_start"), NS(type="ping")]
-            evs += [NS(type="content_block_delta", delta=NS(type="text_delta", text=t))
-                    for t in self.reply]
-            evs += [NS(type="content_block_stop"),
-                    NS(type="message_delta", usage=NS(output_tokens=len(self.reply)),
-                       delta=NS(stop_reason=self.stop_reason, stop_sequence=self.stop_sequence)),
-                    NS(type="message_stop")]
-            return FakeStream(evs)
-        return NS(id="msg1", content=[NS(type="text", text="".join(self.reply))],
-                  stop_reason=self.stop_reason, stop_sequence=self.stop_sequence, usage=u)
-
-
-def anthropic_backend(**kw):
-    b = Anthropic("claude-x", api_key="x")
-    b.client = FakeAnthropicClient(**kw)
-    return b
-
-
-def test_anthropic_params():
-    b = Anthropic("claude-x", api_key="x")
-    assert b.request_kwargs(SamplingParams()) == {"max_tokens": 128}
-    assert b.request_kwargs(SamplingParams(max_new_tokens=9, stop=".", temperature=0.0, top_p=0.5,
-                                           top_k=4)) == {
-        "max_tokens": 9, "stop_sequences": ["."],
-        "extra_body": {"temperature": 0.0, "top_p": 0.5, "top_k": 4}}
-    for p, name in ((SamplingParams(frequency_penalty=0.2), "frequency_penalty"),
-                    (SamplingParams(min_p=0.1), "min_p"),
-                    (SamplingParams(min_new_tokens=2), "min_tokens"),
-                    (SamplingParams(regex="a"), "regex"),
-                    (SamplingParams(dtype=int), "dtype=int"),
-                    (SamplingParams(return_logprob=True), "return_logprob")):
-        with pytest.raises(UnsupportedPrimitive, match=name):
-            b.request_kwargs(p)
-
-
-def test_anthropic_system_turns_and_meta():
-    b = anthropic_backend(reply=["o", "k"], stop_reason="stop_sequence", stop_sequence="\n")
-    st = two_turns.run(backend=b)
-    c1, c2 = b.client.calls
-    assert c1["system"] == "Be brief." and c1["model"] == "claude-x"
-    assert c1["messages"] == [{"role": "user", "content": "Context outside roles. "},
-                              {"role": "user", "content": "Hi"}]
-    assert c2["messages"][-2:] == [{"role": "assistant", "content": "ok"},
-                                   {"role": "user", "content": "Again: ok"}]
-    assert st.get_meta_info("a1") == {"id": "msg1", "stop_reason": "stop_sequence",
-                                      "finish_reason": {"type": "stop", "matched": "\n"},
-                                      "prompt_tokens": 11, "completion_tokens": 2,
-                                      "cached_tokens": 5}
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_anthropic_prefill(stream):
-    b = anthropic_backend(reply=[" ", " Paris", "."], stop_reason="max_tokens")
-    st = prefilled.run(backend=b, stream=stream)
-    if stream:
-        assert list(st.text_iter("a")) == ["Paris", "."]
-    assert st["a"] == "Paris."
-    assert st.text() == "Capital of France?The capital is Paris."
-    kw = b.client.calls[0]
-    assert kw["messages"][-1] == {"role": "assistant", "content": "The capital is"}
-    assert kw.get("stream", False) is stream
-    assert st.get_meta_info("a")["finish_reason"] == {"type": "length"}
-
-
-def test_anthropic_select_is_unsupported():
-    @sgl.function
-    def prog(s):
-        s += sgl.user("Pick")
-        s += sgl.assistant(sgl.select("c", choices=["a", "b"]))
-
-    with pytest.raises(UnsupportedPrimitive, match="select"):
-        prog.run(backend=anthropic_backend())
