@@ -149,6 +149,9 @@ def decode_with_groups(backend, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
                                      fb.seq_lens)
     q_sh = q.index_select(0, groups.rows)  # (M, Hq, D), members packed group by group
     o_sh, lse_sh = backend.prefix_attention(q_sh, k_buf, v_buf, groups)
+    merge_into = getattr(backend, "merge_prefix_into", None)  # a backend's fused version
+    if merge_into is not None:
+        return merge_into(out, lse, groups.rows, o_sh, lse_sh)
     merged = merge_states(o_sh, lse_sh, out.index_select(0, groups.rows),
                           lse.index_select(0, groups.rows))
     out.index_copy_(0, groups.rows, merged)

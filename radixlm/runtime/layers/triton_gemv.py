@@ -1,0 +1,107 @@
+"""Batch-1 linear layer for CUDA (Triton GEMV): y (1, N) = x (1, K) @ W (N, K)^T.
+
+Why: batch-1 decode reads every weight once per token, so it runs at the speed weights stream from
+memory. On an H100 (Llama-3.1-8B shapes, bf16, copy bandwidth 3.01 TB/s) cuBLAS's M=1 kernels
+reach 2.82 TB/s for gate_up (28672 x 4096) and 2.59 for down (4096 x 14336), but only 2.08 for
+qkv (6144 x 4096) and 1.63 for o (4096 x 4096): the small matrices are split along K and leave
+the memory system idle between their waves. Here each program owns BLOCK_N whole rows of W and
+streams them along K (rows are contiguous, so every load is a wide coalesced read), keeping
+NUM_STAGES tiles in flight; N / BLOCK_N programs (>= 256 for N >= 4096) fill the SMs without a
+split-K reduction, so results are deterministic.
+
+Numerics: products and the sum in fp32, one rounding to the output dtype (what cuBLAS does for
+bf16, in a different summation order). `RADIXLM_DISABLE_TRITON_GEMV=1` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("RADIXLM_DISABLE_TRITON_GEMV", "") in ("", "0")
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, N, K, stride_w,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = rows < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # (BLOCK_N, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            x = tl.load(X + k0 + offs_k)
+            w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = k0 + offs_k < K
+            x = tl.load(X + k0 + offs_k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)  # (BLOCK_N,)
+    if HAS_BIAS:
+        y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+def tuned_config(n: int, k: int) -> Optional[tuple[int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an (N, K) weight, or None where cuBLAS is as
+    fast or the shape was never measured. From a sweep on an H100 (benchmarks/gpu_probe.py gemv,
+    bf16, weights cycled so none stays in L2; us per call, cuBLAS -> Triton):
+        o 4096 x 4096           37.7 -> 21.9    (8, 256, 2, 4)
+        qkv 6144 x 4096         22.3 -> 23.2    cuBLAS kept
+        gate_up 28672 x 4096    82.9 -> 78.3    (4, 1024, 8, 3)
+        down 4096 x 14336       45.5 -> 42.2    (4, 512, 2, 3)
+        lm_head 128256 x 4096   379.8 -> 332.6  (2, 1024, 8, 3)
+    Hidden sizes under 4096 were not measured, so they keep cuBLAS."""
+    if k < 4096 or k % 256:
+        return None
+    if k > 4096:
+        return 4, 512, 2, 3
+    if n <= 4096:
+        return 8, 256, 2, 4
+    if n < 16384:
+        return None
+    return (4, 1024, 8, 3) if n < 65536 else (2, 1024, 8, 3)
+
+
+def default_config(n: int, k: int) -> tuple[int, int, int, int]:
+    return tuned_config(n, k) or (4, 512, 4, 3)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv` takes this call: one row, CUDA, 16-bit float, contiguous operands."""
+    return (ENABLED and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1 and x.stride(1) == 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, through `gemv` for one row of a tuned shape (batch-1 decode), else cuBLAS."""
+    if supports(x, weight):
+        cfg = tuned_config(weight.shape[0], weight.shape[1])
+        if cfg is not None:
+            return gemv(x, weight, bias, config=cfg)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """x (1, K), weight (N, K) with a contiguous last dim, bias (N,) or None -> y (1, N)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m == 1 and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config or default_config(n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else x, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        NUM_STAGES=stages, num_warps=warps)
+    return y
