@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 # build lives in ~/.cache/radixlm/kernels/<hash of sources, CPU flags, torch> (RADIXLM_KERNEL_CACHE
 # overrides), shared by every process and venv. A failed build only warns: attention then falls
 # back to torch_native (one warning per process), and the failure is remembered, not retried.
-$(KERNELS): $(STAMP) csrc/cpu_attention.cpp csrc/cpu_vec.h radixlm/runtime/attention/cpu_kernels.py
+$(KERNELS): $(STAMP) $(wildcard csrc/*.cpp csrc/*.h) radixlm/runtime/attention/cpu_kernels.py
 	$(PY) -m radixlm.runtime.attention.cpu_kernels
 	touch $(KERNELS)
 

@@ -1,4 +1,4 @@
-"""The C++ CPU attention kernels (csrc/cpu_attention.cpp): build once, then load in milliseconds.
+"""The C++ CPU attention kernels (csrc/cpu_attention*.cpp): build once, then load in milliseconds.
 
 `load()` returns the ops namespace `torch.ops.radixlm_cpu` (decode, extend, store_kv, isa). The
 build's name carries a hash of the sources, the compile flags, the CPU's feature flags (the build
@@ -46,8 +46,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parents[3] / "csrc"
-_SOURCES = ("cpu_attention.cpp",)
-_HEADERS = ("cpu_vec.h",)
+# Every file of the build: the sources are compiled (one translation unit each), and all of them,
+# headers included, are hashed into the build's name (tests check that every `#include "..."` of a
+# source is listed here).
+_SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp")
+_HEADERS = ("cpu_attention.h", "cpu_vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 

@@ -1,0 +1,395 @@
+// CPU attention over the paged KV pool, the compute (the ops and their argument checks are in
+// cpu_attention.cpp, the shared types in cpu_attention.h).
+//
+// One call handles every request of the batch. Work is split into tasks of
+// (sequence, kv head, query block, key split), run by OpenMP with dynamic scheduling, biggest
+// first. A task processes all G = Hq / Hkv query heads of its KV head together (GQA), so every
+// K/V row is loaded and converted once for G * query_block query rows.
+//
+// Inside a task keys go in blocks of KB: gather the block's K and V rows into fp32 scratch,
+// scores, masked online softmax (base 2: q is pre-scaled by scale * log2 e), O += P V.
+//   - a query block of one token (decode rows): scores are G x KB dot products along D
+//     ("direct" path), 8 keys at a time so the horizontal sums share a transpose-add;
+//   - a longer query block (prefill, shared prefix): scores are the small GEMM
+//     St (KB x M) = K_blk (KB x D) . Qt (D x M), vectorized over the M query rows, so the softmax
+//     max/exp/sum are vector ops along the same rows too; then O (M x D) += P (M x KB) . V_blk.
+// Both GEMMs use one register-blocked microkernel (MR rows x NV vectors of C in registers).
+// Why not at::mm on the gathered fp32 tiles (an earlier measurement, not repeated since):
+// the hand-written kernel wins here because the tiles are small (64 keys x <= 96 rows x 64) and
+// a dispatcher call per tile costs as much as the tile's arithmetic.
+//
+// Key splits: when (sequences x kv heads x query blocks) gives fewer than 8 tasks per thread
+// (batch-1 decode, a shared prefix), each sequence's key range is split; a split writes its
+// unnormalized O with its running max m and sum l, and a merge pass combines the splits by
+// log-sum-exp.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cpu_attention.h"
+
+using namespace radixlm_vec;
+
+namespace radixlm_attn {
+namespace {
+
+constexpr int KB = 64;            // keys per block (multiple of 8 and of W)
+constexpr int kTargetRows = 96;   // query rows (tokens x G heads) per extend task
+constexpr int kMinSplit = 128;    // fewest keys worth a split of their own
+#if defined(__AVX512F__)
+constexpr int MR = 12, NV = 2;    // 24 accumulators + 2 B vectors + 1 broadcast of 32 registers
+#else
+constexpr int MR = 6, NV = 2;     // 12 accumulators + 2 + 1 of 16 registers
+#endif
+
+// ---- the GEMM microkernel ---------------------------------------------------------------------
+// C (R x V*W) = [C +] A (R x K) . B (K x V*W); A(i, k) = A[i * rsa + k * csa]; B, C row-major.
+template <int R, int V>
+void ukernel(int K, const float* A, long rsa, long csa, const float* B, long ldb, float* C,
+             long ldc, bool acc) {
+  vf c[R][V];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) c[i][v] = acc ? vload(C + i * ldc + v * W) : vzero();
+  for (int k = 0; k < K; ++k) {
+    vf b[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) b[v] = vload(B + k * ldb + v * W);
+    const float* a = A + k * csa;
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      vf ai = vset1(a[i * rsa]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) c[i][v] = vfma(ai, b[v], c[i][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) vstore(C + i * ldc + v * W, c[i][v]);
+}
+
+using UKernel = void (*)(int, const float*, long, long, const float*, long, float*, long, bool);
+template <int V, int... R>
+constexpr std::array<UKernel, sizeof...(R)> ukernel_table(std::integer_sequence<int, R...>) {
+  return {&ukernel<R + 1, V>...};
+}
+const auto kUkNV = ukernel_table<NV>(std::make_integer_sequence<int, MR>{});
+const auto kUk1 = ukernel_table<1>(std::make_integer_sequence<int, MR>{});
+
+// C (M x N) = [C +] A (M x K) . B (K x N), N a multiple of W.
+void gemm(int M, int N, int K, const float* A, long rsa, long csa, const float* B, long ldb,
+          float* C, long ldc, bool acc) {
+  int n = 0;
+  for (; n + NV * W <= N; n += NV * W)
+    for (int i = 0; i < M; i += MR)
+      kUkNV[std::min(MR, M - i) - 1](K, A + i * rsa, rsa, csa, B + n, ldb, C + i * ldc + n, ldc,
+                                     acc);
+  for (; n < N; n += W)
+    for (int i = 0; i < M; i += MR)
+      kUk1[std::min(MR, M - i) - 1](K, A + i * rsa, rsa, csa, B + n, ldb, C + i * ldc + n, ldc,
+                                    acc);
+}
+
+// ---- conversions ------------------------------------------------------------------------------
+// One row of D storage elements -> fp32 dst[0:Dp], the tail D..Dp zeroed.
+template <typename T>
+inline void row_to_f32(const T* src, float* dst, int D, int Dp) {
+  int d = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; d + W <= D; d += W) vstore(dst + d, vload(src + d));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; d + W <= D; d += W) vstore(dst + d, vload_bf16(reinterpret_cast<const uint16_t*>(src) + d));
+  } else {
+#ifndef RLM_GENERIC_ISA
+    for (; d + W <= D; d += W) vstore(dst + d, vload_f16(reinterpret_cast<const uint16_t*>(src) + d));
+#endif
+  }
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+  for (; d < Dp; ++d) dst[d] = 0.f;
+}
+
+// q / out rows have the caller's dtype; they are O(rows x D) per task, so a scalar loop is fine.
+template <typename T>
+void load_scaled(const void* src, float* dst, long dst_stride, int D, float mul) {
+  const T* s = static_cast<const T*>(src);
+  for (int d = 0; d < D; ++d) dst[d * dst_stride] = static_cast<float>(s[d]) * mul;
+}
+template <typename T>
+void store_scaled(void* dst, const float* src, int D, float mul) {
+  T* o = static_cast<T*>(dst);
+  for (int d = 0; d < D; ++d) o[d] = static_cast<T>(src[d] * mul);
+}
+#define RLM_FLOAT_SWITCH(st, NAME, ...)                                              \
+  switch (st) {                                                                     \
+    case at::kFloat: NAME<float>(__VA_ARGS__); break;                               \
+    case at::kBFloat16: NAME<c10::BFloat16>(__VA_ARGS__); break;                    \
+    case at::kHalf: NAME<c10::Half>(__VA_ARGS__); break;                            \
+    default: break;                                                                 \
+  }
+float* scratch(size_t n) {
+  static thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// Gather the K and V rows of slots[0:n], head h, into Kb / Vb (n x Dp fp32); Kb rows n..n_pad
+// are zeroed. The rows of slot j + kPrefetch are prefetched: the slots are known ahead and are
+// scattered through the pool, which the hardware prefetcher cannot guess (and even for in-order
+// slots a head touches only 1 / Hkv of each slot's bytes). `n_ahead` bounds the prefetch reads
+// of the slots array.
+#ifndef RLM_PREFETCH
+#define RLM_PREFETCH 8
+#endif
+constexpr int kPrefetch = RLM_PREFETCH;
+template <typename TK>
+bool gather_kv(const Ctx& c, const int64_t* slots, int h, int n, int64_t n_ahead, int n_pad,
+               float* Kb, float* Vb) {
+  bool ok = true;
+  const long row_bytes = (long)c.D * sizeof(TK);
+  for (int j = 0; j < n; ++j) {
+    if (j + kPrefetch < n_ahead) {
+      const int64_t p = slots[j + kPrefetch];
+      if (p >= 0 && p < c.n_slots) {
+        const char* kp = c.k + (p * c.k_st0 + h * c.k_st1) * sizeof(TK);
+        const char* vp = c.v + (p * c.v_st0 + h * c.v_st1) * sizeof(TK);
+        for (long o = 0; o < row_bytes; o += 64) {
+          __builtin_prefetch(kp + o);
+          __builtin_prefetch(vp + o);
+        }
+      }
+    }
+    int64_t s = slots[j];
+    if (s < 0 || s >= c.n_slots) { ok = false; s = 0; }  // never read out of bounds
+    row_to_f32(reinterpret_cast<const TK*>(c.k + (s * c.k_st0 + h * c.k_st1) * sizeof(TK)),
+               Kb + (long)j * c.Dp, c.D, c.Dp);
+    row_to_f32(reinterpret_cast<const TK*>(c.v + (s * c.v_st0 + h * c.v_st1) * sizeof(TK)),
+               Vb + (long)j * c.Dp, c.D, c.Dp);
+  }
+  if (n_pad > n) std::fill(Kb + (long)n * c.Dp, Kb + (long)n_pad * c.Dp, 0.f);
+  return ok;
+}
+
+// One task: query rows r = (i - i0) * G + g of query block `blk`, keys [k0, k1) of the split.
+template <typename TK>
+bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
+  const int G = c.G, D = c.D, Dp = c.Dp, h = t.h;
+  const int i0 = t.blk * sq.qb, i1 = std::min(i0 + sq.qb, sq.n_q);
+  const int M = (i1 - i0) * G, Mp = round_up(M, W);
+  const bool direct = (i1 - i0) == 1;
+  const int64_t k0 = t.split * sq.chunk, k1 = std::min(sq.kv_len, k0 + sq.chunk);
+  const int64_t diag = sq.kv_len - sq.n_q;  // query i sees keys j <= diag + i
+  const int64_t hi = c.causal ? std::min(k1, diag + i1) : k1;
+  const int64_t free_hi = c.causal ? diag + i0 + 1 : k1;  // keys below: visible to all rows
+
+  // scratch: Q (direct: G x Dp rows; gemm: Dp x Mp, transposed), K, V blocks, scores, O, m, l
+  const int sc_len = direct ? G * KB : KB * Mp;
+  float* Q = scratch((size_t)Dp * Mp + 2 * KB * Dp + sc_len + (size_t)Mp * Dp + 3 * Mp);
+  float* Kb = Q + (size_t)Dp * Mp;
+  float* Vb = Kb + KB * Dp;
+  float* S = Vb + KB * Dp;
+  float* O = S + sc_len;
+  float* m = O + (size_t)Mp * Dp;
+  float* l = m + Mp;
+  float* alpha = l + Mp;
+  std::fill(Q, Q + (size_t)Dp * Mp, 0.f);
+  std::fill(O, O + (size_t)Mp * Dp, 0.f);
+  std::fill(m, m + Mp, -INFINITY);
+  std::fill(l, l + Mp, 0.f);
+  for (int r = 0; r < M; ++r) {
+    const int i = i0 + r / G, hq = h * G + r % G;
+    const char* src = c.q + ((sq.q0 + i) * c.q_st0 + hq * c.q_st1) * c.q_esize;
+    float* dst = direct ? Q + r * Dp : Q + r;
+    const long dst_stride = direct ? 1 : Mp;
+    RLM_FLOAT_SWITCH(c.q_type, load_scaled, src, dst, dst_stride, D, c.qscale);
+  }
+
+  bool ok = true;
+  for (int64_t kb0 = k0; kb0 < hi; kb0 += KB) {
+    const int n = (int)std::min<int64_t>(KB, hi - kb0), nw = round_up(n, W);
+    ok &= gather_kv<TK>(c, sq.slots + kb0, h, n, hi - kb0, direct ? round_up(n, 8) : n, Kb, Vb);
+    if (direct) {
+      // S (G x KB): 8 keys at a time, accumulators along D, one transpose-add per 8 keys
+      for (int g = 0; g < G; ++g) {
+        const float* qg = Q + g * Dp;
+        float* Sg = S + g * KB;
+        for (int j0 = 0; j0 < n; j0 += 8) {
+          vf acc[8];
+          for (int u = 0; u < 8; ++u) acc[u] = vzero();
+          for (int d = 0; d < Dp; d += W) {
+            vf qv = vload(qg + d);
+            for (int u = 0; u < 8; ++u) acc[u] = vfma(qv, vload(Kb + (j0 + u) * Dp + d), acc[u]);
+          }
+          reduce8(acc, Sg + j0);
+        }
+        for (int j = n; j < nw; ++j) Sg[j] = -INFINITY;
+        vf bm = vset1(-INFINITY);
+        for (int j = 0; j < nw; j += W) bm = vmax(bm, vload(Sg + j));
+        const float m_new = std::max(m[g], vhmax(bm));
+        const float mu = m_new == -INFINITY ? 0.f : m_new;
+        vf sum = vzero(), muv = vset1(mu);
+        for (int j = 0; j < nw; j += W) {
+          vf p = vexp2(vsub(vload(Sg + j), muv));
+          vstore(Sg + j, p);
+          sum = vadd(sum, p);
+        }
+        alpha[g] = std::exp2(m[g] - mu);
+        l[g] = l[g] * alpha[g] + vhsum(sum);
+        m[g] = m_new;
+      }
+    } else {
+      // St (n x Mp) = K_blk . Qt; causal mask near the diagonal; softmax down each column
+      gemm(n, Mp, Dp, Kb, Dp, 1, Q, Mp, S, Mp, false);
+      if (kb0 + n > free_hi) {
+        for (int j = 0; j < n; ++j) {
+          const int64_t first_i = kb0 + j - diag;  // first query that sees this key
+          const int cut = (int)std::min<int64_t>(M, std::max<int64_t>(0, (first_i - i0) * G));
+          std::fill(S + (long)j * Mp, S + (long)j * Mp + cut, -INFINITY);
+        }
+      }
+      for (int r = 0; r < Mp; r += W) {
+        vf mv = vload(m + r), bm = vset1(-INFINITY);
+        for (int j = 0; j < n; ++j) bm = vmax(bm, vload(S + (long)j * Mp + r));
+        vf m_new = vmax(mv, bm), mu = vfinite_or_zero(m_new), sum = vzero();
+        for (int j = 0; j < n; ++j) {
+          vf p = vexp2(vsub(vload(S + (long)j * Mp + r), mu));
+          vstore(S + (long)j * Mp + r, p);
+          sum = vadd(sum, p);
+        }
+        vf a = vexp2(vsub(mv, mu));
+        vstore(alpha + r, a);
+        vstore(l + r, vfma(vload(l + r), a, sum));
+        vstore(m + r, m_new);
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      if (alpha[r] == 1.f) continue;
+      vf a = vset1(alpha[r]);
+      for (int d = 0; d < Dp; d += W) vstore(O + r * Dp + d, vmul(vload(O + r * Dp + d), a));
+    }
+    if (direct)
+      gemm(M, Dp, n, S, KB, 1, Vb, Dp, O, Dp, true);
+    else
+      gemm(M, Dp, n, S, 1, Mp, Vb, Dp, O, Dp, true);
+  }
+
+  for (int r = 0; r < M; ++r) {
+    const int i = i0 + r / G, hq = h * G + r % G;
+    if (t.part >= 0) {  // unnormalized partial; the merge pass finishes it
+      const int64_t row = t.part + (int64_t)t.split * M + r;
+      std::copy(O + r * Dp, O + (r + 1) * Dp, c.part_o + row * Dp);
+      c.part_ml[2 * row] = m[r];
+      c.part_ml[2 * row + 1] = l[r];
+      continue;
+    }
+    const int64_t tq = sq.q0 + i;
+    char* dst = c.out + (tq * c.o_st0 + hq * c.o_st1) * c.o_esize;
+    RLM_FLOAT_SWITCH(c.o_type, store_scaled, dst, O + r * Dp, D, l[r] > 0.f ? 1.f / l[r] : 0.f);
+    if (c.lse) c.lse[tq * c.Hq + hq] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : -INFINITY;
+  }
+  return ok;
+}
+
+// Combine the splits of one (sequence, head, query block) group by log-sum-exp.
+void merge_group(const Ctx& c, const Seq& sq, const Task& t) {
+  const int G = c.G, Dp = c.Dp;
+  const int i0 = t.blk * sq.qb, i1 = std::min(i0 + sq.qb, sq.n_q), M = (i1 - i0) * G;
+  float* acc = scratch(Dp);
+  for (int r = 0; r < M; ++r) {
+    float mmax = -INFINITY;
+    for (int s = 0; s < sq.nsplit; ++s) mmax = std::max(mmax, c.part_ml[2 * (t.part + s * M + r)]);
+    std::fill(acc, acc + Dp, 0.f);
+    float L = 0.f;
+    if (mmax != -INFINITY) {
+      for (int s = 0; s < sq.nsplit; ++s) {
+        const int64_t row = t.part + (int64_t)s * M + r;
+        const float w = std::exp2(c.part_ml[2 * row] - mmax);
+        if (w == 0.f) continue;
+        L += w * c.part_ml[2 * row + 1];
+        vf wv = vset1(w);
+        for (int d = 0; d < Dp; d += W)
+          vstore(acc + d, vfma(wv, vload(c.part_o + row * Dp + d), vload(acc + d)));
+      }
+    }
+    const int64_t tq = sq.q0 + i0 + r / G;
+    const int hq = t.h * G + r % G;
+    char* dst = c.out + (tq * c.o_st0 + hq * c.o_st1) * c.o_esize;
+    RLM_FLOAT_SWITCH(c.o_type, store_scaled, dst, acc, c.D, L > 0.f ? 1.f / L : 0.f);
+    if (c.lse) c.lse[tq * c.Hq + hq] = L > 0.f ? (mmax + std::log2(L)) * kLn2 : -INFINITY;
+  }
+}
+
+// Plan tasks (query blocks, key splits), run them biggest first, merge the splits.
+template <typename TK>
+void run_all(Ctx& c, std::vector<Seq>& seqs) {
+  const int nt = std::max(1, at::get_num_threads());
+  int64_t base = 0;
+  for (auto& sq : seqs) {
+    sq.qb = std::max(1, std::min(sq.n_q, kTargetRows / c.G));
+    base += (int64_t)c.Hkv * ((sq.n_q + sq.qb - 1) / sq.qb);
+  }
+  // too few tasks to keep every thread busy (batch-1 decode, one shared prefix): split the key
+  // ranges of long sequences so there are ~8 tasks per thread
+  const int64_t want = nt > 1 ? 8 * nt : 0;
+  const int64_t target = base > 0 && base < want ? (want + base - 1) / base : 1;
+  int64_t part_rows = 0;
+  std::vector<Task> tasks, groups;
+  for (int s = 0; s < (int)seqs.size(); ++s) {
+    Seq& sq = seqs[s];
+    sq.nsplit = (int)std::min(target, std::max<int64_t>(1, sq.kv_len / kMinSplit));
+    sq.chunk = std::max<int64_t>(1, (sq.kv_len + sq.nsplit - 1) / sq.nsplit);
+    const int nblk = (sq.n_q + sq.qb - 1) / sq.qb;
+    for (int h = 0; h < c.Hkv; ++h)
+      for (int b = 0; b < nblk; ++b) {
+        const int rows = (std::min(sq.n_q, (b + 1) * sq.qb) - b * sq.qb) * c.G;
+        int64_t part = -1;
+        if (sq.nsplit > 1) {
+          part = part_rows;
+          part_rows += (int64_t)sq.nsplit * rows;
+          groups.push_back({s, h, b, 0, part, 0.0});
+        }
+        // cost ~ (rows + overhead) x (keys seen + overhead); causal blocks see fewer keys
+        const int64_t keys = c.causal ? std::clamp<int64_t>(sq.kv_len - sq.n_q + (b + 1) * sq.qb,
+                                                            0, sq.kv_len)
+                                      : sq.kv_len;
+        for (int sp = 0; sp < sq.nsplit; ++sp)
+          tasks.push_back({s, h, b, sp, part, (rows + 8.0) * ((double)keys / sq.nsplit + 16.0)});
+      }
+  }
+  std::vector<float> part_o((size_t)part_rows * c.Dp), part_ml((size_t)part_rows * 2);
+  c.part_o = part_o.data();
+  c.part_ml = part_ml.data();
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+
+  std::atomic<bool> ok{true};
+  const int n = (int)tasks.size(), ng = (int)groups.size();
+#pragma omp parallel for num_threads(std::min(nt, std::max(1, n))) schedule(dynamic, 1)
+  for (int i = 0; i < n; ++i)
+    if (!run_task<TK>(c, seqs[tasks[i].s], tasks[i])) ok = false;
+#pragma omp parallel for num_threads(std::min(nt, std::max(1, ng))) schedule(dynamic, 1)
+  for (int i = 0; i < ng; ++i) merge_group(c, seqs[groups[i].s], groups[i]);
+  TORCH_CHECK(ok.load(), "cpu_attention: req_to_token holds a slot outside the KV pool");
+}
+
+}  // namespace
+
+void dispatch(Ctx& c, at::ScalarType kv_type, std::vector<Seq>& seqs) {
+  if (seqs.empty()) return;
+  switch (kv_type) {
+    case at::kFloat: run_all<float>(c, seqs); break;
+    case at::kBFloat16: run_all<c10::BFloat16>(c, seqs); break;
+    default: run_all<c10::Half>(c, seqs); break;
+  }
+}
+
+}  // namespace radixlm_attn
