@@ -14,3 +14,9 @@ def main_server() -> Iterator[ServerProcess]:
     srv = start_server(MAIN_ARGS, name="main")
     yield srv
     stop_and_check(srv)
+
+
+@pytest.fixture(scope="module")
+def model_name(main_server) -> str:
+    """The main server's served model name."""
+    return main_server.get("/get_model_info").json()["served_model_name"]
