@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from radixlm.runtime.models import cache, gguf_loader, loader
+from radixlm.runtime.tokenizer_light import LightTokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -213,7 +214,8 @@ def reference_tokenizer(smol):
 
 
 def assert_same_tokenizer(ref, tok):
-    assert type(tok) is type(ref)
+    # a hit may serve the light class (no transformers import), checked against HF's on build
+    assert type(tok) is type(ref) or isinstance(tok, LightTokenizer)
     assert tok.name_or_path == ref.name_or_path
     assert tok.chat_template == ref.chat_template
     assert tok.get_vocab() == ref.get_vocab()

@@ -98,7 +98,11 @@ def validate_constraint(sp: SamplingParams) -> None:
 class GrammarCompilerPool:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...] = (),
                  workers: int = 1):
-        xgr = _xgr()
+        from radixlm.runtime.tokenizer_light import LightTokenizer
+
+        xgr = _xgr()  # imports transformers anyway: the light tokenizer's HF twin costs ~0.4 s more
+        if isinstance(tokenizer, LightTokenizer):  # xgrammar reads HF tokenizer internals
+            tokenizer = tokenizer.hf
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)

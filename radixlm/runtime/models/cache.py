@@ -3,15 +3,16 @@
 Why: without it every process that starts (the Engine; the server's parent, scheduler and
 detokenizer) parses the GGUF header (~100k metadata strings read field by field, ~2 s), lets
 transformers rebuild the tokenizer from it (parsing the file again, ~5 s) and dequantizes Q4_1 in
-numpy (~3 s). With it a warm start reads a small JSON, a `tokenizer.json` and one mmap-able
-safetensors file.
+numpy (~3 s). With it a warm start reads a small JSON, a `tokenizer.json` (into the light
+tokenizer: no transformers import) and one mmap-able safetensors file.
 
 Layout under `$RADIXLM_CACHE_DIR` (default `~/.cache/radixlm`):
 
     hashes/<sha256 of (realpath, size, mtime_ns)>.json   {"sha256": <content hash>, ...}
     gguf/<content sha256>-v<FORMAT_VERSION>/
         config.json                      the HF config dict
-        tokenizer/                       save_pretrained output + MANIFEST.json (file sizes)
+        tokenizer/                       save_pretrained output + MANIFEST.json (file sizes, and
+                                         whether tokenizer_light.py may stand in for HF's class)
         weights-<dtype>.safetensors      HF-named tensors in the runtime dtype
 
 Keying: hashing the whole file (98 MB: ~0.1 s, more for big models) on every launch is wasted
@@ -158,30 +159,47 @@ class GGUFCache:
     def tokenizer_dir(self) -> str:
         return os.path.join(self.entry, "tokenizer")
 
-    def _tokenizer_intact(self) -> bool:
+    def _tokenizer_manifest(self) -> Optional[dict]:
+        """The folder's MANIFEST when every file it lists has its recorded size, else None."""
         manifest = _read_json(os.path.join(self.tokenizer_dir, _MANIFEST))
         if not isinstance(manifest, dict) or not manifest.get("files"):
-            return False
+            return None
         for name, size in manifest["files"].items():
             try:
                 if os.path.getsize(os.path.join(self.tokenizer_dir, name)) != size:
                     logger.warning("cache file %s/%s has the wrong size; rebuilding",
                                    self.tokenizer_dir, name)
-                    return False
+                    return None
             except OSError:
-                return False
-        return True
+                return None
+        return manifest
 
-    def get_tokenizer(self):
-        """The HF tokenizer that `AutoTokenizer.from_pretrained(dir, gguf_file=...)` builds, loaded
-        from its saved `tokenizer.json` + config + chat template instead of from the GGUF."""
+    def get_tokenizer(self, light: bool = True):
+        """The tokenizer that `AutoTokenizer.from_pretrained(dir, gguf_file=...)` builds, loaded
+        from its saved `tokenizer.json` + config + chat template instead of from the GGUF.
+
+        `light`: a LightTokenizer (no transformers import, ~1 s less start-up) when the MANIFEST
+        records that it was checked against this HF tokenizer and agreed; else HF's class.
+        Entries written before that check existed get it on their first HF load."""
+        from radixlm.runtime.tokenizer_light import LightTokenizer
+
         d = os.path.dirname(self.gguf_path)
 
         def load():
-            if not self._tokenizer_intact():
+            manifest = self._tokenizer_manifest()
+            if manifest is None:
                 return None
+            tok = None
+            if light and manifest.get("light") is True:
+                try:
+                    tok = LightTokenizer.from_dir(self.tokenizer_dir)
+                except Exception as e:  # noqa: BLE001 -- HF's loader below decides if it is damaged
+                    logger.warning("light tokenizer %s: %s", self.tokenizer_dir, e)
             try:
-                tok = tokenizer_from_dir(self.tokenizer_dir)
+                if tok is None:
+                    tok = tokenizer_from_dir(self.tokenizer_dir)
+                    if "light" not in manifest:
+                        self._record_light_verdict(tok)
             except Exception as e:  # noqa: BLE001 -- tokenizers raises plain Exception on bad JSON
                 # a file that is the right size but does not parse: rebuild it
                 logger.warning("cached tokenizer %s does not load (%s); rebuilding it",
@@ -192,7 +210,31 @@ class GGUFCache:
 
         return self._get(load, lambda: tokenizer_from_gguf(self.gguf_path), self._save_tokenizer)
 
+    def _record_light_verdict(self, hf_tok) -> None:
+        """Check the light tokenizer against `hf_tok` (loaded from this folder) and record the
+        verdict in the MANIFEST, for an entry written before the check existed."""
+        from radixlm.runtime.tokenizer_light_check import check_dir
+
+        path = os.path.join(self.tokenizer_dir, _MANIFEST)
+        try:
+            # Never wait for the lock: its holder may be this very process (load() also runs
+            # under it in _get); the verdict is then recorded by a later start.
+            with open(os.path.join(self.entry, ".lock"), "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return
+                manifest = _read_json(path)
+                if not isinstance(manifest, dict) or "light" in manifest:
+                    return  # damaged (rebuilt elsewhere) or another process recorded it
+                manifest["light"] = check_dir(self.tokenizer_dir, hf_tok)
+                _write_json(path, manifest)
+        except OSError as e:
+            logger.warning("could not write to the radixlm cache %s: %s", self.entry, e)
+
     def _save_tokenizer(self, tok) -> None:
+        from radixlm.runtime.tokenizer_light_check import check_dir
+
         # Saved into a temp folder, then renamed: a reader never sees a half-written folder.
         tmp = tempfile.mkdtemp(dir=self.entry, prefix=".tmp-tokenizer-")
         try:
@@ -201,7 +243,8 @@ class GGUFCache:
             for f in files:
                 with open(os.path.join(tmp, f), "rb") as fh:
                     os.fsync(fh.fileno())
-            _write_json(os.path.join(tmp, _MANIFEST), {"files": files, "source": self.sha256})
+            _write_json(os.path.join(tmp, _MANIFEST),
+                        {"files": files, "source": self.sha256, "light": check_dir(tmp, tok)})
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
             # A damaged folder may be there (we hold the lock, so nobody is building it).
             shutil.rmtree(self.tokenizer_dir, ignore_errors=True)
