@@ -2,15 +2,21 @@
 (synchronized on CUDA, so the overlap schedule is off while probing), grouped by kind.
 
     python benchmarks/step_probe.py --model-path benchmarks/configs/llama-3.1-8b --workload shared_prefix
+    # CPU, the bundled SmolLM2 (real weights), a peer workload written by peers/workloads.py:
+    python benchmarks/step_probe.py --device cpu --workloads-file W.json --workload short \
+        --profile-extend-step 1 --profile-decode-step 10
 
 Prints one JSON line: per kind (extend / decode / decode_grouped) the step count, total seconds,
-mean batch size and tokens. A diagnostic, not a benchmark: synchronizing every step costs time.
+mean batch size and tokens, and the seconds outside the steps (request handling, tokenization).
+A diagnostic, not a benchmark: synchronizing every step costs time. --profile-*-step N profiles
+steps N..N+2 of that kind with torch.profiler and prints the top ops to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -24,20 +30,30 @@ from gpu_suite import rand_ids, shared_prefix_workload  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-path", required=True)
-    ap.add_argument("--tokenizer-path", default=".carry/smollm2-tokenizer")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--workload", default="shared_prefix", choices=("shared_prefix", "batch128"))
+    ap.add_argument("--model-path", default=None,
+                    help="default: the bundled SmolLM2 GGUF with its real weights")
+    ap.add_argument("--tokenizer-path", default=None,
+                    help="default: .carry/smollm2-tokenizer with --model-path, else the model's")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workload", default="shared_prefix",
+                    help="shared_prefix | batch128, or a workload name in --workloads-file")
+    ap.add_argument("--workloads-file", default=None, help="from benchmarks/peers/workloads.py")
+    ap.add_argument("--round", type=int, default=1, help="with --workloads-file")
     ap.add_argument("--engine-kw", type=json.loads, default={})
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--profile-decode-step", type=int, default=0,
                     help="profile decode steps N..N+2 with torch.profiler, print the top kernels")
+    ap.add_argument("--profile-extend-step", type=int, default=0,
+                    help="profile extend steps N..N+2 likewise")
     args = ap.parse_args()
     import radixlm
 
-    kw = dict(model_path=args.model_path, load_format="dummy", dtype="bfloat16",
-              tokenizer_path=args.tokenizer_path, context_length=4096, device=args.device,
+    kw = dict(dtype=args.dtype, context_length=4096, device=args.device,
               disable_overlap_schedule=True)
+    if args.model_path:  # a config folder: random weights of that shape
+        kw.update(model_path=args.model_path, load_format="dummy",
+                  tokenizer_path=args.tokenizer_path or ".carry/smollm2-tokenizer")
     kw.update(args.engine_kw)
     eng = radixlm.Engine(**kw)
     sched = eng.scheduler
@@ -71,29 +87,19 @@ def main() -> None:
 
     wrap("_run_extend", sched._run_extend, extend_kind)
     wrap("_run_decode", sched._run_decode, decode_kind)
-    if args.profile_decode_step:
-        inner, seen, prof = sched._run_decode, [0], {}
-
-        def profiled(*a, **k):
-            seen[0] += 1
-            if seen[0] == args.profile_decode_step:
-                acts = [torch.profiler.ProfilerActivity.CPU]
-                if args.device == "cuda":
-                    acts.append(torch.profiler.ProfilerActivity.CUDA)
-                prof["p"] = torch.profiler.profile(activities=acts)
-                prof["p"].__enter__()
-            out = inner(*a, **k)
-            if seen[0] == args.profile_decode_step + 2:
-                prof["p"].__exit__(None, None, None)
-                key = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
-                print(prof["p"].key_averages().table(sort_by=key, row_limit=18), file=sys.stderr)
-                print(prof["p"].key_averages().table(sort_by="cpu_time_total", row_limit=12),
-                      file=sys.stderr)
-            return out
-        sched._run_decode = profiled
+    for kind, step in (("decode", args.profile_decode_step), ("extend", args.profile_extend_step)):
+        if step:
+            profile_steps(sched, "_run_" + kind, step, args.device)
     rng = random.Random(0)
     vocab = eng.runner.model_config.vocab_size
-    if args.workload == "shared_prefix":
+    if args.workloads_file:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from benchmarks.peers import workloads as wl
+
+        w = next(w for w in wl.read_offline(args.workloads_file)
+                 if w.name == args.workload and w.round == args.round)
+        prompts, outs = w.prompt_ids, w.output_lens
+    elif args.workload == "shared_prefix":
         prompts, outs = shared_prefix_workload(rng, vocab, groups=args.groups)
     else:
         prompts, outs = [rand_ids(rng, 512, vocab) for _ in range(128)], [128] * 128
@@ -101,10 +107,38 @@ def main() -> None:
     eng.generate(input_ids=prompts, sampling_params=[
         {"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in outs])
     total = time.perf_counter() - t0
+    in_steps = sum(v["s"] for v in stats.values())
     print(json.dumps({"workload": args.workload, "total_s": round(total, 2),
+                      "outside_steps_s": round(total - in_steps, 3),
+                      "fp32_gemm": eng.runner.fp32_gemm, "torch_threads": torch.get_num_threads(),
                       "shared_prefix_steps": sched.stats["shared_prefix_steps"],
                       "kinds": {k: {**v, "s": round(v["s"], 3)} for k, v in stats.items()}}))
     eng.shutdown()
+
+
+def profile_steps(sched, name: str, first: int, device: str) -> None:
+    """Profile calls first..first+2 of sched.<name>; print the top ops by self time, then by
+    total time (to see the Python-level parents: model forward, sampling, metadata)."""
+    inner, seen, prof = getattr(sched, name), [0], {}
+
+    def profiled(*a, **k):
+        seen[0] += 1
+        if seen[0] == first:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if device == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            prof["p"] = torch.profiler.profile(activities=acts)
+            prof["p"].__enter__()
+        out = inner(*a, **k)
+        if seen[0] == first + 2:
+            prof["p"].__exit__(None, None, None)
+            avg = prof["p"].key_averages()
+            key = "cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+            print(f"--- {name} steps {first}..{first + 2}", file=sys.stderr)
+            print(avg.table(sort_by=key, row_limit=20), file=sys.stderr)
+            print(avg.table(sort_by="cpu_time_total", row_limit=14), file=sys.stderr)
+        return out
+    setattr(sched, name, profiled)
 
 
 if __name__ == "__main__":

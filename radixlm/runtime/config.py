@@ -99,6 +99,9 @@ class ServerArgs:
     # where the attention backend supports it (triton, cpu)
     disable_shared_prefix_attention: bool = False
     attention_backend: str = "auto"  # auto | torch_native | triton (CUDA) | cpu (C++ kernels)
+    # CPU, bf16/fp16 model: linear layers as fp32 GEMMs on fp32 copies of the weights (auto: on when
+    # the CPU lacks avx512_bf16/amx_bf16; env RADIXLM_CPU_FP32_GEMM wins; layers/cpu_linear.py)
+    cpu_fp32_gemm: str = "auto"  # auto | on | off
     chat_template: Optional[str] = None
     tool_call_parser: Optional[str] = None  # hermes | llama3 | mistral; None: from the template
     served_model_name: Optional[str] = None

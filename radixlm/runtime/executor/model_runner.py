@@ -15,6 +15,7 @@ from radixlm.runtime.attention.registry import create_attention_backend, resolve
 from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.layers import cpu_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
@@ -65,7 +66,10 @@ class ModelRunner:
         self.context_len = args.context_length or cfg.max_position_embeddings
         torch.manual_seed(args.seed)
 
-        key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed)
+        # bf16 on a CPU without bf16 matmul: fp32 GEMMs on fp32 weight copies (layers/cpu_linear)
+        self.fp32_gemm = cpu_linear.use_fp32_gemm(args.cpu_fp32_gemm, self.device, self.dtype)
+        key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
+               self.fp32_gemm)
         self.model = _MODEL_CACHE.get(key) or self._load_model(cfg, args.seed)
         _MODEL_CACHE.clear()
         _MODEL_CACHE[key] = self.model
@@ -101,6 +105,8 @@ class ModelRunner:
         else:
             model.load_weights(loader.iter_weights(self.model_path, self.load_format, self.dtype))
         model.eval().requires_grad_(False)
+        if self.fp32_gemm:
+            cpu_linear.convert_model(model)
         logger.info("loaded %s (%s) in %.1fs", self.model_path, self.load_format,
                     time.perf_counter() - t0)
         return model

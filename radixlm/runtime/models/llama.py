@@ -16,6 +16,7 @@ from torch import nn
 
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.layers import cpu_linear
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -125,6 +126,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # (vocab, hidden) fp32 head when layers/cpu_linear.convert_model ran (bf16 on an AVX2 CPU)
+    lm_head_fp32: Optional[torch.Tensor] = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -155,6 +159,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
+        if self.lm_head_fp32 is not None:
+            return cpu_linear.logits_fp32(hidden, self.lm_head_fp32, hidden.dtype)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
 
