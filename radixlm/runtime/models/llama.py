@@ -30,6 +30,27 @@ def _fused_ops(x: torch.Tensor):
     return triton_ops if triton_ops.ENABLED else None
 
 
+def _gemv(x: torch.Tensor):
+    """layers/triton_gemv for a one-row CUDA input (batch-1 decode), None elsewhere."""
+    if not x.is_cuda or x.shape[0] != 1:
+        return None
+    from radixlm.runtime.layers import triton_gemv
+
+    return triton_gemv if triton_gemv.ENABLED else None
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose one-row CUDA calls go through layers/triton_gemv.linear: batch-1 decode
+    streams every weight once per token, and for the shapes tuned there the Triton GEMV streams
+    faster than cuBLAS's M=1 kernels (untuned shapes still run cuBLAS)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemv = _gemv(x)
+        if gemv is not None:
+            return gemv.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class Embedding(nn.Embedding):
     """nn.Embedding minus its random init on the meta device (ModelRunner builds the model
     there): normal_ on meta runs through torch's Python reference decompositions, which import
@@ -68,9 +89,9 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 fb: ForwardBatch) -> torch.Tensor:
@@ -92,8 +113,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -162,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_fp32 is not None:
             return cpu_linear.logits_fp32(hidden, self.lm_head_fp32, hidden.dtype)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        gemv = _gemv(hidden)
+        return (F.linear(hidden, w) if gemv is None else gemv.linear(hidden, w)).float()
 
     # --- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
