@@ -113,7 +113,8 @@ def test_switch_is_honoured(runs):
     on, off = runs["on"], runs["off"]
     assert on["fp32_gemm"] and set(on["projs"]) == {cpu_linear.Fp32GemmLinear}
     assert on["head32"] is not None and on["head32"].dtype == torch.float32
-    assert not off["fp32_gemm"] and set(off["projs"]) == {nn.Linear} and off["head32"] is None
+    assert not off["fp32_gemm"] and off["head32"] is None
+    assert all(issubclass(t, nn.Linear) for t in off["projs"])  # llama.Linear or nn.Linear
     assert not runs["fp32"]["fp32_gemm"]
 
 

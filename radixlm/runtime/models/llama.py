@@ -103,7 +103,14 @@ class Attention(nn.Module):
                                                                           self.d), *cos_sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d)
-        if ops is None:
+        if ops is None and not qkv.is_cuda:
+            # CPU: one rotary over the adjacent q and k heads (half the small ops of a decode
+            # step's rotary); q (t, hq, d) and k (t, hkv, d) stay views of it, row stride
+            # (hq + hkv) * d, which the CPU and torch_native backends read as they are
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv, self.d),
+                              *cos_sin)
+            q, k = qk[:, : self.hq], qk[:, self.hq :]
+        elif ops is None:
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         o = fb.attn_backend.forward(q, k, v.view(t, self.hkv, self.d), self.layer_id, fb)
         return self.o_proj(o.reshape(t, self.q_size))
