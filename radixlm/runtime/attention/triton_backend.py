@@ -107,6 +107,7 @@ class TritonAttention(AttentionBackend):
         for causal, lse_out in ((True, None), (False, lse)):
             extend_attention(q, k_buf, v_buf, r2t, zero, indptr, zero, one, causal, self.scale,
                              out, lse_out=lse_out, max_q_len=1)
+        merge_prefix_into(out, lse, zero, out.clone(), lse.clone())
 
     def _decode_meta(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> _DecodeMeta:
         return _DecodeMeta(req_pool_indices, seq_lens, self._num_splits(req_pool_indices.shape[0]))

@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.runtime.attention.triton_decode import (LOG2E, _online_softmax_step, dot_dtype,
-                                                     dot_precision)
+from radixlm.runtime.attention.triton_decode import (INDEX_ARGS, LOG2E, _online_softmax_step,
+                                                     dot_dtype, dot_precision)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _extend_kernel(Q, K, V, Out, Lse, R2T, ReqIdx, QoIndptr, KvStart, KvLen, scale_log2,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ot, stride_oh, stride_lt, stride_r2t,

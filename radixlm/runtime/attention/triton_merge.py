@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Rows"])
 def _merge_kernel(Out, Lse, Rows, OSh, LseSh, stride_ot, stride_oh, stride_lt, stride_st,
                   stride_sh, stride_slt, D: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)  # packed grouped row
