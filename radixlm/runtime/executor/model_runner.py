@@ -100,13 +100,23 @@ class ModelRunner:
         # byte of uninitialized fp32 weights (seconds here, where fresh pages are slow)
         model = model.to(self.dtype).to_empty(device=self.device)
         model.rope.reset(self.device)  # buffers are computed, not loaded
-        if self.load_format == "dummy":
-            model.init_dummy_weights(seed)
-        else:
-            model.load_weights(loader.iter_weights(self.model_path, self.load_format, self.dtype))
-        model.eval().requires_grad_(False)
-        if self.fp32_gemm:
-            cpu_linear.convert_model(model)
+        # Weight copies on one thread: they are memory-bound, and torch's parallel copy_ stalls at
+        # every one of its ~400 calls when another process holds a core (2-core box, load ~3:
+        # 1.7 s for SmolLM2's 270 MB with 2 threads, 0.17 s with 1)
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu" and self.load_format != "dummy":  # random init: compute
+            torch.set_num_threads(1)
+        try:
+            if self.load_format == "dummy":
+                model.init_dummy_weights(seed)
+            else:
+                model.load_weights(loader.iter_weights(self.model_path, self.load_format,
+                                                       self.dtype))
+            model.eval().requires_grad_(False)
+            if self.fp32_gemm:
+                cpu_linear.convert_model(model)
+        finally:
+            torch.set_num_threads(threads)
         logger.info("loaded %s (%s) in %.1fs", self.model_path, self.load_format,
                     time.perf_counter() - t0)
         return model
