@@ -33,11 +33,15 @@ _HELP = {
     "reasoning_parser": "split <think> reasoning into reasoning_content (chat API): "
                         + " | ".join(REASONING_PARSERS),
     "embedding_pooling": "/v1/embeddings and /encode: last (token) | mean, L2-normalized",
+    "cpu_fp32_gemm": "bf16/fp16 on a CPU: run linear layers as fp32 GEMMs on fp32 copies of the "
+                     "weights (same values, same fp32 accumulation; 2x weight memory). auto: on "
+                     "where the CPU lacks bf16 matmul (no avx512_bf16 / amx_bf16); env "
+                     "RADIXLM_CPU_FP32_GEMM overrides",
 }
 
 
 _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSERS,
-            "embedding_pooling": ("last", "mean")}
+            "embedding_pooling": ("last", "mean"), "cpu_fp32_gemm": ("auto", "on", "off")}
 
 
 def _kind(field: dataclasses.Field):
