@@ -7,44 +7,20 @@ one by one."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
-import torch  # does not import triton
+import torch
 
-if torch.cuda.is_available():
-    # Setting TRITON_INTERPRET here would turn every kernel of this pytest session (the GPU tests
-    # included: `pytest -m gpu` imports this module too) into the interpreter.
-    pytest.skip("CUDA present: tests/gpu/test_triton_attention_gpu.py covers the kernels",
-                allow_module_level=True)
-# @triton.jit picks the interpreter when the kernels are defined (imported): set it before that,
-# and again around each test (it is read at launch too); restored below so that the rest of the
-# suite (e.g. resolve_backend_name refusing "triton" on the CPU) sees the environment it had.
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if _PREV_INTERPRET not in (None, "1"):
-    pytest.skip("TRITON_INTERPRET is set to something other than 1", allow_module_level=True)
-if "triton" in sys.modules and _PREV_INTERPRET != "1":
-    # triton's own helpers (tl.cdiv, reductions) are @jit functions decorated at its import
-    raise RuntimeError("triton was imported before this module could set TRITON_INTERPRET=1; "
-                       "set it earlier (e.g. in tests/conftest.py) for the interpreter tests")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton's import: its library is @jit code too
-try:
-    import triton  # noqa: F401
-except ImportError:
-    if _PREV_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    pytest.skip("triton is not installed (pip install '.[test]')", allow_module_level=True)
+from triton_interpreter import import_interpreted  # tests/unit is on sys.path
 
+import_interpreted("radixlm.runtime.attention.triton_backend",
+                   gpu_tests="tests/gpu/test_triton_attention_gpu.py")
 from radixlm.runtime.attention.torch_native import TorchNativeAttention  # noqa: E402
 from radixlm.runtime.attention.triton_backend import TritonAttention  # noqa: E402
 from radixlm.runtime.attention.triton_decode import decode_attention  # noqa: E402
 from radixlm.runtime.attention.triton_extend import extend_attention  # noqa: E402
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixlm.runtime.mem_cache.kv_pool import KVPool  # noqa: E402
-
-if _PREV_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
 
 
 @pytest.fixture(autouse=True)
