@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -30,6 +30,9 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None  # llama3-style scaling dict, as in HF configs
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    # the whole HF config dict: architecture files read their own fields from it (q/k norms,
+    # sliding windows, soft-capping, experts) instead of this class growing one field per model
+    hf: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
@@ -66,6 +69,7 @@ class ModelConfig:
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hf=dict(cfg),
         )
 
 

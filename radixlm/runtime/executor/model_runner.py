@@ -19,12 +19,10 @@ from radixlm.runtime.layers import cpu_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
-from radixlm.runtime.models import loader
-from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models import loader, registry
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16}
@@ -60,10 +58,8 @@ class ModelRunner:
         self.load_format = loader.resolve_load_format(self.model_path, args.load_format)
         self.hf_config = loader.load_hf_config(self.model_path, self.load_format)
         self.model_config = cfg = ModelConfig.from_hf(self.hf_config)
-        if cfg.architecture not in SUPPORTED_ARCHS:
-            raise ValueError(f"architecture {cfg.architecture!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
         self.context_len = args.context_length or cfg.max_position_embeddings
+        self.model_cls = registry.model_class(cfg, self.context_len)  # refuses what it cannot run
         torch.manual_seed(args.seed)
 
         # bf16 on a CPU without bf16 matmul: fp32 GEMMs on fp32 weight copies (layers/cpu_linear)
@@ -92,10 +88,10 @@ class ModelRunner:
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests + 1)
             self.graph_runner = CudaGraphRunner(self, max_bs)
 
-    def _load_model(self, cfg: ModelConfig, seed: int) -> LlamaForCausalLM:
+    def _load_model(self, cfg: ModelConfig, seed: int) -> torch.nn.Module:
         t0 = time.perf_counter()
         with torch.device("meta"):  # no init kernels: every parameter is overwritten below
-            model = LlamaForCausalLM(cfg)
+            model = self.model_cls(cfg)
         # dtype first, while on meta (free): casting after to_empty would read and write every
         # byte of uninitialized fp32 weights (seconds here, where fresh pages are slow)
         model = model.to(self.dtype).to_empty(device=self.device)

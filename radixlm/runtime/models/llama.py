@@ -18,6 +18,7 @@ from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from radixlm.runtime.models import registry
 
 
 def _fused_ops(x: torch.Tensor):
@@ -167,6 +168,15 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling)
+
+    @staticmethod
+    def check_supported(cfg: ModelConfig, context_len: int) -> None:
+        window = registry.sliding_window(cfg)
+        if window is not None and window < context_len:
+            raise ValueError(
+                f"{cfg.architecture} with sliding_window={window} is not supported yet: positions "
+                f"past the window would attend to tokens the model never sees. Pass "
+                f"--context-length {window} (or less) to run it exactly within one window")
 
     def to_empty(self, *, device, recurse: bool = True) -> "LlamaForCausalLM":
         """nn.Module.to_empty, allocating with torch.empty(shape): torch's own calls empty_like

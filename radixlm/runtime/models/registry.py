@@ -1,0 +1,43 @@
+"""Model architectures by HF `architectures[0]` name, imported lazily.
+
+Each entry maps to "module:Class"; the class takes a `ModelConfig` and follows the contract of
+`models/llama.py`: `forward(fb) -> (N, hidden)`, `compute_logits`, `load_weights` of HF-named
+tensors, `init_dummy_weights`, `to_empty`. An architecture may also define
+`check_supported(cfg, context_len)` (a staticmethod raising ValueError) for configurations it
+cannot run exactly: a model we cannot run exactly is refused, never run approximately.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from radixlm.runtime.config import ModelConfig
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
+}
+
+
+def sliding_window(cfg: ModelConfig):
+    """The window HF applies to this config (None: full attention). Qwen2 sets `sliding_window`
+    but uses it only with `use_sliding_window`."""
+    hf = cfg.hf
+    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    return hf.get("sliding_window")
+
+
+def model_class(cfg: ModelConfig, context_len: int) -> type:
+    """The class that runs `cfg`, after checking it can run it exactly up to `context_len`."""
+    target = ARCHITECTURES.get(cfg.architecture)
+    if target is None:
+        raise ValueError(f"architecture {cfg.architecture!r} is not supported "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    module, name = target.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    check = getattr(cls, "check_supported", None)
+    if check is not None:
+        check(cfg, context_len)
+    return cls

@@ -1,0 +1,32 @@
+"""Architecture lookup and the refusal of configurations a model class cannot run exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.models import registry
+
+
+def _cfg(**extra) -> ModelConfig:
+    base = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 64,
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    return ModelConfig.from_hf({**base, **extra})
+
+
+def test_unknown_architecture_is_refused_naming_the_supported_ones():
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported.*LlamaForCausalLM"):
+        registry.model_class(_cfg(architectures=["GPT2LMHeadModel"]), 256)
+
+
+def test_config_keeps_the_hf_dict_out_of_equality():
+    a, b = _cfg(sliding_window=16), _cfg(sliding_window=32)
+    assert a == b and a.hf["sliding_window"] == 16 and hash(a) == hash(b)
+
+
+def test_qwen2_window_counts_only_with_use_sliding_window():
+    qwen = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16)
+    assert registry.sliding_window(_cfg(**qwen)) is None
+    assert registry.sliding_window(_cfg(**qwen, use_sliding_window=True)) == 16
+    assert registry.sliding_window(_cfg(sliding_window=None)) is None
