@@ -17,6 +17,10 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "radixlm.runtime.models.qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "radixlm.runtime.models.phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": "radixlm.runtime.models.moe:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "radixlm.runtime.models.moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -1,0 +1,73 @@
+"""Qwen3 (`Qwen3ForCausalLM`): Llama with an RMSNorm over each q and k head before the rotary.
+
+Matches HF transformers' Qwen3Attention: q = q_norm(q_proj(x) per head), k = k_norm(k_proj(x) per
+head), both norms over head_dim with their own weights (head_dim, read from the config, need not
+equal hidden / heads), then rotary, then attention with scale head_dim**-0.5. q/k/v/o carry a
+bias only with `attention_bias` (o_proj too, unlike Qwen2). Everything else is llama.py's.
+
+`QKNormAttention` is shared with Qwen3-MoE (models/moe.py).
+
+Refused (check_supported): a sliding window shorter than the context, rope types other than
+default/linear/llama3 (e.g. yarn), activations other than silu.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.layers.rotary import apply_rotary
+from radixlm.runtime.models import arch_support
+from radixlm.runtime.models.llama import Attention, Linear, LlamaForCausalLM, RMSNorm, _fused_ops
+
+
+def rotate_qk(qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """qk (T, Hq + Hkv, D) contiguous, rotated by cos/sin (T, 1, D): in place by the Triton kernel
+    on CUDA, out of place by rotary.apply_rotary elsewhere."""
+    ops = _fused_ops(qk)
+    if ops is not None:
+        ops.rotary_inplace(qk, *cos_sin)
+        return qk
+    return apply_rotary(qk, *cos_sin)
+
+
+class QKNormAttention(Attention):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__(cfg, layer_id)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                fb: ForwardBatch) -> torch.Tensor:
+        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        qkv = self.qkv_proj(x)  # (T, (hq + 2 hkv) d)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # per-head norms on (T*H, D) rows (the reshape copies the strided q/k slices: the Triton
+        # norm wants uniform row strides); q and k then sit side by side for one rotary call
+        qk = torch.cat((self.q_norm(q.reshape(t * hq, d)).view(t, hq, d),
+                        self.k_norm(k.reshape(t * hkv, d)).view(t, hkv, d)), dim=1)
+        qk = rotate_qk(qk, cos_sin)  # (T, hq + hkv, D)
+        o = fb.attn_backend.forward(qk[:, :hq], qk[:, hq:], v.view(t, hkv, d), self.layer_id, fb)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        for i, layer in enumerate(self.layers):  # built on the meta device: swapping is free
+            layer.self_attn = QKNormAttention(cfg, i)
+
+    @staticmethod
+    def check_supported(cfg: ModelConfig, context_len: int) -> None:
+        arch_support.require_silu(cfg)
+        arch_support.require_plain_rope(cfg)
+        arch_support.refuse_window(cfg, arch_support.used_window(cfg), context_len)
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        super().init_dummy_weights(seed)
+        with torch.no_grad():  # the per-head norms start at 1 like the other norms
+            for name, p in self.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.fill_(1.0)
