@@ -43,6 +43,22 @@ def check_ops(dtype, device, t=5, hidden=96, hq=4, hkv=2, d=16, inter=80):
     torch.testing.assert_close(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), ref_k, **tol)
     assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v untouched
 
+    # rotary + KV-pool store in one launch: q/k rotated as above, k and v written at their slots
+    qkv2 = qkv.clone()
+    qkv2[:, : (hq + hkv) * d] = torch.randn(t, (hq + hkv) * d, device=device).to(dtype)
+    ref3 = qkv2.clone().view(t, hq + 2 * hkv, d)
+    triton_ops.rotary_inplace(ref3[:, : hq + hkv], cos, sin)
+    slots = 2 * t + 3
+    k_buf = torch.zeros(slots, hkv, d, device=device, dtype=dtype)
+    v_buf = torch.zeros_like(k_buf)
+    loc = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:t].to(device)
+    triton_ops.rotary_store_kv(qkv2.view(t, hq + 2 * hkv, d), cos, sin, hq, hkv, k_buf, v_buf, loc)
+    assert torch.equal(qkv2.view(t, hq + 2 * hkv, d), ref3)  # same kernel math as rotary_inplace
+    assert torch.equal(k_buf[loc], ref3[:, hq : hq + hkv]) and torch.equal(v_buf[loc], ref3[:, hq + hkv :])
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert not k_buf[untouched.to(device)].any() and not v_buf[untouched.to(device)].any()
+
     gu = torch.randn(t, 2 * inter, device=device).to(dtype) * 3
     ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     torch.testing.assert_close(triton_ops.silu_and_mul(gu), ref, **tol)

@@ -6,6 +6,8 @@ reduce and copy kernels: RMSNorm was 8 kernels (cast, pow, mean, add, rsqrt, mul
 rotary 7 per tensor, SiLU-and-mul 2, each residual add 1. Here each becomes one kernel:
   rmsnorm(x, w, eps, residual)  residual add + RMSNorm in one pass (residual stream returned)
   rotary_inplace(qk, cos, sin)  rotate-half rotary of all q and k heads, in place, one launch
+  rotary_store_kv(qkv, ...)     the same, and the rotated k and the v heads written into the KV
+                                pool at their slots: one launch instead of three per layer
   silu_and_mul(gate_up)         silu(gate) * up
 
 Numerics follow the torch code of llama.py / rotary.py step by step (fp32 math, the same roundings
@@ -101,6 +103,60 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     _rotary_kernel[(t, h)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
                            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
     return x
+
+
+@triton.jit
+def _rotary_store_kernel(X, Cos, Sin, KB, VB, Loc, stride_xt, stride_xh, stride_ct, stride_st,
+                         stride_kb, stride_kh, stride_vb, stride_vh, HQ, HKV,
+                         HALF: tl.constexpr, BLOCK: tl.constexpr):
+    # program (t, h) over the Hq + 2 Hkv heads of token t's qkv row: q heads are rotated in
+    # place; k heads are rotated in place and stored at the token's slot; v heads only stored
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m = offs < HALF
+    base = X + t * stride_xt + h.to(tl.int64) * stride_xh
+    x1 = tl.load(base + offs, mask=m, other=0.0)
+    x2 = tl.load(base + HALF + offs, mask=m, other=0.0)
+    if h < HQ + HKV:
+        c1 = tl.load(Cos + t * stride_ct + offs, mask=m, other=0.0)
+        c2 = tl.load(Cos + t * stride_ct + HALF + offs, mask=m, other=0.0)
+        s1 = tl.load(Sin + t * stride_st + offs, mask=m, other=0.0)
+        s2 = tl.load(Sin + t * stride_st + HALF + offs, mask=m, other=0.0)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = (f1 * c1 + (-f2) * s1).to(X.dtype.element_ty)
+        o2 = (f2 * c2 + f1 * s2).to(X.dtype.element_ty)
+        tl.store(base + offs, o1, mask=m)
+        tl.store(base + HALF + offs, o2, mask=m)
+        if h >= HQ:
+            slot = tl.load(Loc + t)
+            dst = KB + slot * stride_kb + (h - HQ).to(tl.int64) * stride_kh
+            tl.store(dst + offs, o1, mask=m)
+            tl.store(dst + HALF + offs, o2, mask=m)
+    else:
+        slot = tl.load(Loc + t)
+        dst = VB + slot * stride_vb + (h - HQ - HKV).to(tl.int64) * stride_vh
+        tl.store(dst + offs, x1, mask=m)
+        tl.store(dst + HALF + offs, x2, mask=m)
+
+
+def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+                    k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor) -> None:
+    """qkv (T, Hq + 2 Hkv, D): rotary of its q and k heads in place (as rotary_inplace), then
+    k_buf[loc[t]] = rotated k heads and v_buf[loc[t]] = v heads (as KVPool.write), in one
+    launch. k_buf / v_buf (slots, Hkv, D) must have qkv's dtype (no cast here); loc (T,) int64."""
+    t, h, d = qkv.shape
+    assert h == hq + 2 * hkv and qkv.stride(2) == 1 and d % 2 == 0
+    assert k_buf.dtype == qkv.dtype == v_buf.dtype and k_buf.stride(2) == 1 and v_buf.stride(2) == 1
+    cos, sin = cos.reshape(t, d), sin.reshape(t, d)
+    assert cos.stride(1) == 1 and sin.stride(1) == 1
+    if t == 0:
+        return
+    half = d // 2
+    _rotary_store_kernel[(t, h)](
+        qkv, cos, sin, k_buf, v_buf, loc, qkv.stride(0), qkv.stride(1), cos.stride(0),
+        sin.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), hq, hkv,
+        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
 
 
 @triton.jit
