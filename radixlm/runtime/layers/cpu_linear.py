@@ -92,7 +92,9 @@ def convert_model(model: nn.Module) -> int:
         model.lm_head_fp32 = model.embed_tokens.weight.detach().float()
     else:  # untied: the fp32 layer replaces the bf16 one, its weight is the head
         model.lm_head = Fp32GemmLinear(model.lm_head)
-        model.lm_head_fp32 = model.lm_head.weight
+        # a plain tensor: assigning the Parameter would try to register a parameter over the
+        # class attribute `lm_head_fp32` (KeyError "attribute already exists")
+        model.lm_head_fp32 = model.lm_head.weight.detach()
     return swapped + 1
 
 
