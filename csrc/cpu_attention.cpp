@@ -46,7 +46,8 @@ bool is_float(const at::Tensor& t) {
 
 // Validate shapes, fill the shared part of Ctx; q / out: (T, Hq, D); k_buf / v_buf: (N, Hkv, D).
 Ctx make_ctx(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-             const at::Tensor& out, const at::Tensor& lse_out, double scale, bool causal) {
+             const at::Tensor& out, const at::Tensor& lse_out, double scale, bool causal,
+             int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3,
               "q, out: (T, Hq, D); k_buf, v_buf: (N, Hkv, D)");
   TORCH_CHECK(q.device().is_cpu() && k_buf.device().is_cpu() && out.device().is_cpu(), "CPU tensors");
@@ -80,6 +81,10 @@ Ctx make_ctx(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_b
   c.Hq = Hq; c.Hkv = Hkv; c.G = Hq / Hkv; c.D = D; c.Dp = round_up(D, W);
   c.qscale = static_cast<float>(scale) * kLog2e;
   c.causal = causal;
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  c.window = window;
+  c.cap2 = static_cast<float>(softcap) * kLog2e;
+  c.cap_k = softcap > 0 ? static_cast<float>(2.0 / softcap) : 0.f;
   return c;
 }
 
@@ -105,20 +110,24 @@ void check_r2t(const at::Tensor& r2t) {
 
 }  // namespace
 
-// Row b attends to slots req_to_token[req_pool_indices[b], kv_start[b] : seq_lens[b]].
+// Row b attends to slots req_to_token[req_pool_indices[b], kv_start[b] : seq_lens[b]]; with a
+// window, only to the last `window` of them (the row's query is at position seq_lens[b] - 1):
+// the range is cut here, so splits and the loops see only keys in the window.
 void decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
             const at::Tensor& kv_start, const at::Tensor& seq_lens, double scale,
-            at::Tensor& out, at::Tensor& lse_out) {
+            int64_t window, double softcap, at::Tensor& out, at::Tensor& lse_out) {
   check_r2t(req_to_token);
-  Ctx c = make_ctx(q, k_buf, v_buf, out, lse_out, scale, false);
+  Ctx c = make_ctx(q, k_buf, v_buf, out, lse_out, scale, false, window, softcap);
   const int64_t B = q.size(0);
   const int64_t* rows = i64(req_pool_indices, B, "req_pool_indices");
   const int64_t* lens = i64(seq_lens, B, "seq_lens");
   const int64_t* starts = kv_start.numel() ? i64(kv_start, B, "kv_start") : nullptr;
   std::vector<Seq> seqs(B);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t st = starts ? starts[b] : 0, len = std::max<int64_t>(0, lens[b] - st);
+    int64_t st = starts ? starts[b] : 0;
+    if (window > 0) st = std::max<int64_t>(st, lens[b] - window);
+    const int64_t len = std::max<int64_t>(0, lens[b] - st);
     seqs[b] = Seq{slot_row(req_to_token, rows[b], st, len), len, b, 1, 1, 1, 1};
   }
   dispatch(c, k_buf.scalar_type(), seqs);
@@ -126,13 +135,16 @@ void decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_bu
 
 // Sequence s: queries q[qo_indptr[s] : qo_indptr[s+1]] (n_q rows) against the keys
 // req_to_token[req_pool_indices[s], kv_start[s] : kv_start[s] + kv_len[s]]; causal: query i sees
-// key j iff j <= kv_len - n_q + i.
+// key j iff j <= kv_len - n_q + i, and with a window also j > kv_len - n_q + i - window (causal
+// only). The keys no query of a sequence can see (below its first query's window) are cut here.
 void extend(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
             const at::Tensor& qo_indptr, const at::Tensor& kv_start, const at::Tensor& kv_len,
-            bool causal, double scale, at::Tensor& out, at::Tensor& lse_out) {
+            bool causal, double scale, int64_t window, double softcap, at::Tensor& out,
+            at::Tensor& lse_out) {
   check_r2t(req_to_token);
-  Ctx c = make_ctx(q, k_buf, v_buf, out, lse_out, scale, causal);
+  TORCH_CHECK(causal || window == 0, "a sliding window needs causal attention");
+  Ctx c = make_ctx(q, k_buf, v_buf, out, lse_out, scale, causal, window, softcap);
   const int64_t S = req_pool_indices.numel();
   const int64_t* rows = i64(req_pool_indices, S, "req_pool_indices");
   const int64_t* indptr = i64(qo_indptr, S + 1, "qo_indptr");
@@ -145,8 +157,10 @@ void extend(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_bu
     const int64_t n_q = indptr[s + 1] - indptr[s], st = starts ? starts[s] : 0;
     TORCH_CHECK(n_q >= 0, "qo_indptr must be non-decreasing");
     if (n_q == 0) continue;
-    seqs.push_back(Seq{slot_row(req_to_token, rows[s], st, lens[s]), lens[s], indptr[s], (int)n_q,
-                       1, 1, 1});
+    const int64_t* slots = slot_row(req_to_token, rows[s], st, lens[s]);
+    // query 0 is at position lens - n_q: no query sees keys below lens - n_q - window + 1
+    const int64_t cut = window > 0 ? std::max<int64_t>(0, lens[s] - n_q - window + 1) : 0;
+    seqs.push_back(Seq{slots + cut, lens[s] - cut, indptr[s], (int)n_q, 1, 1, 1});
   }
   dispatch(c, k_buf.scalar_type(), seqs);
 }
@@ -194,11 +208,11 @@ std::string isa() { return kIsa; }
 
 RLM_LIBRARY(RLM_OPS_NS, m) {
   m.def("decode(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor kv_start, Tensor seq_lens, float scale, "
-        "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
+        "Tensor req_pool_indices, Tensor kv_start, Tensor seq_lens, float scale, int window, "
+        "float softcap, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
   m.def("extend(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor qo_indptr, Tensor kv_start, Tensor kv_len, bool causal, "
-        "float scale, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
+        "float scale, int window, float softcap, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc) -> ()");
   m.def("isa() -> str", &isa);
 }

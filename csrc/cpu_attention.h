@@ -46,6 +46,11 @@ struct Ctx {
   int Hq, Hkv, G, D, Dp, Mp_max;
   float qscale;  // scale * log2(e): scores in base 2
   bool causal;
+  // sliding window (0: none): query at position p sees keys in (p - window, p]; causal only
+  int64_t window;
+  // logit soft-cap c (0: none) in the base-2 score units: cap2 = c * log2(e), cap_k = 2 / c;
+  // a score s (base 2) becomes cap2 * tanh(s / cap2), before any mask
+  float cap2, cap_k;
   float* part_o; float* part_ml;  // split partials: (rows, Dp) and (rows, 2)
 };
 

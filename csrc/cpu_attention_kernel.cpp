@@ -18,6 +18,11 @@
 // the hand-written kernel wins here because the tiles are small (64 keys x <= 96 rows x 64) and
 // a dispatcher call per tile costs as much as the tile's arithmetic.
 //
+// Sliding window (Ctx::window): the ops cut each sequence's key range to the keys its queries'
+// windows reach; a task starts its key loop at its first query's window and masks, per key, the
+// rows whose window ends before it (only in the blocks where some row's window begins). Logit
+// soft-cap (Ctx::cap2): scores pass through cap * tanh(score / cap) before any mask.
+//
 // Key splits: when (sequences x kv heads x query blocks) gives fewer than 8 tasks per thread
 // (batch-1 decode, a shared prefix), each sequence's key range is split; a split writes its
 // unnormalized O with its running max m and sum l, and a merge pass combines the splits by
@@ -98,6 +103,17 @@ void gemm(int M, int N, int K, const float* A, long rsa, long csa, const float* 
     for (int i = 0; i < M; i += MR)
       kUk1[std::min(MR, M - i) - 1](K, A + i * rsa, rsa, csa, B + n, ldb, C + i * ldc + n, ldc,
                                     acc);
+}
+
+// ---- logit soft-cap ---------------------------------------------------------------------------
+// x[0:n] (n a multiple of W; base-2 scores) <- cap2 * tanh(x / cap2), tanh(y) = 1 - 2 / (e^2y + 1)
+// with e^2y = 2^(x * cap_k) (cap_k = 2 / c). vexp2 clamps to 2^+-127, where tanh is +-1 in fp32.
+void softcap_scores(const Ctx& c, float* x, long n) {
+  const vf k = vset1(c.cap_k), c2 = vset1(c.cap2), one = vset1(1.f), two = vset1(2.f);
+  for (long i = 0; i < n; i += W) {
+    vf t = vexp2(vmul(vload(x + i), k));
+    vstore(x + i, vmul(c2, vsub(one, vdiv(two, vadd(t, one)))));
+  }
 }
 
 // ---- conversions ------------------------------------------------------------------------------
@@ -190,6 +206,11 @@ bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
   const int64_t diag = sq.kv_len - sq.n_q;  // query i sees keys j <= diag + i
   const int64_t hi = c.causal ? std::min(k1, diag + i1) : k1;
   const int64_t free_hi = c.causal ? diag + i0 + 1 : k1;  // keys below: visible to all rows
+  // window (causal): query i sees keys j > diag + i - window; no row sees keys below lo, and
+  // keys below win_lo are cut for some rows (a one-query block has lo == win_lo: no mask)
+  const int64_t win = c.window;
+  const int64_t lo = win > 0 ? std::max(k0, diag + i0 - win + 1) : k0;
+  const int64_t win_lo = win > 0 ? diag + i1 - win : k0;
 
   // scratch: Q (direct: G x Dp rows; gemm: Dp x Mp, transposed), K, V blocks, scores, O, m, l
   const int sc_len = direct ? G * KB : KB * Mp;
@@ -214,7 +235,7 @@ bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
   }
 
   bool ok = true;
-  for (int64_t kb0 = k0; kb0 < hi; kb0 += KB) {
+  for (int64_t kb0 = lo; kb0 < hi; kb0 += KB) {
     const int n = (int)std::min<int64_t>(KB, hi - kb0), nw = round_up(n, W);
     ok &= gather_kv<TK>(c, sq.slots + kb0, h, n, hi - kb0, direct ? round_up(n, 8) : n, Kb, Vb);
     if (direct) {
@@ -231,6 +252,7 @@ bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
           }
           reduce8(acc, Sg + j0);
         }
+        if (c.cap2 > 0.f) softcap_scores(c, Sg, nw);
         for (int j = n; j < nw; ++j) Sg[j] = -INFINITY;
         vf bm = vset1(-INFINITY);
         for (int j = 0; j < nw; j += W) bm = vmax(bm, vload(Sg + j));
@@ -249,6 +271,14 @@ bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
     } else {
       // St (n x Mp) = K_blk . Qt; causal mask near the diagonal; softmax down each column
       gemm(n, Mp, Dp, Kb, Dp, 1, Q, Mp, S, Mp, false);
+      if (c.cap2 > 0.f) softcap_scores(c, S, (long)n * Mp);
+      if (kb0 < win_lo) {
+        for (int j = 0; j < n; ++j) {
+          const int64_t end_i = kb0 + j - diag + win;  // first query past this key's window
+          const int cut = (int)std::min<int64_t>(M, std::max<int64_t>(0, (end_i - i0) * G));
+          std::fill(S + (long)j * Mp + cut, S + (long)j * Mp + M, -INFINITY);
+        }
+      }
       if (kb0 + n > free_hi) {
         for (int j = 0; j < n; ++j) {
           const int64_t first_i = kb0 + j - diag;  // first query that sees this key
@@ -358,9 +388,10 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
           groups.push_back({s, h, b, 0, part, 0.0});
         }
         // cost ~ (rows + overhead) x (keys seen + overhead); causal blocks see fewer keys
-        const int64_t keys = c.causal ? std::clamp<int64_t>(sq.kv_len - sq.n_q + (b + 1) * sq.qb,
-                                                            0, sq.kv_len)
-                                      : sq.kv_len;
+        int64_t keys = c.causal ? std::clamp<int64_t>(sq.kv_len - sq.n_q + (b + 1) * sq.qb,
+                                                      0, sq.kv_len)
+                                : sq.kv_len;
+        if (c.window > 0) keys = std::min<int64_t>(keys, c.window + sq.qb);
         for (int sp = 0; sp < sq.nsplit; ++sp)
           tasks.push_back({s, h, b, sp, part, (rows + 8.0) * ((double)keys / sq.nsplit + 16.0)});
       }

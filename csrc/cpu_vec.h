@@ -37,6 +37,7 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline float vhsum(vf a) { return _mm512_reduce_add_ps(a); }
 inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
@@ -87,6 +88,7 @@ inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline float vhsum(vf a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -140,6 +142,7 @@ inline vf vfma(vf a, vf b, vf c) { RLM_MAP(a.v[i] * b.v[i] + c.v[i]); }
 inline vf vadd(vf a, vf b) { RLM_MAP(a.v[i] + b.v[i]); }
 inline vf vsub(vf a, vf b) { RLM_MAP(a.v[i] - b.v[i]); }
 inline vf vmul(vf a, vf b) { RLM_MAP(a.v[i] * b.v[i]); }
+inline vf vdiv(vf a, vf b) { RLM_MAP(a.v[i] / b.v[i]); }
 inline vf vmax(vf a, vf b) { RLM_MAP(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
 inline vf vfinite_or_zero(vf m) { RLM_MAP(m.v[i] == -INFINITY ? 0.f : m.v[i]); }
 inline vf vexp2(vf x) { RLM_MAP(std::exp2(x.v[i] < -127.f ? -127.f : x.v[i]) * (x.v[i] > -127.f)); }

@@ -153,7 +153,8 @@ def test_kernels_reject_bad_slots_and_shapes():
         cpu_kernels.decode(q, k, v, r2t, torch.tensor([9]), torch.tensor([10]), 0.1)
     with pytest.raises(RuntimeError, match="seq_lens: contiguous int64 CPU tensor of 1 elements"):
         OPS.decode(q, k, v, r2t, rows, torch.empty(0, dtype=torch.int64),
-                   torch.tensor([10], dtype=torch.int32), 0.1, torch.empty_like(q), torch.empty(0))
+                   torch.tensor([10], dtype=torch.int32), 0.1, 0, 0.0, torch.empty_like(q),
+                   torch.empty(0))
 
 
 def test_store_kv_matches_pool_write():

@@ -9,6 +9,7 @@ any request's history out of the pool: the kernels follow `req_to_token` slot by
 - EXTEND (prefill, with or without a cached prefix, with `num_decode_tail` decode rows at the
   end): one `extend` call per layer; a decode row is just a sequence with one query token.
 The index tensors (qo_indptr, lengths) are built once per forward in `init_forward_metadata`.
+Sliding windows and the logit soft-cap are kernel arguments (the layer's window, the model's cap).
 
 Fallback: `CpuAttention(...)` raises `CpuKernelsUnavailable` (with the reason) when the kernels
 cannot be built or loaded. The registry's `auto` checks the kernels before choosing this backend
@@ -46,9 +47,10 @@ class CpuAttention(AttentionBackend):
     supports_shared_prefix = True
 
     def __init__(self, kv_pool, req_to_token, scale, *, max_batch_size: int = 256,
-                 max_context_len: int = 8192):
+                 max_context_len: int = 8192, windows=None, logit_softcap=None):
         super().__init__(kv_pool, req_to_token, scale, max_batch_size=max_batch_size,
-                         max_context_len=max_context_len)
+                         max_context_len=max_context_len, windows=windows,
+                         logit_softcap=logit_softcap)
         if req_to_token.device.type != "cpu" or kv_pool.k_buffers[0].device.type != "cpu":
             raise CpuKernelsUnavailable("the CPU attention kernels need CPU tensors")
         if kv_pool.dtype not in _SUPPORTED:
@@ -72,7 +74,8 @@ class CpuAttention(AttentionBackend):
     def ranged_decode(self, q, k_buf, v_buf, req_pool_indices, kv_start, seq_lens):
         """(out, lse): row b over its keys [kv_start[b], seq_lens[b])."""
         return cpu_kernels.decode(q, k_buf, v_buf, self.req_to_token, req_pool_indices, seq_lens,
-                                  self.scale, kv_start=kv_start, return_lse=True)
+                                  self.scale, kv_start=kv_start, softcap=self.logit_softcap,
+                                  return_lse=True)
 
     def prefix_attention(self, q, k_buf, v_buf, groups):
         """(out, lse): group g's member rows, packed, over its prefix, non-causal. In the kernel a
@@ -80,7 +83,8 @@ class CpuAttention(AttentionBackend):
         loaded once for (members x G) query rows of a KV head."""
         return cpu_kernels.extend(q, k_buf, v_buf, self.req_to_token, groups.rep_pool_indices,
                                   groups.qo_indptr, groups.shared_lens, self.scale,
-                                  kv_start=groups.zeros, causal=False, return_lse=True)
+                                  kv_start=groups.zeros, causal=False,
+                                  softcap=self.logit_softcap, return_lse=True)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         rows = fb.req_pool_indices.to(torch.int64).contiguous()
@@ -96,13 +100,15 @@ class CpuAttention(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
         self.ops.store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)
         meta: _Meta = fb.attn_metadata
-        if meta.decode and fb.prefix_groups is not None:
+        window = self.windows[layer]
+        if meta.decode and fb.prefix_groups is not None and not window:
             return shared_prefix.decode_with_groups(self, q, k_buf, v_buf, fb)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.decode:
             self.ops.decode(q, k_buf, v_buf, self.req_to_token, meta.rows, self._empty_i64,
-                            meta.lens, self.scale, out, self._empty)
+                            meta.lens, self.scale, window, self.logit_softcap, out, self._empty)
         else:
             self.ops.extend(q, k_buf, v_buf, self.req_to_token, meta.rows, meta.qo_indptr,
-                            self._empty_i64, meta.lens, True, self.scale, out, self._empty)
+                            self._empty_i64, meta.lens, True, self.scale, window,
+                            self.logit_softcap, out, self._empty)
         return out

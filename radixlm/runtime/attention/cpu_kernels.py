@@ -17,13 +17,16 @@ The registry's `auto` turns it into ONE logged warning (`warn_fallback`) and tor
 
 Functional API (the cascade / shared-prefix code builds on these; all tensors on the CPU):
   decode(q (B,Hq,D), k_buf, v_buf (N,Hkv,D), req_to_token (R,C) int64, req_pool_indices (B,),
-         seq_lens (B,), scale, kv_start=None, out=None, return_lse=False)
-      row b attends to req_to_token[req_pool_indices[b], kv_start[b] : seq_lens[b]]
+         seq_lens (B,), scale, kv_start=None, window=0, softcap=0.0, out=None, return_lse=False)
+      row b attends to req_to_token[req_pool_indices[b], kv_start[b] : seq_lens[b]]; window > 0:
+      only to the last `window` of them (its query is at position seq_lens[b] - 1)
   extend(q (T,Hq,D), k_buf, v_buf, req_to_token, req_pool_indices (S,), qo_indptr (S+1,),
-         kv_len (S,), scale, kv_start=None, causal=True, out=None, return_lse=False)
+         kv_len (S,), scale, kv_start=None, causal=True, window=0, softcap=0.0, out=None,
+         return_lse=False)
       q[qo_indptr[s]:qo_indptr[s+1]] (n_q rows) against
       req_to_token[req_pool_indices[s], kv_start[s] : kv_start[s] + kv_len[s]];
-      causal: query i sees key j iff j <= kv_len - n_q + i
+      causal: query i sees key j iff j <= kv_len - n_q + i (and, window > 0, j > that - window)
+  softcap > 0: scores become softcap * tanh(score / softcap) before the mask and the softmax.
   lse (T, Hq) fp32 is the natural log-sum-exp of the scaled scores; -inf (and out 0) when a row
   sees no key.
 """
@@ -234,20 +237,23 @@ def _i64(t: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def decode(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale: float, *,
-           kv_start=None, out=None, return_lse: bool = False):
+           kv_start=None, window: int = 0, softcap: float = 0.0, out=None,
+           return_lse: bool = False):
     out = torch.empty_like(q) if out is None else out
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else _EMPTY
     load().decode(q, k_buf, v_buf, req_to_token, _i64(req_pool_indices), _i64(kv_start),
-                  _i64(seq_lens), float(scale), out, lse)
+                  _i64(seq_lens), float(scale), int(window), float(softcap), out, lse)
     return (out, lse) if return_lse else out
 
 
 def extend(q, k_buf, v_buf, req_to_token, req_pool_indices, qo_indptr, kv_len, scale: float, *,
-           kv_start=None, causal: bool = True, out=None, return_lse: bool = False):
+           kv_start=None, causal: bool = True, window: int = 0, softcap: float = 0.0, out=None,
+           return_lse: bool = False):
     out = torch.empty_like(q) if out is None else out
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else _EMPTY
     load().extend(q, k_buf, v_buf, req_to_token, _i64(req_pool_indices), _i64(qo_indptr),
-                  _i64(kv_start), _i64(kv_len), bool(causal), float(scale), out, lse)
+                  _i64(kv_start), _i64(kv_len), bool(causal), float(scale), int(window),
+                  float(softcap), out, lse)
     return (out, lse) if return_lse else out
 
 

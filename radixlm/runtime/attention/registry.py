@@ -13,7 +13,7 @@ import importlib
 
 import torch
 
-from radixlm.runtime.attention.base import AttentionBackend
+from radixlm.runtime.attention.base import AttentionBackend, AttentionSpec
 
 BACKENDS = {
     "torch_native": "radixlm.runtime.attention.torch_native:TorchNativeAttention",
@@ -61,11 +61,14 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def create_attention_backend(name: str, kv_pool, req_to_token: torch.Tensor, scale: float,
-                             device: torch.device, max_batch_size: int,
+def create_attention_backend(name: str, kv_pool, req_to_token: torch.Tensor,
+                             spec: AttentionSpec, device: torch.device, max_batch_size: int,
                              max_context_len: int) -> AttentionBackend:
-    """Build the backend `name` (already resolved, see resolve_backend_name)."""
+    """Build the backend `name` (already resolved, see resolve_backend_name) for a model whose
+    attention is `spec` (scale, per-layer sliding windows, logit soft-cap: every backend runs
+    them all)."""
     module, cls = BACKENDS[name].split(":")
     backend_cls = getattr(importlib.import_module(module), cls)
-    return backend_cls(kv_pool, req_to_token, scale, max_batch_size=max_batch_size,
-                       max_context_len=max_context_len)
+    return backend_cls(kv_pool, req_to_token, spec.scale, max_batch_size=max_batch_size,
+                       max_context_len=max_context_len, windows=spec.windows or None,
+                       logit_softcap=spec.logit_softcap)

@@ -20,7 +20,9 @@ to that node's depth. `PrefixGrouper` assigns each request to its deepest ancest
 running request also passes through, and keeps the plan while the batch is unchanged.
 
 A backend opts in with `supports_shared_prefix = True` and two ranged ops returning
-(out, lse) with lse (rows, Hq) fp32 natural-log sum-exp of the scaled scores:
+(out, lse) with lse (rows, Hq) fp32 natural-log sum-exp of the scaled (and soft-capped, for
+models with a logit soft-cap) scores; a model with any sliding-window layer plans no groups
+(AttentionBackend.__init__ turns `supports_shared_prefix` off):
   ranged_decode(q (B,Hq,D), k_buf, v_buf, req_pool_indices (B,), kv_start (B,), seq_lens (B,))
   prefix_attention(q (M,Hq,D), k_buf, v_buf, groups: PrefixGroups)
 """
@@ -160,10 +162,14 @@ def decode_with_groups(backend, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
 
 # --- plain torch versions of the ranged ops (the reference; TorchNativeAttention uses them) -----
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """q (R, Hkv, G, D), k/v (R, Hkv, L, D), mask (R, 1, 1, L) bool or None -> out (R, Hkv*G, D)
-    in q's dtype and lse (R, Hkv*G) fp32; a row with no visible key gives out 0, lse -inf."""
+    in q's dtype and lse (R, Hkv*G) fp32; a row with no visible key gives out 0, lse -inf.
+    softcap c > 0: scores c * tanh(score / c) (the lse is of the capped scores, so merges stay
+    exact)."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (R, Hkv, G, L)
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (R, Hkv, G)
@@ -174,7 +180,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
 
 
 def torch_ranged_decode(q, k_buf, v_buf, req_to_token, req_pool_indices, kv_start, seq_lens,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Row b attends to slots req_to_token[req_pool_indices[b], kv_start[b]:seq_lens[b]]."""
     bsz, hq, d = q.shape
     hkv = k_buf.shape[1]
@@ -184,11 +190,12 @@ def torch_ranged_decode(q, k_buf, v_buf, req_to_token, req_pool_indices, kv_star
     v = v_buf.index_select(0, slots).view(bsz, max_len, hkv, d).transpose(1, 2)
     ar = torch.arange(max_len, device=q.device)
     mask = (ar[None, :] >= kv_start[:, None]) & (ar[None, :] < seq_lens[:, None])
-    return _attend(q.view(bsz, hkv, hq // hkv, d), k, v, mask.view(bsz, 1, 1, max_len), scale)
+    return _attend(q.view(bsz, hkv, hq // hkv, d), k, v, mask.view(bsz, 1, 1, max_len), scale,
+                   softcap)
 
 
-def torch_prefix_attention(q, k_buf, v_buf, req_to_token, groups: PrefixGroups,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_prefix_attention(q, k_buf, v_buf, req_to_token, groups: PrefixGroups, scale: float,
+                           softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """q (M, Hq, D) packed by group; group g's rows attend to its rep row's first shared_len."""
     hkv, d = k_buf.shape[1], k_buf.shape[2]
     hq = q.shape[1]
@@ -202,7 +209,7 @@ def torch_prefix_attention(q, k_buf, v_buf, req_to_token, groups: PrefixGroups,
         v = v_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
         # all members' query heads of one KV head form one block of rows: (1, Hkv, size*G, D)
         qg = q[start:start + size].view(size, hkv, hq // hkv, d).permute(1, 0, 2, 3)
-        o, l = _attend(qg.reshape(1, hkv, -1, d), k, v, None, scale)  # (1, Hkv*size*G, ...)
+        o, l = _attend(qg.reshape(1, hkv, -1, d), k, v, None, scale, softcap)  # (1, Hkv*size*G, ...)
         out[start:start + size] = o.view(hkv, size, hq // hkv, d).permute(1, 0, 2, 3).reshape(
             size, hq, d)
         lse[start:start + size] = l.view(hkv, size, hq // hkv).permute(1, 0, 2).reshape(size, hq)

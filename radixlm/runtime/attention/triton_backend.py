@@ -41,6 +41,8 @@ class TritonAttention(AttentionBackend):
     one stage when a batch is large enough to fill the GPU without splits).
     EXTEND: one launch for all extend requests (causal, keys = cached prefix + new tokens), plus
     one decode call for the `num_decode_tail` decode rows at the batch's end.
+    A layer's sliding window and the model's logit soft-cap are plain kernel arguments (Python
+    numbers fixed per layer), so a captured graph replays them as they were.
 
     CUDA graphs: `init_forward_metadata` is capture-safe for DECODE batches: it only keeps views
     of `fb.req_pool_indices` / `fb.seq_lens` (device tensors the graph runner refills in place)
@@ -58,9 +60,11 @@ class TritonAttention(AttentionBackend):
     supports_shared_prefix = True  # prefix groups run eagerly (the graph runner skips them)
 
     def __init__(self, kv_pool, req_to_token: torch.Tensor, scale: float, *,
-                 max_batch_size: int = 256, max_context_len: int = 8192):
+                 max_batch_size: int = 256, max_context_len: int = 8192, windows=None,
+                 logit_softcap=None):
         super().__init__(kv_pool, req_to_token, scale, max_batch_size=max_batch_size,
-                         max_context_len=max_context_len)
+                         max_context_len=max_context_len, windows=windows,
+                         logit_softcap=logit_softcap)
         k0 = kv_pool.k_buffers[0]
         self.device = k0.device
         self.num_kv_heads, self.head_dim = int(k0.shape[1]), int(k0.shape[2])
@@ -83,7 +87,8 @@ class TritonAttention(AttentionBackend):
         the middle of serving (~0.3-0.5 s each on an H100, measured: 13 compiles cost ~3 s of a
         10 s shared-prefix run). Variants are the compile-time constants: the split counts
         (powers of two up to MAX_SPLITS), plain decode vs the ranged decode with LSE of the
-        shared-prefix path, causal extend vs the non-causal prefix attention with LSE. Runs at the
+        shared-prefix path, causal extend vs the non-causal prefix attention with LSE, each with
+        and without the model's sliding window (the soft-cap is fixed per model). Runs at the
         first decode forward (the eager warm-up before CUDA-graph capture); Triton's disk cache
         makes it cheap on later launches."""
         if self.device.type != "cuda":
@@ -102,15 +107,23 @@ class TritonAttention(AttentionBackend):
         while s <= MAX_SPLITS:
             splits.add(s)
             s *= 2
+        cap = self.logit_softcap
+        windows = sorted(set(self.windows))  # 0 (full) and the model's window(s): 1 or 2 values
         for n in sorted(splits):
-            decode_attention(q, k_buf, v_buf, r2t, zero, None, one, self.scale, out, num_splits=n)
-            decode_attention(q, k_buf, v_buf, r2t, zero, zero, one, self.scale, out, lse_out=lse,
-                             num_splits=n)
+            for w in windows:
+                decode_attention(q, k_buf, v_buf, r2t, zero, None, one, self.scale, out,
+                                 num_splits=n, window=w, softcap=cap)
+            if self.supports_shared_prefix:
+                decode_attention(q, k_buf, v_buf, r2t, zero, zero, one, self.scale, out,
+                                 lse_out=lse, num_splits=n, softcap=cap)
         indptr = torch.tensor([0, 1], **i64)
-        for causal, lse_out in ((True, None), (False, lse)):
-            extend_attention(q, k_buf, v_buf, r2t, zero, indptr, zero, one, causal, self.scale,
-                             out, lse_out=lse_out, max_q_len=1)
-        merge_prefix_into(out, lse, zero, out.clone(), lse.clone())
+        for w in windows:
+            extend_attention(q, k_buf, v_buf, r2t, zero, indptr, zero, one, True, self.scale,
+                             out, max_q_len=1, window=w, softcap=cap)
+        if self.supports_shared_prefix:
+            extend_attention(q, k_buf, v_buf, r2t, zero, indptr, zero, one, False, self.scale,
+                             out, lse_out=lse, max_q_len=1, softcap=cap)
+            merge_prefix_into(out, lse, zero, out.clone(), lse.clone())
 
     def _decode_meta(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> _DecodeMeta:
         return _DecodeMeta(req_pool_indices, seq_lens, self._num_splits(req_pool_indices.shape[0]))
@@ -141,10 +154,10 @@ class TritonAttention(AttentionBackend):
         assert fb.mode == ForwardMode.DECODE, "only decode batches are captured"
         self.init_forward_metadata(fb)
 
-    def _decode(self, q, k_buf, v_buf, meta: _DecodeMeta, out):
+    def _decode(self, q, k_buf, v_buf, meta: _DecodeMeta, out, window: int):
         decode_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, None,
                          meta.seq_lens, self.scale, out, scratch=self._get_scratch(q.shape[1]),
-                         num_splits=meta.num_splits)
+                         num_splits=meta.num_splits, window=window, softcap=self.logit_softcap)
 
     def ranged_decode(self, q, k_buf, v_buf, req_pool_indices, kv_start, seq_lens):
         """(out, lse) of row b over its keys [kv_start[b], seq_lens[b]) (shared_prefix.py)."""
@@ -153,7 +166,7 @@ class TritonAttention(AttentionBackend):
         decode_attention(q, k_buf, v_buf, self.req_to_token, req_pool_indices, kv_start,
                          seq_lens, self.scale, out, lse_out=lse,
                          scratch=self._get_scratch(q.shape[1]),
-                         num_splits=self._num_splits(q.shape[0]))
+                         num_splits=self._num_splits(q.shape[0]), softcap=self.logit_softcap)
         return out, lse
 
     def prefix_attention(self, q, k_buf, v_buf, groups):
@@ -162,7 +175,8 @@ class TritonAttention(AttentionBackend):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         extend_attention(q, k_buf, v_buf, self.req_to_token, groups.rep_pool_indices,
                          groups.qo_indptr, groups.zeros, groups.shared_lens, False, self.scale,
-                         out, lse_out=lse, max_q_len=groups.max_group)
+                         out, lse_out=lse, max_q_len=groups.max_group,
+                         softcap=self.logit_softcap)
         return out, lse
 
     def merge_prefix_into(self, out, lse, rows, o_sh, lse_sh):
@@ -174,18 +188,20 @@ class TritonAttention(AttentionBackend):
             self.kv_pool.write(layer, fb.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
         meta = fb.attn_metadata
-        if fb.mode == ForwardMode.DECODE and fb.prefix_groups is not None:
+        window = self.windows[layer]
+        if fb.mode == ForwardMode.DECODE and fb.prefix_groups is not None and not window:
             return shared_prefix.decode_with_groups(self, q, k_buf, v_buf, fb)
         out = torch.empty_like(q)  # (T, Hq, D)
         if fb.mode == ForwardMode.DECODE:
-            self._decode(q, k_buf, v_buf, meta, out)
+            self._decode(q, k_buf, v_buf, meta, out, window)
             return out
         n_dec = fb.num_decode_tail
         n_ext_tok = q.shape[0] - n_dec  # the decode tail's rows come last, one token each
         if meta.max_q_len:
             extend_attention(q[:n_ext_tok], k_buf, v_buf, self.req_to_token,
                              meta.req_pool_indices, meta.qo_indptr, meta.kv_start, meta.kv_len,
-                             True, self.scale, out[:n_ext_tok], max_q_len=meta.max_q_len)
+                             True, self.scale, out[:n_ext_tok], max_q_len=meta.max_q_len,
+                             window=window, softcap=self.logit_softcap)
         if meta.decode_tail is not None:
-            self._decode(q[n_ext_tok:], k_buf, v_buf, meta.decode_tail, out[n_ext_tok:])
+            self._decode(q[n_ext_tok:], k_buf, v_buf, meta.decode_tail, out[n_ext_tok:], window)
         return out

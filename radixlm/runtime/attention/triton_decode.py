@@ -1,7 +1,9 @@
 """Flash-decoding over the paged KV pool (Triton): one query token per row, K/V read in place.
 
 `decode_attention`: query row b attends to the keys at slots
-`req_to_token[req_pool_indices[b], kv_start[b] : seq_lens[b]]` (no causal mask: all of them).
+`req_to_token[req_pool_indices[b], kv_start[b] : seq_lens[b]]` (no causal mask: all of them);
+with a sliding `window` only to the last `window` of them (the key loop starts there), and with a
+logit `softcap` c the scores are c * tanh(score / c).
 
 Two stages, CUDA-graph safe (fixed grids, no host sync, no data-dependent allocation):
 - stage 1, grid (B, Hkv, S): program (b, h, s) takes the G = Hq / Hkv query heads of KV head h
@@ -56,12 +58,17 @@ def dot_precision(dt) -> str:
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2,
-                         DOT: tl.constexpr, PREC: tl.constexpr):
+def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, cap2, cap_k,
+                         DOT: tl.constexpr, PREC: tl.constexpr, HAS_CAP: tl.constexpr):
     """One block of online softmax. q (M, BD), k/v (N, BD) in DOT dtype; s_mask (M, N) bool or
     None-like True; m_i, l_i (M,) fp32 in log2 units; acc (M, BD) fp32. Returns new m_i, l_i, acc.
-    Fully masked rows keep m_i = -inf, l_i = 0, acc = 0 (no NaN: the max is made safe)."""
+    Fully masked rows keep m_i = -inf, l_i = 0, acc = 0 (no NaN: the max is made safe).
+    HAS_CAP: logit soft-cap c, applied before the mask: with cap2 = c * log2(e), cap_k = 2 / c,
+    s <- cap2 * tanh(s / cap2) where tanh(y) = 1 - 2 / (e^2y + 1) and e^2y = 2^(s * cap_k)
+    (overflow to inf gives 1, underflow to 0 gives -1)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # (M, N) fp32
+    if HAS_CAP:
+        s = cap2 * (1.0 - 2.0 / (tl.exp2(s * cap_k) + 1.0))
     s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -74,12 +81,13 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2,
 
 @triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LsePart,
-                   scale_log2, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   scale_log2, window, cap2, cap_k,
+                   stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ob, stride_oh, stride_lb, stride_r2t,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   HAS_START: tl.constexpr, HAS_LSE: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr):
+                   HAS_START: tl.constexpr, HAS_LSE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_CAP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -95,6 +103,8 @@ def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LseP
     lo = hi * 0
     if HAS_START:
         lo = tl.load(KvStart + b).to(tl.int64)
+    if HAS_WINDOW:  # the query is at position hi - 1: it sees the keys in [hi - window, hi)
+        lo = tl.maximum(lo, hi - window)
     n = tl.maximum(hi - lo, 0)
     chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s_lo = lo + split * chunk
@@ -116,7 +126,7 @@ def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LseP
         v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
                     mask=d_ok[None, :], other=0.0).to(DOT)
         m_i, l_i, acc = _online_softmax_step(q, k, v, n_ok[None, :], m_i, l_i, acc, scale_log2,
-                                             DOT, PREC)
+                                             cap2, cap_k, DOT, PREC, HAS_CAP)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # (BLOCK_H, BLOCK_D), 0 for empty rows
@@ -194,8 +204,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      kv_start: Optional[torch.Tensor], seq_lens: torch.Tensor, scale: float,
                      out: torch.Tensor, lse_out: Optional[torch.Tensor] = None,
                      scratch: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-                     *, block_n: int = BLOCK_N, num_warps: int = 4,
-                     num_stages: int = 2) -> torch.Tensor:
+                     *, window: int = 0, softcap: float = 0.0, block_n: int = BLOCK_N,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Decode attention of q (B, Hq, D) over the pool; writes and returns `out` (B, Hq, D).
 
     k_buf/v_buf (slots, Hkv, D) bf16/fp16/fp32, last dim contiguous; req_to_token (rows, ctx) int;
@@ -204,6 +214,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     gets the natural-log sum-exp of the scaled scores; an empty range gives out 0, lse -inf.
     scratch: flat fp32 tensor of at least `scratch_numel(B, Hq, D, num_splits)` elements (None:
     allocated here, which a CUDA graph must avoid). num_splits None: `default_num_splits`.
+    window > 0: row b sees only its last `window` keys (kv_start still bounds them from below);
+    softcap > 0: scores softcap * tanh(score / softcap). Both plain Python numbers (per-layer
+    constants), so CUDA graphs capture them as kernel arguments; 0 compiles the kernel without.
     block_n / num_warps / num_stages: stage-1 tuning knobs (keys per step, block_n >= 16).
     """
     bsz, hq, d = q.shape
@@ -229,12 +242,14 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     _decode_stage1[(bsz, hkv, splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices,
         kv_start if kv_start is not None else seq_lens, seq_lens, out, lse_arg, o_part, lse_part,
-        scale * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+        scale * LOG2E, int(window), softcap * LOG2E, 2.0 / softcap if softcap else 0.0,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), lse_stride,
         req_to_token.stride(0),
         G=g, D=d, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_START=kv_start is not None, HAS_LSE=lse_out is not None,
-        DOT=dt, PREC=dot_precision(dt), num_warps=num_warps, num_stages=num_stages)
+        HAS_WINDOW=window > 0, HAS_CAP=softcap > 0, DOT=dt, PREC=dot_precision(dt),
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_stage2[(bsz, hq)](
             o_part, lse_part, out, lse_arg, out.stride(0), out.stride(1), lse_stride,

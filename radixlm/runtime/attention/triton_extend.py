@@ -6,12 +6,16 @@ and the keys at slots `req_to_token[req_pool_indices[s], kv_start[s] : kv_start[
 query i (0-based in its sequence) sees keys j (0-based in the range) with j <= kv_len - n_q + i,
 i.e. the queries are the last n_q positions of the range. causal=False: every query sees the whole
 range (shared-prefix "cascade" attention: many requests' queries against one shared prefix run).
+window > 0 (causal only): query i also sees only keys j > kv_len - n_q + i - window. softcap > 0:
+scores softcap * tanh(score / softcap), before the mask.
 
 Grid (S, cdiv(max_q_len * G, BLOCK_M), Hkv). A program takes BLOCK_M rows of the flattened
 (query, head-of-group) space of one KV head, so with GQA one K/V tile serves all G query heads
 (row r -> query r // G, head kv_head * G + r % G). Programs past a short sequence's end return at
 once. The key loop runs in two parts: blocks every row of the tile may see in full (no mask
-arithmetic), then the diagonal blocks with the causal / length mask.
+arithmetic), then the diagonal blocks with the causal / length mask. With a window the loop starts
+at the tile's first key in any row's window, and the blocks where some rows' windows begin come
+first, masked like the diagonal ones.
 """
 
 from __future__ import annotations
@@ -26,13 +30,43 @@ from radixlm.runtime.attention.triton_decode import (INDEX_ARGS, LOG2E, _online_
                                                      dot_dtype, dot_precision)
 
 
+@triton.jit
+def _masked_block(q, K, V, kv_row, n0, q_pos, kv_len, window, m_i, l_i, acc, scale_log2, cap2,
+                  cap_k, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+                  DOT: tl.constexpr, PREC: tl.constexpr):
+    """Keys [n0, n0 + BLOCK_N) of the range with the length, causal and window masks; q_pos
+    (BLOCK_M,) is each row's position in the range (kv_len - n_q + query index)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    pos = n0 + offs_n  # (BLOCK_N,) key index within the range
+    n_ok = pos < kv_len
+    # slot 0 is the pool's scratch slot: out-of-range lanes read it and are masked
+    slots = tl.load(kv_row + pos, mask=n_ok, other=0).to(tl.int64)
+    k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=d_ok[None, :], other=0.0).to(DOT)
+    v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=d_ok[None, :], other=0.0).to(DOT)
+    s_mask = n_ok[None, :]
+    if CAUSAL:
+        s_mask = s_mask & (pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        s_mask = s_mask & (pos[None, :] > q_pos[:, None] - window)
+    return _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, cap2, cap_k,
+                                DOT, PREC, HAS_CAP)
+
+
 @triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _extend_kernel(Q, K, V, Out, Lse, R2T, ReqIdx, QoIndptr, KvStart, KvLen, scale_log2,
+                   window, cap2, cap_k,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ot, stride_oh, stride_lt, stride_r2t,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   HAS_LSE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                   HAS_LSE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr):
     seq = tl.program_id(0)
     mblk = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -63,32 +97,37 @@ def _extend_kernel(Q, K, V, Out, Lse, R2T, ReqIdx, QoIndptr, KvStart, KvLen, sca
             full_end = kv_len
             end = kv_len
         full_end = (full_end // BLOCK_N) * BLOCK_N
+        q_pos = kv_len - n_q + qi  # (BLOCK_M,) each row's position in the range
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(0, full_end, BLOCK_N):  # interior blocks: no masks
+        start = 0  # HAS_WINDOW is a compile-time branch: without it the loops are as before
+        if HAS_WINDOW:  # (CAUSAL) row i sees keys j > q_pos[i] - window
+            # keys below `start` are outside every row's window; below `win_end` outside some
+            # rows' (masked blocks); start <= win_end <= full_end, block-aligned
+            start = (tl.maximum(kv_len - n_q + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+            win_end = tl.cdiv(tl.maximum(kv_len - n_q + last_q - window + 1, 0), BLOCK_N) * BLOCK_N
+            win_end = tl.maximum(tl.minimum(win_end, full_end), start)
+            for n0 in range(start, win_end, BLOCK_N):  # blocks where some rows' windows begin
+                m_i, l_i, acc = _masked_block(q, K, V, kv_row, n0, q_pos, kv_len, window, m_i,
+                                              l_i, acc, scale_log2, cap2, cap_k, kvh, stride_kt,
+                                              stride_kh, stride_vt, stride_vh, BLOCK_N, BLOCK_D,
+                                              D, CAUSAL, HAS_WINDOW, HAS_CAP, DOT, PREC)
+            start = win_end
+        for n0 in range(start, full_end, BLOCK_N):  # interior blocks: no masks
             slots = tl.load(kv_row + n0 + offs_n).to(tl.int64)  # (BLOCK_N,)
             k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
                         mask=d_ok[None, :], other=0.0).to(DOT)  # (BLOCK_N, BLOCK_D)
             v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
                         mask=d_ok[None, :], other=0.0).to(DOT)
             m_i, l_i, acc = _online_softmax_step(q, k, v, True, m_i, l_i, acc, scale_log2,
-                                                 DOT, PREC)
+                                                 cap2, cap_k, DOT, PREC, HAS_CAP)
         for n0 in range(full_end, end, BLOCK_N):  # diagonal / tail blocks: masked
-            pos = n0 + offs_n  # (BLOCK_N,) key index within the range
-            n_ok = pos < kv_len
-            # slot 0 is the pool's scratch slot: out-of-range lanes read it and are masked
-            slots = tl.load(kv_row + pos, mask=n_ok, other=0).to(tl.int64)
-            k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                        mask=d_ok[None, :], other=0.0).to(DOT)
-            v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                        mask=d_ok[None, :], other=0.0).to(DOT)
-            s_mask = n_ok[None, :]
-            if CAUSAL:
-                s_mask = s_mask & (pos[None, :] <= (kv_len - n_q + qi)[:, None])
-            m_i, l_i, acc = _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2,
-                                                 DOT, PREC)
+            m_i, l_i, acc = _masked_block(q, K, V, kv_row, n0, q_pos, kv_len, window, m_i, l_i,
+                                          acc, scale_log2, cap2, cap_k, kvh, stride_kt,
+                                          stride_kh, stride_vt, stride_vh, BLOCK_N, BLOCK_D, D,
+                                          CAUSAL, HAS_WINDOW, HAS_CAP, DOT, PREC)
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]  # rows that see no key: 0
@@ -126,7 +165,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      qo_indptr: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
                      causal: bool, scale: float, out: torch.Tensor,
                      lse_out: Optional[torch.Tensor] = None, max_q_len: int = 0,
-                     config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+                     config: Optional[tuple[int, int, int, int]] = None, *, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Attention of q (T, Hq, D) for S sequences in one launch; writes and returns out (T, Hq, D).
 
     req_pool_indices, kv_start, kv_len (S,) and qo_indptr (S+1,) are int device tensors; k_buf /
@@ -135,6 +175,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     gets the natural-log sum-exp of each row's scaled scores (-inf and out 0 where a row sees no
     key). Rows of q outside every sequence are left untouched in out. config: (BLOCK_M, BLOCK_N,
     num_warps, num_stages) tuning override, blocks >= 16 (None: `default_config`).
+    window > 0 (causal only) / softcap > 0: see the module docstring (plain numbers: kernel
+    arguments, 0 compiles the kernel without them).
     """
     t, hq, d = q.shape
     hkv = k_buf.shape[1]
@@ -142,6 +184,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     assert hq % hkv == 0 and k_buf.shape[2] == d and out.shape == q.shape
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_buf.stride(2) == 1 and v_buf.stride(2) == 1
     assert qo_indptr.shape[0] == n_seq + 1 and kv_start.shape[0] == n_seq == kv_len.shape[0]
+    assert causal or not window, "a sliding window needs causal attention"
     if n_seq == 0 or max_q_len <= 0 or t == 0:
         return out
     g = hq // hkv
@@ -153,11 +196,12 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     grid = (n_seq, triton.cdiv(max_q_len * g, block_m), hkv)
     _extend_kernel[grid](
         q, k_buf, v_buf, out, lse_out if lse_out is not None else out, req_to_token,
-        req_pool_indices, qo_indptr, kv_start, kv_len, scale * LOG2E,
+        req_pool_indices, qo_indptr, kv_start, kv_len, scale * LOG2E, int(window),
+        softcap * LOG2E, 2.0 / softcap if softcap else 0.0,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), out.stride(0), out.stride(1),
         lse_out.stride(0) if lse_out is not None else 0, req_to_token.stride(0),
         G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, HAS_LSE=lse_out is not None, DOT=dt, PREC=dot_precision(dt),
-        num_warps=warps, num_stages=stages)
+        CAUSAL=causal, HAS_LSE=lse_out is not None, HAS_WINDOW=window > 0,
+        HAS_CAP=softcap > 0, DOT=dt, PREC=dot_precision(dt), num_warps=warps, num_stages=stages)
     return out

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.attention.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
@@ -78,9 +79,13 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1,
                                                 self.context_len + 1, self.device)
         self.attention_backend_name = resolve_backend_name(args.attention_backend, self.device)
+        # the model says what its attention computes (scale, per-layer windows, soft-cap)
+        spec_of = getattr(self.model_cls, "attention_spec", None)
+        self.attention_spec = (spec_of(cfg) if spec_of is not None
+                               else AttentionSpec(scale=cfg.head_dim ** -0.5))
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, self.kv_pool, self.req_to_token_pool.req_to_token,
-            scale=cfg.head_dim ** -0.5, device=self.device,
+            self.attention_spec, device=self.device,
             max_batch_size=args.max_running_requests + 1, max_context_len=self.context_len + 1)
         self.graph_runner = None
         if (self.device.type == "cuda" and not args.disable_cuda_graph

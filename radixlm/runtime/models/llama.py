@@ -14,11 +14,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models import registry
+
+
+def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
+    """Each layer's sliding window as HF 5.23 applies it (None: full attention).
+    Mistral: `sliding_window` on every layer (MistralModel builds one sliding mask for all layers
+    and ignores `layer_types`). Qwen2: only with `use_sliding_window`, on the layers `layer_types`
+    marks "sliding_attention" (config.json has them since transformers 5; older configs: the
+    layers >= `max_window_layers`). Llama: none (LlamaModel ignores a `sliding_window` field)."""
+    hf, n = cfg.hf, cfg.num_layers
+    window = registry.sliding_window(cfg)
+    if hf.get("model_type") not in ("mistral", "qwen2"):
+        return (None,) * n
+    if hf["model_type"] == "mistral":
+        return (window,) * n
+    types = hf.get("layer_types")
+    if types is None:  # Qwen2Config.__post_init__'s default
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(n)]
+    if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{cfg.architecture}: layer_types {types} is not supported (one of "
+                         "full_attention / sliding_attention per layer)")
+    if window is None and "sliding_attention" in types:
+        raise ValueError(f"{cfg.architecture}: layer_types lists sliding_attention layers but no "
+                         "sliding_window applies (use_sliding_window false or no window): HF "
+                         "refuses to build their mask, so this config is refused too")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _fused_ops(x: torch.Tensor):
@@ -183,12 +211,15 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def check_supported(cfg: ModelConfig, context_len: int) -> None:
-        window = registry.sliding_window(cfg)
-        if window is not None and window < context_len:
-            raise ValueError(
-                f"{cfg.architecture} with sliding_window={window} is not supported yet: positions "
-                f"past the window would attend to tokens the model never sees. Pass "
-                f"--context-length {window} (or less) to run it exactly within one window")
+        layer_windows(cfg)  # raises on layer types it cannot run
+
+    @staticmethod
+    def attention_spec(cfg: ModelConfig) -> AttentionSpec:
+        """Scale head_dim**-0.5; Mistral / Qwen2 sliding windows per layer (every attention
+        backend runs them: keys outside (p - window, p] are skipped, the KV is all kept)."""
+        windows = layer_windows(cfg)
+        return AttentionSpec(scale=cfg.head_dim ** -0.5,
+                             windows=windows if any(w is not None for w in windows) else ())
 
     def to_empty(self, *, device, recurse: bool = True) -> "LlamaForCausalLM":
         """nn.Module.to_empty, allocating with torch.empty(shape): torch's own calls empty_like

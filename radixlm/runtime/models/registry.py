@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "radixlm.runtime.models.llama:LlamaForCausalLM",
+    "Gemma2ForCausalLM": "radixlm.runtime.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "radixlm.runtime.models.gemma:Gemma3ForCausalLM",
     "Qwen3ForCausalLM": "radixlm.runtime.models.qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "radixlm.runtime.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "radixlm.runtime.models.moe:MixtralForCausalLM",
