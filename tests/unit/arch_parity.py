@@ -52,8 +52,8 @@ def make_engine(path: str, **kw):
     import radixlm
 
     kw.setdefault("context_length", CONTEXT)
-    return radixlm.Engine(model_path=path, dtype="float32", skip_tokenizer_init=True,
-                          max_total_tokens=4096, **kw)
+    kw.setdefault("dtype", "float32")
+    return radixlm.Engine(model_path=path, skip_tokenizer_init=True, max_total_tokens=4096, **kw)
 
 
 def generate(eng, prompt_ids, max_new: int = MAX_NEW) -> list[dict]:

@@ -190,7 +190,7 @@ class MixtralForCausalLM(MoeWeights, LlamaForCausalLM):
 
 def _qwen3_moe_experts(hf: dict) -> int:
     # HF 5 writes `num_local_experts` (attribute_map of num_experts); Qwen's configs say num_experts
-    return hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
+    return hf.get("num_experts") or hf.get("num_local_experts") or 0
 
 
 class Qwen3MoeForCausalLM(MoeWeights, Qwen3ForCausalLM):
