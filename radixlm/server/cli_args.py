@@ -14,7 +14,8 @@ _HELP = {
     "load_format": "auto | safetensors | gguf | dummy (random weights from config.json)",
     "dtype": "auto (bfloat16) | float32 | bfloat16 | float16",
     "max_total_tokens": "KV pool capacity in tokens (default: from memory)",
-    "chunked_prefill_size": "max prompt tokens computed per step (<= 0: no chunking)",
+    "chunked_prefill_size": "max prompt tokens computed per step (<= 0: no chunking; default: "
+                            "2048 on the CPU, 4096-8192 on GPUs with 35-60+ GiB)",
     "schedule_policy": "lpm | dfs-weight | fcfs",
     "max_queued_requests": "requests beyond max_running_requests + this get 503",
     "api_key": "require 'Authorization: Bearer KEY' (or x-api-key) on every endpoint but /health",

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.attention.shared_prefix import PrefixGrouper
+from radixlm.runtime.config import resolve_chunked_prefill_size
 from radixlm.runtime.constrained.grammar import GrammarCompilerPool, MaskBuffer, constraint_of
 from radixlm.runtime.mem_cache.radix_cache import RadixCache
 from radixlm.runtime.request import Finish, FinishReason, Req
@@ -43,6 +44,8 @@ class Scheduler(TokenProcessing):
         self.device = runner.device
         self.vocab_size = runner.model_config.vocab_size
         self.context_len = runner.context_len
+        self.chunked_prefill_size = resolve_chunked_prefill_size(args.chunked_prefill_size,
+                                                                 runner.device)
         self.allocator = runner.allocator
         self.req_pool = runner.req_to_token_pool
         self.tree_cache = RadixCache(self.allocator, self.req_pool, disable=args.disable_radix_cache)
@@ -186,7 +189,7 @@ class Scheduler(TokenProcessing):
         if len(self.running) >= self.args.max_running_requests and self.chunked is None:
             return []
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.args.chunked_prefill_size)
+                             self.args.max_prefill_tokens, self.chunked_prefill_size)
         if self.chunked is not None:
             if adder.add_chunked(self.chunked) != AddResult.ADDED:
                 return []
