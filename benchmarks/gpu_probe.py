@@ -3,6 +3,7 @@
     python benchmarks/gpu_probe.py attn            # extend attention (Triton) vs torch SDPA, same shapes
     python benchmarks/gpu_probe.py gemv            # batch-1..8 linear layers vs the copy bandwidth
     python benchmarks/gpu_probe.py steps           # shared-prefix workload: profile chosen steps
+    python benchmarks/gpu_probe.py dattn           # decode attention configs at serving batches
 
 `steps` runs the suite's shared-prefix workload (32 groups x 16 x (2048 shared + 64 own), 64 out)
 with the overlap schedule off and profiles, with torch.profiler, the extend steps and decode steps
@@ -138,6 +139,52 @@ def probe_gemv(args) -> None:
         print(json.dumps(row), flush=True)
 
 
+def probe_decode_attn(args) -> None:
+    """Decode attention at serving batch sizes: (B rows x L keys, Hq 32 / Hkv 8 / D 128, bf16,
+    slots a random permutation of the pool) per stage-1 config and split count, against the
+    K/V bytes read at copy bandwidth."""
+    from radixlm.runtime.attention.triton_decode import decode_attention, scratch_numel
+    dev, dt, hq, hkv, d = "cuda", torch.bfloat16, 32, 8, 128
+    src = torch.empty(1 << 30, device=dev, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_tbps = 2 * src.numel() / cuda_ms(lambda: dst.copy_(src)) / 1e9
+    src = dst = None
+    configs = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 2, 2), (64, 8, 2), (64, 4, 3),
+               (64, 4, 1), (128, 8, 2), (32, 2, 3), (128, 8, 3)]
+    for bsz, length in ((32, 600), (128, 600), (128, 2048), (256, 600)):
+        slots = bsz * length + 1
+        k_buf = torch.randn(slots, hkv, d, device=dev, dtype=dt)
+        v_buf = torch.randn(slots, hkv, d, device=dev, dtype=dt)
+        r2t = (torch.randperm(slots - 1, device=dev)[: bsz * length] + 1).view(bsz, length)
+        idx = torch.arange(bsz, device=dev)
+        lens = torch.full((bsz,), length, device=dev, dtype=torch.int64)
+        q = torch.randn(bsz, hq, d, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        ideal_us = 2 * bsz * length * hkv * d * 2 / (copy_tbps * 1e6)
+        row = {"B": bsz, "L": length, "ideal_us": round(ideal_us, 1)}
+        ref = None
+        for bn, wp, st in configs:
+            for splits in (1, 2, 4):
+                scratch = torch.empty(max(1, scratch_numel(bsz, hq, d, splits)), device=dev)
+
+                def call():
+                    return decode_attention(q, k_buf, v_buf, r2t, idx, None, lens, d ** -0.5, out,
+                                            scratch=scratch, num_splits=splits, block_n=bn,
+                                            num_warps=wp, num_stages=st)
+                try:
+                    o = call().float()
+                    ref = o.clone() if ref is None else ref
+                    err = float((o - ref).abs().max())
+                    us = cuda_ms(call, iters=20) * 1e3
+                    row[f"{bn},{wp},{st},s{splits}"] = (round(us, 1), round(err, 4))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    row[f"{bn},{wp},{st},s{splits}"] = f"failed: {type(e).__name__}"
+        ok = {c: v for c, v in row.items() if isinstance(v, tuple)}
+        best = min(ok, key=lambda c: ok[c][0])
+        row.update(default=row.get("64,4,2,s1"), best=best, best_us=ok[best][0])
+        print(json.dumps(row), flush=True)
+
+
 # ----------------------------------------------------------------------------------------- steps
 
 def _profile_call(fn, label: str):
@@ -214,7 +261,7 @@ def probe_steps(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("attn", "gemv", "steps"))
+    ap.add_argument("what", choices=("attn", "gemv", "steps", "dattn"))
     ap.add_argument("--model-path", default=os.path.join(_ROOT, "benchmarks/configs/llama-3.1-8b"))
     ap.add_argument("--tokenizer-path", default=".carry/smollm2-tokenizer")
     ap.add_argument("--engine-kw", type=json.loads, default={})
@@ -223,7 +270,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", default="5,30")
     ap.add_argument("--cprofile", action="store_true", help="steps: cProfile the whole run")
     args = ap.parse_args()
-    {"attn": probe_attn, "gemv": probe_gemv, "steps": probe_steps}[args.what](args)
+    {"attn": probe_attn, "gemv": probe_gemv, "steps": probe_steps,
+     "dattn": probe_decode_attn}[args.what](args)
 
 
 if __name__ == "__main__":
