@@ -30,3 +30,40 @@ def test_qwen2_window_counts_only_with_use_sliding_window():
     assert registry.sliding_window(_cfg(**qwen)) is None
     assert registry.sliding_window(_cfg(**qwen, use_sliding_window=True)) == 16
     assert registry.sliding_window(_cfg(sliding_window=None)) is None
+
+
+def _spec(**extra):
+    cfg = _cfg(**extra)
+    return registry.model_class(cfg, 256).attention_spec(cfg)
+
+
+def test_mistral_window_runs_on_every_layer():
+    assert _spec(sliding_window=16).windows == (16, 16)
+    assert _spec(sliding_window=None).windows == ()
+    # LlamaModel ignores a sliding_window field
+    assert _spec(architectures=["LlamaForCausalLM"], model_type="llama",
+                 sliding_window=16).windows == ()
+
+
+def test_qwen2_windows_follow_layer_types_or_max_window_layers():
+    qwen = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16,
+                num_hidden_layers=3)
+    assert _spec(**qwen).windows == ()  # use_sliding_window false
+    # a config from before transformers 5: no layer_types, layers >= max_window_layers
+    assert _spec(**qwen, use_sliding_window=True, max_window_layers=1).windows == (None, 16, 16)
+    assert _spec(**qwen, use_sliding_window=True, max_window_layers=1,
+                 layer_types=["sliding_attention", "full_attention", "full_attention"]
+                 ).windows == (16, None, None)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(layer_types=["chunked_attention", "full_attention"]), "layer_types"),
+    (dict(layer_types=["full_attention"]), "layer_types"),  # one per layer
+    # HF refuses to build the sliding mask without a window
+    (dict(layer_types=["sliding_attention", "full_attention"]), "no sliding_window applies"),
+])
+def test_qwen2_layer_types_it_cannot_run_are_refused(extra, match):
+    cfg = _cfg(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16,
+               **extra)
+    with pytest.raises(ValueError, match=match):
+        registry.model_class(cfg, 256)

@@ -5,6 +5,9 @@ Each entry maps to "module:Class"; the class takes a `ModelConfig` and follows t
 tensors, `init_dummy_weights`, `to_empty`. An architecture may also define
 `check_supported(cfg, context_len)` (a staticmethod raising ValueError) for configurations it
 cannot run exactly: a model we cannot run exactly is refused, never run approximately.
+`attention_spec(cfg)` (a staticmethod or classmethod returning attention.base.AttentionSpec) says
+what its attention computes (scale, per-layer sliding windows, logit soft-cap); without it the
+runner uses a scale of head_dim**-0.5 and plain causal attention.
 """
 
 from __future__ import annotations
