@@ -121,6 +121,8 @@ def _cfg(arch: str, **extra) -> ModelConfig:
     ("Phi3ForCausalLM", dict(rope_scaling=LONGROPE, original_max_position_embeddings=256), 257,
      "original_max_position_embeddings=256"),
     ("Phi3ForCausalLM", dict(sliding_window=2047), 4096, "sliding_window=2047"),
+    ("Phi3ForCausalLM", dict(rope_scaling={**LONGROPE, "short_factor": [1.0] * 3},
+                             original_max_position_embeddings=256), 256, "short_factor has 3"),
     ("Phi3ForCausalLM", dict(partial_rotary_factor=0.2), 256, "partial_rotary_factor"),
     ("Phi3ForCausalLM", dict(rope_scaling={"type": "dynamic", "factor": 2.0}), 256,
      "rope_type='dynamic'"),

@@ -174,23 +174,31 @@ def _check_moe(cfg: ModelConfig, context_len: int, n_experts: int, top_k: int) -
                          f"1..{n_experts} (the number of experts)")
 
 
+def _mixtral_experts(hf: dict) -> tuple[int, int]:
+    """(experts, top-k), MixtralConfig's defaults (8, 2) where absent."""
+    return hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
+
+
 class MixtralForCausalLM(MoeWeights, LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         hf = cfg.hf
         for layer in self.layers:  # built on the meta device: swapping is free
             layer.mlp = SparseMoeBlock(cfg.hidden_size, cfg.intermediate_size,
-                                       hf["num_local_experts"], hf["num_experts_per_tok"],
-                                       renormalize=True, weights_in_model_dtype=False)
+                                       *_mixtral_experts(hf), renormalize=True,
+                                       weights_in_model_dtype=False)
 
     @staticmethod
     def check_supported(cfg: ModelConfig, context_len: int) -> None:
-        _check_moe(cfg, context_len, cfg.hf["num_local_experts"], cfg.hf["num_experts_per_tok"])
+        _check_moe(cfg, context_len, *_mixtral_experts(cfg.hf))
 
 
 def _qwen3_moe_experts(hf: dict) -> int:
     # HF 5 writes `num_local_experts` (attribute_map of num_experts); Qwen's configs say num_experts
-    return hf.get("num_experts") or hf.get("num_local_experts") or 0
+    for key in ("num_experts", "num_local_experts"):
+        if hf.get(key) is not None:
+            return hf[key]
+    return 128  # Qwen3MoeConfig's default
 
 
 class Qwen3MoeForCausalLM(MoeWeights, Qwen3ForCausalLM):
@@ -201,8 +209,8 @@ class Qwen3MoeForCausalLM(MoeWeights, Qwen3ForCausalLM):
         dense = set(hf.get("mlp_only_layers") or ())
         for i, layer in enumerate(self.layers):
             if i not in dense and n > 0 and (i + 1) % step == 0:
-                layer.mlp = SparseMoeBlock(cfg.hidden_size, hf["moe_intermediate_size"], n,
-                                           hf["num_experts_per_tok"],
+                layer.mlp = SparseMoeBlock(cfg.hidden_size, hf.get("moe_intermediate_size", 768),
+                                           n, hf.get("num_experts_per_tok", 8),
                                            renormalize=bool(hf.get("norm_topk_prob", False)),
                                            weights_in_model_dtype=True)
 
@@ -211,4 +219,4 @@ class Qwen3MoeForCausalLM(MoeWeights, Qwen3ForCausalLM):
         step = cfg.hf.get("decoder_sparse_step", 1)
         if not isinstance(step, int) or step < 1:
             raise ValueError(f"Qwen3MoeForCausalLM: decoder_sparse_step={step!r} must be >= 1")
-        _check_moe(cfg, context_len, _qwen3_moe_experts(cfg.hf), cfg.hf.get("num_experts_per_tok", 0))
+        _check_moe(cfg, context_len, _qwen3_moe_experts(cfg.hf), cfg.hf.get("num_experts_per_tok", 8))

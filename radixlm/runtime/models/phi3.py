@@ -76,7 +76,8 @@ class Phi3Rope:
         att = rope.get("attention_factor")
         if att is None:
             att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-        return Phi3Rope(kind, theta, rotary_dim, orig, tuple(rope["short_factor"]), float(att))
+        return Phi3Rope(kind, theta, rotary_dim, orig, tuple(rope.get("short_factor") or ()),
+                        float(att))
 
 
 class Phi3RotaryEmbedding(RotaryEmbedding):
@@ -138,6 +139,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"Phi3ForCausalLM: partial_rotary_factor gives rotary_dim="
                              f"{rope.rotary_dim} for head_dim={cfg.head_dim}; need an even "
                              "number in (0, head_dim]")
+        if rope.kind == "longrope" and len(rope.short_factor) != rope.rotary_dim // 2:
+            raise ValueError(f"Phi3ForCausalLM: rope short_factor has {len(rope.short_factor)} "
+                             f"entries, rotary_dim {rope.rotary_dim} needs {rope.rotary_dim // 2}")
         if rope.kind == "longrope" and context_len > rope.original_max:
             raise ValueError(
                 f"Phi3ForCausalLM with LongRoPE: context length {context_len} > "
