@@ -168,7 +168,8 @@ def test_bf16_cpu_fp32_gemm_path_converts_the_dense_layers_only(case):
             assert converted == (setting == "on")
             o = eng.generate(input_ids=prompts[4], sampling_params={"max_new_tokens": 0},
                              return_logprob=True, logprob_start_len=0)
-            lps[setting] = torch.tensor([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]])
+            got = o["meta_info"]["input_token_logprobs"][1:]
+            lps[setting] = torch.tensor([lp for lp, _, _ in got])
             eng.wait_idle()
             eng.check_integrity()
         finally:
@@ -190,7 +191,8 @@ def _cfg(arch: str, **extra) -> ModelConfig:
     ("MixtralForCausalLM", dict(sliding_window=100), "sliding_window=100"),
     ("MixtralForCausalLM", dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
     ("MixtralForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True, sliding_window=128), "sliding_window=128"),
+    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True, sliding_window=128),
+     "sliding_window=128"),
     ("Qwen3MoeForCausalLM", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
     ("Qwen3MoeForCausalLM", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
      "rope_type='yarn'"),

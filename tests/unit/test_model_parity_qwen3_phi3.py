@@ -134,7 +134,8 @@ def test_refused_configs_name_the_field(arch, extra, ctx, match):
 
 @pytest.mark.parametrize("arch,extra,ctx", [
     # Qwen3's window exists but every layer is below max_window_layers: full attention in HF
-    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=2), 256),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),
+     256),
     ("Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=64), 256),
     ("Phi3ForCausalLM", dict(rope_scaling=LONGROPE, original_max_position_embeddings=256), 256),
     ("Phi3ForCausalLM", dict(sliding_window=2047), 2047),

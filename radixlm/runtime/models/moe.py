@@ -219,4 +219,5 @@ class Qwen3MoeForCausalLM(MoeWeights, Qwen3ForCausalLM):
         step = cfg.hf.get("decoder_sparse_step", 1)
         if not isinstance(step, int) or step < 1:
             raise ValueError(f"Qwen3MoeForCausalLM: decoder_sparse_step={step!r} must be >= 1")
-        _check_moe(cfg, context_len, _qwen3_moe_experts(cfg.hf), cfg.hf.get("num_experts_per_tok", 8))
+        _check_moe(cfg, context_len, _qwen3_moe_experts(cfg.hf),
+                   cfg.hf.get("num_experts_per_tok", 8))

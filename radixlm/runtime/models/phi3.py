@@ -85,7 +85,8 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
     attention factor (1 without LongRoPE)."""
 
     def __init__(self, rope: Phi3Rope, max_positions: int):
-        super().__init__(rope.rotary_dim, max_positions, rope.theta, scaling=dataclasses.asdict(rope))
+        super().__init__(rope.rotary_dim, max_positions, rope.theta,
+                         scaling=dataclasses.asdict(rope))
 
     def _cpu_tables(self):
         dim, p = self.head_dim, self.scaling
@@ -157,7 +158,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def _split_fused(self, weights):
         """qkv_proj -> q_proj/k_proj/v_proj and gate_up_proj -> gate_proj/up_proj (row views)."""
         cfg = self.cfg
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
         pieces = {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
                   "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter))}
         for name, t in weights:
