@@ -137,3 +137,29 @@ def test_refused_configs(extra, match):
     cfg = ModelConfig.from_hf({**_legacy("gemma3_text"), "num_hidden_layers": 4, **extra})
     with pytest.raises(ValueError, match=match):
         registry.model_class(cfg, 256)
+
+
+@pytest.mark.parametrize("hf_cls, model_type", [(tf.Gemma2Config, "gemma2"),
+                                                (tf.Gemma3TextConfig, "gemma3_text")])
+def test_omitted_fields_take_hf_defaults(hf_cls, model_type):
+    """Older hub configs omit fields whose HF default is not the generic one (tie_word_embeddings
+    True, Gemma 2's soft-caps 50 / 30, query_pre_attn_scalar 256, window 4096)."""
+    omit = ("query_pre_attn_scalar", "sliding_window", "tie_word_embeddings",
+            "attn_logit_softcapping", "final_logit_softcapping")
+    legacy = {k: v for k, v in _legacy(model_type).items() if k not in omit}
+    legacy["head_dim"] = 256
+    hf = hf_cls(**{k: v for k, v in legacy.items() if k not in ("model_type", "architectures")})
+    cfg = ModelConfig.from_hf(legacy)
+    cls = registry.model_class(cfg, 256)
+    spec = cls.attention_spec(cfg)
+    assert spec.scale == hf.query_pre_attn_scalar ** -0.5
+    assert spec.windows[0] == hf.sliding_window == 4096
+    assert spec.logit_softcap == (hf.attn_logit_softcapping if model_type == "gemma2" else None)
+    with torch.device("meta"):
+        model = cls(cfg)
+    assert model.final_softcap == hf.final_logit_softcapping
+    assert hf.tie_word_embeddings is True and model.lm_head is None
+    # no head_dim, and HF's 256 is not hidden / heads: refused, not loaded with other shapes
+    with pytest.raises(ValueError, match="no head_dim"):
+        registry.model_class(ModelConfig.from_hf({k: v for k, v in legacy.items()
+                                                  if k != "head_dim"}), 256)

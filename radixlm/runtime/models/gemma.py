@@ -33,6 +33,21 @@ from radixlm.runtime.models.llama import Embedding, Linear, LlamaForCausalLM
 
 ROPE_TYPES = (None, "default", "linear", "llama3")  # what layers/rotary.RotaryEmbedding computes
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Gemma2Config / Gemma3TextConfig defaults of the fields read here: HF uses them when config.json
+# omits the field (hub configs written by older transformers often omit tie_word_embeddings)
+_DEFAULTS = {
+    "gemma2": dict(query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, tie_word_embeddings=True, head_dim=256),
+    "gemma3_text": dict(query_pre_attn_scalar=256, sliding_window=4096,
+                        attn_logit_softcapping=None, final_logit_softcapping=None,
+                        tie_word_embeddings=True, head_dim=256),
+}
+
+
+def field(cfg: ModelConfig, name: str):
+    """The config's `name`, or the HF config class's default when config.json omits it (a field
+    written as null stays None, as in HF)."""
+    return cfg.hf.get(name, _DEFAULTS.get(cfg.hf.get("model_type"), _DEFAULTS["gemma3_text"])[name])
 
 
 def layer_types(cfg: ModelConfig) -> list[str]:
@@ -178,11 +193,11 @@ class Gemma2ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, self.QK_NORM)
                                     for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if field(cfg, "tie_word_embeddings") else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = _Ropes(cfg)
         self.sliding = tuple(t == "sliding_attention" for t in layer_types(cfg))
-        self.final_softcap: Optional[float] = cfg.hf.get("final_logit_softcapping")
+        self.final_softcap: Optional[float] = field(cfg, "final_logit_softcapping")
         self._normalizers: dict[torch.dtype, float] = {}
 
     @classmethod
@@ -192,24 +207,26 @@ class Gemma2ForCausalLM(nn.Module):
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"{cfg.architecture} with hidden_activation={act!r} is not supported "
                              "(the MLP computes gelu_pytorch_tanh(gate) * up)")
+        if field(cfg, "head_dim") != cfg.head_dim:  # ModelConfig's fallback is hidden // heads
+            raise ValueError(f"{cfg.architecture}: config.json has no head_dim, and HF's default "
+                             f"(256) differs from hidden_size / heads ({cfg.head_dim})")
         if hf.get("use_bidirectional_attention"):
             raise ValueError(f"{cfg.architecture} with use_bidirectional_attention is not "
                              "supported (causal attention only)")
         types = layer_types(cfg)
         if len(types) != cfg.num_layers or set(types) - set(LAYER_TYPES):
             raise ValueError(f"{cfg.architecture}: layer_types {types} is not supported")
-        if "sliding_attention" in types and not hf.get("sliding_window"):
+        if "sliding_attention" in types and not field(cfg, "sliding_window"):
             raise ValueError(f"{cfg.architecture}: sliding_attention layers without a "
                              "sliding_window")
         rope_params(cfg)  # raises on rope types rotary.py does not compute
 
     @classmethod
     def attention_spec(cls, cfg: ModelConfig) -> AttentionSpec:
-        hf = cfg.hf
-        window = hf.get("sliding_window")
+        window = field(cfg, "sliding_window")
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types(cfg))
-        cap = hf.get("attn_logit_softcapping") if cls.ATTN_SOFTCAP else None
-        return AttentionSpec(scale=float(hf.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5,
+        cap = field(cfg, "attn_logit_softcapping") if cls.ATTN_SOFTCAP else None
+        return AttentionSpec(scale=float(field(cfg, "query_pre_attn_scalar")) ** -0.5,
                              windows=windows if any(windows) else (), logit_softcap=cap or None)
 
     def _normalizer(self, dtype: torch.dtype) -> float:
