@@ -30,6 +30,40 @@ def check_gemv(device, shapes, dtypes=(torch.bfloat16, torch.float16), configs=(
                     assert bool((err <= tol).all()), (n, k, dtype, cfg, float(err.max()))
 
 
+def check_gate_up_silu(device, shapes, dtypes=(torch.bfloat16, torch.float16), configs=(None,)):
+    """The fused gate_up + SiLU-and-mul GEMV against the plain GEMV followed by SiLU-and-mul in
+    torch with the same roundings: equal up to the GEMV's summation order (the tile layouts
+    differ), i.e. within an output ulp or two."""
+    from radixlm.runtime.layers import triton_gemv
+
+    gen = torch.Generator().manual_seed(1)
+    for n2, k in shapes:
+        for dtype in dtypes:
+            x = torch.randn(1, k, generator=gen).to(device, dtype)
+            w = (torch.randn(n2, k, generator=gen) / k ** 0.5 * 3).to(device, dtype)
+            for cfg in configs:
+                if cfg is None:  # the dispatch: taken on CUDA for tuned shapes, never on the CPU
+                    y = triton_gemv.gate_up_silu(x, w)
+                    if device == "cpu":
+                        assert y is None
+                        continue
+                else:
+                    y = triton_gemv.gemv_silu(x, w, cfg)
+                plain = None if cfg is None else (cfg[0] * 2, *cfg[1:])
+                gu = triton_gemv.gemv(x, w, config=plain).float()
+                g, u = gu[:, : n2 // 2], gu[:, n2 // 2:]
+                ref = ((g / (1 + torch.exp(-g))).to(dtype).float() * u).to(dtype)
+                assert y.shape == (1, n2 // 2) and y.dtype == dtype
+                ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+                torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * ulp)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gate_up_silu_cuda():
+    check_gate_up_silu("cuda", [(28672, 4096), (2 * 2000, 4096)],
+                       configs=(None, (2, 1024, 8, 3), (8, 256, 4, 3)))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gemv_llama_shapes_cuda():
     check_gemv("cuda", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1000, 4100)],

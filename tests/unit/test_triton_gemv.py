@@ -31,6 +31,11 @@ def test_gemv_matches_reference_interpreted():
                        configs=(None, (16, 32, 4, 2), (4, 64, 2, 3)))
 
 
+def test_gate_up_silu_interpreted():
+    _checks.check_gate_up_silu("cpu", [(2 * 37, 96), (2 * 5, 1030)], dtypes=(torch.float16,),
+                               configs=(None, (16, 32, 4, 2), (2, 64, 2, 3)))
+
+
 def test_gemv_is_cuda_only():
     w = torch.randn(8, 16, dtype=torch.bfloat16)
     assert not triton_gemv.supports(torch.randn(1, 16, dtype=torch.bfloat16), w)

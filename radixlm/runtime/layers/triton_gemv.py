@@ -50,6 +50,40 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_w,
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit
+def _gemv_silu_kernel(X, W, Y, N, K, stride_w,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      NUM_STAGES: tl.constexpr):
+    # W (2N, K) = [gate | up]: program p streams gate rows and the matching up rows
+    # [p * BLOCK_N, +BLOCK_N) and writes silu(gate) * up for them (the SiLU-and-mul epilogue)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = rows < N
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = W + rows.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # (BLOCK_N, BLOCK_K)
+    u_ptrs = g_ptrs + N.to(tl.int64) * stride_w
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            x = tl.load(X + k0 + offs_k).to(tl.float32)[None, :]
+            wg = tl.load(g_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            wu = tl.load(u_ptrs + k0, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = k0 + offs_k < K
+            x = tl.load(X + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            wg = tl.load(g_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wu = tl.load(u_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g += wg.to(tl.float32) * x
+        acc_u += wu.to(tl.float32) * x
+    # the roundings of the unfused path: gate_up output in the storage dtype, silu(gate) rounded
+    # (torch's F.silu), the product rounded (layers/triton_ops._silu_mul_kernel does the same)
+    g = tl.sum(acc_g, axis=1).to(Y.dtype.element_ty).to(tl.float32)
+    u = tl.sum(acc_u, axis=1).to(Y.dtype.element_ty).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + rows, (s * u).to(Y.dtype.element_ty), mask=row_ok)
+
+
 def tuned_config(n: int, k: int) -> Optional[tuple[int, int, int, int]]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an (N, K) weight, or None where cuBLAS is as
     fast or the shape was never measured. From a sweep on an H100 (benchmarks/gpu_probe.py gemv,
@@ -105,4 +139,41 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         x, weight, bias if bias is not None else x, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         NUM_STAGES=stages, num_warps=warps)
+    return y
+
+
+def silu_config(n2: int, k: int) -> Optional[tuple[int, int, int, int]]:
+    """Config of the fused gate_up + SiLU-and-mul GEMV for a (2I, K) weight, or None where the
+    plain gate_up GEMV is not tuned either. BLOCK_N counts rows of each half, so a program streams
+    as many bytes per step as the tuned plain GEMV of the same weight."""
+    cfg = tuned_config(n2, k)
+    if cfg is None or n2 % 2 or cfg[0] < 2:
+        return None
+    return cfg[0] // 2, cfg[1], cfg[2], cfg[3]
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor,
+                 config: Optional[tuple[int, int, int, int]] = None) -> Optional[torch.Tensor]:
+    """silu(x @ W_gate^T) * (x @ W_up^T) for one row, W = [gate | up] (2I, K) -> (1, I): the
+    gate_up GEMV with the SiLU-and-mul in its epilogue (one launch, no (1, 2I) intermediate).
+    The roundings of gemv() then triton_ops.silu_and_mul (sums may differ in order). None when this call is not taken (more
+    than one row, not CUDA, an untuned shape): the caller runs the unfused ops."""
+    if not supports(x, weight) or weight.shape[0] % 2:
+        return None
+    cfg = config or silu_config(weight.shape[0], weight.shape[1])
+    return None if cfg is None else gemv_silu(x, weight, cfg)
+
+
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor,
+              cfg: tuple[int, int, int, int]) -> torch.Tensor:
+    """The fused kernel itself: x (1, K), weight (2I, K) contiguous rows -> (1, I)."""
+    n = weight.shape[0] // 2
+    k = x.shape[1]
+    assert x.shape[0] == 1 and weight.shape[1] == k and weight.shape[0] % 2 == 0
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = cfg
+    _gemv_silu_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, NUM_STAGES=stages, num_warps=warps)
     return y

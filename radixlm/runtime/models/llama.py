@@ -165,6 +165,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemv = _gemv(x)
+        if gemv is not None:  # batch-1 decode: the SiLU-and-mul runs in the GEMV's epilogue
+            h = gemv.gate_up_silu(x, self.gate_up_proj.weight)
+            if h is not None:
+                return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
         ops = _fused_ops(gate_up)
         if ops is not None:
