@@ -40,6 +40,9 @@ def _spec(**extra):
 def test_mistral_window_runs_on_every_layer():
     assert _spec(sliding_window=16).windows == (16, 16)
     assert _spec(sliding_window=None).windows == ()
+    # config.json without the field: MistralConfig's default window (4096) applies
+    cfg = ModelConfig.from_hf({k: v for k, v in _cfg().hf.items() if k != "sliding_window"})
+    assert registry.model_class(cfg, 8192).attention_spec(cfg).windows == (4096, 4096)
     # LlamaModel ignores a sliding_window field
     assert _spec(architectures=["LlamaForCausalLM"], model_type="llama",
                  sliding_window=16).windows == ()

@@ -19,7 +19,6 @@ from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
-from radixlm.runtime.models import registry
 
 
 def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
@@ -27,13 +26,15 @@ def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
     Mistral: `sliding_window` on every layer (MistralModel builds one sliding mask for all layers
     and ignores `layer_types`). Qwen2: only with `use_sliding_window`, on the layers `layer_types`
     marks "sliding_attention" (config.json has them since transformers 5; older configs: the
-    layers >= `max_window_layers`). Llama: none (LlamaModel ignores a `sliding_window` field)."""
+    layers >= `max_window_layers`). Llama: none (LlamaModel ignores a `sliding_window` field).
+    A config.json without `sliding_window` gets MistralConfig's / Qwen2Config's default, 4096."""
     hf, n = cfg.hf, cfg.num_layers
-    window = registry.sliding_window(cfg)
-    if hf.get("model_type") not in ("mistral", "qwen2"):
+    model_type = hf.get("model_type")
+    if model_type == "mistral":
+        return (hf.get("sliding_window", 4096),) * n
+    if model_type != "qwen2":
         return (None,) * n
-    if hf["model_type"] == "mistral":
-        return (window,) * n
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
     types = hf.get("layer_types")
     if types is None:  # Qwen2Config.__post_init__'s default
         first = hf.get("max_window_layers", 28)
