@@ -188,11 +188,8 @@ def _cfg(arch: str, **extra) -> ModelConfig:
 
 
 @pytest.mark.parametrize("arch,extra,match", [
-    ("MixtralForCausalLM", dict(sliding_window=100), "sliding_window=100"),
     ("MixtralForCausalLM", dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
     ("MixtralForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True, sliding_window=128),
-     "sliding_window=128"),
     ("Qwen3MoeForCausalLM", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
     ("Qwen3MoeForCausalLM", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
      "rope_type='yarn'"),
@@ -203,9 +200,13 @@ def test_refused_configs_name_the_field(arch, extra, match):
 
 
 def test_accepted_configs():
-    # a window at least the context is full attention; Qwen3-MoE's window needs use_sliding_window
-    assert registry.model_class(_cfg("MixtralForCausalLM", sliding_window=ap.CONTEXT), ap.CONTEXT)
-    assert registry.model_class(_cfg("Qwen3MoeForCausalLM", sliding_window=16), ap.CONTEXT)
+    # every layer windowed; Qwen3-MoE's window only with use_sliding_window
+    for arch, extra, windows in [
+            ("MixtralForCausalLM", dict(sliding_window=100), (100,) * 3),
+            ("Qwen3MoeForCausalLM", dict(sliding_window=16), ()),
+            ("Qwen3MoeForCausalLM", dict(sliding_window=16, use_sliding_window=True), (16,) * 3)]:
+        cfg = _cfg(arch, **extra)
+        assert registry.model_class(cfg, ap.CONTEXT).attention_spec(cfg).windows == windows
     # HF 5 writes num_local_experts for Qwen3-MoE (attribute_map of num_experts)
     hf = {**_cfg("Qwen3MoeForCausalLM").hf, "num_local_experts": 4}
     del hf["num_experts"]

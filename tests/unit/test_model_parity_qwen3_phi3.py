@@ -113,14 +113,16 @@ def _cfg(arch: str, **extra) -> ModelConfig:
 
 
 @pytest.mark.parametrize("arch,extra,ctx,match", [
-    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1),
-     256, "sliding_window=64"),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=64,
+                              layer_types=["full_attention", "sliding_attention"]),
+     256, "no sliding_window applies"),
+    ("Qwen3ForCausalLM", dict(layer_types=["full_attention", "chunked_attention"]), 256,
+     "layer_types"),
     ("Qwen3ForCausalLM", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), 256,
      "rope_type='yarn'"),
     ("Qwen3ForCausalLM", dict(hidden_act="gelu"), 256, "hidden_act='gelu'"),
     ("Phi3ForCausalLM", dict(rope_scaling=LONGROPE, original_max_position_embeddings=256), 257,
      "original_max_position_embeddings=256"),
-    ("Phi3ForCausalLM", dict(sliding_window=2047), 4096, "sliding_window=2047"),
     ("Phi3ForCausalLM", dict(rope_scaling={**LONGROPE, "short_factor": [1.0] * 3},
                              original_max_position_embeddings=256), 256, "short_factor has 3"),
     ("Phi3ForCausalLM", dict(partial_rotary_factor=0.2), 256, "partial_rotary_factor"),
@@ -138,10 +140,26 @@ def test_refused_configs_name_the_field(arch, extra, ctx, match):
      256),
     ("Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=64), 256),
     ("Phi3ForCausalLM", dict(rope_scaling=LONGROPE, original_max_position_embeddings=256), 256),
-    ("Phi3ForCausalLM", dict(sliding_window=2047), 2047),
+    ("Phi3ForCausalLM", dict(sliding_window=2047), 4096),
 ])
 def test_accepted_configs(arch, extra, ctx):
     assert registry.model_class(_cfg(arch, **extra), ctx).__name__ == arch
+
+
+@pytest.mark.parametrize("arch,extra,windows", [
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1),
+     (None, 64)),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=2), ()),
+    ("Qwen3ForCausalLM", dict(sliding_window=64), ()),  # no use_sliding_window: HF drops it
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64,
+                              layer_types=["sliding_attention", "full_attention"]), (64, None)),
+    ("Phi3ForCausalLM", dict(sliding_window=2047), (2047, 2047)),
+    ("Phi3ForCausalLM", dict(sliding_window=None), ()),
+])
+def test_attention_spec_windows(arch, extra, windows):
+    cfg = _cfg(arch, **extra)
+    spec = registry.model_class(cfg, 4096).attention_spec(cfg)
+    assert spec.windows == windows and spec.scale == cfg.head_dim ** -0.5
 
 
 def test_engine_refuses_longrope_past_the_original_context(tmp_path):

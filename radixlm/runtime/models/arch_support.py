@@ -1,4 +1,5 @@
-"""Shared refusals for the architectures built on llama.py (Qwen3, Phi-3, Mixtral, Qwen3-MoE).
+"""What the architectures built on llama.py (Qwen3, Phi-3, Mixtral, Qwen3-MoE) share beyond it:
+their sliding windows (`attention_spec`) and their refusals.
 
 Each `check_supported` raises ValueError naming the config field it cannot run exactly, so a
 model is refused at start-up instead of served with wrong numbers.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
 
 # rope types layers/rotary.RotaryEmbedding computes (frequencies only, no cos/sin scaling)
@@ -29,30 +31,37 @@ def require_plain_rope(cfg: ModelConfig) -> None:
                          f"{kind!r} is not supported (supported: default, linear, llama3)")
 
 
-def refuse_window(cfg: ModelConfig, window: Optional[int], context_len: int) -> None:
-    """HF masks keys with `kv_idx > q_idx - window`; positions stay below context_len, so a window
-    of at least context_len is full attention (exact here) and a shorter one is refused."""
-    if window is not None and window < context_len:
-        raise ValueError(
-            f"{cfg.architecture} with sliding_window={window} is not supported yet: positions "
-            f"past the window would attend to tokens the model never sees. Pass "
-            f"--context-length {window} (or less) to run it exactly within one window")
-
-
-def used_window(cfg: ModelConfig) -> Optional[int]:
-    """The window HF applies to some layer of this config, None for full attention everywhere.
-    Qwen3 / Qwen3-MoE keep `sliding_window` only with `use_sliding_window` (their configs'
-    __post_init__ drop it otherwise); Qwen3 then windows only the layers whose `layer_types`
-    entry is "sliding_attention" (default: layers >= max_window_layers)."""
-    hf = cfg.hf
-    window = hf.get("sliding_window")
+def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
+    """Each layer's sliding window as HF 5.23 applies it (None: full attention).
+    Phi-3 and Mixtral: `sliding_window` on every layer (their models build one sliding mask).
+    Qwen3-MoE: on every layer, only with `use_sliding_window` (its config drops the window
+    otherwise). Qwen3: only with `use_sliding_window`, on the layers `layer_types` marks
+    "sliding_attention" (older configs: the layers >= `max_window_layers`), as Qwen2."""
+    hf, n = cfg.hf, cfg.num_layers
     mt = hf.get("model_type")
+    window = hf.get("sliding_window")
     if mt in ("qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
-        return None
-    if mt == "qwen3" and window is not None:
-        types = hf.get("layer_types") or [
-            "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
-            for i in range(cfg.num_layers)]
-        if "sliding_attention" not in types:
-            return None
-    return window
+        window = None
+    if mt != "qwen3":
+        return (window,) * n
+    types = hf.get("layer_types")
+    if types is None:  # Qwen3Config.__post_init__'s default
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(n)]
+    if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{cfg.architecture}: layer_types {types} is not supported (one of "
+                         "full_attention / sliding_attention per layer)")
+    if window is None and "sliding_attention" in types:
+        raise ValueError(f"{cfg.architecture}: layer_types lists sliding_attention layers but no "
+                         "sliding_window applies (use_sliding_window false or no window): HF "
+                         "cannot build their mask, so this config is refused too")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def attention_spec(cfg: ModelConfig) -> AttentionSpec:
+    """Scale head_dim**-0.5 and the per-layer windows above (every attention backend runs them:
+    a query at position p reads the keys in (p - window, p], HF's `kv_idx > q_idx - window`)."""
+    windows = layer_windows(cfg)
+    return AttentionSpec(scale=cfg.head_dim ** -0.5,
+                         windows=windows if any(w is not None for w in windows) else ())

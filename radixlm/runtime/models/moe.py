@@ -11,6 +11,8 @@ Both are their dense model (llama.py / qwen3.py) with the MLP of some layers rep
 Qwen3-MoE: layer i is sparse unless i is in `mlp_only_layers` or (i + 1) % decoder_sparse_step
 != 0 (or num_experts == 0); dense layers use llama.py's MLP with `intermediate_size`; experts use
 `moe_intermediate_size`. It has no shared expert (that is Qwen2-MoE, not served here).
+Sliding windows: Mixtral's `sliding_window` and Qwen3-MoE's (with `use_sliding_window`) apply to
+every layer, as in HF (arch_support.layer_windows); Qwen3-MoE inherits Qwen3's attention_spec.
 
 Expert weights are stacked per layer, as HF 5 holds them in memory: `experts.gate_up_proj`
 (E, 2I, H) with rows [gate | up] and `experts.down_proj` (E, H, I). Checkpoints written by
@@ -168,7 +170,7 @@ class MoeWeights:
 def _check_moe(cfg: ModelConfig, context_len: int, n_experts: int, top_k: int) -> None:
     arch_support.require_silu(cfg)
     arch_support.require_plain_rope(cfg)
-    arch_support.refuse_window(cfg, arch_support.used_window(cfg), context_len)
+    arch_support.layer_windows(cfg)
     if n_experts and not 0 < top_k <= n_experts:
         raise ValueError(f"{cfg.architecture}: num_experts_per_tok={top_k} must be in "
                          f"1..{n_experts} (the number of experts)")
@@ -191,6 +193,8 @@ class MixtralForCausalLM(MoeWeights, LlamaForCausalLM):
     @staticmethod
     def check_supported(cfg: ModelConfig, context_len: int) -> None:
         _check_moe(cfg, context_len, *_mixtral_experts(cfg.hf))
+
+    attention_spec = staticmethod(arch_support.attention_spec)  # sliding window on every layer
 
 
 def _qwen3_moe_experts(hf: dict) -> int:

@@ -26,8 +26,8 @@ here stay below context_len), so with LongRoPE this runs exactly the short-facto
 `check_supported` refuses a context_length above original_max_position_embeddings (pass
 --context-length <original_max>, e.g. 4096 for Phi-3-mini-128k).
 
-Also refused: a sliding window shorter than the context (Phi-3-mini-4k sets 2047), other rope
-types, activations other than silu.
+`sliding_window` (Phi-3-mini-4k: 2047) applies to every layer, as in HF (arch_support).
+Also refused: other rope types, activations other than silu.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 f"switches to long_factor past that length and recomputes the whole KV cache, "
                 f"which a shared prefix cache cannot reproduce. Pass --context-length "
                 f"{rope.original_max} (or less) to run it exactly with short_factor")
-        arch_support.refuse_window(cfg, arch_support.used_window(cfg), context_len)
+
+    attention_spec = staticmethod(arch_support.attention_spec)  # sliding window on every layer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))

@@ -7,8 +7,9 @@ bias only with `attention_bias` (o_proj too, unlike Qwen2). Everything else is l
 
 `QKNormAttention` is shared with Qwen3-MoE (models/moe.py).
 
-Refused (check_supported): a sliding window shorter than the context, rope types other than
-default/linear/llama3 (e.g. yarn), activations other than silu.
+Sliding windows (`use_sliding_window`, per `layer_types`) run as HF applies them
+(arch_support.layer_windows). Refused (check_supported): rope types other than
+default/linear/llama3 (e.g. yarn), activations other than silu, sliding layers without a window.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def check_supported(cfg: ModelConfig, context_len: int) -> None:
         arch_support.require_silu(cfg)
         arch_support.require_plain_rope(cfg)
-        arch_support.refuse_window(cfg, arch_support.used_window(cfg), context_len)
+        arch_support.layer_windows(cfg)  # raises on layer types it cannot run
+
+    attention_spec = staticmethod(arch_support.attention_spec)  # per-layer sliding windows
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         super().init_dummy_weights(seed)
