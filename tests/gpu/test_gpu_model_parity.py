@@ -1,8 +1,8 @@
-"""On a CUDA GPU, fp32: Qwen3, Phi-3 (LongRoPE; partial rotary), Mixtral and Qwen3-MoE give HF
-transformers' greedy tokens and prompt logprobs, on the CUDA-only paths: the Triton norm / rotary
-/ SiLU kernels, the Triton attention backend, decode in CUDA graphs (the MoE experts' dense
-graph path) and eager (the grouped path). Same tiny checkpoints as tests/unit/
-test_model_parity_*.py, written on the GPU machine. Run with `pytest -m gpu tests/gpu`."""
+"""On a CUDA GPU, fp32: Qwen3, Phi-3 (LongRoPE; partial rotary), Mixtral and Qwen3-MoE, also with
+8-token sliding windows, give HF transformers' greedy tokens and prompt logprobs on the CUDA-only
+paths: the Triton norm / rotary / SiLU kernels, the Triton attention backend, decode in CUDA
+graphs (the MoE experts' dense graph path) and eager (the grouped path). Same tiny checkpoints as
+tests/unit/test_model_parity_*.py, written on the GPU machine. Run with `pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
 import arch_parity as ap  # noqa: E402
 import test_model_parity_moe as moe_cases  # noqa: E402
 import test_model_parity_qwen3_phi3 as dense_cases  # noqa: E402
+import test_model_parity_window_archs as window_cases  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-CASES = {**dense_cases.CASES, **{k: v for k, v in moe_cases.CASES.items() if k != "qwen3moe-step2"}}
+CASES = {**dense_cases.CASES, **{k: v for k, v in moe_cases.CASES.items() if k != "qwen3moe-step2"},
+         # 8-token sliding windows (Triton's windowed extend / decode kernels)
+         **{f"{k}-window8": (cls, lambda cfg=cfg: cfg(window_cases.WINDOW))
+            for k, (cls, cfg, _) in window_cases.CASES.items()}}
 VARIANTS = {
     "triton+graph": dict(attention_backend="triton", cuda_graph_max_bs=16),
     "triton eager": dict(attention_backend="triton", disable_cuda_graph=True),
