@@ -151,6 +151,8 @@ def test_accepted_configs(arch, extra, ctx):
      (None, 64)),
     ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=2), ()),
     ("Qwen3ForCausalLM", dict(sliding_window=64), ()),  # no use_sliding_window: HF drops it
+    # no sliding_window in config.json: Qwen3Config's default 4096
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, max_window_layers=0), (4096, 4096)),
     ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64,
                               layer_types=["sliding_attention", "full_attention"]), (64, None)),
     ("Phi3ForCausalLM", dict(sliding_window=2047), (2047, 2047)),

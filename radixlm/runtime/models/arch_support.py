@@ -36,12 +36,13 @@ def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
     Phi-3 and Mixtral: `sliding_window` on every layer (their models build one sliding mask).
     Qwen3-MoE: on every layer, only with `use_sliding_window` (its config drops the window
     otherwise). Qwen3: only with `use_sliding_window`, on the layers `layer_types` marks
-    "sliding_attention" (older configs: the layers >= `max_window_layers`), as Qwen2."""
+    "sliding_attention" (older configs: the layers >= `max_window_layers`), as Qwen2. A field
+    config.json omits takes the HF config class's default, as HF reads it."""
     hf, n = cfg.hf, cfg.num_layers
     mt = hf.get("model_type")
     window = hf.get("sliding_window")
-    if mt in ("qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
-        window = None
+    if mt in ("qwen3", "qwen3_moe"):  # config default 4096, applied only with use_sliding_window
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
     if mt != "qwen3":
         return (window,) * n
     types = hf.get("layer_types")
