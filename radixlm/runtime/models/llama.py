@@ -121,7 +121,10 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        # HF's Llama puts attention_bias on o_proj too; Qwen2 (attention_bias set from its model
+        # type) has biases on q/k/v only
+        self.o_proj = Linear(self.q_size, cfg.hidden_size,
+                             bias=cfg.attention_bias and cfg.hf.get("model_type") != "qwen2")
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 fb: ForwardBatch) -> torch.Tensor:
