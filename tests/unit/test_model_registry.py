@@ -25,16 +25,16 @@ def test_config_keeps_the_hf_dict_out_of_equality():
     assert a == b and a.hf["sliding_window"] == 16 and hash(a) == hash(b)
 
 
-def test_qwen2_window_counts_only_with_use_sliding_window():
-    qwen = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16)
-    assert registry.sliding_window(_cfg(**qwen)) is None
-    assert registry.sliding_window(_cfg(**qwen, use_sliding_window=True)) == 16
-    assert registry.sliding_window(_cfg(sliding_window=None)) is None
-
-
 def _spec(**extra):
     cfg = _cfg(**extra)
     return registry.model_class(cfg, 256).attention_spec(cfg)
+
+
+def test_qwen2_window_counts_only_with_use_sliding_window():
+    qwen = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=16,
+                max_window_layers=0)
+    assert _spec(**qwen).windows == ()
+    assert _spec(**qwen, use_sliding_window=True).windows == (16, 16)
 
 
 def test_mistral_window_runs_on_every_layer():

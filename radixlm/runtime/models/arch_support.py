@@ -11,6 +11,7 @@ from typing import Optional
 
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.models.llama import windows_by_layer_type
 
 # rope types layers/rotary.RotaryEmbedding computes (frequencies only, no cos/sin scaling)
 PLAIN_ROPE_TYPES = (None, "default", "linear", "llama3")
@@ -45,19 +46,7 @@ def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
         window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
     if mt != "qwen3":
         return (window,) * n
-    types = hf.get("layer_types")
-    if types is None:  # Qwen3Config.__post_init__'s default
-        first = hf.get("max_window_layers", 28)
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                 for i in range(n)]
-    if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
-        raise ValueError(f"{cfg.architecture}: layer_types {types} is not supported (one of "
-                         "full_attention / sliding_attention per layer)")
-    if window is None and "sliding_attention" in types:
-        raise ValueError(f"{cfg.architecture}: layer_types lists sliding_attention layers but no "
-                         "sliding_window applies (use_sliding_window false or no window): HF "
-                         "cannot build their mask, so this config is refused too")
-    return tuple(window if t == "sliding_attention" else None for t in types)
+    return windows_by_layer_type(cfg, window)
 
 
 def attention_spec(cfg: ModelConfig) -> AttentionSpec:

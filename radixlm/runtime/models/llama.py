@@ -35,8 +35,15 @@ def layer_windows(cfg: ModelConfig) -> tuple[Optional[int], ...]:
     if model_type != "qwen2":
         return (None,) * n
     window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    return windows_by_layer_type(cfg, window)
+
+
+def windows_by_layer_type(cfg: ModelConfig, window: Optional[int]) -> tuple[Optional[int], ...]:
+    """Qwen2 / Qwen3: `window` on the layers `layer_types` marks "sliding_attention" (configs
+    without layer_types: the layers >= `max_window_layers`, their config classes' default)."""
+    hf, n = cfg.hf, cfg.num_layers
     types = hf.get("layer_types")
-    if types is None:  # Qwen2Config.__post_init__'s default
+    if types is None:
         first = hf.get("max_window_layers", 28)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                  for i in range(n)]

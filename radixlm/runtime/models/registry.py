@@ -29,15 +29,6 @@ ARCHITECTURES = {
 }
 
 
-def sliding_window(cfg: ModelConfig):
-    """The window HF applies to this config (None: full attention). Qwen2 sets `sliding_window`
-    but uses it only with `use_sliding_window`."""
-    hf = cfg.hf
-    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
-        return None
-    return hf.get("sliding_window")
-
-
 def model_class(cfg: ModelConfig, context_len: int) -> type:
     """The class that runs `cfg`, after checking it can run it exactly up to `context_len`."""
     target = ARCHITECTURES.get(cfg.architecture)
