@@ -89,3 +89,41 @@ def check_prompt_logprobs(eng, model, prompt_ids, atol: float = 1e-3) -> None:
                                    atol=atol, rtol=0)
     eng.wait_idle()
     eng.check_integrity()
+
+
+def make_case(name: str, model_cls, config, tmp_path_factory, vocab: int):
+    """What a module-scoped `case` fixture yields: (name, checkpoint folder, HF model, prompts,
+    HF greedy outputs) for a tiny checkpoint of `model_cls(config)`."""
+    path = tmp_path_factory.mktemp(name)
+    model = save_tiny(model_cls, config, path)
+    ids = prompts(vocab)
+    return name, str(path), model, ids, hf_greedy(model, ids)
+
+
+def check_engine_matches_hf(case, backend: str, checks=None) -> None:
+    """An fp32 Engine on `backend` gives HF's greedy tokens (cold and from the radix cache) and
+    prompt logprobs; `checks(eng)` asserts what the architecture needs first."""
+    _, path, model, ids, ref = case
+    eng = make_engine(path, attention_backend=backend)
+    try:
+        assert eng.runner.attention_backend_name == ("cpu" if backend == "auto" else backend)
+        if checks is not None:
+            checks(eng)
+        check_greedy(eng, ids, ref)
+        check_prompt_logprobs(eng, model, ids)
+    finally:
+        eng.shutdown()
+
+
+# server-argument variants that must not change a token: radix cache off, prefill in chunks of 16
+VARIANTS = [dict(disable_radix_cache=True), dict(chunked_prefill_size=16)]
+VARIANT_IDS = ["radix-off", "chunked-16"]
+
+
+def check_variant_matches_hf(case, **variant) -> None:
+    _, path, _, ids, ref = case
+    eng = make_engine(path, **variant)
+    try:
+        check_greedy(eng, ids, ref)
+    finally:
+        eng.shutdown()

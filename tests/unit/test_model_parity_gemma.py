@@ -45,37 +45,25 @@ ABLATIONS = {
 def case(request, tmp_path_factory):
     """(name, checkpoint folder, HF model, prompts, HF greedy outputs)."""
     cls, config = CASES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    model = ap.save_tiny(cls, config(), path)
-    prompts = ap.prompts(VOCAB)
-    return request.param, str(path), model, prompts, ap.hf_greedy(model, prompts)
+    case = ap.make_case(request.param, cls, config(), tmp_path_factory, VOCAB)
+    return case
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])
 def test_greedy_and_prompt_logprobs_match_hf(case, backend):
-    name, path, model, prompts, ref = case
-    eng = ap.make_engine(path, attention_backend=backend)
-    try:
+    name, model = case[0], case[2]
+
+    def checks(eng):
         assert type(eng.runner.model).__name__ == model.config.architectures[0]
-        assert eng.runner.attention_backend_name == ("cpu" if backend == "auto" else backend)
         spec = eng.runner.attention_spec
         assert spec.scale == 24 ** -0.5 and spec.windows == (WINDOW, None, WINDOW, None)
         assert spec.logit_softcap == (3.0 if name == "gemma2" else None)
-        ap.check_greedy(eng, prompts, ref)
-        ap.check_prompt_logprobs(eng, model, prompts)
-    finally:
-        eng.shutdown()
+    ap.check_engine_matches_hf(case, backend, checks)
 
 
-@pytest.mark.parametrize("variant", [dict(disable_radix_cache=True), dict(chunked_prefill_size=16)],
-                         ids=["radix-off", "chunked-16"])
+@pytest.mark.parametrize("variant", ap.VARIANTS, ids=ap.VARIANT_IDS)
 def test_radix_off_and_chunked_prefill_agree(case, variant):
-    name, path, model, prompts, ref = case
-    eng = ap.make_engine(path, **variant)
-    try:
-        ap.check_greedy(eng, prompts, ref)
-    finally:
-        eng.shutdown()
+    ap.check_variant_matches_hf(case, **variant)
 
 
 def test_each_feature_changes_hf_output(case):

@@ -39,40 +39,25 @@ CASES = {
 def case(request, tmp_path_factory):
     """(name, checkpoint folder, HF model, prompts, HF greedy outputs)."""
     cls, config = CASES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    model = ap.save_tiny(cls, config(), path)
-    prompts = ap.prompts(VOCAB)
-    return request.param, str(path), model, prompts, ap.hf_greedy(model, prompts)
+    case = ap.make_case(request.param, cls, config(), tmp_path_factory, VOCAB)
+    return case
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])
 def test_greedy_and_prompt_logprobs_match_hf(case, backend):
-    name, path, model, prompts, ref = case
-    eng = ap.make_engine(path, attention_backend=backend)
-    try:
+    name, model = case[0], case[2]
+
+    def checks(eng):
         assert type(eng.runner.model).__name__ == model.config.architectures[0]
-        assert eng.runner.attention_backend_name == ("cpu" if backend == "auto" else backend)
         sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in eng.runner.model.layers]
         assert sparse == {"mixtral": [True] * 3, "qwen3moe": [True, False, True],
                           "qwen3moe-step2": [False, True, False]}[name]
-        ap.check_greedy(eng, prompts, ref)
-        ap.check_prompt_logprobs(eng, model, prompts)
-    finally:
-        eng.shutdown()
+    ap.check_engine_matches_hf(case, backend, checks)
 
 
-def test_radix_cache_on_and_off_agree(case):
-    name, path, model, prompts, ref = case
-    outs = {}
-    for off in (False, True):
-        eng = ap.make_engine(path, disable_radix_cache=off)
-        try:
-            outs[off] = [[o["output_ids"] for o in ap.generate(eng, prompts)] for _ in range(2)]
-            eng.wait_idle()
-            eng.check_integrity()
-        finally:
-            eng.shutdown()
-    assert outs[False] == outs[True] == [ref, ref]
+@pytest.mark.parametrize("variant", ap.VARIANTS, ids=ap.VARIANT_IDS)
+def test_radix_off_and_chunked_prefill_agree(case, variant):
+    ap.check_variant_matches_hf(case, **variant)
 
 
 def test_dummy_weights_run(case):

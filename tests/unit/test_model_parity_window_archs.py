@@ -37,35 +37,21 @@ CASES = {  # name: (HF class, config(window), windows per layer)
 def case(request, tmp_path_factory):
     """(name, checkpoint folder, HF model, prompts, HF greedy outputs)."""
     cls, config, _ = CASES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    model = ap.save_tiny(cls, config(WINDOW), path)
-    prompts = ap.prompts(VOCAB)
-    assert max(map(len, prompts)) > 10 * WINDOW
-    return request.param, str(path), model, prompts, ap.hf_greedy(model, prompts)
+    case = ap.make_case(request.param, cls, config(WINDOW), tmp_path_factory, VOCAB)
+    assert max(map(len, case[3])) > 10 * WINDOW
+    return case
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])
 def test_greedy_and_prompt_logprobs_match_hf(case, backend):
-    name, path, model, prompts, ref = case
-    eng = ap.make_engine(path, attention_backend=backend)
-    try:
-        assert eng.runner.attention_backend_name == ("cpu" if backend == "auto" else backend)
-        assert eng.runner.attention_spec.windows == CASES[name][2]
-        ap.check_greedy(eng, prompts, ref)
-        ap.check_prompt_logprobs(eng, model, prompts)
-    finally:
-        eng.shutdown()
+    def checks(eng):
+        assert eng.runner.attention_spec.windows == CASES[case[0]][2]
+    ap.check_engine_matches_hf(case, backend, checks)
 
 
-@pytest.mark.parametrize("variant", [dict(disable_radix_cache=True), dict(chunked_prefill_size=16)],
-                         ids=["radix-off", "chunked-16"])
+@pytest.mark.parametrize("variant", ap.VARIANTS, ids=ap.VARIANT_IDS)
 def test_radix_off_and_chunked_prefill_agree(case, variant):
-    name, path, model, prompts, ref = case
-    eng = ap.make_engine(path, **variant)
-    try:
-        ap.check_greedy(eng, prompts, ref)
-    finally:
-        eng.shutdown()
+    ap.check_variant_matches_hf(case, **variant)
 
 
 def test_the_window_changes_hf_output(case):
