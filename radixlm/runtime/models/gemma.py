@@ -29,7 +29,7 @@ from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
-from radixlm.runtime.models.llama import Embedding, Linear, LlamaForCausalLM
+from radixlm.runtime.models.llama import MLP, Embedding, Linear, LlamaForCausalLM
 
 ROPE_TYPES = (None, "default", "linear", "llama3")  # what layers/rotary.RotaryEmbedding computes
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -129,12 +129,8 @@ class GemmaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
+class GemmaMLP(MLP):
+    """llama.py's MLP with GELU (tanh approximation) in place of SiLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
