@@ -38,6 +38,11 @@ class ModelConfig:
     def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a HF config dict (config.json contents or `PretrainedConfig.to_dict()`)."""
         archs = cfg.get("architectures") or [cfg.get("model_type", "llama")]
+        text = cfg.get("text_config")
+        if isinstance(text, dict) and "num_attention_heads" not in cfg:
+            # vision-language (LLaVA): the language model's shape; `hf` keeps the whole dict
+            inner = ModelConfig.from_hf({**text, "architectures": archs})
+            return dataclasses.replace(inner, hf=dict(cfg))
         arch = archs[0]
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]

@@ -56,8 +56,14 @@ class Engine:
                 tok_format = "auto"
             self.tokenizer = loader.load_tokenizer(tok_path, tok_format)
         eos = loader.eos_token_ids(self.runner.hf_config, self.tokenizer)
+        images = None
+        if getattr(self.runner.model_cls, "is_multimodal", False):
+            from radixlm.runtime.multimodal import ImageProcessor
+
+            images = ImageProcessor(self.runner.model_path, self.runner.hf_config,
+                                    self.runner.model_config.vocab_size)
         self.builder = RequestBuilder(self.tokenizer, self.runner.model_config.vocab_size,
-                                      self.runner.context_len, self.runner.capacity, eos)
+                                      self.runner.context_len, self.runner.capacity, eos, images)
         self.scheduler = Scheduler(self.server_args, self.runner, self.tokenizer)
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}

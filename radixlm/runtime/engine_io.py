@@ -25,8 +25,10 @@ def _per_item(value, n: int, name: str) -> list:
 
 class RequestBuilder:
     def __init__(self, tokenizer, vocab_size: int, context_len: int, kv_capacity: int,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], image_processor=None):
         self.tokenizer = tokenizer
+        # multimodal.ImageProcessor of a vision-language model (None: text-only)
+        self.image_processor = image_processor
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.kv_capacity = kv_capacity
@@ -56,6 +58,7 @@ class RequestBuilder:
               embed_pooling: Optional[str] = None) -> tuple[list[Req], bool]:
         extra = dict(extra)
         token_ids_logprob = extra.pop("token_ids_logprob", None)
+        image_data = extra.pop("image_data", None)
         if extra:
             raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(extra)}")
         if (prompt is None) == (input_ids is None):
@@ -89,10 +92,15 @@ class RequestBuilder:
             raise ValueError(f"token_ids_logprob: got {len(tids)} entries for a batch of {n}")
         if rid is not None and single is False and not isinstance(rid, list):
             raise ValueError("rid: a batch needs a list of rids")
+        mms = self.expand_images(all_ids, image_data, single)
 
         reqs = []
-        for ids, p, lp, start, top, r, tid in zip(all_ids, params, lps, starts, tops, rids, tids):
-            self.check_input_ids(ids, field)
+        for ids, p, lp, start, top, r, tid, mm in zip(all_ids, params, lps, starts, tops, rids,
+                                                      tids, mms):
+            if mm is None:
+                self.check_input_ids(ids, field)
+            else:
+                self.check_input_ids(mm.vocab_ids(ids), field)
             sp = p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
             if sp.max_new_tokens is None:  # SGLang: no limit but the context
                 sp.max_new_tokens = max(self.context_len - len(ids), 0)
@@ -124,8 +132,33 @@ class RequestBuilder:
                                 start if lp or embed_pooling == "mean" else -1,
                                 top if lp else 0, self.eos_token_ids,
                                 token_ids_logprob=tid if lp else None,
-                                embed_pooling=embed_pooling))
+                                embed_pooling=embed_pooling, mm=mm))
         return reqs, single and len(reqs) == 1
+
+    def expand_images(self, all_ids: list[list[int]], image_data, single: bool) -> list:
+        """SGLang's image_data (one image, a list of images for one prompt, or for a batch a list
+        with one entry per prompt): expands each prompt's image tokens in place (all_ids) and
+        returns each prompt's MultimodalInputs (None without images)."""
+        if image_data is None or image_data == [] or image_data == [None] * len(all_ids):
+            return [None] * len(all_ids)
+        if self.image_processor is None:
+            raise ValueError("image_data: this model takes no images (it is text-only)")
+        if single:
+            per_prompt = [image_data if isinstance(image_data, list) else [image_data]]
+        else:
+            if not isinstance(image_data, list) or len(image_data) != len(all_ids):
+                raise ValueError(f"image_data: a batch of {len(all_ids)} prompts needs a list "
+                                 "with one entry (an image, a list of them or null) per prompt")
+            per_prompt = [[] if d is None else d if isinstance(d, list) else [d]
+                          for d in image_data]
+        out = []
+        for i, images in enumerate(per_prompt):
+            if not images:
+                out.append(None)
+                continue
+            all_ids[i], mm = self.image_processor.process(all_ids[i], images)
+            out.append(mm)
+        return out
 
     def check_token_ids_logprob(self, tid) -> None:
         if tid is None:
@@ -187,7 +220,7 @@ def build_result(req: Req, tokenizer, upto: Optional[int] = None, partial: bool 
     }
     if req.return_logprob:
         with_text = return_text_in_logprobs
-        inp = req.origin_input_ids[req.logprob_start_len:] if req.logprob_start_len >= 0 else []
+        inp = req.vocab_input_ids()[req.logprob_start_len:] if req.logprob_start_len >= 0 else []
         meta["input_token_logprobs"] = _lp_triples(req.input_token_logprobs, inp, tokenizer,
                                                    with_text)
         meta["output_token_logprobs"] = _lp_triples(req.output_token_logprobs[:upto],

@@ -55,8 +55,11 @@ class Req:
         eos_token_ids: tuple[int, ...] = (),
         token_ids_logprob: Optional[list[int]] = None,
         embed_pooling: Optional[str] = None,
+        mm: Any = None,
     ):
         self.rid = rid
+        # multimodal.MultimodalInputs: the prompt's images (their positions hold pseudo ids)
+        self.mm = mm
         self.origin_input_ids = list(input_ids)
         self.output_ids: list[int] = []
         self.sampling_params = sampling_params
@@ -110,6 +113,11 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    def vocab_input_ids(self) -> list[int]:
+        """The prompt with image pseudo ids as the image token id (for vocab-indexed uses)."""
+        ids = self.origin_input_ids
+        return ids if self.mm is None else self.mm.vocab_ids(ids)
 
     @property
     def seqlen(self) -> int:

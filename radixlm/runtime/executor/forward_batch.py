@@ -40,6 +40,9 @@ class ForwardBatch:
     # DECODE only: groups of rows that share a cached prefix (attention/shared_prefix.py), read
     # once per group; None runs plain decode attention
     prefix_groups: Optional[Any] = None
+    # EXTEND only, None unless a request of the batch has images: (first row of its tokens in
+    # the batch, its first position computed, its number of tokens, its MultimodalInputs) each
+    mm_inputs: Optional[list] = None
 
     @property
     def batch_size(self) -> int:

@@ -244,9 +244,10 @@ class LlamaForCausalLM(nn.Module):
         return self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device),
                            recurse=recurse)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Returns final hidden states of the rows `fb.logits_indices`: (N, hidden)."""
-        x = self.embed_tokens(fb.input_ids)  # (T, hidden)
+    def forward(self, fb: ForwardBatch, input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Returns final hidden states of the rows `fb.logits_indices`: (N, hidden).
+        `input_embeds` (T, hidden): used instead of the token embeddings (LLaVA's image rows)."""
+        x = self.embed_tokens(fb.input_ids) if input_embeds is None else input_embeds  # (T, hidden)
         cos_sin = self.rope(fb.positions)  # (T, 1, head_dim) each
         residual = None
         for layer in self.layers:

@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "radixlm.runtime.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "radixlm.runtime.models.moe:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "radixlm.runtime.models.moe:Qwen3MoeForCausalLM",
+    "LlavaForConditionalGeneration": "radixlm.runtime.models.llava:LlavaForConditionalGeneration",
 }
 
 

@@ -121,7 +121,7 @@ class SamplingBatchInfo:
             info.output_counts.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.float32),
                                           accumulate=True)
         if info.need_repetition:
-            rows, toks = _flatten([r.origin_input_ids if rep else []
+            rows, toks = _flatten([r.vocab_input_ids() if rep else []
                                    for r, rep in zip(reqs, info.flags.repetition)], dev)
             info.prompt_seen = torch.zeros(len(reqs), V, dtype=torch.bool, device=dev)
             info.prompt_seen[rows, toks] = True

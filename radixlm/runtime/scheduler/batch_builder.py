@@ -47,9 +47,12 @@ def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tu
 
     ids, positions, rows = [], [], LogitRows()
     logit_index: list[int] = []
+    mm_inputs = None
     offset = 0
     for req in reqs:
         start, ext = req.kv_len, req.extend_len
+        if req.mm is not None and start < req.mm.images[-1].offset + req.mm.images[-1].length:
+            mm_inputs = (mm_inputs or []) + [(offset, start, ext, req.mm)]
         rt[req.req_pool_idx, start : start + ext] = slots[offset : offset + ext]
         ids.extend(req.fill_ids[start : start + ext])
         positions.append(torch.arange(start, start + ext))
@@ -77,6 +80,7 @@ def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tu
         seq_lens_cpu=[r.kv_len + r.extend_len for r in reqs],
         extend_prefix_lens_cpu=[r.kv_len for r in reqs],
         extend_lens_cpu=[r.extend_len for r in reqs],
+        mm_inputs=mm_inputs,
     )
     return fb, rows
 

@@ -94,7 +94,8 @@ class TokenProcessing:
             if req.embed_pooling:  # its rows were kept for pooling, not for logprobs
                 continue
             record_input_ids_logprobs(req, logits[first_row : first_row + n], first_pos)
-            targets = torch.tensor(req.origin_input_ids[first_pos : first_pos + n], device=self.device)
+            prompt = req.origin_input_ids if req.mm is None else req.vocab_input_ids()
+            targets = torch.tensor(prompt[first_pos : first_pos + n], device=self.device)
             chosen, top_vals, top_ids = token_logprobs(logits[first_row : first_row + n], targets,
                                                        req.top_logprobs_num)
             if first_pos == 1 and req.logprob_start_len == 0 and not req.input_token_logprobs:

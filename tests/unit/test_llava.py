@@ -1,0 +1,175 @@
+"""LLaVA (CLIP tower + projector + Llama) on a tiny random-weight checkpoint written by
+transformers, against HF 5.23 in fp32: the processor's prompt expansion, greedy tokens, prompt
+logprobs; the radix cache across identical images, cache off, chunked prefill that cuts an image,
+and bad image inputs (clear errors, no KV leaked)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+import llava_tiny as lt  # noqa: E402
+
+import radixlm  # noqa: E402
+
+MAX_NEW = 8
+GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+CASES = [  # (prompt, image seeds)
+    ("USER: <image>\nWhat is in the picture? ASSISTANT:", [1]),
+    ("USER: Compare these two images, please. <image>\nand <image>\nASSISTANT:", [2, 3]),
+    ("<image>\nDescribe the image.", [4]),
+    # a prompt that ends in its image, and one that extends it: with chunked prefill (7) the
+    # second is admitted at the first's last chunk, its cache hit ends inside the image (21 of
+    # 8..24) and the tower runs again for the rest of the image
+    ("Describe the image. <image>", [5]),
+    ("Describe the image. <image>\nWhat is in the picture?", [5]),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llava"))
+    model, proc = lt.make_checkpoint(path)
+    refs = []
+    for text, seeds in CASES:
+        imgs = [lt.image(s) for s in seeds]
+        ids, out = lt.hf_greedy(model, proc, text, imgs, MAX_NEW)
+        refs.append((text, imgs, ids, out))
+    return path, model, proc, refs
+
+
+def engine(path, **kw):
+    return radixlm.Engine(model_path=path, dtype="float32", context_length=256,
+                          max_total_tokens=2048, **kw)
+
+
+def finish(eng):
+    eng.wait_idle()
+    eng.check_integrity()
+    eng.shutdown()
+
+
+def test_prompt_expansion_and_greedy_match_hf(ckpt):
+    path, _, _, refs = ckpt
+    eng = engine(path)
+    try:
+        for text, imgs, ids, _ in refs:  # the processor's expansion of <image>, image id shown
+            reqs, _ = eng.builder.build(text, None, GREEDY, False, None, None, None,
+                                        {"image_data": imgs})
+            assert reqs[0].vocab_input_ids() == ids
+            assert len(reqs[0].mm.images) == len(imgs)
+        outs = eng.generate([r[0] for r in refs], GREEDY, image_data=[r[1] for r in refs])
+        for (text, imgs, ids, ref), out in zip(refs, outs):  # one batch, then one by one
+            assert out["output_ids"] == ref, text
+            one = eng.generate(text, GREEDY, image_data=imgs)
+            assert one["output_ids"] == ref, text
+            assert one["meta_info"]["prompt_tokens"] == len(ids)
+    finally:
+        finish(eng)
+
+
+def test_prompt_logprobs_match_hf(ckpt):
+    path, model, proc, refs = ckpt
+    eng = engine(path, disable_radix_cache=True)
+    try:
+        for text, imgs, ids, _ in refs:
+            out = eng.generate(text, {**GREEDY, "max_new_tokens": 1}, image_data=imgs,
+                               return_logprob=True, logprob_start_len=0)
+            got = [t[0] for t in out["meta_info"]["input_token_logprobs"][1:]]
+            assert [t[1] for t in out["meta_info"]["input_token_logprobs"]] == ids
+            ref = lt.hf_prompt_logprobs(model, proc, text, imgs)
+            assert torch.allclose(torch.tensor(got), torch.tensor(ref), atol=1e-3)
+    finally:
+        finish(eng)
+
+
+def test_cache_hits_identical_images_only(ckpt):
+    path, _, _, refs = ckpt
+    text, imgs, ids, ref = refs[0]
+    eng = engine(path)
+    try:
+        first = eng.generate(text, GREEDY, image_data=imgs)
+        second = eng.generate(text, GREEDY, image_data=imgs)
+        image_end = ids.index(imgs and lt_image_id(eng)) + lt.TOKENS_PER_IMAGE
+        assert second["output_ids"] == first["output_ids"] == ref
+        assert second["meta_info"]["cached_tokens"] >= image_end  # the image's KV is reused
+        other = eng.generate(text, GREEDY, image_data=[lt.image(9)])  # same text, new image
+        assert other["meta_info"]["cached_tokens"] <= ids.index(lt_image_id(eng))
+        assert other["output_ids"] != ref
+    finally:
+        finish(eng)
+
+
+def lt_image_id(eng) -> int:
+    return eng.builder.image_processor.image_token_id
+
+
+@pytest.mark.parametrize("kw", [{"disable_radix_cache": True}, {"chunked_prefill_size": 7},
+                                {"chunked_prefill_size": 5, "disable_radix_cache": True}])
+def test_cache_off_and_chunks_that_cut_images_are_identical(ckpt, kw):
+    path, _, _, refs = ckpt
+    eng = engine(path, **kw)
+    try:
+        for _ in range(2):  # the second round hits the cache (when on), inside images too
+            outs = eng.generate([r[0] for r in refs] * 2, GREEDY,
+                                image_data=[r[1] for r in refs] * 2)
+            assert [o["output_ids"] for o in outs] == [r[3] for r in refs] * 2
+    finally:
+        finish(eng)
+
+
+def test_image_input_forms(ckpt, tmp_path):
+    path, _, _, refs = ckpt
+    text, imgs, _, ref = refs[0]
+    raw = lt.png_bytes(imgs[0])
+    file = tmp_path / "img.png"
+    file.write_bytes(raw)
+    b64 = base64.b64encode(raw).decode()
+    eng = engine(path)
+    try:
+        for form in (raw, str(file), f"file://{file}", b64, f"data:image/png;base64,{b64}"):
+            assert eng.generate(text, GREEDY, image_data=form)["output_ids"] == ref
+    finally:
+        finish(eng)
+
+
+def test_bad_image_inputs_are_refused_without_leaks(ckpt):
+    path, _, _, refs = ckpt
+    text, imgs, _, _ = refs[0]
+    eng = engine(path)
+    try:
+        bad = [("http://example.com/cat.png", "not fetched"), ("%%%", "data: URL"),
+               (base64.b64encode(b"not an image").decode(), "not a readable image"),
+               ("data:image/png,abc", "base64"), (123, "expected an image"),
+               ([imgs[0], imgs[0]], r"2 image\(s\) for 1 image token")]
+        for data, msg in bad:
+            with pytest.raises(ValueError, match=msg):
+                eng.generate(text, GREEDY, image_data=data)
+        with pytest.raises(ValueError, match="image"):
+            eng.generate("no image token here", GREEDY, image_data=imgs)
+        assert eng.generate(text, GREEDY, image_data=imgs)["output_ids"] == refs[0][3]
+    finally:
+        finish(eng)
+
+
+def test_refused_configs(ckpt, tmp_path):
+    import json
+    import shutil
+
+    path = ckpt[0]
+    for change, field in ((("vision_config", "model_type"), "siglip_vision_model"),
+                          (("model_type",), "llava_next"),
+                          (("text_config", "model_type"), "mistral")):
+        dst = tmp_path / field
+        shutil.copytree(path, dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        d = cfg
+        for k in change[:-1]:
+            d = d[k]
+        d[change[-1]] = field
+        (dst / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=change[-1] if len(change) == 1 else change[0]):
+            engine(str(dst))
