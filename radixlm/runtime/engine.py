@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Union
 from radixlm.runtime.config import ServerArgs
 from radixlm.runtime.engine_io import RequestBuilder, build_result
 from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.multimodal import image_processor_for
 from radixlm.runtime.models import loader
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.scheduler import Scheduler
@@ -56,12 +57,8 @@ class Engine:
                 tok_format = "auto"
             self.tokenizer = loader.load_tokenizer(tok_path, tok_format)
         eos = loader.eos_token_ids(self.runner.hf_config, self.tokenizer)
-        images = None
-        if getattr(self.runner.model_cls, "is_multimodal", False):
-            from radixlm.runtime.multimodal import ImageProcessor
-
-            images = ImageProcessor(self.runner.model_path, self.runner.hf_config,
-                                    self.runner.model_config.vocab_size)
+        images = image_processor_for(self.runner.model_path, self.runner.hf_config,
+                                     self.runner.model_config.vocab_size)
         self.builder = RequestBuilder(self.tokenizer, self.runner.model_config.vocab_size,
                                       self.runner.context_len, self.runner.capacity, eos, images)
         self.scheduler = Scheduler(self.server_args, self.runner, self.tokenizer)

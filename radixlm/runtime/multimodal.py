@@ -156,3 +156,11 @@ class ImageProcessor:
             prev = b
         out.extend(ids[prev:])
         return out, MultimodalInputs(items, tok, self.vocab_size)
+
+
+def image_processor_for(model_path: str, hf_config: dict, vocab_size: int
+                        ) -> Optional[ImageProcessor]:
+    """The ImageProcessor of a vision-language checkpoint (one with a vision_config), else None."""
+    if "vision_config" not in hf_config:
+        return None
+    return ImageProcessor(model_path, hf_config, vocab_size)

@@ -1,6 +1,6 @@
 """Anthropic Messages API (`POST /v1/messages`) over `TokenizerManager.generate`, so Anthropic
-clients can talk to a local model. Text and tool blocks (`tool_use`, `tool_result`); image and
-document blocks are refused (400). Tools: see radixlm/server/tool_calls/.
+clients can talk to a local model. Text, tool (`tool_use`, `tool_result`) and, for vision models,
+base64 image blocks (server/chat_images.py); documents are refused (400). Tools: tool_calls/.
 
 Behaviour worth knowing:
 - A final assistant message is a prefill: the prompt is the template rendered up to a new
@@ -26,7 +26,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from radixlm.server import chat_images
 from radixlm.server import tool_calls as T
+from radixlm.server.chat_images import ImageBlock
 from radixlm.server.errors import (APIError, anthropic_error_body, anthropic_error_response,
                                    anthropic_error_type, read_json_object, to_api_error)
 from radixlm.server.io_struct import GenerateReqInput
@@ -72,13 +74,13 @@ class ToolResultBlock(BaseModel):
     _blocks = field_validator("content", mode="before")(_text_blocks_only)
 
 
-MESSAGE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+MESSAGE_BLOCKS = {"user": ("text", "image", "tool_result"), "assistant": ("text", "tool_use")}
 
 
 class InputMessage(BaseModel):
     role: Literal["user", "assistant"]
-    content: Union[str, list[Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock],
-                                       Field(discriminator="type")]]]
+    content: Union[str, list[Annotated[Union[TextBlock, ImageBlock, ToolUseBlock,
+                                             ToolResultBlock], Field(discriminator="type")]]]
 
     @model_validator(mode="before")
     @classmethod
@@ -107,6 +109,10 @@ class InputMessage(BaseModel):
                                 "content": ("Error: " + text) if b.is_error else text})
             if texts or not out:
                 out.append({"role": "user", "content": "\n".join(texts)})
+            if any(isinstance(b, ImageBlock) for b in self.content):  # see chat_images.render
+                out[-1]["_parts"] = [{"type": "image", "image": b.data_url()} if isinstance(
+                    b, ImageBlock) else {"type": "text", "text": b.text} for b in self.content
+                    if isinstance(b, (TextBlock, ImageBlock))]
             return out
         msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
         calls = [{"id": b.id, "type": "function",
@@ -190,7 +196,7 @@ class CountTokensRequest(BaseModel):
 
 
 def _prompt_ids(tm, req: Union[MessagesRequest, CountTokensRequest],
-                plan: Optional[T.ToolPlan] = None) -> list[int]:
+                plan: Optional[T.ToolPlan] = None) -> tuple[list[int], list[str]]:
     from jinja2 import TemplateError
 
     msgs = [{"role": "system", "content": _join(req.system)}] if req.system else []
@@ -205,11 +211,12 @@ def _prompt_ids(tm, req: Union[MessagesRequest, CountTokensRequest],
     if not msgs:
         raise APIError(400, "messages: a conversation cannot consist of one assistant message")
     try:
-        prompt = apply_chat_template_with_tools(tm, plan, msgs) + prefill
+        prompt, images = chat_images.render(
+            tm, msgs, lambda ms: apply_chat_template_with_tools(tm, plan, ms))
     except TemplateError as e:
         raise APIError(400, f"messages: the chat template rejected them: {e}") from None
     # Special tokens come from the template itself; see openai_api._chat_prompt_ids.
-    return tm.tokenizer.encode(prompt, add_special_tokens=False)
+    return tm.tokenizer.encode(prompt + prefill, add_special_tokens=False), images
 
 
 def _stop(out: dict, stops: Optional[list[str]]) -> tuple[Optional[str], Optional[str]]:
@@ -266,8 +273,9 @@ def register_anthropic_routes(app: FastAPI, tm) -> None:
                 sp["stop"] = req.stop_sequences
             if plan is not None:
                 sp.update(plan.sampling_params())
-            obj = GenerateReqInput(input_ids=_prompt_ids(tm, req, plan), sampling_params=sp,
-                                   stream=req.stream)
+            ids, images = _prompt_ids(tm, req, plan)
+            obj = GenerateReqInput(input_ids=ids, sampling_params=sp, stream=req.stream,
+                                   image_data=images or None)
             gens, firsts = await start_generations(tm, [obj], request)
             msg_id = f"msg_{uuid.uuid4().hex}"
             if not req.stream:
@@ -383,6 +391,7 @@ def register_anthropic_routes(app: FastAPI, tm) -> None:
         try:
             req = CountTokensRequest.model_validate(await read_json_object(request))
             check_model(tm, req.model)
-            return JSONResponse({"input_tokens": len(_prompt_ids(tm, req, _tool_plan(tm, req)))})
+            ids, images = _prompt_ids(tm, req, _tool_plan(tm, req))
+            return JSONResponse({"input_tokens": chat_images.prompt_len(tm, ids, images)})
         except Exception as e:
             return anthropic_error_response(e)

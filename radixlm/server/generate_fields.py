@@ -20,7 +20,7 @@ from radixlm.server.io_struct import GenerateReqInput
 
 HONOURED, IGNORED, DEFAULT_ONLY = "honoured", "ignored", "default_only"
 
-_MM = "multimodal input is not supported: the model is text-only"
+_MM = "multimodal input other than images is not supported"
 _PD = "prefill/decode disaggregation is not supported"
 _DP = "this server runs one data-parallel rank"
 FIELDS: dict[str, tuple[str, Any, str]] = {
@@ -52,7 +52,9 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     "session_id": (DEFAULT_ONLY, None, "sessions are not supported"),
     "session_params": (DEFAULT_ONLY, None, "sessions are not supported"),
     "input_embeds": (DEFAULT_ONLY, None, "input embeddings are not supported; send text or ids"),
-    "image_data": (DEFAULT_ONLY, None, _MM), "video_data": (DEFAULT_ONLY, None, _MM),
+    "image_data": (HONOURED, None, "vision models: one image per image token (data: URL, path, "
+                                   "base64; a list for several, per prompt in a batch)"),
+    "video_data": (DEFAULT_ONLY, None, _MM),
     "audio_data": (DEFAULT_ONLY, None, _MM), "mm_hashes": (DEFAULT_ONLY, None, _MM),
     "mm_content_hashes": (DEFAULT_ONLY, None, _MM),
     "use_audio_in_video": (DEFAULT_ONLY, False, _MM), "video_config": (DEFAULT_ONLY, None, _MM),
@@ -160,6 +162,8 @@ def parse_generate_body(body: Any) -> list[GenerateReqInput] | GenerateReqInput:
     per_item = {k for k in _PER_ITEM if isinstance(fields.get(k), list)}
     if isinstance(tids, list) and tids and isinstance(tids[0], list):
         per_item.add("token_ids_logprob")
+    if isinstance(fields.get("image_data"), list):  # one entry (image, list or null) per prompt
+        per_item.add("image_data")
     out = []
     for i in range(n):
         one = {}

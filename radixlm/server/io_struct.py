@@ -33,6 +33,8 @@ class GenerateReqInput:
     log_metrics: bool = True
     no_logs: bool = False
     return_prompt_token_ids: bool = False
+    # vision models: the prompt's images (one per image token): data: URLs, paths, base64
+    image_data: Optional[Any] = None
     # internal (not an HTTP field): "last" | "mean" makes this an embedding request
     embed_pooling: Optional[str] = None
 
@@ -48,6 +50,7 @@ class TokenizedGenerateReq:
     stream: bool
     token_ids_logprob: Optional[list[int]] = None
     embed_pooling: Optional[str] = None
+    mm: Any = None  # runtime.multimodal.MultimodalInputs: the preprocessed images
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 
+from radixlm.server import chat_images
 from radixlm.server import openai_protocol as P
 from radixlm.server import tool_calls as T
 from radixlm.server.errors import APIError, openai_error_response, read_json_object
@@ -73,17 +74,20 @@ def apply_chat_template_with_tools(tm, plan: Optional[T.ToolPlan], messages: lis
     return tm.apply_chat_template(msgs, tools=tools, **kw)
 
 
-def _chat_prompt_ids(tm, req: P.ChatCompletionRequest, plan: Optional[T.ToolPlan] = None) -> list[int]:
+def _chat_prompt_ids(tm, req: P.ChatCompletionRequest, plan: Optional[T.ToolPlan] = None
+                     ) -> tuple[list[int], list[str]]:
+    """The prompt's ids and its images (in order; their image tokens are in the ids)."""
     from jinja2 import TemplateError
 
     messages = [m.for_template() for m in req.messages]
     try:
-        prompt = apply_chat_template_with_tools(tm, plan, messages, req.chat_template_kwargs)
+        prompt, images = chat_images.render(tm, messages, lambda ms: apply_chat_template_with_tools(
+            tm, plan, ms, req.chat_template_kwargs))
     except TemplateError as e:  # e.g. the template's own raise_exception on a role order
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages")
     # The rendered text already holds the template's special tokens (BOS included where the
     # template wants one), so it is encoded without adding more, as HF's apply_chat_template does.
-    return tm.tokenizer.encode(prompt, add_special_tokens=False)
+    return tm.tokenizer.encode(prompt, add_special_tokens=False), images
 
 
 def _format_constraint(req: P.ChatCompletionRequest) -> dict:
@@ -164,16 +168,17 @@ def register_chat_route(app: FastAPI, tm, run) -> None:
             req = P.ChatCompletionRequest.model_validate(await read_json_object(request))
             P.check_model(tm, req.model)
             plan = chat_tool_plan(tm, req)
-            ids = _chat_prompt_ids(tm, req, plan)
+            ids, images = _chat_prompt_ids(tm, req, plan)
             max_new = req.requested_max_tokens()
             if max_new is None:  # OpenAI's default: as much as the context has room for
-                max_new = max(tm.context_len - len(ids), 1)
+                max_new = max(tm.context_len - chat_images.prompt_len(tm, ids, images), 1)
             objs = [GenerateReqInput(
                 input_ids=list(ids),
                 sampling_params={**req.sampling_params(max_new, j), **_format_constraint(req),
                                  **(plan.sampling_params() if plan is not None else {})},
                 return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-                return_text_in_logprobs=True, stream=req.stream) for j in range(req.n)]
+                return_text_in_logprobs=True, stream=req.stream,
+                image_data=images or None) for j in range(req.n)]
             states = [ChoiceState() for _ in objs]
             for st in states:
                 st.tools = plan.stream() if plan is not None else None

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from radixlm.server.chat_images import ImageURLPart, check_local_url
 from radixlm.server.errors import APIError
 from radixlm.server.openai_responses import (  # noqa: F401  (re-exported: P.<Response model>)
     PromptTokensDetails,
@@ -191,7 +192,7 @@ class ToolCallIn(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, ImageURLPart]], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallIn]] = None  # assistant only
     tool_call_id: Optional[str] = None  # tool only: the call this message answers
@@ -202,9 +203,12 @@ class ChatMessage(BaseModel):
         if isinstance(v, list):
             for part in v:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
+                if kind not in ("text", "image_url"):
                     raise ValueError(f"content part of type {kind!r} is not supported "
-                                     "(only 'text' parts)")
+                                     "(only 'text' and 'image_url' parts)")
+                url = (part.get("image_url") or {}).get("url") if kind == "image_url" else None
+                if isinstance(url, str):  # said here, not as a union's mismatch
+                    check_local_url(url)
         return v
 
     @model_validator(mode="after")
@@ -221,12 +225,16 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
     def for_template(self) -> dict:
         # Chat templates know "system", not OpenAI's newer "developer" role.
         role = "system" if self.role == "developer" else self.role
         msg = {"role": role, "content": self.text()}
+        if isinstance(self.content, list) and any(isinstance(p, ImageURLPart) for p in self.content):
+            # content in order, for chat_images.render (which places the image token)
+            msg["_parts"] = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else
+                             {"type": "image", "image": p.image_url.url} for p in self.content]
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_calls:

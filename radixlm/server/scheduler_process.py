@@ -88,7 +88,8 @@ class SchedulerServer:
         if isinstance(msg, TokenizedGenerateReq):
             req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob,
                       msg.logprob_start_len, msg.top_logprobs_num, self.eos_token_ids,
-                      token_ids_logprob=msg.token_ids_logprob, embed_pooling=msg.embed_pooling)
+                      token_ids_logprob=msg.token_ids_logprob, embed_pooling=msg.embed_pooling,
+                      mm=msg.mm)
             sched.add_request(req)
         elif isinstance(msg, AbortReq):
             req = sched.abort_request(msg.rid)
@@ -158,7 +159,7 @@ class SchedulerServer:
                     self.input_lp_sent.add(req.rid)
                     start_pos = max(req.logprob_start_len, 0)
                     up.input_token_logprobs = list(zip(req.input_token_logprobs,
-                                                       req.origin_input_ids[start_pos:]))
+                                                       req.vocab_input_ids()[start_pos:]))
                     up.input_top_logprobs = req.input_top_logprobs
                     if req.token_ids_logprob:
                         up.input_token_ids_logprobs = req.input_token_ids_logprobs

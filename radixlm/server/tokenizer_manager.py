@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from radixlm.runtime.engine_io import RequestBuilder
+from radixlm.runtime.multimodal import image_processor_for
 from radixlm.server.errors import QueueFullError
 from radixlm.server.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq,
                                       GenerateReqInput, TokenizedGenerateReq)
@@ -65,7 +66,9 @@ class TokenizerManager:
         self.model_name = args.served_model_name or os.path.basename(self.model_path.rstrip("/"))
         self.weight_version = "default"  # set by /update_weights_from_disk (weight_version)
         self.builder = RequestBuilder(tokenizer, info["vocab_size"], self.context_len,
-                                      info["max_total_tokens"], tuple(info["eos_token_ids"]))
+                                      info["max_total_tokens"], tuple(info["eos_token_ids"]),
+                                      image_processor_for(self.model_path, info["hf_config"],
+                                                          info["vocab_size"]))
         self.chat_template = _load_chat_template(args.chat_template, tokenizer)
         ctx = zmq.asyncio.Context(1)
         self.to_scheduler = ctx.socket(zmq.PUSH)
@@ -141,13 +144,15 @@ class TokenizerManager:
     def tokenize_request(self, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
         """Validate and tokenize (ValueError naming the field). `n` > 1 expands to n requests."""
         extra = {"token_ids_logprob": obj.token_ids_logprob} if obj.token_ids_logprob else {}
+        if obj.image_data is not None:
+            extra["image_data"] = obj.image_data
         reqs, _ = self.builder.build(obj.text, obj.input_ids, obj.sampling_params,
                                      obj.return_logprob, obj.logprob_start_len,
                                      obj.top_logprobs_num, obj.rid or uuid.uuid4().hex, extra,
                                      embed_pooling=obj.embed_pooling)
         return [TokenizedGenerateReq(r.rid, r.origin_input_ids, r.sampling_params, r.return_logprob,
                                      r.logprob_start_len, r.top_logprobs_num, obj.stream,
-                                     r.token_ids_logprob, r.embed_pooling)
+                                     r.token_ids_logprob, r.embed_pooling, r.mm)
                 for r in reqs]
 
     def _check_capacity(self, n: int) -> None:

@@ -173,3 +173,34 @@ def test_refused_configs(ckpt, tmp_path):
         (dst / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ValueError, match=change[-1] if len(change) == 1 else change[0]):
             engine(str(dst))
+
+
+def test_chat_template_places_the_image_token(ckpt):
+    """server/chat_images.render: a template that takes content parts gets them; ChatML gets the
+    image token inline where the part is; a text-only model refuses images (400)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from radixlm.server.chat_images import render
+    from radixlm.server.errors import APIError
+    from radixlm.server.tokenizer_manager import CHATML_FALLBACK
+
+    tok = AutoTokenizer.from_pretrained(ckpt[0])
+    image_id = tok.convert_tokens_to_ids("<image>")
+    tm = SimpleNamespace(tokenizer=tok, chat_template=None, builder=SimpleNamespace(
+        image_processor=SimpleNamespace(image_token_id=image_id)))
+    msgs = [{"role": "user", "content": "Compare", "_parts": [
+        {"type": "text", "text": "Compare"}, {"type": "image", "image": "a.png"},
+        {"type": "image", "image": "b.png"}]}]
+    fn = lambda ms: tok.apply_chat_template(ms, chat_template=tm.chat_template,  # noqa: E731
+                                            tokenize=False, add_generation_prompt=True)
+    text, images = render(tm, msgs, fn)
+    assert images == ["a.png", "b.png"] and text.startswith("USER: Compare<image>\n<image>\n")
+    tm.chat_template = CHATML_FALLBACK
+    text, _ = render(tm, msgs, fn)
+    assert "<|im_start|>user\nCompare\n<image>\n<image><|im_end|>" in text
+    tm.builder.image_processor = None
+    with pytest.raises(APIError, match="takes no images"):
+        render(tm, msgs, fn)
+    assert render(tm, [{"role": "user", "content": "hi"}], fn)[1] == []
