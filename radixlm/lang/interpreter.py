@@ -40,6 +40,9 @@ class StreamExecutor:
         self.stream = stream
         self.text_ = ""
         self.messages_: list[dict] = []
+        # sgl.image()s of the text so far, in order: each left the chat template's image token in
+        # text_, and every call with text_ sends them along (backend.supports_images)
+        self.images_: list = []
         self.variables: dict[str, Any] = {}
         self.variable_events: dict[str, threading.Event] = {}
         self.meta_info: dict[str, Any] = {}
@@ -188,11 +191,17 @@ class StreamExecutor:
                     self._execute(sub)
         elif isinstance(e, ir.SeparateReasoning):
             self._separate_reasoning(e)
-        elif isinstance(e, (ir.Image, ir.Video)):
-            what = "image()" if isinstance(e, ir.Image) else "video()"
+        elif isinstance(e, ir.Image):
+            if not getattr(self.backend, "supports_images", False):
+                raise NotImplementedError(
+                    f"image(): the {type(self.backend).__name__} backend does not take images "
+                    "(radixlm's RuntimeEndpoint / Engine backends do, serving a vision model)")
+            self.images_.append(self.backend.image_payload(e.path))
+            self._append(self.chat_template.image_token)
+        elif isinstance(e, ir.Video):
             raise NotImplementedError(
-                f"{what}: the {type(self.backend).__name__} backend does not take images or video "
-                "yet (radixlm serves text-only models; vision support has not landed)")
+                f"video(): the {type(self.backend).__name__} backend does not take video "
+                "(radixlm's vision models take images only)")
         else:
             raise TypeError(f"unknown expression {type(e).__name__}")
 
@@ -297,6 +306,7 @@ class StreamExecutor:
                                 self.stream, self.use_thread)
             ex.text_ = self.text_
             ex.messages_ = list(self.messages_)
+            ex.images_ = list(self.images_)
             ex.variables = dict(self.variables)
             ex.cur_role, ex.cur_role_begin_pos = self.cur_role, self.cur_role_begin_pos
             ex.fork_start_text_pos = len(self.text_)

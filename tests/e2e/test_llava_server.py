@@ -120,3 +120,27 @@ def test_anthropic_sdk_base64_image(served):
     assert count.input_tokens == len(ids)
     srv.wait_idle()
     srv.check_integrity()
+
+
+def test_frontend_image_over_runtime_endpoint(served, tmp_path):
+    """sgl.image(path) in a program on RuntimeEndpoint: the file goes as base64 image_data with
+    the text holding the image token; the same as /generate on that text and image."""
+    import radixlm as sgl
+
+    srv, _, png, _, _ = served
+    file = tmp_path / "img.png"
+    file.write_bytes(png)
+
+    @sgl.function
+    def prog(s, path):
+        s += "USER: " + sgl.image(path) + "\n" + QUESTION + "ASSISTANT:"
+        s += sgl.gen("a", max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+        s += sgl.select("c", choices=[" cat", " dog"])
+
+    backend = sgl.RuntimeEndpoint(srv.url)
+    st = prog.run(str(file), backend=backend)
+    head = "USER: <image>\n" + QUESTION + "ASSISTANT:"
+    assert st["a"] == native(srv, head, data_url(png), ignore_eos=True)["text"]
+    assert st["c"] in (" cat", " dog")
+    srv.wait_idle()
+    srv.check_integrity()

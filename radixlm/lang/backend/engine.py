@@ -7,7 +7,8 @@ from typing import Iterator, Optional
 from radixlm.lang.backend.runtime_endpoint import RuntimeEndpoint
 from radixlm.lang.chat_template import chat_template_for_model, get_chat_template
 
-_BODY_KEYS = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
+_BODY_KEYS = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+              "image_data")
 
 
 class EngineBackend(RuntimeEndpoint):
@@ -35,6 +36,10 @@ class EngineBackend(RuntimeEndpoint):
 
     def _generate_stream_call(self, body: dict) -> Iterator[dict]:
         return self.engine.generate(stream=True, **self._kwargs(body))
+
+    def image_payload(self, image):
+        """In process: the path, bytes or PIL image goes to the Engine as it is."""
+        return image
 
     def flush_cache(self) -> None:
         self.engine.flush_cache()

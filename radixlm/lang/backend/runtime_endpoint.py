@@ -6,7 +6,9 @@ free, so the frontend keeps no KV bookkeeping of its own.
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 from typing import Iterator, Optional
 
 import httpx
@@ -99,7 +101,24 @@ class RuntimeEndpoint(BaseBackend):
             self._generate_call({"text": prefix, "sampling_params": {"max_new_tokens": 0}})
 
     def commit_lazy_operations(self, s) -> None:
-        self.cache_prefix(s.text_)
+        if getattr(s, "images_", None):
+            self._generate_call({"text": s.text_, "sampling_params": {"max_new_tokens": 0},
+                                 "image_data": list(s.images_)})
+        else:
+            self.cache_prefix(s.text_)
+
+    # --- images (sgl.image): the server expands each image token of the text -------------------
+    supports_images = True
+
+    def image_payload(self, image):
+        """What `image_data` carries for sgl.image(image): a file's bytes as base64 (the server
+        may be elsewhere); a data: URL or base64 string as it is."""
+        if isinstance(image, (bytes, bytearray)):
+            return base64.b64encode(bytes(image)).decode()
+        if isinstance(image, str) and os.path.isfile(image):
+            with open(image, "rb") as f:
+                return base64.b64encode(f.read()).decode()
+        return image
 
     def _generate_body(self, s, params: SamplingParams, stream: bool) -> dict:
         d = params.resolved()
@@ -107,6 +126,8 @@ class RuntimeEndpoint(BaseBackend):
               "spaces_between_special_tokens": global_config.spaces_between_special_tokens_in_out,
               **params.to_runtime()}
         body = {"text": s.text_, "sampling_params": sp, "stream": stream}
+        if getattr(s, "images_", None):
+            body["image_data"] = list(s.images_)
         if d["return_logprob"]:
             body["return_logprob"] = True
             body["logprob_start_len"] = d["logprob_start_len"] if d["logprob_start_len"] is not None else -1
@@ -136,13 +157,17 @@ class RuntimeEndpoint(BaseBackend):
         if not choices:
             raise ValueError("select: choices must not be empty")
         prefix = s.text_
-        head = self._generate_call({"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+        images = list(getattr(s, "images_", None) or [])
+        with_images = {"image_data": images} if images else {}
+        head = self._generate_call({"text": prefix, "sampling_params": {"max_new_tokens": 0},
+                                    **with_images})
         n_prefix = head["meta_info"]["prompt_tokens"]
         start = max(n_prefix - 2, 0)
         texts = [prefix] + [prefix + c for c in choices]
         outs = self._generate_call({
             "text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-            "return_logprob": True, "logprob_start_len": start, "return_text_in_logprobs": True})
+            "return_logprob": True, "logprob_start_len": start, "return_text_in_logprobs": True,
+            **({"image_data": [images] * len(texts)} if images else {})})
         prefix_ids = [t[1] for t in outs[0]["meta_info"]["input_token_logprobs"]]
         spans = []
         for out in outs[1:]:
