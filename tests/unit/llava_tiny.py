@@ -35,8 +35,9 @@ def _tokenizer():
                                    chat_template=CHAT_TEMPLATE)
 
 
-def make_checkpoint(path: str, seed: int = 0):
-    """Writes the checkpoint to `path`; returns the HF model (eval, fp32) and its processor."""
+def make_checkpoint(path: str, seed: int = 0, **llava_kw):
+    """Writes the checkpoint to `path`; returns the HF model (eval, fp32) and its processor.
+    `llava_kw`: LlavaConfig fields (vision_feature_layer, vision_feature_select_strategy)."""
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
@@ -48,8 +49,10 @@ def make_checkpoint(path: str, seed: int = 0):
     tc = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                      bos_token_id=0, eos_token_id=1)
+    strategy = llava_kw.get("vision_feature_select_strategy", "default")
+    n_tokens = TOKENS_PER_IMAGE + (strategy == "full")  # 'full' keeps the CLS row
     cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_index=image_id,
-                      image_seq_length=TOKENS_PER_IMAGE)
+                      image_seq_length=n_tokens, **llava_kw)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(cfg).float().eval()
     with torch.no_grad():  # wider than the default init, so greedy choices are far from ties
@@ -63,7 +66,7 @@ def make_checkpoint(path: str, seed: int = 0):
     model.save_pretrained(path)
     ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     proc = LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=8,
-                          vision_feature_select_strategy="default",
+                          vision_feature_select_strategy=strategy,
                           num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
     proc.save_pretrained(path)
     return model, proc

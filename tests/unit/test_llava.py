@@ -26,6 +26,7 @@ CASES = [  # (prompt, image seeds)
     # 8..24) and the tower runs again for the rest of the image
     ("Describe the image. <image>", [5]),
     ("Describe the image. <image>\nWhat is in the picture?", [5]),
+    ("<image>\n<image>\nCompare these two images, please.", [6, 6]),  # one image twice
 ]
 
 
@@ -204,3 +205,44 @@ def test_chat_template_places_the_image_token(ckpt):
     with pytest.raises(APIError, match="takes no images"):
         render(tm, msgs, fn)
     assert render(tm, [{"role": "user", "content": "hi"}], fn)[1] == []
+
+
+@pytest.mark.parametrize("kw", [{"vision_feature_layer": [-3, -1]},
+                                {"vision_feature_select_strategy": "full"}])
+def test_feature_layers_and_full_strategy_match_hf(tmp_path, kw):
+    """A list of feature layers (concatenated, a wider projector) and the 'full' strategy (the CLS
+    row kept: 17 tokens per image), against HF."""
+    model, proc = lt.make_checkpoint(str(tmp_path), **kw)
+    text, imgs = CASES[1][0], [lt.image(s) for s in CASES[1][1]]
+    ids, ref = lt.hf_greedy(model, proc, text, imgs, MAX_NEW)
+    eng = engine(str(tmp_path), chunked_prefill_size=9)
+    try:
+        out = eng.generate(text, GREEDY, image_data=imgs, return_logprob=True,
+                           logprob_start_len=0)
+        assert [t[1] for t in out["meta_info"]["input_token_logprobs"]] == ids
+        assert out["output_ids"] == ref
+    finally:
+        finish(eng)
+
+
+def test_retraction_recomputes_image_features(ckpt):
+    """A KV pool too small for four image requests decoding together retracts one; re-admitted,
+    its image rows are computed again from the pixels (the features were dropped after its
+    prefill): the same tokens as alone."""
+    path, _, _, refs = ckpt
+    text, imgs, _, _ = refs[0]
+    images = [lt.image(20 + i) for i in range(4)]
+    sp = {**GREEDY, "max_new_tokens": 40}
+    eng = engine(path)
+    try:
+        alone = [eng.generate(text, sp, image_data=im)["output_ids"] for im in images]
+    finally:
+        finish(eng)
+    eng = radixlm.Engine(model_path=path, dtype="float32", context_length=256,
+                         max_total_tokens=200)
+    try:
+        outs = eng.generate([text] * 4, sp, image_data=images)
+        assert [o["output_ids"] for o in outs] == alone
+        assert sum(o["meta_info"]["total_retractions"] for o in outs) >= 1
+    finally:
+        finish(eng)
