@@ -116,6 +116,7 @@ class ImageProcessor:
         patches = (vc["image_size"] // vc["patch_size"]) ** 2
         strategy = hf_config.get("vision_feature_select_strategy", "default")
         self.tokens_per_image = patches + (0 if strategy == "default" else 1)
+        self.image_size = vc["image_size"]
         self.vocab_size = vocab_size
 
     def _pixels(self, image) -> torch.Tensor:
@@ -123,6 +124,10 @@ class ImageProcessor:
         if img.mode != "RGB":
             img = img.convert("RGB")
         out = self.processor(images=[img], return_tensors="pt")["pixel_values"]
+        if tuple(out.shape[-2:]) != (self.image_size, self.image_size):
+            raise ValueError(f"image_data: the image processor gives {tuple(out.shape[-2:])} "
+                             f"pixels, the vision tower takes {self.image_size}x{self.image_size} "
+                             "(processor and model configs disagree)")
         return out[0].float()  # (3, H, W)
 
     def process(self, ids: list[int], images: list) -> tuple[list[int], MultimodalInputs]:

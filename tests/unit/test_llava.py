@@ -174,6 +174,12 @@ def test_refused_configs(ckpt, tmp_path):
         (dst / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ValueError, match=change[-1] if len(change) == 1 else change[0]):
             engine(str(dst))
+    dst = tmp_path / "layer"
+    shutil.copytree(path, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "vision_feature_layer": -9}))
+    with pytest.raises(ValueError, match="vision_feature_layer -9: the tower has 3"):
+        engine(str(dst))
 
 
 def test_chat_template_places_the_image_token(ckpt):

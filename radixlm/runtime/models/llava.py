@@ -49,6 +49,12 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                              "language model is supported")
         if hf.get("vision_feature_select_strategy", "default") not in ("default", "full"):
             raise ValueError("vision_feature_select_strategy: must be 'default' or 'full'")
+        layer = hf.get("vision_feature_layer", -2)
+        n_states = vc.get("num_hidden_layers", 12) + 1  # embeddings + one per encoder layer
+        for i in [layer] if isinstance(layer, int) else layer:
+            if not isinstance(i, int) or not -n_states <= i < n_states:
+                raise ValueError(f"vision_feature_layer {layer!r}: the tower has {n_states} "
+                                 "hidden states")
         if hf.get("projector_hidden_act", "gelu") not in _ACTS:
             raise ValueError(f"projector_hidden_act {hf.get('projector_hidden_act')!r} is not "
                              f"supported ({', '.join(_ACTS)})")
