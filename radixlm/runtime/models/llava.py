@@ -47,6 +47,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if tc.get("model_type") != "llama":
             raise ValueError(f"text_config.model_type {tc.get('model_type')!r}: only a Llama "
                              "language model is supported")
+        if tc.get("hidden_act", "silu") != "silu" or tc.get("mlp_bias", False):
+            raise ValueError("text_config.hidden_act / mlp_bias: the Llama MLP here computes "
+                             "silu(gate) * up without biases")
         if hf.get("vision_feature_select_strategy", "default") not in ("default", "full"):
             raise ValueError("vision_feature_select_strategy: must be 'default' or 'full'")
         layer = hf.get("vision_feature_layer", -2)
