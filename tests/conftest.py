@@ -10,6 +10,30 @@ import torch
 from radixlm.runtime.models.loader import default_model_path
 
 
+def _import_triton_interpreted() -> None:
+    """CPU-only machines: import triton now, with TRITON_INTERPRET=1, before any test module is
+    collected. Test modules that name transformers' model classes at import time pull in
+    torch._dynamo, which imports triton; imported without the variable, triton's own @jit helpers
+    (tl.cdiv, reductions) would not be interpreted and the interpreter tests
+    (tests/unit/triton_interpreter.py) could not run after them. The variable is restored."""
+    if torch.cuda.is_available():
+        return
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass  # the interpreter tests skip themselves
+    finally:
+        if prev is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
+
+
+_import_triton_interpreted()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
