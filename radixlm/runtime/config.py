@@ -112,6 +112,11 @@ class ServerArgs:
     # CPU, bf16/fp16 model: linear layers as fp32 GEMMs on fp32 copies of the weights (auto: on when
     # the CPU lacks avx512_bf16/amx_bf16; env RADIXLM_CPU_FP32_GEMM wins; layers/cpu_linear.py)
     cpu_fp32_gemm: str = "auto"  # auto | on | off
+    # --- tensor parallelism (runtime/distributed): one process per rank, rank 0 schedules ---
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None  # host:port of rank 0's TCP store; None: a free local port
     chat_template: Optional[str] = None
     tool_call_parser: Optional[str] = None  # hermes | llama3 | mistral; None: from the template
     served_model_name: Optional[str] = None

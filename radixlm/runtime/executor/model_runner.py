@@ -14,6 +14,7 @@ import torch
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.attention.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.config import ModelConfig, ServerArgs
+from radixlm.runtime.distributed import parallel_state, sharding
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear
@@ -61,18 +62,27 @@ class ModelRunner:
         self.model_config = cfg = ModelConfig.from_hf(self.hf_config)
         self.context_len = args.context_length or cfg.max_position_embeddings
         self.model_cls = registry.model_class(cfg, self.context_len)  # refuses what it cannot run
+        # tensor parallelism: the caller (a rank's process) joined the group first
+        self.tp = parallel_state.get_tp_group()
+        if args.tp_size != self.tp.size:
+            raise ValueError(f"tp_size={args.tp_size} but this process is rank {self.tp.rank} of "
+                             f"a TP group of {self.tp.size}: call parallel_state.init_distributed "
+                             "in each rank's process before building its ModelRunner")
+        sharding.check_tp_supported(cfg, self.tp.size, self.model_cls.__name__)
+        # KV heads this rank stores (its GQA groups' KV heads; 1, replicated, when hkv < tp)
+        self.num_kv_heads = sharding.local_kv_heads(cfg, self.tp.size, self.tp.rank)
         torch.manual_seed(args.seed)
 
         # bf16 on a CPU without bf16 matmul: fp32 GEMMs on fp32 weight copies (layers/cpu_linear)
         self.fp32_gemm = cpu_linear.use_fp32_gemm(args.cpu_fp32_gemm, self.device, self.dtype)
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
-               self.fp32_gemm)
+               self.fp32_gemm, self.tp.rank, self.tp.size)
         self.model = _MODEL_CACHE.get(key) or self._load_model(cfg, args.seed)
         _MODEL_CACHE.clear()
         _MODEL_CACHE[key] = self.model
 
         self.capacity = self._kv_capacity()
-        self.kv_pool = KVPool(self.capacity, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+        self.kv_pool = KVPool(self.capacity, cfg.num_layers, self.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)
         self.allocator = TokenSlotAllocator(self.capacity, self.device)
         # +1 row of slack so a request being re-admitted never waits on its own row
@@ -88,7 +98,8 @@ class ModelRunner:
             self.attention_spec, device=self.device,
             max_batch_size=args.max_running_requests + 1, max_context_len=self.context_len + 1)
         self.graph_runner = None
-        if (self.device.type == "cuda" and not args.disable_cuda_graph
+        # TP: no graphs yet (capturing the all-reduces needs NCCL graph support, untested here)
+        if (self.device.type == "cuda" and not args.disable_cuda_graph and self.tp.size == 1
                 and getattr(self.attn_backend, "supports_cuda_graph", False)):
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests + 1)
             self.graph_runner = CudaGraphRunner(self, max_bs)
@@ -116,6 +127,8 @@ class ModelRunner:
             model.eval().requires_grad_(False)
             if self.fp32_gemm:
                 cpu_linear.convert_model(model)
+            # after loading the whole checkpoint, keep this rank's piece (distributed/sharding)
+            sharding.shard_model(model, self.tp)
         finally:
             torch.set_num_threads(threads)
         logger.info("loaded %s (%s) in %.1fs", self.model_path, self.load_format,
@@ -124,7 +137,7 @@ class ModelRunner:
 
     def _kv_capacity(self) -> int:
         cfg = self.model_config
-        bpt = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        bpt = KVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype)
         if self.args.max_total_tokens is not None:
             return int(self.args.max_total_tokens)
         if self.device.type == "cuda":
@@ -132,7 +145,8 @@ class ModelRunner:
             budget = free - total * (1 - self.args.mem_fraction_static)
         else:
             budget = CPU_KV_BUDGET_BYTES
-        capacity = int(budget // bpt)
+        # ranks' pools must hold the same slots: the smallest budget of the TP group
+        capacity = self.tp.min_int(int(budget // bpt), self.device)
         if capacity < 16:
             raise RuntimeError(f"not enough memory for the KV cache ({budget / 2**30:.2f} GiB "
                                f"for {bpt} bytes per token); lower the model size or raise "

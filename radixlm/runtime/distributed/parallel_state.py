@@ -1,0 +1,111 @@
+"""The tensor-parallel process group and the two collectives TP needs.
+
+One process per rank; all ranks of the world form the one TP group (tp_size = world size, over
+`nnodes` nodes: ranks node_rank * (tp_size // nnodes) ...). Backend: nccl on CUDA, gloo on the
+CPU (so CI tests TP without GPUs). Layers get the `TPGroup` at construction (no hidden global
+reads in the forward); `get_tp_group()` is the process's group once `init_distributed` ran.
+
+Collectives:
+- all_reduce(x): sum of the ranks' partial outputs (after o_proj, down_proj, the vocab-parallel
+  embedding). gloo on half dtypes sums in fp32 (gloo's bf16 support varies by build; fp32 sums
+  are also the better numerics), then rounds once.
+- all_gather(x, dim): the ranks' slices side by side (the vocab-parallel LM head's logits).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+    group: Optional[object] = None  # a torch.distributed ProcessGroup; None when size == 1
+    backend: str = "gloo"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks; returns a tensor of x's shape and dtype (x may be reused)."""
+        if self.size == 1:
+            return x
+        if self.backend == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
+            acc = x.float()
+            dist.all_reduce(acc, group=self.group)
+            return acc.to(x.dtype)
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """(..., n, ...) per rank -> (..., size * n, ...), rank r's slice at [r * n, (r+1) * n)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def min_int(self, value: int, device: torch.device | str = "cpu") -> int:
+        """The smallest `value` over the ranks (e.g. a KV capacity every rank can hold)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In place: every rank's x becomes rank `src`'s (same shape and dtype on all ranks)."""
+        if self.size > 1:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
+
+SINGLE = TPGroup(rank=0, size=1)
+_TP: TPGroup = SINGLE
+
+
+def default_backend(device: torch.device | str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(tp_size: int, tp_rank: int, init_method: str,
+                     device: torch.device | str = "cpu", timeout_s: float = 300.0) -> TPGroup:
+    """Join the TP process group (every rank calls this with the same tp_size and init_method,
+    e.g. tcp://host:port or file:///path) and make it this process's group. Idempotent for the
+    same (rank, size)."""
+    global _TP
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
+    if tp_size == 1:
+        _TP = SINGLE
+        return _TP
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (tp_rank, tp_size):
+            raise RuntimeError(f"torch.distributed already initialized as rank "
+                               f"{dist.get_rank()}/{dist.get_world_size()}, not {tp_rank}/{tp_size}")
+    else:
+        backend = default_backend(device)
+        if backend == "nccl":
+            torch.cuda.set_device(torch.device(device).index or int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, init_method=init_method, world_size=tp_size,
+                                rank=tp_rank, timeout=timedelta(seconds=timeout_s))
+    _TP = TPGroup(rank=tp_rank, size=tp_size, group=dist.group.WORLD,
+                  backend=dist.get_backend())
+    return _TP
+
+
+def get_tp_group() -> TPGroup:
+    return _TP
+
+
+def destroy_distributed() -> None:
+    global _TP
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP = SINGLE

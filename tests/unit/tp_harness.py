@@ -1,0 +1,160 @@
+"""Tensor-parallel test harness: random Llama checkpoints, a fixed sequence of forward batches
+run through a ModelRunner, and N gloo ranks in spawned processes running the same sequence.
+
+The batches (all requests' K/V in one pool, slots handed out here):
+  1. EXTEND: A (12 tokens) and B (7 tokens), no prefix
+  2. EXTEND mixed: C (8 tokens of A's prefix cached, 5 new) + A decoding (num_decode_tail=1)
+  3. DECODE: A, B, C      4. DECODE: A, B, C
+Each step's next tokens are the argmax of its logits, so tokens that differ between TP=1 and
+TP=N change every later step's inputs (the greedy-token comparison is end to end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+
+import torch
+
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+
+TIMEOUT_S = 240.0  # one rank's whole run; a hung collective never blocks the test run longer
+
+
+def write_tiny_llama(path: str, *, vocab: int, heads: int, kv_heads: int, tied: bool,
+                     bias: bool = False, hidden: int = 64, inter: int = 96, layers: int = 2,
+                     seed: int = 0) -> str:
+    """config.json + model.safetensors of a random Llama (std 0.08: peaked logits, no ties)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    d = hidden // heads
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
+           "tie_word_embeddings": tied, "attention_bias": bias}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=g) * 0.08  # noqa: E731
+    w = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": 1 + rnd(hidden)}
+    if not tied:
+        w["lm_head.weight"] = rnd(vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (heads * d, hidden), "self_attn.k_proj": (kv_heads * d, hidden),
+                  "self_attn.v_proj": (kv_heads * d, hidden), "self_attn.o_proj": (hidden, heads * d),
+                  "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                  "mlp.down_proj": (hidden, inter)}
+        for name, shape in shapes.items():
+            w[p + name + ".weight"] = rnd(*shape)
+            if bias and name.startswith("self_attn"):
+                w[p + name + ".bias"] = rnd(shape[0])
+        w[p + "input_layernorm.weight"] = 1 + rnd(hidden)
+        w[p + "post_attention_layernorm.weight"] = 1 + rnd(hidden)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def _batch(runner, mode, reqs, num_decode_tail=0) -> ForwardBatch:
+    """reqs: (row, kv_len, new token ids) each; writes the new tokens' slots into req_to_token."""
+    r2t = runner.req_to_token_pool.req_to_token
+    ids, pos, locs, logit_rows = [], [], [], []
+    for row, kv_len, new in reqs:
+        n = len(new)
+        slots = torch.arange(runner._next_slot, runner._next_slot + n)
+        runner._next_slot += n
+        r2t[row, kv_len : kv_len + n] = slots
+        ids += new
+        pos += list(range(kv_len, kv_len + n))
+        locs.append(slots)
+        logit_rows.append(len(ids) - 1)
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(
+        mode=mode, input_ids=i64(ids), positions=i64(pos), out_cache_loc=torch.cat(locs),
+        req_pool_indices=i64([r[0] for r in reqs]),
+        seq_lens=i64([r[1] + len(r[2]) for r in reqs]), logits_indices=i64(logit_rows),
+        seq_lens_cpu=[r[1] + len(r[2]) for r in reqs],
+        extend_prefix_lens_cpu=[r[1] for r in reqs], extend_lens_cpu=[len(r[2]) for r in reqs],
+        num_decode_tail=num_decode_tail)
+
+
+def run_fixed_batches(runner, vocab: int) -> list[torch.Tensor]:
+    """The four steps of the module docstring; returns each step's (N, vocab) fp32 logits."""
+    g = torch.Generator().manual_seed(7)
+    toks = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    runner._next_slot = 1  # slot 0 is the pool's scratch slot
+    a, b = toks(12), toks(7)
+    r2t = runner.req_to_token_pool.req_to_token
+    out = []
+
+    def step(mode, reqs, tail=0):
+        logits = runner.forward(_batch(runner, mode, reqs, tail))
+        out.append(logits.clone())
+        return logits.argmax(-1).tolist()
+
+    ta, tb = step(ForwardMode.EXTEND, [(0, 0, a), (1, 0, b)])
+    r2t[2, :8] = r2t[0, :8]  # C's cached prefix: A's first 8 tokens' slots
+    tc, ta = step(ForwardMode.EXTEND, [(2, 8, a[:8] + toks(5)), (0, 12, [ta])], tail=1)
+    lens = [13, 7, 13]  # KV tokens of A, B, C before the first decode
+    for _ in range(2):
+        ta, tb, tc = step(ForwardMode.DECODE, [(0, lens[0], [ta]), (1, lens[1], [tb]),
+                                               (2, lens[2], [tc])])
+        lens = [n + 1 for n in lens]
+    return out
+
+
+def make_runner(args_kw: dict):
+    from radixlm.runtime.config import ServerArgs
+    from radixlm.runtime.executor.model_runner import ModelRunner
+
+    kw = dict(dtype="float32", device="cpu", attention_backend="torch_native",
+              max_total_tokens=256, max_running_requests=4, context_length=256)
+    return ModelRunner(ServerArgs(**{**kw, **args_kw}))
+
+
+def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int, out: str):
+    torch.set_num_threads(1)  # a shared 2-core box: one thread per rank
+    try:
+        from radixlm.runtime.distributed import parallel_state
+
+        parallel_state.init_distributed(world, rank, f"file://{init_file}", "cpu", timeout_s=120)
+        runner = make_runner({**args_kw, "tp_size": world})
+        logits = run_fixed_batches(runner, vocab)
+        torch.save({"logits": logits, "kv_heads": runner.num_kv_heads}, f"{out}.{rank}")
+        parallel_state.destroy_distributed()
+    except BaseException:
+        with open(f"{out}.{rank}.err", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run_tp(world: int, args_kw: dict, vocab: int, tmp: str) -> list[dict]:
+    """Run the fixed batches on `world` gloo ranks; returns every rank's results. Any rank that
+    fails or outlives TIMEOUT_S fails the call, and no process is left behind."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    init_file, out = os.path.join(tmp, "tp_init"), os.path.join(tmp, "tp_out")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, init_file, args_kw, vocab, out),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    try:  # a rank that fails leaves the others waiting in a collective: stop them all at once
+        while (any(p.is_alive() for p in procs) and time.monotonic() < deadline
+               and not any(p.exitcode for p in procs)):
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    errs = [open(f"{out}.{r}.err").read() for r in range(world) if os.path.exists(f"{out}.{r}.err")]
+    codes = [p.exitcode for p in procs]
+    if errs or any(c != 0 for c in codes):
+        raise AssertionError(f"TP ranks failed (exit codes {codes}):\n" + "\n".join(errs))
+    return [torch.load(f"{out}.{r}") for r in range(world)]
