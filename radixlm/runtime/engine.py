@@ -16,6 +16,7 @@ import uuid
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from radixlm.runtime.config import ServerArgs
+from radixlm.runtime.distributed import tp_worker
 from radixlm.runtime.engine_io import RequestBuilder, build_result
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.multimodal import image_processor_for
@@ -48,7 +49,14 @@ class Engine:
     def __init__(self, model_path: Optional[str] = None, **kwargs):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         logging.getLogger("radixlm").setLevel(self.server_args.log_level.upper())
-        self.runner = ModelRunner(self.server_args)
+        # tp_size > 1: this process is rank 0; the other ranks run in worker processes
+        self._tp = tp_worker.start_tp(self.server_args)
+        try:
+            self.runner = ModelRunner(self.server_args)
+        except BaseException:
+            if self._tp is not None:
+                self._tp.stop(graceful=False)
+            raise
         self.tokenizer = None
         if not self.server_args.skip_tokenizer_init:
             tok_path = self.server_args.tokenizer_path or self.runner.model_path
@@ -259,6 +267,8 @@ class Engine:
     def shutdown(self) -> None:
         self._stopped = True
         self._thread.join(timeout=10)
+        if self._tp is not None:  # the stop broadcast only when no forward can be in flight
+            self._tp.stop(graceful=not self._thread.is_alive())
 
     def __enter__(self):
         return self

@@ -14,7 +14,7 @@ import torch
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.attention.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.config import ModelConfig, ServerArgs
-from radixlm.runtime.distributed import parallel_state, sharding
+from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear
@@ -76,10 +76,13 @@ class ModelRunner:
         # bf16 on a CPU without bf16 matmul: fp32 GEMMs on fp32 weight copies (layers/cpu_linear)
         self.fp32_gemm = cpu_linear.use_fp32_gemm(args.cpu_fp32_gemm, self.device, self.dtype)
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
-               self.fp32_gemm, self.tp.rank, self.tp.size)
-        self.model = _MODEL_CACHE.get(key) or self._load_model(cfg, args.seed)
-        _MODEL_CACHE.clear()
-        _MODEL_CACHE[key] = self.model
+               self.fp32_gemm)
+        if self.tp.size > 1:  # never shared: a shard's layers hold this engine's TP group
+            self.model = self._load_model(cfg, args.seed)
+        else:
+            self.model = _MODEL_CACHE.get(key) or self._load_model(cfg, args.seed)
+            _MODEL_CACHE.clear()
+            _MODEL_CACHE[key] = self.model
 
         self.capacity = self._kv_capacity()
         self.kv_pool = KVPool(self.capacity, cfg.num_layers, self.num_kv_heads, cfg.head_dim,
@@ -155,6 +158,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.tp.size > 1:
+            # every rank runs the same batch: rank 0 (the scheduler's) sends it to the others
+            # (distributed/batch_sync), which call this with rank != 0. Shared-prefix groups are
+            # not sent: TP decodes run plain (same attention up to the merge's rounding)
+            fb.prefix_groups = None
+            if self.tp.rank == 0:
+                batch_sync.send_batch(self.tp, fb, self.req_to_token_pool.req_to_token)
         if (self.graph_runner is not None and fb.prefix_groups is None
                 and self.graph_runner.can_run(fb)):
             return self.graph_runner.replay(fb)

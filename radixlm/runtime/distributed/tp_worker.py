@@ -1,0 +1,172 @@
+"""Processes of a tensor-parallel engine: rank 0 schedules, ranks 1..N-1 follow.
+
+`start_tp(args)` (in rank 0's process, before its ModelRunner): spawns this node's worker ranks,
+then joins the group itself. Each worker builds its own ModelRunner (the rank's shard, a KV pool
+of the rank's KV heads) and loops: receive a batch from rank 0 (batch_sync), run the forward
+(whose collectives pair with rank 0's), drop the logits (sampling is rank 0's). `TPHandle.stop()`
+broadcasts the stop command, joins the workers (killing any that do not exit) and leaves the
+group. Multi-node: ranks are node-major (node k holds ranks k * tp/nnodes ...); rank 0's node
+runs the engine, every other node runs `run_node(args)` (launch_server with --node-rank > 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from typing import Optional
+
+import torch
+
+from radixlm.runtime.config import ServerArgs
+from radixlm.runtime.distributed import batch_sync, parallel_state
+
+logger = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_args(args: ServerArgs) -> int:
+    """Ranks per node, after checking the TP flags."""
+    tp, nnodes = args.tp_size, args.nnodes
+    if tp < 1 or nnodes < 1 or tp % nnodes:
+        raise ValueError(f"tp_size={tp} must be a positive multiple of nnodes={nnodes}")
+    if not 0 <= args.node_rank < nnodes:
+        raise ValueError(f"node_rank={args.node_rank} is not in [0, nnodes={nnodes})")
+    if nnodes > 1 and not args.dist_init_addr:
+        raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
+    return tp // nnodes
+
+
+def _init_method(args: ServerArgs) -> str:
+    return f"tcp://{args.dist_init_addr}"
+
+
+def _watch_parent() -> None:
+    """Exit when the process that spawned this worker is gone (no orphans after a kill -9)."""
+    parent = os.getppid()
+
+    def loop():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=loop, daemon=True, name="tp-watch-parent").start()
+
+
+def worker_main(args: ServerArgs, rank: int, threads: Optional[int] = None) -> None:
+    """A worker rank's process: follow rank 0's batches until it says stop."""
+    from radixlm.runtime.executor.model_runner import ModelRunner  # it imports this package
+
+    _watch_parent()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        tp = parallel_state.init_distributed(args.tp_size, rank, _init_method(args), _device(args))
+        runner = ModelRunner(args)
+        r2t = runner.req_to_token_pool.req_to_token
+        while (fb := batch_sync.recv_batch(tp, r2t, runner.device)) is not None:
+            runner.forward(fb)
+        parallel_state.destroy_distributed()
+    except BaseException:
+        logger.error("TP rank %d failed:\n%s", rank, traceback.format_exc())
+        os._exit(1)  # rank 0's next collective fails on the closed connection
+
+
+def _device(args: ServerArgs) -> str:
+    from radixlm.runtime.executor.model_runner import resolve_device
+
+    return str(resolve_device(args.device))
+
+
+class TPHandle:
+    """Rank 0's view of its worker processes (this node's)."""
+
+    def __init__(self, tp: parallel_state.TPGroup, procs: list, device: str):
+        self.tp, self.procs, self.device = tp, procs, device
+        self.stopped = False
+
+    def stop(self, graceful: bool = True) -> None:
+        """graceful: broadcast stop (only when no forward is in flight on another thread)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if graceful and all(p.is_alive() for p in self.procs):
+            try:
+                batch_sync.send_stop(self.tp, self.device)
+            except Exception as e:  # a dead worker: the kill below cleans up
+                logger.warning("TP stop broadcast failed: %s", e)
+        deadline = time.monotonic() + (STOP_TIMEOUT_S if graceful else 0.0)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        parallel_state.destroy_distributed()
+
+
+def prepare_args(args: ServerArgs) -> ServerArgs:
+    """The TP flags checked; without dist_init_addr (one node) a free local port to meet on."""
+    check_args(args)
+    if args.tp_size > 1 and not args.dist_init_addr:
+        args = args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
+    return args
+
+
+def spawn_workers(args: ServerArgs, daemon: bool = True) -> list:
+    """Start this node's worker ranks (rank 0's node: ranks 1..per_node-1) as spawned processes
+    (never forked from a process holding torch threads / CUDA). `args` from prepare_args."""
+    import multiprocessing as mp
+
+    per_node = check_args(args)
+    first = args.node_rank * per_node
+    ranks = [r for r in range(first, first + per_node) if r != 0]
+    # CPU: the node's cores shared between its ranks (rank 0 keeps its process's setting)
+    threads = max(1, (os.cpu_count() or 1) // per_node) if _device(args) == "cpu" else None
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(args, r, threads), daemon=daemon,
+                         name=f"radixlm-tp{r}") for r in ranks]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def join_rank0(args: ServerArgs, procs: list = ()) -> TPHandle:
+    """Join the group as rank 0 (args from prepare_args); `procs`: workers this process owns."""
+    try:
+        tp = parallel_state.init_distributed(args.tp_size, 0, _init_method(args), _device(args))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return TPHandle(tp, list(procs), _device(args))
+
+
+def start_tp(args: ServerArgs) -> Optional[TPHandle]:
+    """The engine's process as rank 0: spawn the node's workers and join. None when tp_size == 1."""
+    args = prepare_args(args)
+    if args.tp_size == 1:
+        return None
+    if args.node_rank != 0:
+        raise ValueError("the engine runs on node_rank 0; other nodes run run_node(args)")
+    return join_rank0(args, spawn_workers(args))
+
+
+def run_node(args: ServerArgs) -> None:
+    """A node other than rank 0's: run its ranks until rank 0 stops them."""
+    if args.node_rank == 0:
+        raise ValueError("node_rank 0 runs the engine / server, not run_node")
+    procs = spawn_workers(args, daemon=False)
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(1)

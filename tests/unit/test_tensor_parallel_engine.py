@@ -1,0 +1,93 @@
+"""Engine(tp_size=2) on the CPU (gloo): rank 0 schedules in this process, rank 1 runs in a spawned
+worker that receives every batch; greedy output must equal tp_size=1 in fp32 (bundled SmolLM2:
+its 3 KV heads split 2 + 1). Also: the multi-node flags (a second "node" on this machine), the
+KV integrity check, refusals, and that no worker process outlives the engine."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+import psutil
+import pytest
+
+import tp_harness as th
+from radixlm.runtime.config import ServerArgs
+from radixlm.runtime.distributed import tp_worker
+from radixlm.runtime.engine import Engine
+
+ARGS = dict(dtype="float32", device="cpu", max_total_tokens=4096, context_length=1024,
+            chunked_prefill_size=64)  # chunks: extends over a cached prefix
+SP = {"max_new_tokens": 20, "temperature": 0}
+SHARED = "You are a helpful assistant. Answer briefly and precisely. Question: "
+PROMPTS = ["The capital of France is", "def fib(n):", SHARED + "What is 2 + 2?",
+           SHARED + "Name a primary color.", "List three animals: " * 12]
+
+
+def _tp_children() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            # multiprocessing's resource tracker (started by the first spawn) lives on
+            if (p.status() != psutil.STATUS_ZOMBIE
+                    and "resource_tracker" not in " ".join(p.cmdline())):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _run(engine: Engine) -> list[list[int]]:
+    try:
+        first = [r["output_ids"] for r in engine.generate(PROMPTS, SP)]
+        again = [r["output_ids"] for r in engine.generate(PROMPTS[2:4], SP)]  # radix cache hits
+        engine.check_integrity()
+        return first + again
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs():
+    return _run(Engine(**ARGS))
+
+
+def test_engine_tp2_matches_tp1(tp1_outputs):
+    engine = Engine(tp_size=2, **ARGS)
+    assert engine.runner.num_kv_heads == 2  # rank 0 holds 2 of SmolLM2's 3 KV heads
+    assert _run(engine) == tp1_outputs
+    assert _tp_children() == [] and mp.active_children() == []
+
+
+def test_engine_tp2_two_nodes(tp1_outputs):
+    """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    node = dict(tp_size=2, nnodes=2, dist_init_addr=addr, **ARGS)
+    ctx = mp.get_context("spawn")
+    other = ctx.Process(target=tp_worker.run_node, args=(ServerArgs(node_rank=1, **node),))
+    other.start()
+    try:
+        engine = Engine(node_rank=0, **node)
+        assert _run(engine) == tp1_outputs
+        other.join(30)
+        assert other.exitcode == 0
+    finally:
+        if other.is_alive():
+            other.kill()
+            other.join(5)
+    assert _tp_children() == []
+
+
+def test_tp_flags_refused(tmp_path):
+    for kw, msg in [(dict(tp_size=3, nnodes=2), "multiple of nnodes"),
+                    (dict(tp_size=2, nnodes=2, node_rank=2), "node_rank"),
+                    (dict(tp_size=2, nnodes=2), "dist_init_addr")]:
+        with pytest.raises(ValueError, match=msg):
+            tp_worker.check_args(ServerArgs(**kw))
+    # a model the group cannot split: refused after the workers started, and they are gone
+    path = th.write_tiny_llama(str(tmp_path / "m"), vocab=64, heads=4, kv_heads=2, tied=True)
+    with pytest.raises(ValueError, match="replicated"):
+        Engine(model_path=path, tp_size=3, skip_tokenizer_init=True, **ARGS)
+    assert _tp_children() == []
