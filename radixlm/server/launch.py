@@ -89,6 +89,13 @@ def launch_server(args: ServerArgs) -> None:
                         format="[server %(asctime)s] %(levelname)s %(message)s")
     if args.model_path is None:
         args = args.replace(model_path=loader.default_model_path())
+    if args.tp_size > 1:
+        from radixlm.runtime.distributed import tp_worker
+
+        if args.node_rank > 0:  # another node of a multi-node TP group: its ranks only
+            tp_worker.run_node(args)
+            return
+        args = tp_worker.prepare_args(args)  # a meeting address for the scheduler and workers
     ipc_dir, ipc = _ipc_paths()
     procs: list[tuple[str, mp.Process]] = []
     try:
@@ -101,6 +108,8 @@ def launch_server(args: ServerArgs) -> None:
                             name="radixlm-scheduler", daemon=True)
         sched.start()
         procs.append(("scheduler", sched))
+        if args.tp_size > 1:  # ranks 1..: started here, the scheduler (rank 0) is a daemon
+            procs += [(p.name, p) for p in tp_worker.spawn_workers(args)]
 
         import uvicorn
 

@@ -101,6 +101,8 @@ def update_weights_from_disk(runner, scheduler, req: dict) -> dict:
     scheduler (the TokenizerManager holds new requests back and drains running ones first).
     The radix cache is flushed: its KV was computed with the old weights. If loading fails
     half-way the old weights are loaded back."""
+    if runner.tp.size > 1:  # the shards would need reloading and re-splitting on every rank
+        raise ValueError("update_weights_from_disk is not supported with tp_size > 1 yet")
     path = req.get("model_path")
     if not isinstance(path, str) or not path:
         raise ValueError("model_path: required (a folder or .gguf file)")

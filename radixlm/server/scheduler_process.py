@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from radixlm.runtime.config import ServerArgs
+from radixlm.runtime.distributed import tp_worker
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.models import loader
 from radixlm.server.child_process import watch_parent
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 class SchedulerServer:
     def __init__(self, args: ServerArgs, ipc: dict[str, str]):
         self.args = args
+        # tp_size > 1: this process is rank 0; the launcher started the other ranks
+        self.tp = tp_worker.join_rank0(args) if args.tp_size > 1 else None
         self.runner = ModelRunner(args)
         tok = None
         if not args.skip_tokenizer_init:
@@ -186,6 +189,8 @@ def run_scheduler_process(args: ServerArgs, ipc: dict[str, str], ready_pipe) -> 
         return
     try:
         server.serve_forever()
+        if server.tp is not None:  # a shutdown request: the workers leave their loop too
+            server.tp.stop()
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         os._exit(1)
