@@ -1,0 +1,295 @@
+// y (M, N) fp32 = x (M, K) @ dequant(W)^T with W kept in GGUF's on-disk block layout:
+// the ops torch.ops.radixlm_quant.{gemm, dequant, isa}. The Python side (build, cache, fallback)
+// is radixlm/runtime/layers/quant_kernels.py; the layer using it is layers/quantized_linear.py.
+//
+// W is (N, row_bytes) uint8: each output row is K / BK blocks laid end to end (a GGUF tensor's
+// rows are independent, blocks run along K). Formats, by their ggml type id (ggml-common.h):
+//   Q4_1 (3)   32 values in 20 bytes:  fp16 d, fp16 m, 16 bytes of nibbles;
+//              w[i] = d * q[i] + m, q[i] = low nibble of byte i (i < 16), high of byte i - 16
+//   Q8_0 (8)   32 values in 34 bytes:  fp16 d, 32 int8; w[i] = d * q[i]
+//   Q4_K (12)  256 values in 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) pairs
+//              for 8 sub-blocks of 32, 128 bytes of nibbles (bytes 32c..32c+31: low nibbles are
+//              sub-block 2c, high nibbles 2c+1); w = (d * sc[j]) * q - (dmin * mn[j])
+// Each block is dequantized to fp32 in registers and FMA'd into fp32 accumulators. The
+// dequantized values are bit-identical to gguf.quants' (d * q is exact in fp32 for a fp16 d and
+// a 4- or 8-bit q, so fma(q, d, m) rounds once, as d * q + m does), so y differs from
+// "dequantize, then fp32 matmul" only in summation order.
+//
+// Work split: OpenMP (dynamic: on a shared box a preempted thread then delays only its current
+// task) over blocks of NB output rows; inside, each x tile of MB <= 8 rows runs
+// against each W row of the block (the W block stays in L1/L2 across the x tiles). Decode
+// (M = 1..8) reads every weight byte once: 4-8x fewer bytes than the fp32 GEMM's weights.
+// Large M is better served by `dequant` + a BLAS GEMM; the Python side picks per M.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "quant_vec.h"
+
+using namespace radixlm_quant;
+
+namespace {
+
+constexpr int NB = 16;  // output rows per task: their blocks stay cached across the x tiles
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+// A format: BK values in BYTES bytes per block; prep() reads a block's scales once, group(g)
+// dequantizes its g-th run of 32 values into 4 vectors of 8.
+struct Q8_0 {
+  static constexpr int BK = 32, BYTES = 34;
+  struct P { V d; };
+  static P prep(const uint8_t* b) { return {vset1(f16(b))}; }
+  static void group(const uint8_t* b, const P& p, int, V w[4]) {
+    for (int i = 0; i < 4; ++i) w[i] = vmul(vload_i8(b + 2 + 8 * i), p.d);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int BK = 32, BYTES = 20;
+  struct P { V d, m; };
+  static P prep(const uint8_t* b) { return {vset1(f16(b)), vset1(f16(b + 2))}; }
+  static void group(const uint8_t* b, const P& p, int, V w[4]) {
+    load_nibbles16(b + 4, w);  // q[0..31] as floats
+    for (int i = 0; i < 4; ++i) w[i] = vfma(w[i], p.d, p.m);
+  }
+};
+
+struct Q4_K {
+  static constexpr int BK = 256, BYTES = 144;
+  struct P { float sc[8], mn[8]; };
+  static P prep(const uint8_t* b) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* s = b + 4;
+    P p;
+    for (int j = 0; j < 8; ++j) {  // llama.cpp's get_scale_min_k4
+      int sc, m;
+      if (j < 4) {
+        sc = s[j] & 63; m = s[j + 4] & 63;
+      } else {
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      }
+      p.sc[j] = d * sc;   // exact: 11-bit mantissa x 6-bit integer
+      p.mn[j] = dmin * m;
+    }
+    return p;
+  }
+  static void group(const uint8_t* b, const P& p, int j, V w[4]) {
+    load_nibbles32(b + 16 + 32 * (j >> 1), j & 1, w);
+    const V sc = vset1(p.sc[j]), mn = vset1(p.mn[j]);
+    for (int i = 0; i < 4; ++i) w[i] = vfmsub(w[i], sc, mn);
+  }
+};
+
+// y[m, n] for m < MB (rows x + m * K) and one W row of K / F::BK blocks. Accumulators: NA per x
+// row, so MB * NA independent FMA chains (>= 4) hide the FMA latency.
+template <class F, int MB>
+inline void row_dot(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+  constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  V acc[MB][NA];
+  for (int m = 0; m < MB; ++m)
+    for (int a = 0; a < NA; ++a) acc[m][a] = vzero();
+  const int64_t nblk = K / F::BK;
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const uint8_t* b = wrow + bi * F::BYTES;
+    const auto p = F::prep(b);
+    for (int g = 0; g < F::BK / 32; ++g) {
+      V w[4];
+      F::group(b, p, g, w);
+      const float* xk = x + bi * F::BK + g * 32;
+      for (int m = 0; m < MB; ++m)
+        for (int i = 0; i < 4; ++i)
+          acc[m][i % NA] = vfma(w[i], vload(xk + m * K + 8 * i), acc[m][i % NA]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    V s = acc[m][0];
+    for (int a = 1; a < NA; ++a) s = vadd(s, acc[m][a]);
+    y[m * ldy] = vhsum(s);
+  }
+}
+
+template <class F>
+void gemm_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+  const int64_t row_bytes = K / F::BK * F::BYTES;
+  const int64_t ntask = (N + NB - 1) / NB;
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)  // a preempted thread holds 1 task
+  for (int64_t t = 0; t < ntask; ++t) {
+    const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      const int mb = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wr = w + n * row_bytes;
+        const float* xm = x + m0 * K;
+        float* ym = y + m0 * N + n;
+        switch (mb) {
+          case 8: row_dot<F, 8>(xm, K, wr, ym, N); break;
+          case 4: row_dot<F, 4>(xm, K, wr, ym, N); break;
+          case 2: row_dot<F, 2>(xm, K, wr, ym, N); break;
+          default: row_dot<F, 1>(xm, K, wr, ym, N); break;
+        }
+      }
+      m0 += mb;
+    }
+  }
+}
+
+// rows n < N of w (N, row_bytes) -> out (N, K) fp32, on the calling thread
+template <class F>
+void dequant_rows(const uint8_t* w, int64_t N, int64_t K, float* out) {
+  const int64_t row_bytes = K / F::BK * F::BYTES;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t bi = 0; bi < K / F::BK; ++bi) {
+      const uint8_t* b = w + n * row_bytes + bi * F::BYTES;
+      const auto p = F::prep(b);
+      for (int g = 0; g < F::BK / 32; ++g) {
+        V v[4];
+        F::group(b, p, g, v);
+        for (int i = 0; i < 4; ++i) vstore(out + n * K + bi * F::BK + g * 32 + 8 * i, v[i]);
+      }
+    }
+}
+
+template <class F>
+void dequant_impl(const uint8_t* w, int64_t N, int64_t K, float* out) {
+  const int64_t row_bytes = K / F::BK * F::BYTES, chunk = 16;
+  const int64_t ntask = (N + chunk - 1) / chunk;
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t t = 0; t < ntask; ++t)
+    dequant_rows<F>(w + t * chunk * row_bytes, std::min(chunk, N - t * chunk), K, out + t * chunk * K);
+}
+
+// (block values, block bytes) of a format id; BK 0 for an unknown id
+void fmt_info(int64_t fmt, int& bk, int& bytes) {
+  switch (fmt) {
+    case 3: bk = Q4_1::BK; bytes = Q4_1::BYTES; return;
+    case 8: bk = Q8_0::BK; bytes = Q8_0::BYTES; return;
+    case 12: bk = Q4_K::BK; bytes = Q4_K::BYTES; return;
+    default: bk = 0; bytes = 0;
+  }
+}
+
+void check_w(const at::Tensor& w, int64_t fmt, int64_t K) {
+  int bk, bytes;
+  fmt_info(fmt, bk, bytes);
+  TORCH_CHECK(bk > 0, "quant_gemm: unsupported format id (Q4_1 = 3, Q8_0 = 8, Q4_K = 12)");
+  TORCH_CHECK(K > 0 && K % bk == 0, "quant_gemm: K must be a positive multiple of the block size");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
+                  w.is_contiguous() && w.size(1) == K / bk * bytes,
+              "quant_gemm: w must be a contiguous uint8 (N, K / block * block_bytes) CPU tensor");
+}
+
+}  // namespace
+
+// x (M, K) float32 / bfloat16 / float16 -> y (M, N) float32
+at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+  check_w(w, fmt, K);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && x_in.device().is_cpu(),
+              "quant_gemm: x must be a (M, K) CPU tensor");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (fmt) {
+    case 3: gemm_impl<Q4_1>(xp, M, K, wp, N, yp); break;
+    case 8: gemm_impl<Q8_0>(xp, M, K, wp, N, yp); break;
+    default: gemm_impl<Q4_K>(xp, M, K, wp, N, yp); break;
+  }
+  return y;
+}
+
+// w (N, row_bytes) -> (N, K) float32, the values gguf.quants.dequantize gives
+at::Tensor dequant(const at::Tensor& w, int64_t fmt, int64_t K) {
+  check_w(w, fmt, K);
+  const int64_t N = w.size(0);
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  if (N == 0) return out;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (fmt) {
+    case 3: dequant_impl<Q4_1>(wp, N, K, op); break;
+    case 8: dequant_impl<Q8_0>(wp, N, K, op); break;
+    default: dequant_impl<Q4_K>(wp, N, K, op); break;
+  }
+  return out;
+}
+
+// Large M (prefill): the direct kernel re-dequantizes each W row once per 8 rows of x, and its
+// FMA loop is no match for a BLAS GEMM's register blocking. Here each thread takes NT-row tiles
+// of W in turn, dequantizes one into its own L2-sized fp32 buffer and multiplies it with a
+// single-threaded BLAS GEMM (at::mm inside the parallel region: nested OpenMP is off, so MKL runs
+// on the calling thread):
+//   yT[n0:n0+NT] (NT, M) = tile (NT, K) @ x^T (K, M);   y = yT^T at the end.
+// One parallel region per call, dynamically scheduled: on this shared 2-core box every region's
+// barrier can wait a whole time slice for a preempted thread, so alternating our dequantize
+// region with MKL's own per tile cost ~10 ms per tile under load. y^T keeps each tile's output
+// rows contiguous; the final transpose copies M * N floats, small next to the M * N * K FMAs.
+at::Tensor gemm_tiled(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+  check_w(w, fmt, K);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && x_in.device().is_cpu(),
+              "quant_gemm: x must be a (M, K) CPU tensor");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  int bk, bytes;
+  fmt_info(fmt, bk, bytes);
+  const int64_t row_bytes = K / bk * bytes;
+  // ~512 KiB of fp32 tile (half this CPU's per-core L2), at least 32 rows so the GEMM is not thin
+  const int64_t NT = std::min<int64_t>(N, std::max<int64_t>(32, (1 << 17) / K / 16 * 16));
+  const int64_t ntile = (N + NT - 1) / NT;
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntile));
+  at::Tensor tiles = at::empty({nt, NT, K}, x.options());
+  at::Tensor yT = at::empty({N, M}, x.options());
+  const at::Tensor xT = x.t();
+#pragma omp parallel num_threads(nt)
+  {
+    at::Tensor tile = tiles[omp_get_thread_num()];
+    float* tp = tile.data_ptr<float>();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntile; ++i) {
+      const int64_t n0 = i * NT, rows = std::min(NT, N - n0);
+      const uint8_t* wp = w.data_ptr<uint8_t>() + n0 * row_bytes;
+      switch (fmt) {
+        case 3: dequant_rows<Q4_1>(wp, rows, K, tp); break;
+        case 8: dequant_rows<Q8_0>(wp, rows, K, tp); break;
+        default: dequant_rows<Q4_K>(wp, rows, K, tp); break;
+      }
+      at::Tensor dst = yT.narrow(0, n0, rows);
+      at::mm_out(dst, tile.narrow(0, 0, rows), xT);
+    }
+  }
+  return yT.t().contiguous();
+}
+
+std::string isa() { return kQuantIsa; }
+
+TORCH_LIBRARY(radixlm_quant, m) {
+  m.def("gemm(Tensor x, Tensor w, int fmt, int K) -> Tensor");
+  m.def("gemm_tiled(Tensor x, Tensor w, int fmt, int K) -> Tensor");
+  m.def("dequant(Tensor w, int fmt, int K) -> Tensor");
+  m.def("isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(radixlm_quant, CPU, m) {
+  m.impl("gemm", &gemm);
+  m.impl("gemm_tiled", &gemm_tiled);
+  m.impl("dequant", &dequant);
+}
