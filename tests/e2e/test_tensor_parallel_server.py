@@ -15,8 +15,17 @@ SP = {"max_new_tokens": 16, "temperature": 0}
 COMMON = dict(dtype="float32", max_total_tokens=4096, context_length=1024)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _dense_gguf():
+    """TP splits dense weights only (a GGUF model keeps its quantized blocks at tp_size=1 when
+    the quantized CPU GEMM is available): both sides of every comparison run dense."""
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setenv("RADIXLM_GGUF_KEEP_QUANTIZED", "off")
+        yield
+
+
 @pytest.fixture(scope="module")
-def tp1_texts():
+def tp1_texts(_dense_gguf):
     eng = Engine(device="cpu", **COMMON)
     try:
         return [r["text"] for r in eng.generate(PROMPTS, SP)]

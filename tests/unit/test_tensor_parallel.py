@@ -18,6 +18,15 @@ from radixlm.runtime.models import loader
 ATOL = 1e-4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _dense_gguf():
+    """TP splits dense weights only (a GGUF model keeps its quantized blocks at tp_size=1 when
+    the quantized CPU GEMM is available): both sides of every comparison run dense."""
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setenv("RADIXLM_GGUF_KEEP_QUANTIZED", "off")
+        yield
+
+
 def _compare(ref: list[torch.Tensor], ranks: list[dict]) -> float:
     worst = 0.0
     for res in ranks:

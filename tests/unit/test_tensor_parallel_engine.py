@@ -24,6 +24,15 @@ PROMPTS = ["The capital of France is", "def fib(n):", SHARED + "What is 2 + 2?",
            SHARED + "Name a primary color.", "List three animals: " * 12]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _dense_gguf():
+    """TP splits dense weights only (a GGUF model keeps its quantized blocks at tp_size=1 when
+    the quantized CPU GEMM is available): both sides of every comparison run dense."""
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setenv("RADIXLM_GGUF_KEEP_QUANTIZED", "off")
+        yield
+
+
 def _tp_children() -> list[psutil.Process]:
     out = []
     for p in psutil.Process().children(recursive=True):
@@ -48,7 +57,7 @@ def _run(engine: Engine) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tp1_outputs():
+def tp1_outputs(_dense_gguf):
     return _run(Engine(**ARGS))
 
 

@@ -1,5 +1,7 @@
 """Tensor-parallel test harness: random Llama checkpoints, a fixed sequence of forward batches
-run through a ModelRunner, and N gloo ranks in spawned processes running the same sequence.
+run through a ModelRunner, and N gloo ranks in spawned processes running the same sequence
+(rank 0 builds the batches, its runner broadcasts each; the others receive and run them, as
+distributed/tp_worker's workers do).
 
 The batches (all requests' K/V in one pool, slots handed out here):
   1. EXTEND: A (12 tokens) and B (7 tokens), no prefix
@@ -119,11 +121,18 @@ def make_runner(args_kw: dict):
 def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int, out: str):
     torch.set_num_threads(1)  # a shared 2-core box: one thread per rank
     try:
-        from radixlm.runtime.distributed import parallel_state
+        from radixlm.runtime.distributed import batch_sync, parallel_state
 
         parallel_state.init_distributed(world, rank, f"file://{init_file}", "cpu", timeout_s=120)
         runner = make_runner({**args_kw, "tp_size": world})
-        logits = run_fixed_batches(runner, vocab)
+        if rank == 0:  # schedules: its runner sends each batch to the other ranks
+            logits = run_fixed_batches(runner, vocab)
+            batch_sync.send_stop(runner.tp, runner.device)
+        else:  # as distributed/tp_worker runs a worker: rank 0's batches, until it stops
+            logits = []
+            r2t = runner.req_to_token_pool.req_to_token
+            while (fb := batch_sync.recv_batch(runner.tp, r2t, runner.device)) is not None:
+                logits.append(runner.forward(fb).clone())
         torch.save({"logits": logits, "kv_heads": runner.num_kv_heads}, f"{out}.{rank}")
         parallel_state.destroy_distributed()
     except BaseException:
