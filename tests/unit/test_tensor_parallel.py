@@ -53,6 +53,15 @@ def test_tp2_matches_tp1_tiny_gqa(tmp_path, kv_heads, tied, bias, vocab):
     _compare(ref, ranks)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_tp2_matches_tp1_other_families(tmp_path, arch):
+    """Qwen3 (per-head q/k norms) and Phi-3 (partial rotary, sliding window, fused checkpoint)."""
+    path = th.write_tiny_llama(str(tmp_path / "ckpt"), vocab=128, heads=4, kv_heads=2,
+                               tied=False, arch=arch)
+    ref = th.run_fixed_batches(th.make_runner({"model_path": path}), 128)
+    _compare(ref, th.run_tp(2, {"model_path": path}, 128, str(tmp_path)))
+
+
 def test_tp2_matches_tp1_smollm2(tmp_path):
     """The bundled SmolLM2-135M (9 q heads, 3 KV heads): whole GQA groups per rank, 2 and 1."""
     path = loader.default_model_path()

@@ -27,8 +27,10 @@ TIMEOUT_S = 240.0  # one rank's whole run; a hung collective never blocks the te
 
 def write_tiny_llama(path: str, *, vocab: int, heads: int, kv_heads: int, tied: bool,
                      bias: bool = False, hidden: int = 64, inter: int = 96, layers: int = 2,
-                     seed: int = 0) -> str:
-    """config.json + model.safetensors of a random Llama (std 0.08: peaked logits, no ties)."""
+                     seed: int = 0, arch: str = "llama") -> str:
+    """config.json + model.safetensors of a random Llama (std 0.08: peaked logits, no ties).
+    arch "qwen3": per-head q/k norms; "phi3": fused qkv / gate_up tensors in the file, rotary on
+    half of each head, an 8-token sliding window."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -38,6 +40,11 @@ def write_tiny_llama(path: str, *, vocab: int, heads: int, kv_heads: int, tied: 
            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
            "tie_word_embeddings": tied, "attention_bias": bias}
+    if arch == "qwen3":
+        cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    elif arch == "phi3":
+        cfg.update(architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=8,
+                   partial_rotary_factor=0.5, original_max_position_embeddings=512)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     g = torch.Generator().manual_seed(seed)
@@ -55,6 +62,15 @@ def write_tiny_llama(path: str, *, vocab: int, heads: int, kv_heads: int, tied: 
             w[p + name + ".weight"] = rnd(*shape)
             if bias and name.startswith("self_attn"):
                 w[p + name + ".bias"] = rnd(shape[0])
+        if arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = 1 + rnd(d)
+            w[p + "self_attn.k_norm.weight"] = 1 + rnd(d)
+        if arch == "phi3":  # Phi-3 checkpoints hold the fused tensors
+            for fused, parts in (("self_attn.qkv_proj", ("q", "k", "v")),
+                                 ("mlp.gate_up_proj", ("gate", "up"))):
+                prefix = fused.split(".")[0]
+                w[p + fused + ".weight"] = torch.cat(
+                    [w.pop(f"{p}{prefix}.{x}_proj.weight") for x in parts])
         w[p + "input_layernorm.weight"] = 1 + rnd(hidden)
         w[p + "post_attention_layernorm.weight"] = 1 + rnd(hidden)
     save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
@@ -113,8 +129,11 @@ def make_runner(args_kw: dict):
     from radixlm.runtime.config import ServerArgs
     from radixlm.runtime.executor.model_runner import ModelRunner
 
+    # gguf_keep_quantized off: TP shards dense weights, so TP=1 must run them too (its auto
+    # would keep the bundled GGUF's blocks: the same values, another summation order)
     kw = dict(dtype="float32", device="cpu", attention_backend="torch_native",
-              max_total_tokens=256, max_running_requests=4, context_length=256)
+              max_total_tokens=256, max_running_requests=4, context_length=256,
+              gguf_keep_quantized="off")
     return ModelRunner(ServerArgs(**{**kw, **args_kw}))
 
 
