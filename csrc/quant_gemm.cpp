@@ -21,6 +21,7 @@
 // (M = 1..8) reads every weight byte once: 4-8x fewer bytes than the fp32 GEMM's weights.
 // Large M is better served by `dequant` + a BLAS GEMM; the Python side picks per M.
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -259,10 +260,16 @@ at::Tensor gemm_tiled(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, 
   at::Tensor tiles = at::empty({nt, NT, K}, x.options());
   at::Tensor yT = at::empty({N, M}, x.options());
   const at::Tensor xT = x.t();
+  // the workers run ATen ops: give them the caller's thread-local state (inference mode: the
+  // outputs are inference tensors, which only an inference-mode thread may write in place), as
+  // at::parallel_for does; an exception must not leave the parallel region (std::terminate)
+  const at::ThreadLocalState tls;
+  std::string error;
 #pragma omp parallel num_threads(nt)
   {
-    at::Tensor tile = tiles[omp_get_thread_num()];
-    float* tp = tile.data_ptr<float>();
+    at::ThreadLocalStateGuard tls_guard(tls);
+    const int tid = omp_get_thread_num();
+    float* tp = tiles.data_ptr<float>() + tid * NT * K;  // this thread's tile
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntile; ++i) {
       const int64_t n0 = i * NT, rows = std::min(NT, N - n0);
@@ -272,10 +279,16 @@ at::Tensor gemm_tiled(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, 
         case 8: dequant_rows<Q8_0>(wp, rows, K, tp); break;
         default: dequant_rows<Q4_K>(wp, rows, K, tp); break;
       }
-      at::Tensor dst = yT.narrow(0, n0, rows);
-      at::mm_out(dst, tile.narrow(0, 0, rows), xT);
+      try {  // per iteration: every thread must still reach the loop's closing barrier
+        at::Tensor dst = yT.narrow(0, n0, rows);
+        at::mm_out(dst, tiles.select(0, tid).narrow(0, 0, rows), xT);
+      } catch (const std::exception& e) {
+#pragma omp critical
+        error = e.what();
+      }
     }
   }
+  TORCH_CHECK(error.empty(), error.substr(0, 2000).c_str());
   return yT.t().contiguous();
 }
 

@@ -38,11 +38,16 @@ _HELP = {
                      "weights (same values, same fp32 accumulation; 2x weight memory). auto: on "
                      "where the CPU lacks bf16 matmul (no avx512_bf16 / amx_bf16); env "
                      "RADIXLM_CPU_FP32_GEMM overrides",
+    "gguf_keep_quantized": "GGUF on a CPU: keep Q4_1 / Q8_0 / Q4_K linear weights quantized and "
+                           "multiply by their blocks (C++ kernel; fewer bytes per decode step) "
+                           "instead of dequantizing at load. auto: on where the AVX2 kernel "
+                           "builds; never on CUDA; env RADIXLM_GGUF_KEEP_QUANTIZED overrides",
 }
 
 
 _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSERS,
-            "embedding_pooling": ("last", "mean"), "cpu_fp32_gemm": ("auto", "on", "off")}
+            "embedding_pooling": ("last", "mean"), "cpu_fp32_gemm": ("auto", "on", "off"),
+            "gguf_keep_quantized": ("auto", "on", "off")}
 
 
 def _kind(field: dataclasses.Field):

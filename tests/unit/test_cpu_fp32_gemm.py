@@ -85,7 +85,9 @@ def _run(smol_path, mode: str):
     import radixlm
 
     kw = {"dtype": "float32"} if mode == "fp32" else {"dtype": "bfloat16", "cpu_fp32_gemm": mode}
-    eng = radixlm.Engine(model_path=smol_path, max_total_tokens=4000, context_length=1024, **kw)
+    # the dense path under test: auto would keep the GGUF's blocks (layers/quantized_linear.py)
+    eng = radixlm.Engine(model_path=smol_path, max_total_tokens=4000, context_length=1024,
+                         gguf_keep_quantized="off", **kw)
     try:
         runner = eng.runner
         outs = eng.generate(PROMPTS, {"temperature": 0, "max_new_tokens": MAX_NEW},

@@ -17,7 +17,7 @@ from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
-from radixlm.runtime.layers import cpu_linear
+from radixlm.runtime.layers import cpu_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
@@ -75,8 +75,11 @@ class ModelRunner:
 
         # bf16 on a CPU without bf16 matmul: fp32 GEMMs on fp32 weight copies (layers/cpu_linear)
         self.fp32_gemm = cpu_linear.use_fp32_gemm(args.cpu_fp32_gemm, self.device, self.dtype)
+        # GGUF on a CPU: projections and head multiply by the file's blocks (layers/quantized_linear)
+        self.keep_quantized = quantized_linear.keep_quantized(
+            args.gguf_keep_quantized, self.device, self.load_format, self.tp.size)
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
-               self.fp32_gemm)
+               self.fp32_gemm, self.keep_quantized)
         if self.tp.size > 1:  # never shared: a shard's layers hold this engine's TP group
             self.model = self._load_model(cfg, args.seed)
         else:
@@ -125,8 +128,12 @@ class ModelRunner:
             if self.load_format == "dummy":
                 model.init_dummy_weights(seed)
             else:
-                model.load_weights(loader.iter_weights(self.model_path, self.load_format,
-                                                       self.dtype))
+                weights = loader.iter_weights(self.model_path, self.load_format, self.dtype)
+                if self.keep_quantized:  # blocks replace dense weights: skip those tensors
+                    held = quantized_linear.convert_model(
+                        model, quantized_linear.gguf_file(self.model_path))
+                    weights = ((name, t) for name, t in weights if name not in held)
+                model.load_weights(weights)
             model.eval().requires_grad_(False)
             if self.fp32_gemm:
                 cpu_linear.convert_model(model)

@@ -88,6 +88,8 @@ def convert_model(model: nn.Module) -> int:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, Fp32GemmLinear(child))
                 swapped += 1
+    if getattr(model, "lm_head_quant", None) is not None:  # the head stays GGUF blocks
+        return swapped
     if model.lm_head is None:  # tied: an fp32 copy; the embedding lookup keeps the bf16 table
         model.lm_head_fp32 = model.embed_tokens.weight.detach().float()
     else:  # untied: the fp32 layer replaces the bf16 one, its weight is the head

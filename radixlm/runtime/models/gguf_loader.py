@@ -212,3 +212,24 @@ def gguf_file_in(folder: str) -> str:
         what = "no .gguf file" if not found else f"several .gguf files {found}"
         raise ValueError(f"{folder}: {what}; pass the .gguf file itself as the model path")
     return os.path.join(folder, found[0])
+
+
+def iter_gguf_blocks(path: str, type_ids: set[int]) -> Iterator[tuple[str, int, np.ndarray]]:
+    """(HF name, ggml type id, raw blocks (rows, row_bytes) uint8) for every tensor of the file
+    stored in one of `type_ids`, still quantized (layers/quantized_linear.py keeps them so). Rows
+    are independent runs of blocks along the input dim, so q/k rows are un-permuted for rotary
+    exactly as the dequantized ones are. Views of the memory map where no row moves: copy before
+    handing them to torch."""
+    r = open_gguf(path)
+    arch, _, _, permuted = gguf_arch(r)
+    n_heads = int(_field(r, f"{arch}.attention.head_count"))
+    n_kv = int(_field(r, f"{arch}.attention.head_count_kv", n_heads))
+    for t in r.tensors:
+        if int(t.tensor_type) not in type_ids or len(t.shape) != 2:
+            continue
+        arr = t.data  # (rows, row_bytes) uint8: gguf's reader gives byte rows for block types
+        if permuted and ".attn_q." in t.name:
+            arr = unpermute_rotary(arr, n_heads)
+        elif permuted and ".attn_k." in t.name:
+            arr = unpermute_rotary(arr, n_kv)
+        yield hf_name(t.name), int(t.tensor_type), arr

@@ -224,6 +224,8 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling)
+        # the LM head as GGUF blocks (layers/quantized_linear.py), when the weights stay quantized
+        self.lm_head_quant: Optional[nn.Module] = None
 
     @staticmethod
     def check_supported(cfg: ModelConfig, context_len: int) -> None:
@@ -257,6 +259,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
+        if self.lm_head_quant is not None:  # rounded through hidden's dtype, as logits_fp32 does
+            out = self.lm_head_quant.forward_fp32(hidden)
+            return out if hidden.dtype == torch.float32 else out.to(hidden.dtype).float()
         if self.lm_head_fp32 is not None:
             return cpu_linear.logits_fp32(hidden, self.lm_head_fp32, hidden.dtype)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

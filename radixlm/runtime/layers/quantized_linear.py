@@ -1,0 +1,210 @@
+"""GGUF weights kept quantized on the CPU: linear layers that multiply by Q4_1 / Q8_0 / Q4_K
+blocks in their on-disk layout (the C++ kernel of layers/quant_kernels.py) instead of by dense
+weights dequantized at load.
+
+Why: decode is memory-bound. The dense CPU path streams fp32 weights (layers/cpu_linear.py):
+SmolLM2-135M's Q4_1 layers are ~6.4x fewer bytes than their fp32 copies, and the Q8_0 head
+~3.8x fewer. The kernel dequantizes each block in registers and FMAs in fp32, so it computes the
+dequantized model's matmul up to summation order. Prefill (many rows) goes through the kernel's
+tiled path: blocks dequantized tile by tile into an L2-sized fp32 buffer feeding a BLAS GEMM.
+Measurements: benchmarks/quantized_cpu.py, results in benchmarks/results/quantized_cpu-cpu.jsonl.
+
+The switch is ServerArgs.gguf_keep_quantized ("auto" | "on" | "off"), overridden by the
+environment variable RADIXLM_GGUF_KEEP_QUANTIZED (same values). It applies to GGUF files on the
+CPU only; `on` on CUDA is an error (there is no GPU kernel). `auto` turns it on where the
+benchmark shows it faster: on a CPU whose kernel build has the AVX2+FMA path (the generic scalar
+build is correct but slower than MKL's fp32 GEMM). If the kernel cannot be built, `auto` logs ONE
+warning and dequantizes as before; `on` raises.
+
+What changes in the model (llama.py's module tree): every decoder projection whose GGUF tensors
+are all in a supported format becomes a QuantizedLinear; q/k/v and gate/up keep their fusion by
+concatenating block rows (rows are independent, blocks run along K). The LM head (the GGUF's
+`output.weight`, or the Q8_0 embedding when tied) becomes `model.lm_head_quant`; the embedding
+lookup keeps its dense table. Other tensors (norms, F32 / F16 / other quant types) load dense.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from radixlm.runtime.layers import quant_kernels
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "RADIXLM_GGUF_KEEP_QUANTIZED"
+SETTINGS = ("auto", "on", "off")
+# Rows of x up to which the direct kernel beats dequantize-a-tile + GEMM (measured on the AVX2
+# EPYC: benchmarks/quantized_cpu.py's m_sweep); above it, gemm_tiled.
+DIRECT_MAX_M = 16
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_SINGLE = {"o_proj": "o_proj", "down_proj": "down_proj"}
+_BLOCKS_FILE = "blocks-v1.safetensors"
+
+
+def keep_quantized(setting: str, device: torch.device, load_format: str, tp_size: int = 1) -> bool:
+    """Resolve the switch. `setting` is ServerArgs.gguf_keep_quantized; the env var wins."""
+    setting = os.environ.get(ENV_VAR, "").strip().lower() or setting
+    if setting not in SETTINGS:
+        raise ValueError(f"gguf_keep_quantized / {ENV_VAR} must be one of {', '.join(SETTINGS)} "
+                         f"(got {setting!r})")
+    if setting == "off" or load_format != "gguf":
+        return False
+    if tp_size > 1:  # distributed/sharding splits dense weights only
+        if setting == "on":
+            raise ValueError("gguf_keep_quantized=on does not support tensor parallelism "
+                             f"(tp_size={tp_size}); use auto or off")
+        return False
+    if device.type != "cpu":
+        if setting == "on":
+            raise ValueError(f"gguf_keep_quantized=on is CPU-only (device {device}): there is no "
+                             "GPU kernel for GGUF blocks; use auto or off")
+        return False
+    try:
+        isa = quant_kernels.load().isa()
+    except quant_kernels.QuantKernelsUnavailable as e:
+        if setting == "on":
+            raise RuntimeError(f"gguf_keep_quantized=on but the quantized CPU GEMM is "
+                               f"unavailable: {e}") from None
+        quant_kernels.warn_fallback(str(e))
+        return False
+    return setting == "on" or isa == "avx2"
+
+
+def gguf_file(model_path: str) -> str:
+    """The .gguf file of a model path (the file itself, or the one in a folder)."""
+    from radixlm.runtime.models.gguf_loader import gguf_file_in
+
+    return model_path if os.path.isfile(model_path) else gguf_file_in(model_path)
+
+
+class QuantizedLinear(nn.Module):
+    """y (T, out) = x (T, in) @ dequant(blocks)^T + bias, in x's dtype (fp32 accumulation, one
+    rounding at the end, like cpu_linear.Fp32GemmLinear). `blocks` (out, row_bytes) uint8 is a
+    buffer: `.to(dtype)` leaves it alone. `bias` (out,) is a parameter filled by load_weights."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: int, in_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        name, bk, nbytes = quant_kernels.FORMATS[fmt]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or in_features % bk \
+                or blocks.shape[1] != in_features // bk * nbytes:
+            raise ValueError(f"{name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold "
+                             f"rows of {in_features} values")
+        self.fmt, self.fmt_name = fmt, name
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype),
+                                 requires_grad=False) if bias else None
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) any float dtype -> (..., out) float32."""
+        x2 = x.reshape(-1, self.in_features)
+        op = quant_kernels.load()
+        fn = op.gemm if x2.shape[0] <= DIRECT_MAX_M else op.gemm_tiled
+        y = fn(x2, self.blocks, self.fmt, self.in_features)
+        if self.bias is not None:
+            y += self.bias.float()
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_fp32(x).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, {self.fmt_name}, "
+                f"bias={self.bias is not None}")
+
+
+def load_blocks(gguf_file: str) -> dict[str, tuple[int, torch.Tensor]]:
+    """HF name -> (ggml type id, (rows, row_bytes) uint8) of every tensor in a supported format.
+    From the start-up cache (models/cache.py's entry for the file) when it can: parsing the GGUF
+    header again costs 1.7-6 s on SmolLM2; the cached file reads in ~0.1 s."""
+    from radixlm.runtime.models import cache
+
+    c = cache.try_cache(gguf_file)
+    if c is None:
+        return _blocks_from_gguf(gguf_file)
+    path = os.path.join(c.entry, _BLOCKS_FILE)
+
+    def load():
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                types = json.loads(f.metadata()["types"])
+                return {n: (int(types[n]), f.get_tensor(n)) for n in f.keys()}
+        except FileNotFoundError:
+            return None
+        except (SafetensorError, OSError, ValueError, KeyError) as e:
+            logger.warning("cache file %s is damaged (%s); rebuilding it", path, e)
+            return None
+
+    def save(blocks):
+        from safetensors.torch import save
+
+        from radixlm.runtime.models.safetensors_stream import atomic_file
+
+        meta = {"types": json.dumps({n: t for n, (t, _) in blocks.items()})}
+        with atomic_file(path) as f:
+            f.write(save({n: b for n, (_, b) in blocks.items()}, metadata=meta))
+
+    return c._get(load, lambda: _blocks_from_gguf(gguf_file), save)
+
+
+def _blocks_from_gguf(gguf_file: str) -> dict[str, tuple[int, torch.Tensor]]:
+    import numpy as np
+
+    from radixlm.runtime.models.gguf_loader import iter_gguf_blocks
+
+    return {name: (t, torch.from_numpy(np.array(arr, dtype=np.uint8, copy=True)))
+            for name, t, arr in iter_gguf_blocks(gguf_file, set(quant_kernels.FORMATS))}
+
+
+def convert_model(model: nn.Module, gguf_file: str) -> set[str]:
+    """Swap llama.py's projections (and the LM head) for QuantizedLinear where the GGUF holds
+    them in a supported format, in place, before the dense weights load. Returns the HF names
+    now held as blocks: the caller skips them when loading dense weights."""
+    blocks = load_blocks(gguf_file)
+    covered: set[str] = set()
+    dtype = next(model.parameters()).dtype
+    for i, layer in enumerate(getattr(model, "layers", ())):
+        pre = f"model.layers.{i}."
+        groups: dict[tuple[str, str], list] = {}  # (parent attr, module attr) -> pieces in order
+        for parent in ("self_attn", "mlp"):
+            for hf, (target, pos) in _FUSED.items():
+                name = f"{pre}{parent}.{hf}.weight"
+                if name in blocks:
+                    groups.setdefault((parent, target), [None] * (3 if target == "qkv_proj" else 2))
+                    groups[(parent, target)][pos] = name
+            for hf, target in _SINGLE.items():
+                name = f"{pre}{parent}.{hf}.weight"
+                if name in blocks:
+                    groups[(parent, target)] = [name]
+        for (parent, target), names in groups.items():
+            owner = getattr(layer, parent, None)
+            old = getattr(owner, target, None)
+            types = {blocks[n][0] for n in names if n is not None}
+            if not isinstance(old, nn.Linear) or None in names or len(types) != 1:
+                continue  # a piece is dense or in another format: this layer stays dense
+            w = torch.cat([blocks[n][1] for n in names]) if len(names) > 1 else blocks[names[0]][1]
+            if w.shape[0] != old.out_features:
+                raise ValueError(f"{pre}{parent}.{target}: GGUF rows {w.shape[0]} != "
+                                 f"{old.out_features}")
+            setattr(owner, target, QuantizedLinear(w, types.pop(), old.in_features,
+                                                   bias=old.bias is not None, dtype=dtype))
+            covered.update(names)
+    head = "lm_head.weight" if getattr(model, "lm_head", None) is not None else "model.embed_tokens.weight"
+    if head in blocks and hasattr(model, "lm_head_quant"):
+        t, w = blocks[head]
+        model.lm_head_quant = QuantizedLinear(w, t, w.shape[1] // quant_kernels.FORMATS[t][2]
+                                              * quant_kernels.FORMATS[t][1])
+        if head == "lm_head.weight":  # untied: the dense head is no longer needed
+            model.lm_head = None
+            covered.add(head)
+    return covered

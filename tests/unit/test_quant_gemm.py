@@ -1,0 +1,136 @@
+"""The quantized CPU GEMM (csrc/quant_gemm.cpp via layers/quant_kernels.py) against gguf-py's
+reference dequantizers (gguf.quants) followed by a float64 matmul.
+
+Tolerances: `dequant` must be bit-identical to gguf.quants (d * q is exact in fp32 for an fp16 d
+and a 4/8-bit q, so the fused multiply-add rounds once where numpy's d * q + m does too). The
+GEMMs then differ from the exact product only by fp32 summation: max |y - ref| <= 1e-5 * max|ref|
+(seen: ~4e-7 with K <= 768)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T, quants
+
+from radixlm.runtime.layers import quant_kernels as qk, quantized_linear
+
+REL_TOL = 1e-5
+FMTS = {"Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    try:
+        return qk.load()
+    except qk.QuantKernelsUnavailable as e:
+        pytest.skip(f"quantized GEMM unavailable: {e}")
+
+
+def q4k_quantize(w: np.ndarray) -> np.ndarray:
+    """(N, K) fp32 -> Q4_K blocks (N, K / 256 * 144): a plain min/max quantizer in the layout
+    llama.cpp documents (gguf-py has only Q4_K's dequantizer). Per 32-value sub-block j:
+    w ~ (d * sc[j]) * q - dmin * m[j], 6-bit sc / m, 4-bit q."""
+    n, k = w.shape
+    sb = w.reshape(n, k // 256, 8, 32).astype(np.float64)
+    lo = np.minimum(sb.min(-1), 0.0)
+    scale, mins = (sb.max(-1) - lo) / 15, -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    safe = lambda a: np.where(a == 0, 1, a)  # noqa: E731
+    sc = np.clip(np.rint(scale / safe(d.astype(np.float64))[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(mins / safe(dmin.astype(np.float64))[..., None]), 0, 63).astype(np.uint8)
+    eff = (d.astype(np.float64)[..., None] * sc)[..., None]
+    off = (dmin.astype(np.float64)[..., None] * m)[..., None]
+    q = np.clip(np.rint((sb + off) / np.where(eff == 0, 1, eff)), 0, 15).astype(np.uint8)
+    s = np.zeros((n, k // 256, 12), np.uint8)
+    s[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    s[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    s[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(n, k // 256, 128)
+    out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), s, qs], -1)
+    return out.reshape(n, -1)
+
+
+def quantize(w: np.ndarray, fmt: int) -> np.ndarray:
+    return q4k_quantize(w) if fmt == 12 else quants.quantize(w, T(fmt))
+
+
+def blocks(fmt: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """Random weights quantized: (raw blocks as torch uint8, gguf's dequantized fp32 (N, K))."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = np.ascontiguousarray(quantize(w, fmt))
+    return torch.from_numpy(raw), quants.dequantize(raw, T(fmt)).reshape(n, k)
+
+
+def check(y: torch.Tensor, x: torch.Tensor, ref_w: np.ndarray) -> float:
+    ref = x.double() @ torch.from_numpy(ref_w).double().T
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= REL_TOL, err
+    return err
+
+
+def test_q4k_quantizer_round_trips():
+    w = np.random.default_rng(3).standard_normal((4, 512)).astype(np.float32)
+    back = quants.dequantize(q4k_quantize(w), T.Q4_K).reshape(w.shape)
+    # 4-bit steps of a sub-block's range (~5 sigma / 15) plus 6-bit scale error
+    assert np.abs(back - w).max() < 0.35
+
+
+@pytest.mark.parametrize("fmt", FMTS.values(), ids=FMTS.keys())
+def test_dequant_is_bit_identical(ops, fmt):
+    raw, ref_w = blocks(fmt, 37, 512)
+    assert np.array_equal(qk.dequant(raw, fmt, 512).numpy(), ref_w)
+
+
+# odd M, N not a multiple of the 16-row task split, K of 1-3 super-blocks; M crosses the direct
+# kernel's 8 / 4 / 2 / 1 row tiles
+@pytest.mark.parametrize("fmt", FMTS.values(), ids=FMTS.keys())
+@pytest.mark.parametrize("m,n,k", [(1, 37, 256), (3, 100, 512), (9, 33, 768), (15, 70, 256)])
+def test_gemm_matches_reference(ops, fmt, m, n, k):
+    raw, ref_w = blocks(fmt, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    check(ops.gemm(x, raw, fmt, k), x, ref_w)
+    check(ops.gemm_tiled(x, raw, fmt, k), x, ref_w)
+
+
+@pytest.mark.parametrize("fmt", FMTS.values(), ids=FMTS.keys())
+def test_tiled_gemm_many_rows_and_tiles(ops, fmt):
+    raw, ref_w = blocks(fmt, 1000, 512)  # 4 tiles of 256 rows at K = 512, the last partial
+    x = torch.randn(67, 512)
+    check(ops.gemm_tiled(x, raw, fmt, 512), x, ref_w)
+
+
+def test_half_inputs_are_widened(ops):
+    raw, ref_w = blocks(3, 50, 256)
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    check(ops.gemm(x, raw, 3, 256), x.float(), ref_w)
+    check(ops.gemm(x.half(), raw, 3, 256), x.half().float(), ref_w)
+
+
+def test_bad_arguments_are_refused(ops):
+    raw, _ = blocks(8, 4, 64)
+    with pytest.raises(RuntimeError, match="format"):
+        ops.gemm(torch.randn(1, 64), raw, 2, 64)
+    with pytest.raises(RuntimeError, match="row_bytes|uint8"):
+        ops.gemm(torch.randn(1, 96), raw, 8, 96)
+    with pytest.raises(RuntimeError, match="multiple"):
+        ops.gemm(torch.randn(1, 48), raw, 8, 48)
+
+
+@pytest.mark.parametrize("m", [1, 5, quantized_linear.DIRECT_MAX_M + 3])  # both paths
+def test_quantized_linear_layer(ops, m):
+    raw, ref_w = blocks(8, 96, 256)
+    lin = quantized_linear.QuantizedLinear(raw, 8, 256, bias=True)
+    lin.bias.data.copy_(torch.randn(96))
+    x = torch.randn(2, m, 256)  # leading dims are kept
+    y = lin(x)
+    assert y.shape == (2, m, 96)
+    ref = x.double() @ torch.from_numpy(ref_w).double().T + lin.bias.double()
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= REL_TOL
+    xb = x.to(torch.bfloat16)
+    yb = lin(xb)  # widened input, fp32 sums, one rounding of the result to bf16
+    assert yb.dtype == torch.bfloat16
+    refb = xb.double() @ torch.from_numpy(ref_w).double().T + lin.bias.double()
+    torch.testing.assert_close(yb.double(), refb, rtol=2 ** -8, atol=1e-5)
