@@ -129,11 +129,8 @@ def make_runner(args_kw: dict):
     from radixlm.runtime.config import ServerArgs
     from radixlm.runtime.executor.model_runner import ModelRunner
 
-    # gguf_keep_quantized off: TP shards dense weights, so TP=1 must run them too (its auto
-    # would keep the bundled GGUF's blocks: the same values, another summation order)
     kw = dict(dtype="float32", device="cpu", attention_backend="torch_native",
-              max_total_tokens=256, max_running_requests=4, context_length=256,
-              gguf_keep_quantized="off")
+              max_total_tokens=256, max_running_requests=4, context_length=256)
     return ModelRunner(ServerArgs(**{**kw, **args_kw}))
 
 
