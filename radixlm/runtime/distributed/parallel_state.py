@@ -92,7 +92,12 @@ def init_distributed(tp_size: int, tp_rank: int, init_method: str,
     else:
         backend = default_backend(device)
         if backend == "nccl":
-            torch.cuda.set_device(torch.device(device).index or int(os.environ.get("LOCAL_RANK", 0)))
+            # one GPU per rank of the node: cuda:<local rank> unless the device names one (ranks
+            # are node-major, so the local rank is tp_rank modulo the node's GPUs in use)
+            index = torch.device(device).index
+            if index is None:
+                index = int(os.environ.get("LOCAL_RANK", tp_rank % torch.cuda.device_count()))
+            torch.cuda.set_device(index)
         dist.init_process_group(backend, init_method=init_method, world_size=tp_size,
                                 rank=tp_rank, timeout=timedelta(seconds=timeout_s))
     _TP = TPGroup(rank=tp_rank, size=tp_size, group=dist.group.WORLD,
