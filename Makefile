@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml
 # build lives in ~/.cache/radixlm/kernels/<hash of sources, CPU flags, torch> (RADIXLM_KERNEL_CACHE
 # overrides), shared by every process and venv. A failed build only warns: attention then falls
 # back to torch_native (one warning per process), and the failure is remembered, not retried.
-$(KERNELS): $(STAMP) $(wildcard csrc/*.cpp csrc/*.h) radixlm/runtime/attention/cpu_kernels.py
+# The quantized GGUF GEMM (layers/quant_kernels.py, ~15 s) likewise: without it GGUF weights are
+# dequantized at load, as before (one warning).
+$(KERNELS): $(STAMP) $(wildcard csrc/*.cpp csrc/*.h) radixlm/runtime/attention/cpu_kernels.py \
+		radixlm/runtime/layers/quant_kernels.py
 	$(PY) -m radixlm.runtime.attention.cpu_kernels
+	$(PY) -m radixlm.runtime.layers.quant_kernels
 	touch $(KERNELS)
 
 install: $(STAMP) $(KERNELS)

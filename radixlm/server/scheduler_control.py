@@ -125,12 +125,21 @@ def update_weights_from_disk(runner, scheduler, req: dict) -> dict:
                              f"{getattr(old, f)} in the served model; weights of another "
                              f"architecture need a restart")
     old_path, old_fmt = runner.model_path, runner.load_format
+
+    def load(p: str, f: str) -> None:
+        if getattr(runner, "keep_quantized", False):  # GGUF blocks (layers/quantized_linear)
+            from radixlm.runtime.layers import quantized_linear
+
+            quantized_linear.reload_weights(runner.model, p, f, runner.dtype)
+        else:
+            runner.model.load_weights(loader.iter_weights(p, f, runner.dtype))
+
     t0 = time.perf_counter()
     try:
-        runner.model.load_weights(loader.iter_weights(path, fmt, runner.dtype))
+        load(path, fmt)
     except Exception as e:
         logger.error("weight update from %s failed (%s); restoring %s", path, e, old_path)
-        runner.model.load_weights(loader.iter_weights(old_path, old_fmt, runner.dtype))
+        load(old_path, old_fmt)
         raise ValueError(f"loading the weights failed, the old ones are back: {e}") from None
     runner.model_path, runner.load_format = path, fmt
     if req.get("flush_cache", True):

@@ -142,12 +142,12 @@ HIDDEN, FFN, HEADS, KV, VOCAB, LAYERS = 256, 512, 4, 2, 320, 2
 PROMPT_IDS = [[5, 17, 200, 33, 91], [1, 2, 3], [300, 12, 12, 12, 7, 8, 250, 3, 4], [42]]
 
 
-def write_tiny_q4k(path: str) -> str:
+def write_tiny_q4k(path: str, seed: int = 0, mixed: bool = True) -> str:
     """2 layers; every projection Q4_K except layer 1's ffn_up (Q8_0: its fused gate_up mixes
     formats and must stay dense); untied Q8_0 output head; F32 embedding and norms."""
     from test_quant_gemm import q4k_quantize
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
     for add, v in ((w.add_block_count, LAYERS), (w.add_context_length, 512),
                    (w.add_embedding_length, HIDDEN), (w.add_feed_forward_length, FFN),
@@ -175,7 +175,7 @@ def write_tiny_q4k(path: str) -> str:
                             ("attn_v", (KV * d, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
                             ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)),
                             ("ffn_down", (HIDDEN, FFN))):
-            put(f"{p}{name}.weight", shape, "q8" if (i, name) == (1, "ffn_up") else "q4k",
+            put(f"{p}{name}.weight", shape, "q8" if (i, name) == (1 if mixed else 0, "ffn_up") else "q4k",
                 1 / np.sqrt(shape[1]))
     put("output_norm.weight", (HIDDEN,), "f32", 0.1)
     put("output.weight", (VOCAB, HIDDEN), "q8", 0.3)
@@ -206,3 +206,31 @@ def test_tiny_q4k_llama_matches_dequantized(tmp_path, kernels, monkeypatch):
     again = _run(path, "on", "float32", **kw)
     assert again["tokens"] == on["tokens"]
     assert (tmp_path / "cache").exists() and any((tmp_path / "cache").rglob("blocks-v1.safetensors"))
+
+
+def test_reload_weights_takes_new_blocks(tmp_path, kernels, monkeypatch):
+    """update_weights_from_disk's path for quantized models (scheduler_control): a GGUF with the
+    same formats replaces every block in place; one whose formats differ is refused untouched."""
+    import radixlm
+
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    a = write_tiny_q4k(str(tmp_path / "a.gguf"), seed=0)
+    b = write_tiny_q4k(str(tmp_path / "b.gguf"), seed=1)
+    other = write_tiny_q4k(str(tmp_path / "c.gguf"), seed=2, mixed=False)  # layer 0 ffn_up Q8_0
+    kw = dict(skip_tokenizer_init=True, attention_backend="torch_native")
+    eng = radixlm.Engine(model_path=a, dtype="float32", gguf_keep_quantized="on",
+                         max_total_tokens=2000, context_length=512, **kw)
+    try:
+        model = eng.runner.model
+        before = model.layers[0].mlp.gate_up_proj.blocks.clone()
+        with pytest.raises(ValueError, match="Q4_K"):
+            quantized_linear.reload_weights(model, other, "gguf", torch.float32)
+        assert torch.equal(model.layers[0].mlp.gate_up_proj.blocks, before)
+        quantized_linear.reload_weights(model, b, "gguf", torch.float32)
+        got = eng.generate(input_ids=PROMPT_IDS, sampling_params={"temperature": 0,
+                                                                   "max_new_tokens": MAX_NEW})
+        eng.wait_idle()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    assert [o["output_ids"] for o in got] == _run(b, "on", "float32", **kw)["tokens"]

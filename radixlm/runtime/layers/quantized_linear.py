@@ -103,6 +103,8 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype),
                                  requires_grad=False) if bias else None
 
+    sources: tuple[str, ...] = ()  # the HF names whose block rows it holds, in row order
+
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) any float dtype -> (..., out) float32."""
         x2 = x.reshape(-1, self.in_features)
@@ -196,15 +198,47 @@ def convert_model(model: nn.Module, gguf_file: str) -> set[str]:
             if w.shape[0] != old.out_features:
                 raise ValueError(f"{pre}{parent}.{target}: GGUF rows {w.shape[0]} != "
                                  f"{old.out_features}")
-            setattr(owner, target, QuantizedLinear(w, types.pop(), old.in_features,
-                                                   bias=old.bias is not None, dtype=dtype))
+            new = QuantizedLinear(w, types.pop(), old.in_features, bias=old.bias is not None,
+                                  dtype=dtype)
+            new.sources = tuple(names)
+            setattr(owner, target, new)
             covered.update(names)
     head = "lm_head.weight" if getattr(model, "lm_head", None) is not None else "model.embed_tokens.weight"
     if head in blocks and hasattr(model, "lm_head_quant"):
         t, w = blocks[head]
         model.lm_head_quant = QuantizedLinear(w, t, w.shape[1] // quant_kernels.FORMATS[t][2]
                                               * quant_kernels.FORMATS[t][1])
+        model.lm_head_quant.sources = (head,)
         if head == "lm_head.weight":  # untied: the dense head is no longer needed
             model.lm_head = None
             covered.add(head)
     return covered
+
+
+def reload_weights(model: nn.Module, model_path: str, load_format: str, dtype) -> None:
+    """update_weights_from_disk for a model built by convert_model: every QuantizedLinear takes
+    the new file's blocks for its source tensors (same formats and shapes, checked for all of
+    them before any is written), the rest loads dense as usual."""
+    from radixlm.runtime.models import loader
+
+    if load_format != "gguf":
+        raise ValueError("the served weights are kept quantized (gguf_keep_quantized): new "
+                         "weights must be a GGUF file in the same formats")
+    blocks = load_blocks(gguf_file(model_path))
+    mods = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.sources]
+    new = []
+    for m in mods:
+        got = [blocks.get(n) for n in m.sources]
+        if any(g is None or g[0] != m.fmt for g in got):
+            raise ValueError(f"{model_path}: {', '.join(m.sources)} not all in {m.fmt_name} "
+                             "(the served model keeps them quantized in that format)")
+        w = torch.cat([g[1] for g in got])
+        if w.shape != m.blocks.shape:
+            raise ValueError(f"{model_path}: {m.sources[0]} blocks {tuple(w.shape)} != "
+                             f"{tuple(m.blocks.shape)}")
+        new.append(w)
+    held = {n for m in mods for n in m.sources if n != "model.embed_tokens.weight"}
+    weights = loader.iter_weights(model_path, load_format, dtype)
+    model.load_weights((name, t) for name, t in weights if name not in held)
+    for m, w in zip(mods, new):
+        m.blocks.copy_(w)
