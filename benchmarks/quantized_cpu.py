@@ -1,8 +1,8 @@
 """GGUF weights kept quantized on the CPU (layers/quantized_linear.py) vs the dequantized path.
 
 Two parts, one JSON line per format/shape plus one for the engine (`--result-file` appends them):
-  kernel  y = x (M, K) @ W^T for W as GGUF blocks (the C++ kernel: `direct` FMA loop and `tiled`
-          dequantize-a-tile + BLAS GEMM; `path` is the one QuantizedLinear picks for that M)
+  kernel  y = x (M, K) @ W^T for W as GGUF blocks (the C++ kernel: `direct` FMA loop, `tiled` /
+          `chunked` dequantize + BLAS GEMM; `path` is the one QuantizedLinear picks for that M)
           against today's CPU path, an fp32 GEMM on fp32 weights (layers/cpu_linear.py). Weights
           are cycled through enough copies to exceed the L3 cache, as in a real forward where
           every layer's weights come from DRAM once per step. Shapes: SmolLM2-135M's projections
@@ -82,10 +82,12 @@ def run_kernel(label: str, fmt: int, n: int, k: int, ms: list[int], reps: int) -
         fp32 = timed(lambda w: F.linear(x, w), w32, r)
         direct = timed(lambda w: qk.gemm(x, w, fmt, k), wq, r)
         tiled = timed(lambda w: qk.load().gemm_tiled(x, w, fmt, k), wq, r)
-        path = "direct" if m <= quantized_linear.DIRECT_MAX_M else "tiled"
-        best = direct if path == "direct" else tiled
+        chunked = timed(lambda w: qk.load().gemm_chunked(x, w, fmt, k), wq, r)
+        path = ("direct" if m <= quantized_linear.DIRECT_MAX_M else
+                "tiled" if m <= quantized_linear.TILED_MAX_M else "chunked")
+        best = {"direct": direct, "tiled": tiled, "chunked": chunked}[path]
         out[f"M={m}"] = {"fp32_gemm_ms": fp32, "direct_ms": direct, "tiled_ms": tiled,
-                         "path": path, "speedup": round(fp32 / best, 2)}
+                         "chunked_ms": chunked, "path": path, "speedup": round(fp32 / best, 2)}
     name = qk.FORMATS[fmt][0]
     return {"benchmark": "quantized_cpu", "part": "kernel", "label": label, "format": name,
             "shape": {"N": n, "K": k}, "unit": "ms per matmul (median, cold weights)",
@@ -140,7 +142,7 @@ def run_engine(args) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ms", type=int, nargs="+", default=[1, 8, 16, 32, 64, 512])
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 8, 16, 32, 64, 256, 512])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--skip-kernel", action="store_true")
     p.add_argument("--skip-engine", action="store_true")

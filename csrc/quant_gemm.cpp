@@ -19,11 +19,13 @@
 // task) over blocks of NB output rows; inside, each x tile of MB <= 8 rows runs
 // against each W row of the block (the W block stays in L1/L2 across the x tiles). Decode
 // (M = 1..8) reads every weight byte once: 4-8x fewer bytes than the fp32 GEMM's weights.
-// Large M is better served by `dequant` + a BLAS GEMM; the Python side picks per M.
+// Large M is better served by dequantized fp32 + a BLAS GEMM: gemm_tiled (per-thread tiles) and
+// gemm_chunked (16 MiB chunks, one multithreaded GEMM each); layers/quantized_linear.py picks per M.
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -32,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "quant_vec.h"
 
@@ -253,10 +256,16 @@ at::Tensor gemm_tiled(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, 
   int bk, bytes;
   fmt_info(fmt, bk, bytes);
   const int64_t row_bytes = K / bk * bytes;
-  // ~512 KiB of fp32 tile (half this CPU's per-core L2), at least 32 rows so the GEMM is not thin
-  const int64_t NT = std::min<int64_t>(N, std::max<int64_t>(32, (1 << 17) / K / 16 * 16));
+  // Tiles of at most ~512 KiB of fp32 (half this CPU's per-core L2), at least 32 rows so the
+  // GEMM is not thin, and a whole number of tiles per thread: 5 tiles on 2 threads left one
+  // thread idle for a fifth of the call (SmolLM2's qkv, N = 960)
+  const int64_t nt_max = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t cap = std::max<int64_t>(32, (1 << 17) / K / 16 * 16);
+  const int64_t rounds = (N + nt_max * cap - 1) / (nt_max * cap);  // tiles per thread
+  const int64_t NT = std::min<int64_t>(
+      N, std::max<int64_t>(32, ((N + nt_max * rounds - 1) / (nt_max * rounds) + 15) / 16 * 16));
   const int64_t ntile = (N + NT - 1) / NT;
-  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntile));
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(nt_max, ntile));
   at::Tensor tiles = at::empty({nt, NT, K}, x.options());
   at::Tensor yT = at::empty({N, M}, x.options());
   const at::Tensor xT = x.t();
@@ -292,11 +301,52 @@ at::Tensor gemm_tiled(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, 
   return yT.t().contiguous();
 }
 
+// Very large M: dequantize chunks of up to ~16 MiB of W rows into a scratch buffer kept by the
+// calling thread (no page faults after the first call) and run ONE multithreaded at::mm per chunk,
+// where MKL's blocking beats per-thread GEMMs on thin tiles. Two parallel regions per chunk.
+at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+  check_w(w, fmt, K);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && x_in.device().is_cpu(),
+              "quant_gemm: x must be a (M, K) CPU tensor");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  int bk, bytes;
+  fmt_info(fmt, bk, bytes);
+  const int64_t row_bytes = K / bk * bytes;
+  const int64_t nchunk = (N * K + (1 << 22) - 1) >> 22;  // 4 Mi floats = 16 MiB per chunk
+  const int64_t CH = (N + nchunk - 1) / nchunk;
+  static thread_local std::vector<float> scratch;
+  if ((int64_t)scratch.size() < CH * K) scratch.resize(CH * K);
+  if (nchunk == 1) {  // the whole W fits: exactly F.linear's GEMM, y = x @ W^T, no transpose
+    switch (fmt) {
+      case 3: dequant_impl<Q4_1>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
+      case 8: dequant_impl<Q8_0>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
+      default: dequant_impl<Q4_K>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
+    }
+    return at::mm(x, at::from_blob(scratch.data(), {N, K}, x.options()).t());
+  }
+  at::Tensor yT = at::empty({N, M}, x.options());
+  const at::Tensor xT = x.t();
+  for (int64_t n0 = 0; n0 < N; n0 += CH) {
+    const int64_t rows = std::min(CH, N - n0);
+    const uint8_t* wp = w.data_ptr<uint8_t>() + n0 * row_bytes;
+    switch (fmt) {
+      case 3: dequant_impl<Q4_1>(wp, rows, K, scratch.data()); break;
+      case 8: dequant_impl<Q8_0>(wp, rows, K, scratch.data()); break;
+      default: dequant_impl<Q4_K>(wp, rows, K, scratch.data()); break;
+    }
+    at::Tensor dst = yT.narrow(0, n0, rows);
+    at::mm_out(dst, at::from_blob(scratch.data(), {rows, K}, x.options()), xT);
+  }
+  return yT.t().contiguous();
+}
+
 std::string isa() { return kQuantIsa; }
 
 TORCH_LIBRARY(radixlm_quant, m) {
   m.def("gemm(Tensor x, Tensor w, int fmt, int K) -> Tensor");
   m.def("gemm_tiled(Tensor x, Tensor w, int fmt, int K) -> Tensor");
+  m.def("gemm_chunked(Tensor x, Tensor w, int fmt, int K) -> Tensor");
   m.def("dequant(Tensor w, int fmt, int K) -> Tensor");
   m.def("isa() -> str", &isa);
 }
@@ -304,5 +354,6 @@ TORCH_LIBRARY(radixlm_quant, m) {
 TORCH_LIBRARY_IMPL(radixlm_quant, CPU, m) {
   m.impl("gemm", &gemm);
   m.impl("gemm_tiled", &gemm_tiled);
+  m.impl("gemm_chunked", &gemm_chunked);
   m.impl("dequant", &dequant);
 }

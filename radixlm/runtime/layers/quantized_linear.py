@@ -5,8 +5,8 @@ weights dequantized at load.
 Why: decode is memory-bound. The dense CPU path streams fp32 weights (layers/cpu_linear.py):
 SmolLM2-135M's Q4_1 layers are ~6.4x fewer bytes than their fp32 copies, and the Q8_0 head
 ~3.8x fewer. The kernel dequantizes each block in registers and FMAs in fp32, so it computes the
-dequantized model's matmul up to summation order. Prefill (many rows) goes through the kernel's
-tiled path: blocks dequantized tile by tile into an L2-sized fp32 buffer feeding a BLAS GEMM.
+dequantized model's matmul up to summation order. Prefill (many rows) dequantizes tiles or
+chunks of the blocks into fp32 scratch feeding a BLAS GEMM (see DIRECT_MAX_M / TILED_MAX_M).
 Measurements: benchmarks/quantized_cpu.py, results in benchmarks/results/quantized_cpu-cpu.jsonl.
 
 The switch is ServerArgs.gguf_keep_quantized ("auto" | "on" | "off"), overridden by the
@@ -39,9 +39,12 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "RADIXLM_GGUF_KEEP_QUANTIZED"
 SETTINGS = ("auto", "on", "off")
-# Rows of x up to which the direct kernel beats dequantize-a-tile + GEMM (measured on the AVX2
-# EPYC: benchmarks/quantized_cpu.py's m_sweep); above it, gemm_tiled.
+# The kernel's three paths by rows of x (M), from benchmarks/quantized_cpu.py on the AVX2 EPYC:
+#   M <= 16    gemm: the direct FMA loop (2.5-6x the fp32 GEMM: it reads 4-8x fewer bytes)
+#   M <= 256   gemm_tiled: per-thread L2-sized dequantized tiles + single-threaded BLAS GEMMs
+#   larger     gemm_chunked: 16 MiB dequantized chunks + one multithreaded BLAS GEMM each
 DIRECT_MAX_M = 16
+TILED_MAX_M = 256
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _SINGLE = {"o_proj": "o_proj", "down_proj": "down_proj"}
@@ -109,7 +112,8 @@ class QuantizedLinear(nn.Module):
         """(..., in) any float dtype -> (..., out) float32."""
         x2 = x.reshape(-1, self.in_features)
         op = quant_kernels.load()
-        fn = op.gemm if x2.shape[0] <= DIRECT_MAX_M else op.gemm_tiled
+        m = x2.shape[0]
+        fn = op.gemm if m <= DIRECT_MAX_M else op.gemm_tiled if m <= TILED_MAX_M else op.gemm_chunked
         y = fn(x2, self.blocks, self.fmt, self.in_features)
         if self.bias is not None:
             y += self.bias.float()
