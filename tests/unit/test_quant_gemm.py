@@ -175,3 +175,14 @@ def test_scalar_fallback_build(ops, tmp_path):
     r = subprocess.run([sys.executable, "-c", _GENERIC_CHECK], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_build_lists_every_included_header():
+    """Every local `#include "..."` is hashed into the build's name (else an edited header would
+    load a stale cached build)."""
+    import re
+
+    listed = set(qk._SOURCES + qk._HEADERS)
+    for name in listed:
+        for inc in re.findall(r'#include "([^"]+)"', (qk._CSRC / name).read_text()):
+            assert inc in listed, (name, inc)

@@ -1,0 +1,68 @@
+// The GGUF block formats of quant_gemm.cpp (layouts in its top comment; gguf-py's gguf.quants
+// and llama.cpp's ggml-common.h are the references): each says how many values (BK) a block of
+// BYTES bytes holds, reads the block's scales once (prep) and dequantizes its g-th run of 32
+// values into 4 vectors of 8 fp32 (group).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_vec.h"
+
+namespace radixlm_quant {
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+// A format: BK values in BYTES bytes per block; prep() reads a block's scales once, group(g)
+// dequantizes its g-th run of 32 values into 4 vectors of 8.
+struct Q8_0 {
+  static constexpr int BK = 32, BYTES = 34;
+  struct P { V d; };
+  static P prep(const uint8_t* b) { return {vset1(f16(b))}; }
+  static void group(const uint8_t* b, const P& p, int, V w[4]) {
+    for (int i = 0; i < 4; ++i) w[i] = vmul(vload_i8(b + 2 + 8 * i), p.d);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int BK = 32, BYTES = 20;
+  struct P { V d, m; };
+  static P prep(const uint8_t* b) { return {vset1(f16(b)), vset1(f16(b + 2))}; }
+  static void group(const uint8_t* b, const P& p, int, V w[4]) {
+    load_nibbles16(b + 4, w);  // q[0..31] as floats
+    for (int i = 0; i < 4; ++i) w[i] = vfma(w[i], p.d, p.m);
+  }
+};
+
+struct Q4_K {
+  static constexpr int BK = 256, BYTES = 144;
+  struct P { float sc[8], mn[8]; };
+  static P prep(const uint8_t* b) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* s = b + 4;
+    P p;
+    for (int j = 0; j < 8; ++j) {  // llama.cpp's get_scale_min_k4
+      int sc, m;
+      if (j < 4) {
+        sc = s[j] & 63; m = s[j + 4] & 63;
+      } else {
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      }
+      p.sc[j] = d * sc;   // exact: 11-bit mantissa x 6-bit integer
+      p.mn[j] = dmin * m;
+    }
+    return p;
+  }
+  static void group(const uint8_t* b, const P& p, int j, V w[4]) {
+    load_nibbles32(b + 16 + 32 * (j >> 1), j & 1, w);
+    const V sc = vset1(p.sc[j]), mn = vset1(p.mn[j]);
+    for (int i = 0; i < 4; ++i) w[i] = vfmsub(w[i], sc, mn);
+  }
+};
+
+}  // namespace radixlm_quant
