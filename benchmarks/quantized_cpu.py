@@ -6,7 +6,7 @@ Two parts, one JSON line per format/shape plus one for the engine (`--result-fil
           against today's CPU path, an fp32 GEMM on fp32 weights (layers/cpu_linear.py). Weights
           are cycled through enough copies to exceed the L3 cache, as in a real forward where
           every layer's weights come from DRAM once per step. Shapes: SmolLM2-135M's projections
-          (Q4_1) and head (Q8_0), Llama-8B-like 4096 x 4096 in Q4_1, Q8_0, Q4_K.
+          (Q4_1) and head (Q8_0), Llama-8B-like 4096 x 4096 in Q4_1, Q8_0, Q4_K, Q6_K.
   engine  the bundled SmolLM2-135M Q4_1 GGUF through the Engine, gguf_keep_quantized on vs off:
           batch-1 and batch-8 decode tok/s, and a 512-token prefill, alternating on/off rounds.
 
@@ -40,21 +40,22 @@ SHAPES = [  # (label, ggml type id, N out, K in)
     ("smollm2.qkv", 3, 960, 576), ("smollm2.gate_up", 3, 3072, 576),
     ("smollm2.down", 3, 576, 1536), ("smollm2.head", 8, 49152, 576),
     ("llama8b.4096x4096", 3, 4096, 4096), ("llama8b.4096x4096", 8, 4096, 4096),
-    ("llama8b.4096x4096", 12, 4096, 4096),
+    ("llama8b.4096x4096", 12, 4096, 4096), ("llama8b.4096x4096", 14, 4096, 4096),
 ]
 
 
 def make_blocks(fmt: int, n: int, k: int, rng) -> torch.Tensor:
     """Random weights in GGUF blocks: gguf's quantizer for Q4_1 / Q8_0; random bytes with
-    small fp16 scales for Q4_K (gguf-py has no Q4_K quantizer; timing does not care)."""
+    small fp16 scales for Q4_K / Q6_K (gguf-py has no quantizer for them; timing does not care)."""
     from gguf import GGMLQuantizationType, quants
 
     if fmt != 12:
         w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
         return torch.from_numpy(quants.quantize(w, GGMLQuantizationType(fmt)))
-    raw = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
-    scales = (rng.random((n, k // 256, 2)) * 1e-3).astype(np.float16)
-    raw[..., :4] = scales.view(np.uint8)
+    nbytes, at = (144, 0) if fmt == 12 else (210, 208)  # where the fp16 scale(s) sit
+    raw = rng.integers(0, 256, size=(n, k // 256, nbytes), dtype=np.uint8)
+    scales = (rng.random((n, k // 256, 2 if fmt == 12 else 1)) * 1e-3).astype(np.float16)
+    raw[..., at:at + scales.shape[-1] * 2] = scales.view(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1))
 
 
@@ -145,6 +146,7 @@ def main(argv=None):
     p.add_argument("--ms", type=int, nargs="+", default=[1, 8, 16, 32, 64, 256, 512])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--skip-kernel", action="store_true")
+    p.add_argument("--formats", nargs="+", default=None, help="kernel part: only these formats")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--engine-rounds", type=int, default=2, help="rounds of (off, on) engines")
     p.add_argument("--decode-len", type=int, default=64)
@@ -156,7 +158,8 @@ def main(argv=None):
     load_start = os.getloadavg()[0]
     docs = []
     if not args.skip_kernel:
-        docs += [run_kernel(*s, args.ms, args.reps) for s in SHAPES]
+        docs += [run_kernel(*s, args.ms, args.reps) for s in SHAPES
+                 if args.formats is None or qk.FORMATS[s[1]][0] in args.formats]
     if not args.skip_engine:
         docs.append(run_engine(args))
     for doc in docs:

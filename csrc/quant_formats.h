@@ -65,4 +65,26 @@ struct Q4_K {
   }
 };
 
+// Q6_K (14): 256 values in 210 bytes: ql[128] low 4 bits, qh[64] high 2 bits, 16 int8 scales
+// (one per 16 values), fp16 d last. Group g (32 values): h = g / 4, r = g % 4; low bits are
+// nibble r / 2 of ql[64h + 32 (r % 2) + i], high bits are bits 2r of qh[32h + i];
+// w = (d * sc[2g + i / 16]) * (q - 32) (gguf.quants.Q6_K)
+struct Q6_K {
+  static constexpr int BK = 256, BYTES = 210;
+  struct P { float sc[16]; };
+  static P prep(const uint8_t* b) {
+    const float d = f16(b + 208);
+    P p;
+    for (int j = 0; j < 16; ++j) p.sc[j] = d * static_cast<int8_t>(b[192 + j]);  // exact
+    return p;
+  }
+  static void group(const uint8_t* b, const P& p, int g, V w[4]) {
+    const int h = g >> 2, r = g & 3;
+    load_q6(b + 64 * h + 32 * (r & 1), b + 128 + 32 * h, r >> 1, r, w);
+    const V s0 = vset1(p.sc[2 * g]), s1 = vset1(p.sc[2 * g + 1]);
+    w[0] = vmul(w[0], s0); w[1] = vmul(w[1], s0);
+    w[2] = vmul(w[2], s1); w[3] = vmul(w[3], s1);
+  }
+};
+
 }  // namespace radixlm_quant

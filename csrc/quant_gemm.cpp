@@ -10,9 +10,12 @@
 //   Q4_K (12)  256 values in 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) pairs
 //              for 8 sub-blocks of 32, 128 bytes of nibbles (bytes 32c..32c+31: low nibbles are
 //              sub-block 2c, high nibbles 2c+1); w = (d * sc[j]) * q - (dmin * mn[j])
+//   Q6_K (14)  256 values in 210 bytes: 6-bit q in 128 + 64 bytes, 16 int8 scales, fp16 d;
+//              w = (d * sc[j]) * (q - 32) (llama.cpp's Q4_K_M files keep some tensors in Q6_K)
 // Each block is dequantized to fp32 in registers and FMA'd into fp32 accumulators. The
-// dequantized values are bit-identical to gguf.quants' (d * q is exact in fp32 for a fp16 d and
-// a 4- or 8-bit q, so fma(q, d, m) rounds once, as d * q + m does), so y differs from
+// dequantized values are bit-identical to gguf.quants' (each is one fp32 rounding of the same
+// exact product / sum: d * q is exact for a fp16 d and a 4- or 8-bit q, so fma(q, d, m) rounds
+// once, as d * q + m does; Q6_K's (d * sc) * q rounds once in both), so y differs from
 // "dequantize, then fp32 matmul" only in summation order.
 //
 // Work split: OpenMP (dynamic: on a shared box a preempted thread then delays only its current
@@ -131,6 +134,7 @@ void fmt_info(int64_t fmt, int& bk, int& bytes) {
     case 3: bk = Q4_1::BK; bytes = Q4_1::BYTES; return;
     case 8: bk = Q8_0::BK; bytes = Q8_0::BYTES; return;
     case 12: bk = Q4_K::BK; bytes = Q4_K::BYTES; return;
+    case 14: bk = Q6_K::BK; bytes = Q6_K::BYTES; return;
     default: bk = 0; bytes = 0;
   }
 }
@@ -138,7 +142,7 @@ void fmt_info(int64_t fmt, int& bk, int& bytes) {
 void check_w(const at::Tensor& w, int64_t fmt, int64_t K) {
   int bk, bytes;
   fmt_info(fmt, bk, bytes);
-  TORCH_CHECK(bk > 0, "quant_gemm: unsupported format id (Q4_1 = 3, Q8_0 = 8, Q4_K = 12)");
+  TORCH_CHECK(bk > 0, "quant_gemm: unsupported format id (Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
   TORCH_CHECK(K > 0 && K % bk == 0, "quant_gemm: K must be a positive multiple of the block size");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
                   w.is_contiguous() && w.size(1) == K / bk * bytes,
@@ -162,7 +166,8 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_
   switch (fmt) {
     case 3: gemm_impl<Q4_1>(xp, M, K, wp, N, yp); break;
     case 8: gemm_impl<Q8_0>(xp, M, K, wp, N, yp); break;
-    default: gemm_impl<Q4_K>(xp, M, K, wp, N, yp); break;
+    case 12: gemm_impl<Q4_K>(xp, M, K, wp, N, yp); break;
+    default: gemm_impl<Q6_K>(xp, M, K, wp, N, yp); break;
   }
   return y;
 }
@@ -178,7 +183,8 @@ at::Tensor dequant(const at::Tensor& w, int64_t fmt, int64_t K) {
   switch (fmt) {
     case 3: dequant_impl<Q4_1>(wp, N, K, op); break;
     case 8: dequant_impl<Q8_0>(wp, N, K, op); break;
-    default: dequant_impl<Q4_K>(wp, N, K, op); break;
+    case 12: dequant_impl<Q4_K>(wp, N, K, op); break;
+    default: dequant_impl<Q6_K>(wp, N, K, op); break;
   }
   return out;
 }
@@ -232,7 +238,8 @@ at::Tensor gemm_tiled(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, 
       switch (fmt) {
         case 3: dequant_rows<Q4_1>(wp, rows, K, tp); break;
         case 8: dequant_rows<Q8_0>(wp, rows, K, tp); break;
-        default: dequant_rows<Q4_K>(wp, rows, K, tp); break;
+        case 12: dequant_rows<Q4_K>(wp, rows, K, tp); break;
+        default: dequant_rows<Q6_K>(wp, rows, K, tp); break;
       }
       try {  // per iteration: every thread must still reach the loop's closing barrier
         at::Tensor dst = yT.narrow(0, n0, rows);
@@ -267,7 +274,8 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
     switch (fmt) {
       case 3: dequant_impl<Q4_1>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
       case 8: dequant_impl<Q8_0>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
-      default: dequant_impl<Q4_K>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
+      case 12: dequant_impl<Q4_K>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
+      default: dequant_impl<Q6_K>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
     }
     return at::mm(x, at::from_blob(scratch.data(), {N, K}, x.options()).t());
   }
@@ -279,7 +287,8 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
     switch (fmt) {
       case 3: dequant_impl<Q4_1>(wp, rows, K, scratch.data()); break;
       case 8: dequant_impl<Q8_0>(wp, rows, K, scratch.data()); break;
-      default: dequant_impl<Q4_K>(wp, rows, K, scratch.data()); break;
+      case 12: dequant_impl<Q4_K>(wp, rows, K, scratch.data()); break;
+      default: dequant_impl<Q6_K>(wp, rows, K, scratch.data()); break;
     }
     at::Tensor dst = yT.narrow(0, n0, rows);
     at::mm_out(dst, at::from_blob(scratch.data(), {rows, K}, x.options()), xT);

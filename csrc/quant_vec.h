@@ -64,6 +64,24 @@ inline void load_nibbles32(const uint8_t* p, int hi, V w[4]) {
   w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8)));
 }
 
+// Q6_K: q = (4 low bits: nibble `s` of ql[0..31]) | (2 high bits: bits 2r..2r+1 of qh[0..31]) << 4,
+// as 32 floats q - 32
+inline void load_q6(const uint8_t* ql, const uint8_t* qh, int s, int r, V w[4]) {
+  const __m256i lo = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)), _mm_cvtsi32_si128(4 * s)),
+      _mm256_set1_epi8(0x0F));
+  const __m256i hi = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)), _mm_cvtsi32_si128(2 * r)),
+      _mm256_set1_epi8(0x03));
+  const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // bytes 0..63 (no carry)
+  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+  const __m256i k32 = _mm256_set1_epi32(32);
+  w[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q0), k32));
+  w[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8)), k32));
+  w[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q1), k32));
+  w[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8)), k32));
+}
+
 #else
 constexpr const char* kQuantIsa = "generic";
 struct V { float v[8]; };
@@ -87,6 +105,11 @@ inline void load_nibbles16(const uint8_t* p, V w[4]) {
 }
 inline void load_nibbles32(const uint8_t* p, int hi, V w[4]) {
   for (int i = 0; i < 32; ++i) w[i / 8].v[i % 8] = static_cast<float>(hi ? p[i] >> 4 : p[i] & 0x0F);
+}
+inline void load_q6(const uint8_t* ql, const uint8_t* qh, int s, int r, V w[4]) {
+  for (int i = 0; i < 32; ++i)
+    w[i / 8].v[i % 8] = static_cast<float>((((ql[i] >> (4 * s)) & 0x0F) |
+                                            (((qh[i] >> (2 * r)) & 0x03) << 4)) - 32);
 }
 #undef RLQ_MAP
 #endif

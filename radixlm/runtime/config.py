@@ -112,9 +112,9 @@ class ServerArgs:
     # CPU, bf16/fp16 model: linear layers as fp32 GEMMs on fp32 copies of the weights (auto: on when
     # the CPU lacks avx512_bf16/amx_bf16; env RADIXLM_CPU_FP32_GEMM wins; layers/cpu_linear.py)
     cpu_fp32_gemm: str = "auto"  # auto | on | off
-    # GGUF on a CPU: linear layers multiply by the file's Q4_1 / Q8_0 / Q4_K blocks instead of
-    # weights dequantized at load (auto: on with the AVX2 kernel; env RADIXLM_GGUF_KEEP_QUANTIZED
-    # wins; layers/quantized_linear.py)
+    # GGUF on a CPU: linear layers multiply by the file's Q4_1 / Q8_0 / Q4_K / Q6_K blocks instead
+    # of weights dequantized at load (auto: on with the AVX2 kernel; env
+    # RADIXLM_GGUF_KEEP_QUANTIZED wins; layers/quantized_linear.py)
     gguf_keep_quantized: str = "auto"  # auto | on | off
     # --- tensor parallelism (runtime/distributed): one process per rank, rank 0 schedules ---
     tp_size: int = 1

@@ -38,8 +38,9 @@ _HELP = {
                      "weights (same values, same fp32 accumulation; 2x weight memory). auto: on "
                      "where the CPU lacks bf16 matmul (no avx512_bf16 / amx_bf16); env "
                      "RADIXLM_CPU_FP32_GEMM overrides",
-    "gguf_keep_quantized": "GGUF on a CPU: keep Q4_1 / Q8_0 / Q4_K linear weights quantized and "
-                           "multiply by their blocks (C++ kernel; fewer bytes per decode step) "
+    "gguf_keep_quantized": "GGUF on a CPU: keep Q4_1 / Q8_0 / Q4_K / Q6_K linear weights "
+                           "quantized and multiply by their blocks (C++ kernel; fewer bytes per "
+                           "decode step) "
                            "instead of dequantizing at load. auto: on where the AVX2 kernel "
                            "builds; never on CUDA; env RADIXLM_GGUF_KEEP_QUANTIZED overrides",
 }

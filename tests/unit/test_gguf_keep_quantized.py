@@ -136,7 +136,7 @@ def test_smollm2_bf16_as_accurate_as_dequantized(smol):
     assert [t[0] for t in a] == [t[0] for t in b]
 
 
-# ------------------------------------------------ a tiny Llama written here in Q4_K (+ Q8_0, F32)
+# ------------------------------------- a tiny Llama written here in Q4_K (+ Q6_K, Q8_0, F32)
 
 HIDDEN, FFN, HEADS, KV, VOCAB, LAYERS = 256, 512, 4, 2, 320, 2
 PROMPT_IDS = [[5, 17, 200, 33, 91], [1, 2, 3], [300, 12, 12, 12, 7, 8, 250, 3, 4], [42]]
@@ -144,8 +144,9 @@ PROMPT_IDS = [[5, 17, 200, 33, 91], [1, 2, 3], [300, 12, 12, 12, 7, 8, 250, 3, 4
 
 def write_tiny_q4k(path: str, seed: int = 0, mixed: bool = True) -> str:
     """2 layers; every projection Q4_K except layer 1's ffn_up (Q8_0: its fused gate_up mixes
-    formats and must stay dense); untied Q8_0 output head; F32 embedding and norms."""
-    from test_quant_gemm import q4k_quantize
+    formats and must stay dense) and ffn_down (Q6_K, random 6-bit values); untied Q8_0 output
+    head; F32 embedding and norms."""
+    from test_quant_gemm import q4k_quantize, q6k_random
 
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
@@ -159,7 +160,11 @@ def write_tiny_q4k(path: str, seed: int = 0, mixed: bool = True) -> str:
 
     def put(name, shape, kind, scale):
         arr = (rng.standard_normal(shape) * scale).astype(np.float32)
-        if kind == "q4k":
+        if kind == "q6k":  # |w| <= d * 128 * 32 with d = 1e-5: std ~ 0.03
+            raw = q6k_random(*shape, rng)
+            raw.reshape(shape[0], -1, 210)[..., 208:210] = np.array([1e-5], np.float16).view(np.uint8)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        elif kind == "q4k":
             w.add_tensor(name, q4k_quantize(arr), raw_dtype=q4k)
         elif kind == "q8":
             w.add_tensor(name, gguf.quants.quantize(arr, q8), raw_dtype=q8)
@@ -175,8 +180,9 @@ def write_tiny_q4k(path: str, seed: int = 0, mixed: bool = True) -> str:
                             ("attn_v", (KV * d, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
                             ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)),
                             ("ffn_down", (HIDDEN, FFN))):
-            put(f"{p}{name}.weight", shape, "q8" if (i, name) == (1 if mixed else 0, "ffn_up") else "q4k",
-                1 / np.sqrt(shape[1]))
+            kind = ("q8" if (i, name) == (1 if mixed else 0, "ffn_up") else
+                    "q6k" if (i, name) == (1, "ffn_down") else "q4k")
+            put(f"{p}{name}.weight", shape, kind, 1 / np.sqrt(shape[1]))
     put("output_norm.weight", (HIDDEN,), "f32", 0.1)
     put("output.weight", (VOCAB, HIDDEN), "q8", 0.3)
     w.write_header_to_file()
@@ -194,7 +200,7 @@ def test_tiny_q4k_llama_matches_dequantized(tmp_path, kernels, monkeypatch):
     l0, l1 = on["model"].layers
     assert isinstance(l0.self_attn.qkv_proj, QuantizedLinear) and l0.self_attn.qkv_proj.fmt_name == "Q4_K"
     assert isinstance(l0.mlp.gate_up_proj, QuantizedLinear)
-    assert isinstance(l1.mlp.down_proj, QuantizedLinear)
+    assert isinstance(l1.mlp.down_proj, QuantizedLinear) and l1.mlp.down_proj.fmt_name == "Q6_K"
     assert not isinstance(l1.mlp.gate_up_proj, QuantizedLinear)  # Q4_K gate + Q8_0 up: dense
     assert on["model"].lm_head is None and on["model"].lm_head_quant.fmt_name == "Q8_0"
     assert on["tokens"] == off["tokens"]
@@ -205,7 +211,7 @@ def test_tiny_q4k_llama_matches_dequantized(tmp_path, kernels, monkeypatch):
     # a second engine reads the blocks from the start-up cache: same results
     again = _run(path, "on", "float32", **kw)
     assert again["tokens"] == on["tokens"]
-    assert (tmp_path / "cache").exists() and any((tmp_path / "cache").rglob("blocks-v1.safetensors"))
+    assert (tmp_path / "cache").exists() and any((tmp_path / "cache").rglob(quantized_linear._BLOCKS_FILE))
 
 
 def test_reload_weights_takes_new_blocks(tmp_path, kernels, monkeypatch):

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T, quants
 from radixlm.runtime.layers import quant_kernels as qk, quantized_linear
 
 REL_TOL = 1e-5
-FMTS = {"Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+FMTS = {"Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,17 @@ def q4k_quantize(w: np.ndarray) -> np.ndarray:
     return out.reshape(n, -1)
 
 
+def q6k_random(n: int, k: int, rng) -> np.ndarray:
+    """Random Q6_K blocks (gguf-py has no Q6_K quantizer): random 6-bit values and int8 scales,
+    fp16 d of 1e-3 at bytes 208..209."""
+    raw = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = np.full((n, k // 256, 1), 1e-3, np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
 def quantize(w: np.ndarray, fmt: int) -> np.ndarray:
+    if fmt == 14:
+        return q6k_random(*w.shape, np.random.default_rng(int(abs(w[0, 0]) * 1e6)))
     return q4k_quantize(w) if fmt == 12 else quants.quantize(w, T(fmt))
 
 
@@ -151,7 +161,7 @@ from gguf import GGMLQuantizationType as T, quants
 from radixlm.runtime.layers import quant_kernels as qk
 from test_quant_gemm import blocks, check
 assert qk.load().isa() == "generic", qk.load().isa()
-for fmt in (3, 8, 12):
+for fmt in (3, 8, 12, 14):
     raw, ref_w = blocks(fmt, 21, 512)
     assert np.array_equal(qk.dequant(raw, fmt, 512).numpy(), ref_w)
     for m in (1, 3, 40):

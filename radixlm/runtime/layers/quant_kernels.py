@@ -6,7 +6,7 @@ so a failure here never costs the attention kernels and a change here never rebu
 `load()` returns the ops namespace or raises `QuantKernelsUnavailable`; `warn_fallback` logs ONE
 warning per process when a caller falls back to dequantized weights.
 
-Ops (CPU tensors; formats by ggml type id: Q4_1 = 3, Q8_0 = 8, Q4_K = 12):
+Ops (CPU tensors; formats by ggml type id: Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14):
   gemm(x (M, K) fp32/bf16/fp16, w (N, row_bytes) uint8, fmt, K) -> (M, N) fp32   (direct)
   gemm_tiled(...), gemm_chunked(...): the same product through dequantized fp32 tiles / chunks
       and BLAS (prefill); quantized_linear picks one per M
@@ -36,7 +36,8 @@ _CSRC = ck._CSRC
 _SOURCES = ("quant_gemm.cpp",)
 _HEADERS = ("quant_formats.h", "quant_vec.h")
 # ggml type id -> (name, values per block, bytes per block)
-FORMATS = {3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144)}
+FORMATS = {3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+           14: ("Q6_K", 256, 210)}
 
 
 class QuantKernelsUnavailable(RuntimeError):

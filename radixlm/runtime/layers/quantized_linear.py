@@ -1,5 +1,5 @@
-"""GGUF weights kept quantized on the CPU: linear layers that multiply by Q4_1 / Q8_0 / Q4_K
-blocks in their on-disk layout (the C++ kernel of layers/quant_kernels.py) instead of by dense
+"""GGUF weights kept quantized on the CPU: linear layers that multiply by Q4_1 / Q8_0 / Q4_K /
+Q6_K blocks in their on-disk layout (the C++ kernel of layers/quant_kernels.py) instead of by dense
 weights dequantized at load.
 
 Why: decode is memory-bound. The dense CPU path streams fp32 weights (layers/cpu_linear.py):
@@ -48,7 +48,7 @@ TILED_MAX_M = 256
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _SINGLE = {"o_proj": "o_proj", "down_proj": "down_proj"}
-_BLOCKS_FILE = "blocks-v1.safetensors"
+_BLOCKS_FILE = "blocks-v2.safetensors"  # v2: Q6_K too
 
 
 def keep_quantized(setting: str, device: torch.device, load_format: str, tp_size: int = 1) -> bool:
