@@ -49,7 +49,7 @@ def make_blocks(fmt: int, n: int, k: int, rng) -> torch.Tensor:
     small fp16 scales for Q4_K / Q6_K (gguf-py has no quantizer for them; timing does not care)."""
     from gguf import GGMLQuantizationType, quants
 
-    if fmt != 12:
+    if fmt in (3, 8):
         w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
         return torch.from_numpy(quants.quantize(w, GGMLQuantizationType(fmt)))
     nbytes, at = (144, 0) if fmt == 12 else (210, 208)  # where the fp16 scale(s) sit
