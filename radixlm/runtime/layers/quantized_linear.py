@@ -11,10 +11,11 @@ Measurements: benchmarks/quantized_cpu.py, results in benchmarks/results/quantiz
 
 The switch is ServerArgs.gguf_keep_quantized ("auto" | "on" | "off"), overridden by the
 environment variable RADIXLM_GGUF_KEEP_QUANTIZED (same values). It applies to GGUF files on the
-CPU only; `on` on CUDA is an error (there is no GPU kernel). `auto` turns it on where the
-benchmark shows it faster: on a CPU whose kernel build has the AVX2+FMA path (the generic scalar
-build is correct but slower than MKL's fp32 GEMM). If the kernel cannot be built, `auto` logs ONE
-warning and dequantizes as before; `on` raises.
+CPU only; `on` on CUDA or under tensor parallelism is an error (no GPU kernel; sharding splits
+dense weights). `auto` turns it on where the benchmark shows it faster: on a CPU whose kernel
+build has the AVX2+FMA path (the generic scalar build is correct but was never measured faster,
+so auto leaves it off). If the kernel cannot be built, `auto` logs ONE warning and dequantizes as
+before; `on` raises. Memory: SmolLM2's engine RSS drops from ~940 MB to ~470 MB (no fp32 copies).
 
 What changes in the model (llama.py's module tree): every decoder projection whose GGUF tensors
 are all in a supported format becomes a QuantizedLinear; q/k/v and gate/up keep their fusion by
