@@ -33,7 +33,18 @@ def _dense_gguf():
         yield
 
 
-def _tp_children() -> list[psutil.Process]:
+@pytest.fixture
+def before():
+    """Child processes alive before the test (in a full run, other modules' servers): the TP
+    checks below look only at children started since."""
+    return {p.pid for p in _live_children()} | {p.pid for p in mp.active_children()}
+
+
+def _tp_children(before: set) -> list[psutil.Process]:
+    return [p for p in _live_children() if p.pid not in before]
+
+
+def _live_children() -> list[psutil.Process]:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
@@ -61,14 +72,15 @@ def tp1_outputs(_dense_gguf):
     return _run(Engine(**ARGS))
 
 
-def test_engine_tp2_matches_tp1(tp1_outputs):
+def test_engine_tp2_matches_tp1(tp1_outputs, before):
     engine = Engine(tp_size=2, **ARGS)
     assert engine.runner.num_kv_heads == 2  # rank 0 holds 2 of SmolLM2's 3 KV heads
     assert _run(engine) == tp1_outputs
-    assert _tp_children() == [] and mp.active_children() == []
+    assert _tp_children(before) == []
+    assert [c for c in mp.active_children() if c.pid not in before] == []
 
 
-def test_engine_tp2_two_nodes(tp1_outputs):
+def test_engine_tp2_two_nodes(tp1_outputs, before):
     """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,10 +98,10 @@ def test_engine_tp2_two_nodes(tp1_outputs):
         if other.is_alive():
             other.kill()
             other.join(5)
-    assert _tp_children() == []
+    assert _tp_children(before) == []
 
 
-def test_tp_flags_refused(tmp_path):
+def test_tp_flags_refused(tmp_path, before):
     for kw, msg in [(dict(tp_size=3, nnodes=2), "multiple of nnodes"),
                     (dict(tp_size=2, nnodes=2, node_rank=2), "node_rank"),
                     (dict(tp_size=2, nnodes=2), "dist_init_addr")]:
@@ -99,4 +111,4 @@ def test_tp_flags_refused(tmp_path):
     path = th.write_tiny_llama(str(tmp_path / "m"), vocab=64, heads=4, kv_heads=2, tied=True)
     with pytest.raises(ValueError, match="replicated"):
         Engine(model_path=path, tp_size=3, skip_tokenizer_init=True, **ARGS)
-    assert _tp_children() == []
+    assert _tp_children(before) == []
