@@ -90,13 +90,19 @@ def cpu_features() -> str:
 
 
 def module_name() -> str:
+    return hashed_name("radixlm_cpu_attn_", _SOURCES + _HEADERS)
+
+
+def hashed_name(prefix: str, files) -> str:
+    """prefix + a hash of the csrc `files`, the compile flags, the CPU's features and the torch /
+    Python versions: the build folder's name, so any change of them is a new build."""
     h = hashlib.sha256()
-    for fname in _SOURCES + _HEADERS:
+    for fname in files:
         h.update((_CSRC / fname).read_bytes())
     for part in (*map(" ".join, _flags()), cpu_features(), torch.__version__,
                  sys.version, platform.machine()):
         h.update(part.encode())
-    return "radixlm_cpu_attn_" + h.hexdigest()[:16]
+    return prefix + h.hexdigest()[:16]
 
 
 _lock = threading.Lock()
@@ -131,15 +137,24 @@ def load(verbose: bool = False):
 
 
 def _load_or_build(verbose: bool):
+    return load_or_build(module_name(), _SOURCES, _HEADERS, "radixlm_cpu", "the CPU attention "
+                         "kernels", "`python -m radixlm.runtime.attention.cpu_kernels --rebuild` "
+                         "retries", verbose)
+
+
+def load_or_build(name: str, sources, headers, ops_name: str, label: str, retry_hint: str,
+                  verbose: bool):
+    """torch.ops.<ops_name> from the cached build `name` of csrc `sources`, building it first
+    if needed (the attention kernels and layers/quant_kernels.py share this). Raises with the
+    reason when disabled, missing, or when this or an earlier build failed."""
     if os.environ.get("RADIXLM_DISABLE_CPU_KERNELS") == "1":
         raise RuntimeError("disabled by RADIXLM_DISABLE_CPU_KERNELS=1")
-    if not all((_CSRC / f).exists() for f in _SOURCES + _HEADERS):
+    if not all((_CSRC / f).exists() for f in (*sources, *headers)):
         raise FileNotFoundError(f"kernel sources not found in {_CSRC} (an install without csrc/?)")
-    name = module_name()
     build_dir = cache_root() / name
     if _is_built(build_dir, name):  # the common case: no lock, no compiler, a dlopen
         torch.ops.load_library(str(build_dir / f"{name}.so"))
-        return torch.ops.radixlm_cpu
+        return getattr(torch.ops, ops_name)
     build_dir.mkdir(parents=True, exist_ok=True)
     # One builder per build_dir across processes. flock is released by the kernel when its holder
     # dies, unlike torch's own "lock" file baton, which a killed build leaves behind (every later
@@ -148,18 +163,17 @@ def _load_or_build(verbose: bool):
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         if _is_built(build_dir, name):  # another process built it while we waited
             torch.ops.load_library(str(build_dir / f"{name}.so"))
-            return torch.ops.radixlm_cpu
+            return getattr(torch.ops, ops_name)
         failed = build_dir / "failed"
         if failed.exists():  # one failed build per source/CPU/torch: later processes don't retry
             raise RuntimeError(f"an earlier build failed: {_summary(failed.read_text())} (log: "
-                               f"{failed}; `python -m radixlm.runtime.attention.cpu_kernels "
-                               "--rebuild` retries)")
+                               f"{failed}; {retry_hint})")
         (build_dir / "lock").unlink(missing_ok=True)
         try:
-            return _build(name, build_dir, verbose)
+            return _build(name, build_dir, sources, ops_name, label, verbose)
         except Exception as e:
             failed.write_text(f"{type(e).__name__}: {e}\n")
-            raise RuntimeError(f"building the kernels failed: {_summary(str(e))} "
+            raise RuntimeError(f"building {label} failed: {_summary(str(e))} "
                                f"(log: {failed})") from e
 
 
@@ -179,7 +193,7 @@ def _summary(text: str) -> str:
     return lines[0][:300] if lines else "unknown error"
 
 
-def _build(name: str, build_dir: Path, verbose: bool):
+def _build(name: str, build_dir: Path, sources, ops_name: str, label: str, verbose: bool):
     from torch.utils import cpp_extension
 
     # cpp_extension runs `ninja` from PATH: let a venv's own ninja (pip's) count without activation
@@ -187,16 +201,17 @@ def _build(name: str, build_dir: Path, verbose: bool):
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), bin_dir]).strip(os.pathsep)
     t0 = time.perf_counter()
-    logger.info("building the CPU attention kernels into %s (once per CPU/torch/source)", build_dir)
-    # is_python_module=False: the .so registers torch.ops.radixlm_cpu.* with the dispatcher and
+    logger.info("building %s into %s (once per CPU/torch/source)", label, build_dir)
+    # is_python_module=False: the .so registers torch.ops.<ops_name>.* with the dispatcher and
     # is loaded with torch.ops.load_library (no pybind11: its headers triple the compile time)
+    cflags, ldflags = _flags()
     cpp_extension.load(
-        name=name, sources=[str(_CSRC / f) for f in _SOURCES], extra_cflags=_flags()[0],
-        extra_ldflags=_flags()[1], extra_include_paths=[str(_CSRC)],
+        name=name, sources=[str(_CSRC / f) for f in sources], extra_cflags=cflags,
+        extra_ldflags=ldflags, extra_include_paths=[str(_CSRC)],
         build_directory=str(build_dir), verbose=verbose, is_python_module=False)
-    ops = torch.ops.radixlm_cpu
+    ops = getattr(torch.ops, ops_name)
     (build_dir / "built").write_text(ops.isa() + "\n")
-    logger.info("built the CPU attention kernels (%s) in %.1fs", ops.isa(), time.perf_counter() - t0)
+    logger.info("built %s (%s) in %.1fs", label, ops.isa(), time.perf_counter() - t0)
     return ops
 
 

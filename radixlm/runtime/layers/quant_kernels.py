@@ -15,15 +15,10 @@ Ops (CPU tensors; formats by ggml type id: Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K =
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
-import os
-import platform
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -45,13 +40,7 @@ class QuantKernelsUnavailable(RuntimeError):
 
 
 def module_name() -> str:
-    h = hashlib.sha256()
-    for fname in _SOURCES + _HEADERS:
-        h.update((_CSRC / fname).read_bytes())
-    for part in (*map(" ".join, ck._flags()), ck.cpu_features(), torch.__version__, sys.version,
-                 platform.machine()):
-        h.update(part.encode())
-    return "radixlm_quant_gemm_" + h.hexdigest()[:16]
+    return ck.hashed_name("radixlm_quant_gemm_", _SOURCES + _HEADERS)
 
 
 _lock = threading.Lock()
@@ -85,51 +74,9 @@ def load(verbose: bool = False):
 
 
 def _load_or_build(verbose: bool):
-    if os.environ.get("RADIXLM_DISABLE_CPU_KERNELS") == "1":
-        raise RuntimeError("disabled by RADIXLM_DISABLE_CPU_KERNELS=1")
-    if not all((_CSRC / f).exists() for f in _SOURCES + _HEADERS):
-        raise FileNotFoundError(f"kernel sources not found in {_CSRC}")
-    name = module_name()
-    build_dir = ck.cache_root() / name
-    so = build_dir / f"{name}.so"
-    if ck._is_built(build_dir, name):  # common case: a dlopen, no compiler, no lock
-        torch.ops.load_library(str(so))
-        return torch.ops.radixlm_quant
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "build.flock", "w") as lock_file:  # one builder per machine
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        if ck._is_built(build_dir, name):
-            torch.ops.load_library(str(so))
-            return torch.ops.radixlm_quant
-        failed = build_dir / "failed"
-        if failed.exists():
-            raise RuntimeError(f"an earlier build failed: {ck._summary(failed.read_text())} "
-                               f"(log: {failed}; delete {build_dir} to retry)")
-        (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, stale while we hold flock
-        try:
-            return _build(name, build_dir, verbose)
-        except Exception as e:
-            failed.write_text(f"{type(e).__name__}: {e}\n")
-            raise RuntimeError(f"building the quantized GEMM failed: {ck._summary(str(e))} "
-                               f"(log: {failed})") from e
-
-
-def _build(name: str, build_dir: Path, verbose: bool):
-    from torch.utils import cpp_extension
-
-    bin_dir = os.path.dirname(sys.executable)  # a venv's own ninja counts without activation
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), bin_dir]).strip(os.pathsep)
-    t0 = time.perf_counter()
-    logger.info("building the quantized CPU GEMM into %s (once per CPU/torch/source)", build_dir)
-    cflags, ldflags = ck._flags()
-    cpp_extension.load(name=name, sources=[str(_CSRC / f) for f in _SOURCES],
-                       extra_cflags=cflags, extra_ldflags=ldflags, extra_include_paths=[str(_CSRC)],
-                       build_directory=str(build_dir), verbose=verbose, is_python_module=False)
-    ops = torch.ops.radixlm_quant
-    (build_dir / "built").write_text(ops.isa() + "\n")
-    logger.info("built the quantized CPU GEMM (%s) in %.1fs", ops.isa(), time.perf_counter() - t0)
-    return ops
+    build = ck.cache_root() / module_name()
+    return ck.load_or_build(module_name(), _SOURCES, _HEADERS, "radixlm_quant",
+                            "the quantized CPU GEMM", f"delete {build} to retry", verbose)
 
 
 def available() -> bool:
