@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import traceback
 from typing import Optional
@@ -50,24 +49,13 @@ def _init_method(args: ServerArgs) -> str:
     return f"tcp://{args.dist_init_addr}"
 
 
-def _watch_parent() -> None:
-    """Exit when the process that spawned this worker is gone (no orphans after a kill -9)."""
-    parent = os.getppid()
-
-    def loop():
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=loop, daemon=True, name="tp-watch-parent").start()
-
-
 def worker_main(args: ServerArgs, rank: int, threads: Optional[int] = None) -> None:
     """A worker rank's process: follow rank 0's batches until it says stop."""
     from radixlm.runtime.executor.model_runner import ModelRunner  # it imports this package
 
-    _watch_parent()
+    from radixlm.server.child_process import watch_parent  # no orphans after a kill -9
+
+    watch_parent()
     if threads:
         torch.set_num_threads(threads)
     try:
