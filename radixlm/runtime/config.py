@@ -121,6 +121,10 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: Optional[str] = None  # host:port of rank 0's TCP store; None: a free local port
+    # --- data parallelism (radixlm/router): dp_size replicas behind a router on --host/--port ---
+    dp_size: int = 1  # > 1: replicas on internal ports, each on its own tp_size GPUs
+    load_balance_method: str = "cache_aware"  # cache_aware | round_robin | shortest_queue | ...
+    base_gpu_id: int = 0  # the first GPU used; replica i uses base_gpu_id + i * tp_size ...
     chat_template: Optional[str] = None
     tool_call_parser: Optional[str] = None  # hermes | llama3 | mistral; None: from the template
     served_model_name: Optional[str] = None

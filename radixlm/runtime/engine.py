@@ -48,6 +48,9 @@ class _Sink:
 class Engine:
     def __init__(self, model_path: Optional[str] = None, **kwargs):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        if self.server_args.dp_size != 1:
+            raise ValueError("dp_size > 1 is served by `radixlm serve --dp-size N` (replicas behind "
+                             "a router); an Engine is one replica")
         logging.getLogger("radixlm").setLevel(self.server_args.log_level.upper())
         # tp_size > 1: this process is rank 0; the other ranks run in worker processes
         self._tp = tp_worker.start_tp(self.server_args)

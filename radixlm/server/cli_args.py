@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from radixlm.runtime.config import ServerArgs
+from radixlm.router.policy import POLICIES
 from radixlm.server.reasoning import PARSER_NAMES as REASONING_PARSERS
 from radixlm.server.tool_calls.parsers import PARSER_NAMES
 
@@ -38,6 +39,10 @@ _HELP = {
                      "weights (same values, same fp32 accumulation; 2x weight memory). auto: on "
                      "where the CPU lacks bf16 matmul (no avx512_bf16 / amx_bf16); env "
                      "RADIXLM_CPU_FP32_GEMM overrides",
+    "dp_size": "data parallelism: this many replicas (each dp-rank on its own tp_size GPUs), "
+               "a cache-aware router on --host/--port (radixlm/router)",
+    "load_balance_method": "how the --dp-size router picks a replica: " + " | ".join(POLICIES),
+    "base_gpu_id": "the first GPU to use (replica i: base_gpu_id + i * tp_size ...)",
     "gguf_keep_quantized": "GGUF on a CPU: keep Q4_1 / Q8_0 / Q4_K / Q6_K linear weights "
                            "quantized and multiply by their blocks (C++ kernel; fewer bytes per "
                            "decode step) "
@@ -48,7 +53,7 @@ _HELP = {
 
 _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSERS,
             "embedding_pooling": ("last", "mean"), "cpu_fp32_gemm": ("auto", "on", "off"),
-            "gguf_keep_quantized": ("auto", "on", "off")}
+            "gguf_keep_quantized": ("auto", "on", "off"), "load_balance_method": POLICIES}
 
 
 def _kind(field: dataclasses.Field):

@@ -82,7 +82,16 @@ def launch_server(args: ServerArgs) -> None:
          come from the on-disk cache, see runtime/models/cache.py);
       3. fork the detokenizer from here, so it inherits the loaded tokenizer instead of
          importing transformers and loading it a third time on the same cores;
-      4. wait for both to report ready, then serve."""
+      4. wait for both to report ready, then serve.
+    dp_size > 1: replicas of this server behind the router instead (radixlm/router/dp.py)."""
+    if args.dp_size > 1:
+        from radixlm.router.dp import launch_dp
+
+        return launch_dp(args)
+    if args.base_gpu_id:
+        from radixlm.router.dp import pin_single_server_gpus
+
+        pin_single_server_gpus(args)
     from radixlm.runtime.models import loader
 
     logging.basicConfig(level=args.log_level.upper(),

@@ -60,14 +60,15 @@ def _group_members(pgid: int) -> list[psutil.Process]:
 class ServerProcess:
     """One `radixlm.launch_server` subprocess. `url`, `pid`, `headers` (with the API key)."""
 
-    def __init__(self, args: list[str], api_key: Optional[str] = None, name: str = "server"):
+    def __init__(self, args: list[str], api_key: Optional[str] = None, name: str = "server",
+                 module: str = "radixlm.launch_server"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         fd, self.log_path = tempfile.mkstemp(prefix=f"radixlm-e2e-{name}-", suffix=".log")
         os.close(fd)
-        cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = open(self.log_path, "wb")
@@ -218,8 +219,9 @@ def _safe_running(p: psutil.Process) -> bool:
 
 
 def start_server(args: list[str], api_key: Optional[str] = None, name: str = "server",
-                 wait: bool = True) -> ServerProcess:
-    srv = ServerProcess(args, api_key=api_key, name=name)
+                 wait: bool = True, module: str = "radixlm.launch_server") -> ServerProcess:
+    """`module`: what `python -m` runs (radixlm.router for the standalone router)."""
+    srv = ServerProcess(args, api_key=api_key, name=name, module=module)
     if wait:
         try:
             srv.wait_ready()

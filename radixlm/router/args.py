@@ -1,0 +1,91 @@
+"""The router's configuration: one frozen dataclass, one CLI flag per field.
+
+Flag names and defaults are sgl-router's (`python -m sglang_router.launch_router`): --worker-urls,
+--policy, --cache-threshold 0.5, --balance-abs-threshold 32, --balance-rel-threshold 1.0001,
+--max-tree-size, --health-check-interval-secs, --health-failure-threshold,
+--worker-startup-timeout-secs, --request-timeout-secs. `--load-balance-method` (SGLang's
+server flag) is accepted as another name of --policy. One difference: --max-tree-size counts the
+characters kept per worker (sgl-router counts nodes), and the bound holds after every insert,
+so there is no --eviction-interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from radixlm.router.policy import POLICIES
+
+
+@dataclass(frozen=True)
+class RouterArgs:
+    worker_urls: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = "cache_aware"
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.0001
+    max_tree_size: int = 1 << 24
+    health_check_interval_secs: float = 5.0
+    health_check_timeout_secs: float = 5.0
+    health_failure_threshold: int = 3
+    worker_startup_timeout_secs: float = 600.0
+    request_timeout_secs: float = 1800.0  # the longest wait for a worker's next bytes
+    retry_max_retries: int = 2  # other workers tried when a worker's connection fails
+    api_key: Optional[str] = None
+    max_payload_size: int = 32 * 1024 * 1024
+    timeout_graceful_shutdown: float = 30.0
+    log_level: str = "warning"
+
+    def replace(self, **kw) -> "RouterArgs":
+        return dataclasses.replace(self, **kw)
+
+
+_HELP = {
+    "worker_urls": "the workers' base URLs (http://host:port); more join through /add_worker",
+    "policy": "load-balancing policy: " + " | ".join(POLICIES),
+    "cache_threshold": "cache_aware: route by prefix when matched characters / prompt > this",
+    "balance_abs_threshold": "cache_aware: imbalanced when max - min in-flight > this ...",
+    "balance_rel_threshold": "... and max in-flight > min * this: then the least loaded",
+    "max_tree_size": "cache_aware: characters remembered per worker (LRU beyond)",
+    "health_failure_threshold": "consecutive failed /health checks before a worker is removed "
+                                "(a refused connection removes it at once)",
+    "retry_max_retries": "a request whose worker's connection failed before anything was sent "
+                         "back is retried on up to this many other workers",
+    "api_key": "require 'Authorization: Bearer KEY' (or x-api-key) except on /health; the "
+               "header is forwarded to the workers",
+}
+
+
+def _kind(f: dataclasses.Field):
+    ann = str(f.type)
+    for name, typ in (("int", int), ("float", float)):
+        if ann == name:
+            return typ
+    return str
+
+
+def build_parser(prog: str = "radixlm router") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="A cache-aware router in front of radixlm "
+                                                       "(or SGLang) servers.")
+    for f in dataclasses.fields(RouterArgs):
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.name == "worker_urls":
+            p.add_argument(*flags, nargs="+", default=[], help=_HELP[f.name])
+            continue
+        if f.name == "policy":
+            flags.append("--load-balance-method")
+        p.add_argument(*flags, dest=f.name, type=_kind(f), default=f.default,
+                       choices=POLICIES if f.name == "policy" else None,
+                       help=_HELP.get(f.name, f"default: {f.default}"))
+    return p
+
+
+def parse_router_args(argv=None) -> RouterArgs:
+    ns = build_parser().parse_args(argv)
+    d = vars(ns)
+    d["worker_urls"] = tuple(d["worker_urls"])
+    return RouterArgs(**d)

@@ -1,0 +1,221 @@
+"""Data parallelism over HTTP (radixlm/router), real servers on the bundled SmolLM2 (fp32, CPU):
+
+- `launch_server --dp-size 2`: a 256-request burst through the router loses nothing and every
+  answer is the greedy text a single replica gives; streams pass through; requests sharing a long
+  prefix land on one replica (its cached-token count shows it); SIGKILL of one replica: it leaves
+  the pool, the requests it held are retried on the other, later requests all succeed, its
+  children exit, and SIGTERM of the server leaves no process behind. KV integrity on each replica.
+- `python -m radixlm.router` in front of two separately launched servers: both serve through it;
+  one stopped -> removed, the other carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from server_harness import sse_events, start_server, stop_and_check
+
+COMMON = ["--dtype", "float32", "--max-total-tokens", "8192", "--context-length", "1024",
+          "--enable-cache-report", "--timeout-graceful-shutdown", "10"]
+PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(8)] + [
+    "The capital of France is", "Write a haiku about the sea.", "Once upon a time",
+    "List three colors:", "def fibonacci(n):", "The opposite of hot is", "Translate 'cat' to "
+    "Spanish:", "My favourite fruit is"]
+SP = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+BURST = 256
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _dense_gguf():
+    """Replicas and any direct comparison run the same (dense) GGUF path."""
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setenv("RADIXLM_GGUF_KEEP_QUANTIZED", "off")
+        yield
+
+
+@pytest.fixture(scope="module")
+def dp(_dense_gguf):
+    srv = start_server(["--dp-size", "2", *COMMON], name="dp2")
+    yield srv
+    stop_and_check(srv)
+
+
+def _workers(srv) -> list[dict]:
+    r = srv.get("/list_workers")
+    assert r.status_code == 200, r.text
+    return r.json()["workers"]
+
+
+def _replica_stats(url: str) -> dict:
+    r = httpx.get(url + "/get_server_info", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["internal_states"][0]
+
+
+def _check_replica_integrity(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        s = _replica_stats(url)
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, f"{url} is not idle: {s}"
+        time.sleep(0.1)
+    r = httpx.get(url + "/debug/kv_integrity", timeout=60)
+    assert r.status_code == 200 and r.json()["ok"] is True, r.text
+
+
+async def _burst(url: str, n: int, sp: dict) -> list:
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        async def one(i):
+            r = await client.post(url + "/generate",
+                                  json={"text": PROMPTS[i % len(PROMPTS)], "sampling_params": sp})
+            return r.status_code, (r.json() if r.status_code == 200 else r.text)
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_burst_of_256_matches_a_single_replica(dp):
+    workers = _workers(dp)
+    assert len(workers) == 2
+    # the reference: each replica alone, one batch of the distinct prompts
+    refs = []
+    for w in workers:
+        r = httpx.post(w["url"] + "/generate", json={"text": PROMPTS, "sampling_params": SP},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+        refs.append([o["text"] for o in r.json()])
+    assert refs[0] == refs[1], "the replicas disagree with each other"
+    before = sum(_replica_stats(w["url"])["generated_tokens"] for w in workers)
+
+    results = asyncio.run(_burst(dp.url, BURST, SP))
+
+    failed = [(i, r) for i, r in enumerate(results) if r[0] != 200]
+    assert not failed, f"{len(failed)} of {BURST} requests failed, e.g. {failed[:3]}"
+    wrong = [(i, r[1]["text"]) for i, r in enumerate(results)
+             if r[1]["text"] != refs[0][i % len(PROMPTS)]]
+    assert not wrong, f"{len(wrong)} answers differ from a single replica's, e.g. {wrong[:3]}"
+    after_workers = _workers(dp)
+    assert sum(w["routed"] for w in after_workers) == BURST
+    assert all(w["routed"] > 0 and w["in_flight"] == 0 for w in after_workers), after_workers
+    after = sum(_replica_stats(w["url"])["generated_tokens"] for w in workers)
+    assert after - before == BURST * SP["max_new_tokens"]
+    info = dp.get("/get_server_info").json()
+    assert info["dp_size"] == 2 and info["load_balance_method"] == "cache_aware"
+    assert len(info["internal_states"]) == 2
+    for w in workers:
+        _check_replica_integrity(w["url"])
+
+
+def test_streams_pass_through(dp):
+    body = {"text": PROMPTS[9], "stream": True, "sampling_params": SP}
+    with httpx.stream("POST", dp.url + "/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = list(sse_events(r))
+    assert len(chunks) >= 2 and chunks[-1]["meta_info"]["completion_tokens"] == 6
+    assert chunks[-1]["text"] == dp.generate(PROMPTS[9], **SP)["text"]
+    chat = {"model": "default", "messages": [{"role": "user", "content": "Say hi"}],
+            "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", dp.url + "/v1/chat/completions", json=chat, timeout=120) as r:
+        assert r.status_code == 200
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in sse_events(r)
+                       if c.get("choices"))
+    plain = dp.post("/v1/chat/completions", {**chat, "stream": False}).json()
+    assert text == plain["choices"][0]["message"]["content"] and text
+
+
+def test_shared_prefix_goes_to_one_replica(dp):
+    workers = _workers(dp)
+    before = {w["url"]: _replica_stats(w["url"])["cached_tokens"] for w in workers}
+    system = ("You are a meticulous assistant for a shipping company. You answer questions "
+              "about parcels, tracking numbers, customs forms and delivery windows, briefly. ")
+    system = system * 3  # ~100 tokens, ~600 characters
+    outs = []
+    for q in ("Where is my parcel?", "How do I fill in a customs form?", "When do you deliver?",
+              "Can I change the address?", "What does 'in transit' mean?"):
+        r = dp.post("/v1/chat/completions", {
+            "model": "default", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+        assert r.status_code == 200, r.text
+        outs.append(r.json()["usage"])
+    gained = {w["url"]: _replica_stats(w["url"])["cached_tokens"] - before[w["url"]]
+              for w in workers}
+    # requests 2..5 reuse the system prompt's KV, all on the same replica
+    hit = [u for u, g in gained.items() if g > 0]
+    assert len(hit) == 1, gained
+    assert gained[hit[0]] >= 4 * 80, gained
+    assert sum(u["prompt_tokens_details"]["cached_tokens"] for u in outs[1:]) == gained[hit[0]]
+
+
+def test_killed_replica_is_removed_and_requests_go_on(dp):
+    workers = _workers(dp)
+    victim = workers[1]
+    survivor = workers[0]["url"]
+    victim_children = psutil.Process(victim["pid"]).children(recursive=True)
+    assert victim_children, "a replica has scheduler and detokenizer children"
+    sp = {**SP, "max_new_tokens": 24}
+    box = {}
+
+    def load():
+        box["results"] = asyncio.run(_burst(dp.url, 64, sp))
+
+    t = threading.Thread(target=load)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not all(w["in_flight"] for w in _workers(dp)):  # both replicas busy
+        assert time.monotonic() < deadline, "the load never reached both replicas"
+        time.sleep(0.05)
+    os.kill(victim["pid"], signal.SIGKILL)
+    t.join(300)
+    failed = [r for r in box["results"] if r[0] != 200]
+    # the victim's requests had sent nothing back yet (not streamed): retried on the survivor
+    assert not failed, f"{len(failed)} requests failed, e.g. {failed[:2]}"
+    listed = dp.get("/list_workers").json()
+    assert listed["urls"] == [survivor]
+    assert listed["removed"] and listed["removed"][0]["url"] == victim["url"]
+    assert dp.get("/health").status_code == 200
+    for i in range(8):
+        out = dp.generate(PROMPTS[i], **SP)
+        assert out["meta_info"]["completion_tokens"] == 6
+    alive = psutil.wait_procs(victim_children, timeout=15)[1]
+    assert not alive, f"the killed replica's children outlived it: {alive}"
+    _check_replica_integrity(survivor)
+
+
+def test_standalone_router_removes_a_dead_worker(_dense_gguf):
+    servers = [start_server(COMMON, name=f"w{i}", wait=False) for i in range(2)]
+    router = None
+    try:
+        for s in servers:
+            s.wait_ready()
+        router = start_server(["--worker-urls", *[s.url for s in servers], "--policy",
+                               "round_robin", "--health-check-interval-secs", "1"],
+                              name="router", module="radixlm.router")
+        direct = servers[0].generate(PROMPTS[8], **SP)["text"]
+        texts = [router.generate(PROMPTS[8], **SP)["text"] for _ in range(4)]
+        assert texts == [direct] * 4
+        listed = router.get("/list_workers").json()
+        assert [w["routed"] for w in listed["workers"]] == [2, 2]  # round robin
+        info = router.get("/get_server_info").json()
+        assert info["dp_size"] == 2 and info["load_balance_method"] == "round_robin"
+
+        stop_and_check(servers[1])  # a worker goes away
+        for i in range(6):
+            assert router.generate(PROMPTS[i], **SP)["meta_info"]["completion_tokens"] == 6
+        listed = router.get("/list_workers").json()
+        assert listed["urls"] == [servers[0].url]
+        assert listed["removed"][0]["url"] == servers[1].url
+        servers[0].check_integrity()
+    finally:
+        if router is not None:
+            stop_and_check(router)
+        for s in servers:
+            if not s.stopped:
+                stop_and_check(s)

@@ -1,0 +1,305 @@
+"""The router's HTTP layer (radixlm/router/app.py, proxy.py, workers.py) against fake workers:
+small FastAPI apps (and raw sockets that break connections) served from threads of this process,
+so forwarding, SSE passthrough, retries, removal and the admin routes are checked in seconds,
+without models. The real servers are in tests/e2e/test_data_parallel.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixlm.router.app import Router, build_app
+from radixlm.router.args import RouterArgs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """An ASGI app served by uvicorn from a thread."""
+
+    def __init__(self, app):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="error", loop="asyncio"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def fake_worker(name: str) -> FastAPI:
+    """Answers like a radixlm server: /generate returns which worker served it."""
+    app = FastAPI()
+    app.state.healthy = True
+    app.state.seen = []  # (path, body) of requests
+    app.state.disconnected = []
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if app.state.healthy else 503)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        app.state.seen.append(("/generate", body))
+        if body.get("stream"):
+            async def events():
+                try:
+                    for i in range(3):
+                        yield f"data: {json.dumps({'worker': name, 'i': i})}\n\n".encode()
+                        await asyncio.sleep(body.get("gap", 0.0))
+                    yield b"data: [DONE]\n\n"
+                except asyncio.CancelledError:
+                    app.state.disconnected.append(body.get("text"))
+                    raise
+            return StreamingResponse(events(), media_type="text/event-stream")
+        await asyncio.sleep(body.get("sleep", 0.0))
+        return {"worker": name, "text": body.get("text"),
+                "auth": request.headers.get("authorization")}
+
+    @app.get("/get_server_info")
+    async def info():
+        return {"model_path": "fake", "dp_size": 1, "internal_states": [{"worker": name}]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush():
+        app.state.seen.append(("/flush_cache", None))
+        return Response("Cache flushed.\n")
+
+    @app.post("/bad")
+    async def bad():
+        return JSONResponse({"error": {"message": "nope"}}, status_code=400)
+
+    return app
+
+
+class BrokenWorker:
+    """A raw socket 'worker': /health answers 200; any other request gets `reply` (bytes) and
+    then the connection is closed (reply b'': closed before any answer, as a crashed worker)."""
+
+    def __init__(self, reply: bytes = b""):
+        self.reply = reply
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = conn.recv(65536)
+                if data.startswith(b"GET /health"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                self.requests += 1
+                if self.reply:
+                    conn.sendall(self.reply)
+                    time.sleep(0.2)
+
+    def close(self):
+        self.sock.close()
+
+
+def start_router(urls, **kw) -> tuple[ThreadServer, Router]:
+    router = Router(RouterArgs(worker_urls=tuple(urls), health_check_interval_secs=kw.pop(
+        "interval", 60.0), **kw))
+    for u in urls:
+        router.pool.add(u)
+    return ThreadServer(build_app(router)), router
+
+
+@pytest.fixture
+def two_workers():
+    apps = [fake_worker("A"), fake_worker("B")]
+    servers = [ThreadServer(a) for a in apps]
+    yield apps, servers
+    for s in servers:
+        s.stop()
+
+
+def test_forwarding_and_cache_aware_stickiness(two_workers):
+    apps, servers = two_workers
+    front, router = start_router([s.url for s in servers])
+    try:
+        prefix = "You are a helpful assistant who answers in French. " * 4
+        got = {}
+        for g in ("alpha", "beta"):
+            for q in range(6):
+                r = httpx.post(front.url + "/generate", json={"text": f"{g}: {prefix} Q{q}"})
+                assert r.status_code == 200, r.text
+                got.setdefault(g, set()).add(r.json()["worker"])
+        # each group sticks to one worker, and the two groups went to different workers
+        assert all(len(v) == 1 for v in got.values()) and got["alpha"] != got["beta"]
+        # a worker's 4xx is the answer: passed through, no retry, worker kept
+        r = httpx.post(front.url + "/bad", json={})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "nope"
+        listed = httpx.get(front.url + "/list_workers").json()
+        assert sorted(listed["urls"]) == sorted(s.url for s in servers)
+        assert sum(w["routed"] for w in listed["workers"]) == 13
+        assert all(w["in_flight"] == 0 and w["tree_chars"] > 0 for w in listed["workers"])
+        assert listed["decisions"]["cache_hit"] == 10
+        info = httpx.get(front.url + "/get_server_info").json()
+        assert info["dp_size"] == 2 and info["load_balance_method"] == "cache_aware"
+        assert sorted(s["worker"] for s in info["internal_states"]) == ["A", "B"]
+        r = httpx.post(front.url + "/flush_cache")
+        assert r.status_code == 200
+        assert all(("/flush_cache", None) in a.state.seen for a in apps)
+    finally:
+        front.stop()
+
+
+def test_streaming_is_passed_through_unbuffered(two_workers):
+    apps, servers = two_workers
+    front, router = start_router([s.url for s in servers], policy="round_robin")
+    try:
+        t0 = time.monotonic()
+        arrivals, events = [], []
+        with httpx.stream("POST", front.url + "/generate",
+                          json={"text": "s", "stream": True, "gap": 0.5}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    arrivals.append(time.monotonic() - t0)
+                    events.append(line[5:].strip())
+        assert events[-1] == "[DONE]" and len(events) == 4
+        # the first event left the worker 1 s before the last: it must not wait for it
+        assert arrivals[0] < arrivals[-1] - 0.7, arrivals
+        assert all(w.in_flight == 0 for w in router.pool.live())
+    finally:
+        front.stop()
+
+
+def test_client_disconnect_reaches_the_worker(two_workers):
+    apps, servers = two_workers
+    front, router = start_router([servers[0].url])
+    try:
+        with httpx.stream("POST", front.url + "/generate",
+                          json={"text": "leaving", "stream": True, "gap": 2.0}) as r:
+            next(r.iter_lines())  # the first event, then hang up
+        deadline = time.monotonic() + 10
+        while "leaving" not in apps[0].state.disconnected:
+            assert time.monotonic() < deadline, "the worker never saw the disconnect"
+            time.sleep(0.05)
+        while router.pool.live()[0].in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        front.stop()
+
+
+def test_refused_worker_is_removed_and_the_request_retried(two_workers):
+    apps, servers = two_workers
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    front, router = start_router([dead, servers[0].url], policy="round_robin")
+    try:
+        for i in range(4):
+            r = httpx.post(front.url + "/generate", json={"text": f"q{i}"})
+            assert r.status_code == 200 and r.json()["worker"] == "A"
+        listed = httpx.get(front.url + "/list_workers").json()
+        assert listed["urls"] == [servers[0].url]
+        assert listed["removed"][0]["url"] == dead
+        assert "connection" in listed["removed"][0]["reason"]
+    finally:
+        front.stop()
+
+
+def test_worker_dying_mid_request_is_retried_elsewhere(two_workers):
+    apps, servers = two_workers
+    broken = BrokenWorker()  # accepts, reads, closes: no answer at all
+    front, router = start_router([broken.url, servers[1].url], policy="round_robin")
+    try:
+        for i in range(4):
+            r = httpx.post(front.url + "/generate", json={"text": f"q{i}"})
+            assert r.status_code == 200 and r.json()["worker"] == "B", r.text
+        assert broken.requests >= 1
+        w = router.pool.workers.get(broken.url)
+        assert w is None or w.failed >= 1
+    finally:
+        front.stop()
+        broken.close()
+
+
+def test_broken_stream_ends_with_an_error_event(two_workers):
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+    chunk = b'data: {"i": 0}\n\n'
+    broken = BrokenWorker(head + hex(len(chunk))[2:].encode() + b"\r\n" + chunk + b"\r\n")
+    front, router = start_router([broken.url])
+    try:
+        with httpx.stream("POST", front.url + "/generate", json={"text": "x", "stream": True}) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+        assert events[0] == {"i": 0}
+        assert "error" in events[-1] and events[-1]["error"]["code"] == 502
+    finally:
+        front.stop()
+        broken.close()
+
+
+def test_unhealthy_worker_removed_after_threshold(two_workers):
+    apps, servers = two_workers
+    front, router = start_router([s.url for s in servers], interval=0.1,
+                                 health_failure_threshold=3)
+    try:
+        apps[0].state.healthy = False
+        deadline = time.monotonic() + 10
+        while servers[0].url in router.pool.workers:
+            assert time.monotonic() < deadline, "the unhealthy worker was not removed"
+            time.sleep(0.05)
+        assert [w.url for w in router.pool.live()] == [servers[1].url]
+        assert "/health answered 503" in router.pool.removed[0]["reason"]
+        # the router stays healthy with one worker; /remove_worker of the last one -> 503
+        assert httpx.get(front.url + "/health").status_code == 200
+        r = httpx.post(front.url + "/remove_worker", params={"url": servers[1].url})
+        assert r.status_code == 200 and "Successfully removed" in r.text
+        assert httpx.get(front.url + "/health").status_code == 503
+        r = httpx.post(front.url + "/generate", json={"text": "x"})
+        assert r.status_code == 503 and "no live worker" in r.text
+        # /add_worker brings a healthy one back
+        r = httpx.post(front.url + "/add_worker", params={"url": servers[1].url})
+        assert r.status_code == 200 and "Successfully added" in r.text
+        assert httpx.post(front.url + "/generate", json={"text": "x"}).json()["worker"] == "B"
+        r = httpx.post(front.url + "/add_worker", params={"url": servers[1].url})
+        assert r.status_code == 400  # already there
+    finally:
+        front.stop()
+
+
+def test_api_key_checked_and_forwarded(two_workers):
+    apps, servers = two_workers
+    front, router = start_router([servers[0].url], api_key="sekret")
+    try:
+        assert httpx.get(front.url + "/health").status_code == 200  # /health is open
+        assert httpx.post(front.url + "/generate", json={"text": "x"}).status_code == 401
+        r = httpx.post(front.url + "/generate", json={"text": "x"},
+                       headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200 and r.json()["auth"] == "Bearer sekret"
+        assert httpx.get(front.url + "/list_workers").status_code == 401
+    finally:
+        front.stop()
