@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 from contextlib import asynccontextmanager
-from typing import Optional
 
 from radixlm.runtime.config import ServerArgs
 from radixlm.router.args import RouterArgs
