@@ -14,6 +14,9 @@ def save_tiny(model_cls, config, path, seed: int = 0):
     """The HF model with random weights (a wider init than the default 0.02, so the tiny model's
     logits are not flat and greedy choices are far from ties), saved to `path`, in eval mode."""
     torch.manual_seed(seed)
+    # eager attention: the reference is the plain math (an SDPA or flash path may drop a feature:
+    # transformers 5.17's Gemma 2 under SDPA lost the attention soft-cap, 5.23's did not)
+    config._attn_implementation = "eager"
     model = model_cls(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

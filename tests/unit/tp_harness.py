@@ -83,14 +83,14 @@ def _batch(runner, mode, reqs, num_decode_tail=0) -> ForwardBatch:
     ids, pos, locs, logit_rows = [], [], [], []
     for row, kv_len, new in reqs:
         n = len(new)
-        slots = torch.arange(runner._next_slot, runner._next_slot + n)
+        slots = torch.arange(runner._next_slot, runner._next_slot + n, device=runner.device)
         runner._next_slot += n
         r2t[row, kv_len : kv_len + n] = slots
         ids += new
         pos += list(range(kv_len, kv_len + n))
         locs.append(slots)
         logit_rows.append(len(ids) - 1)
-    i64 = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=runner.device)  # noqa: E731
     return ForwardBatch(
         mode=mode, input_ids=i64(ids), positions=i64(pos), out_cache_loc=torch.cat(locs),
         req_pool_indices=i64([r[0] for r in reqs]),
@@ -111,7 +111,7 @@ def run_fixed_batches(runner, vocab: int) -> list[torch.Tensor]:
 
     def step(mode, reqs, tail=0):
         logits = runner.forward(_batch(runner, mode, reqs, tail))
-        out.append(logits.clone())
+        out.append(logits.float().cpu())
         return logits.argmax(-1).tolist()
 
     ta, tb = step(ForwardMode.EXTEND, [(0, 0, a), (1, 0, b)])
@@ -139,7 +139,8 @@ def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int,
     try:
         from radixlm.runtime.distributed import batch_sync, parallel_state
 
-        parallel_state.init_distributed(world, rank, f"file://{init_file}", "cpu", timeout_s=120)
+        device = args_kw.get("device", "cpu")  # cuda: NCCL, rank r on cuda:r
+        parallel_state.init_distributed(world, rank, f"file://{init_file}", device, timeout_s=120)
         runner = make_runner({**args_kw, "tp_size": world})
         if rank == 0:  # schedules: its runner sends each batch to the other ranks
             logits = run_fixed_batches(runner, vocab)
@@ -149,6 +150,7 @@ def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int,
             r2t = runner.req_to_token_pool.req_to_token
             while (fb := batch_sync.recv_batch(runner.tp, r2t, runner.device)) is not None:
                 logits.append(runner.forward(fb).clone())
+        logits = [t.cpu() for t in logits]
         torch.save({"logits": logits, "kv_heads": runner.num_kv_heads}, f"{out}.{rank}")
         parallel_state.destroy_distributed()
     except BaseException:

@@ -1,0 +1,119 @@
+"""Tensor parallelism on the lent 2-GPU machine: TP=2 against TP=1, Llama-3.1-8B shape, dummy bf16.
+
+    python benchmarks/tp_gpu.py --result-file benchmarks/results/tp_gpu.jsonl
+
+Each TP size runs in a fresh subprocess (its own CUDA context and process group), the same
+workloads as benchmarks/gpu_suite.py:
+  bs1        1 request, 128 in / 256 out: output tokens / wall time, and the prefill alone
+  batch128   128 x (512 in, 128 out) offline: output tokens / wall time
+Prints one JSON line: each size's figures and the ratios tp2 / tp1. Both sizes use CUDA graphs
+for decode (every rank replays the same bucket; the NCCL all-reduces are inside the graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+
+def run_one(args) -> dict:
+    """One TP size in this process: engine start-up, bs1, batch128."""
+    import torch
+
+    import radixlm
+    from benchmarks.gpu_suite_parts import rand_ids, timed_generate
+
+    res: dict = {"tp_size": args.tp}
+    t0 = time.perf_counter()
+    eng = radixlm.Engine(model_path=args.model_path, load_format="dummy", dtype="bfloat16",
+                         tokenizer_path=args.tokenizer_path, context_length=4096,
+                         tp_size=args.tp, disable_cuda_graph=args.disable_cuda_graph)
+    res["engine_ready_s"] = round(time.perf_counter() - t0, 1)
+    try:
+        vocab = eng.runner.model_config.vocab_size
+        rng = random.Random(1)
+        timed_generate(eng, [rand_ids(rng, 32, vocab) for _ in range(4)], [8] * 4)  # warm-up
+        prompt = rand_ids(rng, 128, vocab)
+        timed_generate(eng, [prompt], [16])
+        eng.flush_cache()
+        ttft, _ = timed_generate(eng, [prompt], [1])
+        eng.flush_cache()
+        dt, n = timed_generate(eng, [prompt], [256])
+        res.update(bs1_tok_s=round(n / dt, 1), bs1_prefill_s=round(ttft, 4),
+                   bs1_decode_tok_s=round((n - 1) / max(dt - ttft, 1e-9), 1))
+        eng.flush_cache()
+        dt, n = timed_generate(eng, [rand_ids(rng, 512, vocab) for _ in range(128)], [128] * 128)
+        res["batch128_out_tok_s"] = round(n / dt, 1)
+        res["peak_gpu0_mem_GB"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    return res
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default=os.path.join(_ROOT, "benchmarks/configs/llama-3.1-8b"))
+    p.add_argument("--tokenizer-path", default=".carry/smollm2-tokenizer")
+    p.add_argument("--sizes", default="1,2", help="comma list of TP sizes")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--result-file", default=None)
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per TP size")
+    args = p.parse_args(argv)
+    if args.one is not None:
+        args.tp = args.one
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return {}
+    import torch
+
+    res: dict = {"bench": "tp_gpu", "date": datetime.datetime.now(datetime.timezone.utc)
+                 .isoformat(timespec="seconds"),
+                 "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+                 "model": os.path.basename(args.model_path), "dtype": "bfloat16 (dummy weights)",
+                 "cuda_graph": not args.disable_cuda_graph, "torch": torch.__version__}
+    try:
+        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT,
+                                       capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        res["commit"] = None
+    for tp in [int(x) for x in args.sizes.split(",")]:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", str(tp),
+               "--model-path", args.model_path, "--tokenizer-path", args.tokenizer_path]
+        if args.disable_cuda_graph:
+            cmd.append("--disable-cuda-graph")
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if lines:
+                res[f"tp{tp}"] = json.loads(lines[-1][7:])
+            else:
+                res.setdefault("errors", {})[f"tp{tp}"] = (out.stderr or out.stdout)[-1500:]
+        except subprocess.TimeoutExpired as e:
+            res.setdefault("errors", {})[f"tp{tp}"] = f"timed out after {e.timeout}s"
+        print("PARTIAL " + json.dumps(res), flush=True)
+    one, two = res.get("tp1"), res.get("tp2")
+    if one and two:
+        res["ratio_tp2_tp1"] = {k: round(two[k] / one[k], 3) for k in
+                                ("bs1_tok_s", "bs1_decode_tok_s", "batch128_out_tok_s")}
+    print(json.dumps(res), flush=True)
+    if args.result_file:
+        with open(args.result_file, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()
