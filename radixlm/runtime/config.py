@@ -116,6 +116,11 @@ class ServerArgs:
     # of weights dequantized at load (auto: on with the AVX2 kernel; env
     # RADIXLM_GGUF_KEEP_QUANTIZED wins; layers/quantized_linear.py)
     gguf_keep_quantized: str = "auto"  # auto | on | off
+    # FP8 checkpoints (quantization_config fp8 / compressed-tensors): scaled_mm keeps the decoder
+    # projections e4m3 and multiplies them with torch._scaled_mm, dequant dequantizes them at load
+    # (auto: scaled_mm on CUDA SM89+ with tp_size 1, else dequant; env RADIXLM_FP8_LINEAR wins;
+    # models/fp8_checkpoint.py, layers/fp8_linear.py)
+    fp8_linear: str = "auto"  # auto | scaled_mm | dequant
     # --- tensor parallelism (runtime/distributed): one process per rank, rank 0 schedules ---
     tp_size: int = 1
     nnodes: int = 1

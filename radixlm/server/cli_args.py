@@ -48,10 +48,15 @@ _HELP = {
                            "decode step) "
                            "instead of dequantizing at load. auto: on where the AVX2 kernel "
                            "builds; never on CUDA; env RADIXLM_GGUF_KEEP_QUANTIZED overrides",
+    "fp8_linear": "FP8 (e4m3) checkpoints: scaled_mm keeps the projections' weights in FP8 and "
+                  "multiplies with torch._scaled_mm (half the weight memory), dequant "
+                  "dequantizes them at load. auto: scaled_mm on CUDA SM89+ without TP, else "
+                  "dequant; env RADIXLM_FP8_LINEAR overrides",
 }
 
 
 _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSERS,
+            "fp8_linear": ("auto", "scaled_mm", "dequant"),
             "embedding_pooling": ("last", "mean"), "cpu_fp32_gemm": ("auto", "on", "off"),
             "gguf_keep_quantized": ("auto", "on", "off"), "load_balance_method": POLICIES}
 

@@ -131,6 +131,11 @@ def update_weights_from_disk(runner, scheduler, req: dict) -> dict:
             from radixlm.runtime.layers import quantized_linear
 
             quantized_linear.reload_weights(runner.model, p, f, runner.dtype)
+        elif getattr(runner, "fp8", None) is not None:  # FP8 checkpoint (models/fp8_checkpoint)
+            from radixlm.runtime.models import fp8_checkpoint
+
+            fp8_checkpoint.reload_weights(runner.model, p, f, loader.load_hf_config(p, f),
+                                          runner.dtype, runner.fp8)
         else:
             runner.model.load_weights(loader.iter_weights(p, f, runner.dtype))
 

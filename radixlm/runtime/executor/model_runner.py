@@ -17,11 +17,11 @@ from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
-from radixlm.runtime.layers import cpu_linear, quantized_linear
+from radixlm.runtime.layers import cpu_linear, fp8_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
-from radixlm.runtime.models import loader, registry
+from radixlm.runtime.models import fp8_checkpoint, loader, registry
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,12 @@ class ModelRunner:
         # GGUF on a CPU: projections and head multiply by the file's blocks (layers/quantized_linear)
         self.keep_quantized = quantized_linear.keep_quantized(
             args.gguf_keep_quantized, self.device, self.load_format, self.tp.size)
+        # FP8 checkpoint (quantization_config): e4m3 projections through torch._scaled_mm on the
+        # GPU, dequantized at load elsewhere (models/fp8_checkpoint, layers/fp8_linear)
+        self.fp8 = fp8_checkpoint.plan(self.hf_config, args.fp8_linear, self.device,
+                                       self.tp.size, self.load_format)
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
-               self.fp32_gemm, self.keep_quantized)
+               self.fp32_gemm, self.keep_quantized, self.fp8)
         if self.tp.size > 1:  # never shared: a shard's layers hold this engine's TP group
             self.model = self._load_model(cfg, args.seed)
         else:
@@ -130,6 +134,11 @@ class ModelRunner:
         try:
             if self.load_format == "dummy":
                 model.init_dummy_weights(seed)
+                if self.fp8 is not None and self.fp8.keep:  # random e4m3 weights (benchmarks)
+                    fp8_linear.quantize_model(model)
+            elif self.fp8 is not None:
+                fp8_checkpoint.load_weights(model, self.model_path, self.dtype, self.fp8,
+                                            self.device)
             else:
                 weights = loader.iter_weights(self.model_path, self.load_format, self.dtype)
                 if self.keep_quantized:  # blocks replace dense weights: skip those tensors

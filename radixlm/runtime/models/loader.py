@@ -61,6 +61,13 @@ def _expand(model_path: Optional[str]) -> str:
     return path
 
 
+def _fp8_dtypes() -> tuple:
+    import torch
+
+    return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                             "float8_e5m2fnuz") if hasattr(torch, n))
+
+
 def _safetensors_files(folder: str) -> list[str]:
     """The shards to read: those named by the index when there is one (a folder may also hold
     stray files such as consolidated.safetensors), else every *.safetensors file."""
@@ -153,10 +160,14 @@ def iter_weights(
                     else gguf_loader.iter_gguf_weights(file, dtype))
         return
 
+    fp8 = _fp8_dtypes()
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
+                if t.dtype in fp8:  # cast without its scale it would be silently wrong
+                    raise ValueError(f"{file}: {name} is {t.dtype}; FP8 weights load through "
+                                     "config.json's quantization_config (models/fp8_checkpoint)")
                 yield name, t.to(dtype) if t.is_floating_point() else t
 
 
