@@ -8,14 +8,14 @@ Routes of the router itself:
   /remove_worker?url=     (POST)
   /get_server_info        the first worker's info, plus dp_size, load_balance_method, every
   (/server_info)          worker's internal_states (one entry per worker) and the router's view
-  /flush_cache, /abort_request, /start_profile, /stop_profile, /update_weights_from_disk
-                          sent to every worker (an abort's rid lives on one of them); the answer
+  /flush_cache, /abort_request, /start_profile, /stop_profile, /update_weights_from_disk,
+  /debug/kv_integrity     sent to every worker (an abort's rid lives on one of them); the answer
                           is 200 when every worker answered 200
 Everything else (/generate, /v1/chat/completions, /v1/completions, /v1/messages,
 /v1/embeddings, /v1/models, /get_model_info, /tokenize, ...) is forwarded to the policy's choice
 by proxy.py, streamed when the body says `"stream": true`.
-Not routed: stored /v1/responses retrieval by id (the response lives on one worker) and
-/metrics (each worker's own /metrics is the source; summing Prometheus text is not done here).
+/metrics merges the workers' (each sample labelled with its worker). Not routed: stored
+/v1/responses retrieval by id (the response lives on one worker, sent to whichever is picked).
 """
 
 from __future__ import annotations
@@ -40,7 +40,37 @@ from radixlm.server.http_server import _Guard
 logger = logging.getLogger("radixlm.router")
 
 BROADCAST = ("/flush_cache", "/abort_request", "/start_profile", "/stop_profile",
-             "/update_weights_from_disk")
+             "/update_weights_from_disk", "/debug/kv_integrity")
+
+
+def merge_metrics(texts: list[tuple[str, str]]) -> str:
+    """Several workers' Prometheus texts as one: every sample gains a `worker` label, and each
+    metric family's HELP / TYPE lines and samples stay together (the exposition format wants one
+    group per family)."""
+    families: dict[str, list[str]] = {}
+    for url, text in texts:
+        family = ""
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    head = families.setdefault(family, [])
+                    if line not in head:
+                        head.append(line)
+                continue
+            name, brace, rest = line.partition("{")
+            label = f'worker="{url}"'
+            if brace and " " not in name:
+                line = f"{name}{{{label},{rest}" if not rest.startswith("}") else \
+                    f"{name}{{{label}{rest}"
+            else:
+                name, _, value = line.partition(" ")
+                line = f"{name}{{{label}}} {value}"
+            families.setdefault(family, []).append(line)
+    return "".join(line + "\n" for lines in families.values() for line in lines)
 
 
 class Router:
@@ -178,6 +208,16 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
 
     for path in BROADCAST:
         app.add_api_route(path, broadcast, methods=["GET", "POST"])
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        results = await proxy.to_all("GET", "/metrics", forward_headers(request), timeout=60.0)
+        texts = [(w.url, r.text) for w, r in results if _ok(r)]
+        if not texts:
+            w, r = results[0] if results else (None, None)
+            status = r.status_code if isinstance(r, httpx.Response) else 503
+            return error_response("", status, _describe(w, r) if w else "no live worker")
+        return PlainTextResponse(merge_metrics(texts), media_type="text/plain; version=0.0.4")
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def routed(request: Request, path: str):

@@ -69,6 +69,23 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
+async def _unless_disconnected(request: Request, coro) -> tuple[bool, object]:
+    """(True, coro's result), or (False, None) when the client disconnects first: then coro is
+    cancelled, which closes its connection to the worker (the worker aborts the request)."""
+    task = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return True, task.result()  # raises the worker's TransportError, if any
+        return False, None
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+
+
 class Proxy:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, retries: int = 2):
         self.pool, self.client, self.retries = pool, client, retries
@@ -92,14 +109,14 @@ class Proxy:
             try:
                 req = self.client.build_request(request.method, w.url + url_path,
                                                 headers=headers, content=body)
-                resp = await self.client.send(req, stream=True)
+                done, result = await _unless_disconnected(request, self._exchange(req, stream))
+                if not done:  # the client left: nobody to answer (the worker saw us go)
+                    return Response(status_code=499)
                 if stream:
                     ended = True  # the stream's finally ends it from now on
-                    return StreamingResponse(self._relay(resp, w, units), resp.status_code,
-                                             headers=_response_headers(resp))
-                content = await self._read_unless_disconnected(request, resp)
-                if content is None:  # the client left: nobody to answer
-                    return Response(status_code=499)
+                    return StreamingResponse(self._relay(result, w, units), result.status_code,
+                                             headers=_response_headers(result))
+                resp, content = result
                 return Response(content, resp.status_code, headers=_response_headers(resp))
             except httpx.TransportError as e:
                 if isinstance(e, httpx.TimeoutException) and not isinstance(
@@ -115,20 +132,14 @@ class Proxy:
                     w.end(units)
         return error_response(path, status, last_problem)
 
-    async def _read_unless_disconnected(self, request: Request,
-                                        resp: httpx.Response) -> Optional[bytes]:
-        read = asyncio.ensure_future(resp.aread())
-        gone = asyncio.ensure_future(_until_disconnect(request))
+    async def _exchange(self, req: httpx.Request, stream: bool):
+        """stream: the response, its body still to come; else (response, whole body)."""
+        resp = await self.client.send(req, stream=True)
+        if stream:
+            return resp
         try:
-            done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if read in done:
-                return read.result()  # raises the worker's TransportError, if any
-            return None
+            return resp, await resp.aread()
         finally:
-            for t in (read, gone):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(read, gone, return_exceptions=True)
             await resp.aclose()
 
     async def _relay(self, resp: httpx.Response, w: Worker, units: int) -> AsyncIterator[bytes]:

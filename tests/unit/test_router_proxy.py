@@ -213,6 +213,21 @@ def test_client_disconnect_reaches_the_worker(two_workers):
         front.stop()
 
 
+def test_non_streamed_request_is_dropped_when_its_client_leaves(two_workers):
+    apps, servers = two_workers
+    front, router = start_router([servers[0].url])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(front.url + "/generate", json={"text": "slow", "sleep": 5.0}, timeout=0.5)
+        w = router.pool.live()[0]
+        while w.in_flight:  # the router let go of the upstream request without waiting 5 s
+            assert time.monotonic() - t0 < 3.0, "the router kept waiting for a departed client"
+            time.sleep(0.05)
+    finally:
+        front.stop()
+
+
 def test_refused_worker_is_removed_and_the_request_retried(two_workers):
     apps, servers = two_workers
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
@@ -303,3 +318,18 @@ def test_api_key_checked_and_forwarded(two_workers):
         assert httpx.get(front.url + "/list_workers").status_code == 401
     finally:
         front.stop()
+
+
+def test_merge_metrics_labels_each_worker_and_groups_families():
+    from radixlm.router.app import merge_metrics
+
+    a = ("# HELP reqs Requests.\n# TYPE reqs counter\nreqs_total 3.0\n"
+         "# HELP lat Latency.\n# TYPE lat histogram\nlat_bucket{le=\"0.1\"} 1.0\nlat_count 1.0\n")
+    b = a.replace("3.0", "5.0")
+    out = merge_metrics([("http://a", a), ("http://b", b)]).splitlines()
+    assert out == [
+        "# HELP reqs Requests.", "# TYPE reqs counter",
+        'reqs_total{worker="http://a"} 3.0', 'reqs_total{worker="http://b"} 5.0',
+        "# HELP lat Latency.", "# TYPE lat histogram",
+        'lat_bucket{worker="http://a",le="0.1"} 1.0', 'lat_count{worker="http://a"} 1.0',
+        'lat_bucket{worker="http://b",le="0.1"} 1.0', 'lat_count{worker="http://b"} 1.0']
