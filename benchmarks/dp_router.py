@@ -55,6 +55,10 @@ import httpx
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 CONFIGS = ("single", "round_robin", "cache_aware")
+WORKLOAD = {"groups": 32, "per_group": 16, "prefix_len": 1536, "question_len": 64,
+            "output_len": 48, "max_concurrency": 128}
+TINY_WORKLOAD = {"groups": 8, "per_group": 4, "prefix_len": 192, "question_len": 8,
+                 "output_len": 4, "max_concurrency": 16}
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048,
                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -214,12 +218,9 @@ def parse_args(argv=None):
                    help="CPU dry run: a tiny random Llama and small sizes")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--groups", type=int, default=32)
-    p.add_argument("--per-group", type=int, default=16)
-    p.add_argument("--prefix-len", type=int, default=1536)
-    p.add_argument("--question-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=48)
-    p.add_argument("--max-concurrency", type=int, default=128)
+    for k in WORKLOAD:
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
+                       help=f"default {WORKLOAD[k]} (--tiny: {TINY_WORKLOAD[k]})")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV tokens per DP replica (default: 0.75 x groups x prefix-len)")
     p.add_argument("--single-kv-factor", type=float, default=2.0,
@@ -233,10 +234,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.device, args.dtype = "cpu", "float32"
-        for k, v in (("groups", 8), ("per_group", 4), ("prefix_len", 192), ("question_len", 8),
-                     ("output_len", 4), ("max_concurrency", 16)):
-            if getattr(args, k) == p.get_default(k):
-                setattr(args, k, v)
+    for k, v in (TINY_WORKLOAD if args.tiny else WORKLOAD).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.max_total_tokens is None:
         args.max_total_tokens = int(0.75 * args.groups * args.prefix_len)
     return args
