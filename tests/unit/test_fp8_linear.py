@@ -22,12 +22,14 @@ def _layer(n=48, k=64, bias=False, per_channel=True, seed=0):
 def test_cpu_scaled_mm_supports_e4m3_rowwise():
     """What the CPU path relies on: torch's CPU _scaled_mm takes e4m3 operands with rowwise
     scales and an fp32 output, and computes (a * sa) @ (b * sb) exactly in fp32."""
+    torch.manual_seed(0)
     a = (torch.randn(5, 32) * 4).to(E4M3)
     b = (torch.randn(16, 32) * 4).to(E4M3)
     sa, sb = torch.rand(5, 1) + 0.5, torch.rand(1, 16) + 0.5
     y = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-    torch.testing.assert_close(y, (a.float() * sa) @ (b.float() * sb.t()).t(), rtol=1e-6,
-                               atol=1e-5)
+    want = (a.float() * sa) @ (b.float() * sb.t()).t()
+    scale = (a.float().abs() * sa) @ (b.float().abs() * sb.t()).t()  # fp32 summation error ~
+    assert bool(((y - want).abs() <= 1e-6 * scale).all())
 
 
 def test_quantize_weight_roundtrip():

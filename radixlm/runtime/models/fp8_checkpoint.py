@@ -1,26 +1,7 @@
 """FP8 checkpoints: reading config.json's `quantization_config` and the e4m3 weights with their
 scales, for layers/fp8_linear.py (kept FP8) or dequantized at load.
 
-Formats accepted (what vLLM, SGLang and transformers load; in all of them a scale MULTIPLIES:
-W ~= weight.float() * weight_scale, x ~= x_q * input_scale):
-  quant_method "fp8"   vLLM / AutoFP8 / transformers' FineGrainedFP8Config without blocks.
-      weights  `<layer>.weight` float8_e4m3fn with a per-tensor `<layer>.weight_scale` (vLLM) or
-               `<layer>.weight_scale_inv` (transformers: despite the name, the same multiplier;
-               its quantizer stores amax / 448)
-      `activation_scheme` "dynamic" (default), or "static" with a per-tensor `<layer>.input_scale`
-               (vLLM) or `<layer>.activation_scale` (transformers)
-      `ignored_layers` / `modules_to_not_convert`: those layers are stored unquantized
-      refused: `weight_block_size` (DeepSeek-style 128x128 blocks), `fmt` other than e4m3,
-               `scale_fmt` other than float (ue8m0), `kv_cache_scheme`, FP4 experts, ...
-  quant_method "compressed-tensors" (llm-compressor), `format` "float-quantized":
-      every config group: weights {num_bits 8, type float, symmetric, strategy tensor
-      (`weight_scale` [1]) | channel ([out, 1])}, input_activations {num_bits 8, type float,
-      symmetric, dynamic true (strategy token or tensor: run per token) | dynamic false with
-      strategy tensor (`input_scale` [1])}; `ignore` lists the unquantized layers.
-      refused: block / group strategies, weight-only FP8 (input_activations null), dynamic
-      "local", output_activations, kv_cache_scheme, sparsity / transforms, other formats.
-Any other quant_method (gptq, awq, bitsandbytes, ...) and any field not listed is refused with
-an error naming it: a checkpoint we cannot run exactly is refused, never run approximately.
+Formats: models/fp8_config.py (what `quantization_config`s load, what is refused).
 
 Which layers are FP8 comes from the tensors themselves (F8_E4M3 in the safetensors headers), so
 `ignore` patterns need no interpretation. Two ways to run them (ServerArgs.fp8_linear, env
@@ -39,11 +20,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
 from radixlm.runtime.layers import fp8_linear
+from radixlm.runtime.models.fp8_config import parse
 
 logger = logging.getLogger(__name__)
 
@@ -70,125 +52,6 @@ class Fp8Plan:
         return self.mode == "scaled_mm"
 
 
-# --- quantization_config ----------------------------------------------------------------------
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(f"quantization_config.{field}={value!r} is not supported: {why}")
-
-
-def _check_keys(d: dict, where: str, allowed: set[str]) -> None:
-    for k in d:
-        if k not in allowed:
-            _refuse(f"{where}{k}", d[k], "unknown field (a quantization detail this loader "
-                    "does not know could change the numbers)")
-
-
-def _parse_fp8(q: dict) -> bool:
-    _check_keys(q, "", {"quant_method", "activation_scheme", "ignored_layers",
-                        "modules_to_not_convert", "modules_to_convert", "weight_block_size",
-                        "fmt", "scale_fmt", "dequantize", "expert_dtype", "kv_cache_scheme",
-                        "kv_cache_quant_method"})
-    scheme = str(q.get("activation_scheme", "dynamic")).lower()
-    if scheme not in ("dynamic", "static"):
-        _refuse("activation_scheme", q["activation_scheme"], "dynamic or static only")
-    if q.get("weight_block_size") is not None:
-        _refuse("weight_block_size", q["weight_block_size"], "block-wise FP8 scales "
-                "(DeepSeek-style) are not implemented; per-tensor and per-channel scales are")
-    for field, ok in (("fmt", ("e4m3",)), ("scale_fmt", ("float",)), ("expert_dtype", ("fp8",))):
-        if q.get(field) is not None and q[field] not in ok:
-            _refuse(field, q[field], f"only {ok[0]!r}")
-    if q.get("dequantize"):
-        _refuse("dequantize", q["dequantize"], "use fp8_linear=dequant to dequantize at load")
-    if q.get("modules_to_convert"):
-        _refuse("modules_to_convert", q["modules_to_convert"], "FP8 modules other than linear "
-                "layers (embedding tables) are not implemented")
-    for field in ("kv_cache_scheme", "kv_cache_quant_method"):
-        if q.get(field):
-            _refuse(field, q[field], "an FP8 KV cache is not implemented")
-    return scheme == "static"
-
-
-_ARG_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "block_structure",
-             "dynamic", "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
-
-
-def _check_fp8_args(a: dict, where: str) -> None:
-    _check_keys(a, where, _ARG_KEYS)
-    for field, want in (("num_bits", 8), ("type", "float"), ("symmetric", True)):
-        if a.get(field, want) != want:
-            _refuse(where + field, a.get(field), f"FP8 e4m3 needs {field}={want!r}")
-    for field in ("group_size", "block_structure", "actorder", "zp_dtype"):
-        if a.get(field) is not None:
-            _refuse(where + field, a[field], "per-tensor / per-channel / per-token FP8 only")
-    if a.get("scale_dtype") not in (None, "torch.float32", "torch.bfloat16", "torch.float16"):
-        _refuse(where + "scale_dtype", a["scale_dtype"], "float scales only")
-
-
-def _parse_compressed_tensors(q: dict) -> bool:
-    _check_keys(q, "", {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme",
-                        "quantization_status", "global_compression_ratio", "provider", "version",
-                        "sparsity_config", "transform_config"})
-    if q.get("format") != "float-quantized":
-        _refuse("format", q.get("format"), "FP8 checkpoints in 'float-quantized' format only")
-    if q.get("quantization_status", "compressed") != "compressed":
-        _refuse("quantization_status", q["quantization_status"], "'compressed' only")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if q.get(field):
-            _refuse(field, q[field], "not implemented")
-    groups = q.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        _refuse("config_groups", groups, "needs at least one group")
-    statics = set()
-    for gname, g in groups.items():
-        w = f"config_groups.{gname}."
-        _check_keys(g, w, {"targets", "weights", "input_activations", "output_activations",
-                           "format"})
-        if g.get("format") not in (None, "float-quantized"):
-            _refuse(w + "format", g["format"], "'float-quantized' only")
-        if g.get("output_activations") is not None:
-            _refuse(w + "output_activations", g["output_activations"], "not implemented")
-        wa = g.get("weights")
-        if not isinstance(wa, dict):
-            _refuse(w + "weights", wa, "needs FP8 weights")
-        _check_fp8_args(wa, w + "weights.")
-        if wa.get("strategy") not in ("tensor", "channel"):
-            _refuse(w + "weights.strategy", wa.get("strategy"), "tensor or channel scales only "
-                    "(block / group scales are not implemented)")
-        if wa.get("dynamic", False):
-            _refuse(w + "weights.dynamic", wa["dynamic"], "weights have stored scales")
-        ia = g.get("input_activations")
-        if ia is None:
-            _refuse(w + "input_activations", None, "weight-only FP8 (W8A16) is not implemented")
-        _check_fp8_args(ia, w + "input_activations.")
-        dyn = ia.get("dynamic", False)
-        if dyn is True and ia.get("strategy") in ("token", "tensor"):
-            statics.add(False)
-        elif dyn is False and ia.get("strategy") == "tensor":
-            statics.add(True)
-        else:
-            _refuse(w + "input_activations", {k: ia.get(k) for k in ("strategy", "dynamic")},
-                    "dynamic per-token / per-tensor or static per-tensor activations only")
-    if len(statics) > 1:
-        _refuse("config_groups", sorted(groups), "groups mixing static and dynamic activations")
-    return statics.pop()
-
-
-def parse(hf_config: dict) -> Optional[tuple[str, bool]]:
-    """(quant_method, static_input) of an FP8 checkpoint's config, None without a
-    quantization_config; ValueError naming the field for anything this loader cannot run."""
-    q = hf_config.get("quantization_config")
-    if q is None:
-        return None
-    if not isinstance(q, dict):
-        _refuse("", q, "expected a dict")
-    method = q.get("quant_method")
-    if method == "fp8":
-        return method, _parse_fp8(q)
-    if method == "compressed-tensors":
-        return method, _parse_compressed_tensors(q)
-    _refuse("quant_method", method, "supported: fp8 and compressed-tensors with FP8 e4m3 "
-            "weights (GGUF files load with --load-format gguf)")
-
-
 def resolve_mode(setting: str, device: torch.device, tp_size: int = 1) -> str:
     setting = os.environ.get(ENV_VAR, "").strip().lower() or setting
     if setting not in SETTINGS:
@@ -200,6 +63,11 @@ def resolve_mode(setting: str, device: torch.device, tp_size: int = 1) -> str:
                              f"(tp_size={tp_size}); use auto or dequant")
         logger.warning("FP8 checkpoint under tensor parallelism: weights dequantized at load")
         return "dequant"
+    if setting == "scaled_mm" and device.type == "cuda":
+        err = _probe_scaled_mm(device)
+        if err is not None:
+            raise ValueError(f"fp8_linear=scaled_mm: torch._scaled_mm with rowwise scales fails "
+                             f"on {torch.cuda.get_device_name(device)} ({err}); use dequant")
     if setting != "auto":
         return setting
     if device.type != "cuda":
