@@ -108,9 +108,9 @@ def _layer(n: int, k: int, bias: bool, static, seed: int = 0):
     return m
 
 
-@pytest.mark.parametrize("n,k", [(256, 128), (6144, 4096), (4096, 14336)])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("static", [None, 0.02])
+@pytest.mark.parametrize("n,k,bias,static", [
+    (256, 128, False, None), (256, 128, True, None), (256, 128, False, 0.02),
+    (256, 128, True, 0.02), (6144, 4096, False, None), (4096, 14336, False, 0.02)])
 def test_fp8_linear_cuda_matches_emulation_and_bound(n, k, bias, static):
     """_scaled_mm's output == the emulation of its inputs (x quantized by the layer's own kernel,
     W_q * w_scale, fp32 sum, bf16 out) up to bf16 rounding; and within the rigorous bound of the
@@ -161,7 +161,7 @@ def test_fp8_linear_in_cuda_graph():
 
 
 # --- checkpoints through the Engine ----------------------------------------------------------
-FORMATS = ("fp8-dynamic", "hf-static", "ct-channel", "ct-tensor-static")
+FORMATS = ("fp8-dynamic", "hf-static", "ct-channel")  # the CPU tests cover all six
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +211,8 @@ def test_fp8_checkpoint_scaled_mm_cuda(case, graphs):
     from radixlm.runtime.layers import fp8_linear
 
     fmt, path, ref, prompts = case
+    if not graphs and fmt != "ct-channel":
+        pytest.skip("eager decode: one format is enough")
     eng = _engine(path, dtype="bfloat16", fp8_linear="scaled_mm",
                   disable_cuda_graph=not graphs)
     try:

@@ -26,7 +26,8 @@ import torch
 from radixlm.runtime.layers import fp8_linear
 
 VOCAB = 256
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "qkv_proj", "gate_up_proj")  # the last two: Phi-3's fused checkpoint names
 FORMATS = ("fp8-dynamic", "fp8-static", "hf-dynamic", "hf-static", "ct-channel",
            "ct-tensor-static")
 
@@ -266,7 +267,7 @@ def decode_lp_errors(eng, ref, prompts, max_new: int) -> torch.Tensor:
     return torch.cat(errs)
 
 
-def margin_prompts(ref, n: int = 48, seed: int = 5) -> tuple[list[list[int]], list[int]]:
+def margin_prompts(ref, n: int = 96, seed: int = 5) -> tuple[list[list[int]], list[int]]:
     """Random prompts whose reference next token wins by more than MARGIN, and those tokens."""
     g = torch.Generator().manual_seed(seed)
     keep, tokens = [], []

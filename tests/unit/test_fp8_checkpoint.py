@@ -129,6 +129,26 @@ def test_qwen2_biases(tmp_path):
         eng.shutdown()
 
 
+@pytest.mark.parametrize("arch,fmt", [("qwen3", "fp8-static"), ("phi3-partial", "fp8-dynamic")])
+def test_other_architectures(arch, fmt, tmp_path):
+    """Qwen3 (q/k norms after the FP8 qkv) and Phi-3 (checkpoint names already fused: one
+    per-tensor scale for all of qkv_proj, split into rows by phi3.py's loader)."""
+    import test_model_parity_qwen3_phi3 as dense
+
+    cls, config = dense.CASES[arch]
+    cfg = config()
+    model = ap.save_tiny(cls, cfg, tmp_path / "src")
+    prompts = ap.prompts(fc.VOCAB)
+    deq = fc.write_fp8(model, str(tmp_path / "fp8"), fmt, calib_prompts=prompts[:4])
+    ref = fc.reference_model(cls, cfg, deq)
+    eng = ap.make_engine(str(tmp_path / "fp8"), fp8_linear="scaled_mm")
+    try:
+        assert len(_fp8_modules(eng)) == 8
+        fc.check_fp8_engine(eng, ref, prompts)
+    finally:
+        eng.shutdown()
+
+
 def test_dummy_weights_with_fp8_config(base, tmp_path):
     """--load-format dummy with an FP8 config (benchmarks): random e4m3 projections."""
     _write(base, tmp_path / "ck", "fp8-dynamic")
