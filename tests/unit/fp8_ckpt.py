@@ -47,12 +47,13 @@ def quantization_config(fmt: str) -> dict:
     if fmt.startswith("fp8"):
         return {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
                 "ignored_layers": ["lm_head"]}
-    if fmt.startswith("hf"):
-        from transformers import FineGrainedFP8Config
-
-        cfg = FineGrainedFP8Config(weight_block_size=None,
-                                   activation_scheme="static" if static else "dynamic")
-        return json.loads(cfg.to_json_string())
+    if fmt.startswith("hf"):  # FineGrainedFP8Config(weight_block_size=None, ...) as 5.23 saves
+        # it (test_fp8_config checks it against the installed transformers; written out here so
+        # the GPU machine's older transformers does not matter)
+        return {"quant_method": "fp8", "modules_to_not_convert": None,
+                "modules_to_convert": None, "activation_scheme": "static" if static else "dynamic",
+                "weight_block_size": None, "dequantize": False, "scale_fmt": "float",
+                "expert_dtype": "fp8"}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                "strategy": "tensor" if static else "channel", "group_size": None,
                "block_structure": None, "actorder": None, "observer": "minmax",

@@ -20,6 +20,17 @@ def test_accepts_the_formats_users_bring(fmt):
     assert static == fmt.endswith("static")
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_hf_format_is_what_transformers_writes(scheme):
+    """fp8_ckpt's hf-* configs are transformers' own FineGrainedFP8Config without blocks."""
+    import json
+
+    from transformers import FineGrainedFP8Config
+
+    cfg = FineGrainedFP8Config(weight_block_size=None, activation_scheme=scheme)
+    assert json.loads(cfg.to_json_string()) == fc.quantization_config(f"hf-{scheme}")
+
+
 def test_accepts_more_real_variants():
     # AutoFP8 / neuralmagic (vLLM): activation_scheme static, ignored_layers
     assert fck.parse({"quantization_config": {"quant_method": "fp8", "activation_scheme":
