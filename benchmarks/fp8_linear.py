@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import random
@@ -167,18 +166,6 @@ def _q(triton_fp8, x, layer):
     return xq, layer.weight.t(), sx, layer.weight_scale.view(1, -1)
 
 
-def free_engine(holder: dict) -> None:
-    eng = holder.pop("eng", None)
-    if eng is not None:
-        eng.shutdown()
-    del eng
-    from radixlm.runtime.executor import model_runner
-
-    model_runner._MODEL_CACHE.clear()
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def timed(eng, prompts, n_out) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -187,50 +174,61 @@ def timed(eng, prompts, n_out) -> float:
     return time.perf_counter() - t0
 
 
-def e2e(args) -> list[dict]:
+def e2e_side(label: str, path: str, n_tokens: int) -> dict:
+    """One side of --e2e in this process (a fresh one per side: the first engine's memory, CUDA
+    graph pools included, is then surely gone before the second loads; in one process the FP8
+    engine ran out of memory on an H100 after the bf16 one)."""
     import radixlm
 
+    kw = {"fp8_linear": "scaled_mm"} if label == "fp8" else {}
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(1000, 120000) for _ in range(n)]  # noqa: E731
+    row = {"bench": "fp8_linear_e2e", "weights": label}
+    t0 = time.perf_counter()
+    eng = radixlm.Engine(model_path=path, load_format="dummy", dtype="bfloat16",
+                         skip_tokenizer_init=True, context_length=2048, max_running_requests=64,
+                         cuda_graph_max_bs=64, **kw)
+    try:
+        row["engine_s"] = round(time.perf_counter() - t0, 1)
+        row["weights_GB"] = round(sum(p.numel() * p.element_size() for p in
+                                      eng.runner.model.parameters()) / 1e9, 2)
+        timed(eng, [ids(128) for _ in range(4)], 8)  # warm-up
+        p1 = ids(128)
+        eng.flush_cache()
+        t_pref = timed(eng, [p1], 1)
+        eng.flush_cache()
+        t_all = timed(eng, [p1], n_tokens)
+        row["bs1_decode_tok_s"] = round((n_tokens - 1) / (t_all - t_pref), 1)
+        batch = [ids(128) for _ in range(64)]
+        eng.flush_cache()
+        t_pref = timed(eng, batch, 1)
+        eng.flush_cache()
+        t_all = timed(eng, batch, 128)
+        row["bs64_decode_tok_s"] = round(64 * 127 / (t_all - t_pref), 1)
+        row["bs64_total_tok_s"] = round(64 * 128 / t_all, 1)
+    finally:
+        eng.shutdown()
+    return row
+
+
+def e2e(args) -> list[dict]:
+    """The Engine on dummy Llama-3.1-8B weights, bf16 then FP8, each side in its own process."""
     with open(os.path.join(args.e2e_config, "config.json")) as f:
         cfg = json.load(f)
     tmp = tempfile.mkdtemp(prefix="fp8-llama8b-")
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f)
-    rng = random.Random(0)
-    ids = lambda n: [rng.randrange(1000, 120000) for _ in range(n)]  # noqa: E731
     rows = []
     try:
-        for label, path, kw in (("bf16", args.e2e_config, {}),
-                                ("fp8", tmp, {"fp8_linear": "scaled_mm"})):
-            h: dict = {}
-            row = {"bench": "fp8_linear_e2e", "weights": label}
-            try:
-                t0 = time.perf_counter()
-                h["eng"] = eng = radixlm.Engine(
-                    model_path=path, load_format="dummy", dtype="bfloat16",
-                    skip_tokenizer_init=True, context_length=2048, max_running_requests=64,
-                    cuda_graph_max_bs=64, **kw)
-                row["engine_s"] = round(time.perf_counter() - t0, 1)
-                row["weights_GB"] = round(sum(p.numel() * p.element_size() for p in
-                                              eng.runner.model.parameters()) / 1e9, 2)
-                timed(eng, [ids(128) for _ in range(4)], 8)  # warm-up
-                p1 = ids(128)
-                eng.flush_cache()
-                t_pref = timed(eng, [p1], 1)
-                eng.flush_cache()
-                t_all = timed(eng, [p1], args.e2e_tokens)
-                row["bs1_decode_tok_s"] = round((args.e2e_tokens - 1) / (t_all - t_pref), 1)
-                batch = [ids(128) for _ in range(64)]
-                eng.flush_cache()
-                t_pref = timed(eng, batch, 1)
-                eng.flush_cache()
-                t_all = timed(eng, batch, 128)
-                row["bs64_decode_tok_s"] = round(64 * 127 / (t_all - t_pref), 1)
-                row["bs64_total_tok_s"] = round(64 * 128 / t_all, 1)
-            except Exception as e:  # noqa: BLE001  one side failing must not lose the other
-                row["error"] = f"{type(e).__name__}: {e}"[:400]
-            finally:
-                free_engine(h)
+        for label, path in (("bf16", args.e2e_config), ("fp8", tmp)):
+            cmd = [sys.executable, os.path.abspath(__file__), "--e2e-side", label,
+                   "--e2e-config", path, "--e2e-tokens", str(args.e2e_tokens)]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith('{"bench": "fp8_linear_e2e"')]
+            row = (json.loads(lines[-1]) if p.returncode == 0 and lines else
+                   {"bench": "fp8_linear_e2e", "weights": label,  # one side failing must not
+                    "error": f"exit {p.returncode}: {p.stderr[-400:]}"})  # lose the other
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
@@ -259,7 +257,11 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-tokens", type=int, default=256)
     ap.add_argument("--e2e-config", default=CONFIG_DIR, help="folder with the config.json")
     ap.add_argument("--result-file", help="append the JSON lines here")
+    ap.add_argument("--e2e-side", choices=("bf16", "fp8"), help=argparse.SUPPRESS)  # e2e's child
     args = ap.parse_args(argv)
+    if args.e2e_side:
+        print(json.dumps(e2e_side(args.e2e_side, args.e2e_config, args.e2e_tokens)), flush=True)
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks/fp8_linear.py needs a CUDA GPU with FP8 tensor cores (SM89+: L4, "
               "H100, H200, ...); none is visible here", file=sys.stderr)

@@ -25,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros with this scale (no 0 / 0)
+# Triton kernels may read only constexpr globals (the compiler refuses plain floats; the
+# interpreter does not, so only the GPU caught this)
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row quantizes to zeros with this scale (no 0 / 0)
 
 
 @triton.jit
