@@ -240,3 +240,52 @@ def test_reload_weights_takes_new_blocks(tmp_path, kernels, monkeypatch):
     finally:
         eng.shutdown()
     assert [o["output_ids"] for o in got] == _run(b, "on", "float32", **kw)["tokens"]
+
+
+# ------------------------------- dense rows: bf16 on a CPU with native bf16 matmul (auto only)
+
+def test_dense_rows_switch(no_env, monkeypatch):
+    from radixlm.runtime.layers import cpu_linear
+
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16_matmul", lambda: True)
+    assert quantized_linear.keep_dense_rows("auto", CPU, bf16)
+    assert not quantized_linear.keep_dense_rows("on", CPU, bf16)  # on: blocks only (memory)
+    assert not quantized_linear.keep_dense_rows("auto", CPU, torch.float32)
+    assert not quantized_linear.keep_dense_rows("auto", torch.device("cuda"), bf16)
+    no_env.setenv(quantized_linear.ENV_VAR, "on")
+    assert not quantized_linear.keep_dense_rows("auto", CPU, bf16)
+    no_env.delenv(quantized_linear.ENV_VAR)
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16_matmul", lambda: False)
+    assert not quantized_linear.keep_dense_rows("auto", CPU, bf16)
+
+
+def test_dense_rows_take_the_dense_path_above_16_rows(tmp_path, kernels, monkeypatch):
+    """auto + bf16 + native bf16 matmul (patched in, so any CPU runs it): every QuantizedLinear
+    also holds the dense bf16 weight. The 18 prompt rows of the batch run dense, so prompt
+    logprobs equal the dequantized (off) engine's exactly; decode (4 rows) runs the blocks."""
+    from radixlm.runtime.layers import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16_matmul", lambda: True)
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_q4k(str(tmp_path / "tiny-q4k.gguf"))
+    kw = dict(skip_tokenizer_init=True, attention_backend="torch_native")
+    hyb, off = _run(path, "auto", "bfloat16", **kw), _run(path, "off", "bfloat16", **kw)
+    assert sum(map(len, PROMPT_IDS)) > quantized_linear.DIRECT_MAX_M
+    m = hyb["model"]
+    qkv = m.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and qkv.weight is not None
+    assert torch.equal(qkv.weight, off["model"].layers[0].self_attn.qkv_proj.weight)
+    assert m.lm_head_dense_above == quantized_linear.DIRECT_MAX_M
+    assert m.lm_head is not None and m.lm_head_quant is not None  # untied: both heads kept
+    for a, b in zip(hyb["lps"], off["lps"]):
+        np.testing.assert_array_equal(a, b)
+    assert [t[0] for t in hyb["tokens"]] == [t[0] for t in off["tokens"]]
+    # few rows take the blocks: layer output == the blocks path's, not the dense weight's
+    x = torch.randn(4, qkv.in_features, dtype=torch.bfloat16)
+    assert torch.equal(qkv(x), qkv.forward_fp32(x).to(torch.bfloat16))
+    # reload_weights keeps the dense copies in step with the new blocks
+    b = write_tiny_q4k(str(tmp_path / "b.gguf"), seed=1)
+    quantized_linear.reload_weights(m, b, "gguf", torch.bfloat16)
+    fresh = _run(b, "off", "bfloat16", **kw)["model"].layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(qkv.weight, fresh)

@@ -78,12 +78,15 @@ class ModelRunner:
         # GGUF on a CPU: projections and head multiply by the file's blocks (layers/quantized_linear)
         self.keep_quantized = quantized_linear.keep_quantized(
             args.gguf_keep_quantized, self.device, self.load_format, self.tp.size)
+        # ... and dense weights too for many-row inputs where bf16 matmul is native (auto only)
+        self.gguf_dense_rows = self.keep_quantized and quantized_linear.keep_dense_rows(
+            args.gguf_keep_quantized, self.device, self.dtype)
         # FP8 checkpoint (quantization_config): e4m3 projections through torch._scaled_mm on the
         # GPU, dequantized at load elsewhere (models/fp8_checkpoint, layers/fp8_linear)
         self.fp8 = fp8_checkpoint.plan(self.hf_config, args.fp8_linear, self.device,
                                        self.tp.size, self.load_format)
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
-               self.fp32_gemm, self.keep_quantized, self.fp8)
+               self.fp32_gemm, self.keep_quantized, self.gguf_dense_rows, self.fp8)
         if self.tp.size > 1:  # never shared: a shard's layers hold this engine's TP group
             self.model = self._load_model(cfg, args.seed)
         else:
@@ -143,7 +146,8 @@ class ModelRunner:
                 weights = loader.iter_weights(self.model_path, self.load_format, self.dtype)
                 if self.keep_quantized:  # blocks replace dense weights: skip those tensors
                     held = quantized_linear.convert_model(
-                        model, quantized_linear.gguf_file(self.model_path))
+                        model, quantized_linear.gguf_file(self.model_path),
+                        dense_rows=self.gguf_dense_rows)
                     weights = ((name, t) for name, t in weights if name not in held)
                 model.load_weights(weights)
             model.eval().requires_grad_(False)

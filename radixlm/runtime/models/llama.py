@@ -226,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
                                     cfg.rope_scaling)
         # the LM head as GGUF blocks (layers/quantized_linear.py), when the weights stay quantized
         self.lm_head_quant: Optional[nn.Module] = None
+        # with dense rows kept too: more hidden rows than this take the dense head
+        self.lm_head_dense_above: Optional[int] = None
 
     @staticmethod
     def check_supported(cfg: ModelConfig, context_len: int) -> None:
@@ -259,7 +261,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
-        if self.lm_head_quant is not None:  # rounded through hidden's dtype, as logits_fp32 does
+        dense_above = self.lm_head_dense_above  # quantized_linear.keep_dense_rows
+        if self.lm_head_quant is not None and (dense_above is None
+                                               or hidden.shape[0] <= dense_above):
+            # rounded through hidden's dtype, as logits_fp32 does
             out = self.lm_head_quant.forward_fp32(hidden)
             return out if hidden.dtype == torch.float32 else out.to(hidden.dtype).float()
         if self.lm_head_fp32 is not None:
