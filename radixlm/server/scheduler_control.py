@@ -138,6 +138,10 @@ def update_weights_from_disk(runner, scheduler, req: dict) -> dict:
                                           runner.dtype, runner.fp8)
         else:
             runner.model.load_weights(loader.iter_weights(p, f, runner.dtype))
+        if getattr(runner, "cpu_packed", False):  # the packed copies follow the new weights
+            from radixlm.runtime.layers import cpu_packed
+
+            cpu_packed.repack_model(runner.model)
 
     t0 = time.perf_counter()
     try:

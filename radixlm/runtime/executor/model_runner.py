@@ -17,7 +17,7 @@ from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
-from radixlm.runtime.layers import cpu_linear, fp8_linear, quantized_linear
+from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
@@ -75,6 +75,8 @@ class ModelRunner:
 
         # bf16 on a CPU without bf16 matmul: fp32 GEMMs on fp32 weight copies (layers/cpu_linear)
         self.fp32_gemm = cpu_linear.use_fp32_gemm(args.cpu_fp32_gemm, self.device, self.dtype)
+        # bf16 on a CPU with bf16 matmul: oneDNN on prepacked weights (layers/cpu_packed)
+        self.cpu_packed = not self.fp32_gemm and cpu_packed.use_packed(self.device, self.dtype)
         # GGUF on a CPU: projections and head multiply by the file's blocks (layers/quantized_linear)
         self.keep_quantized = quantized_linear.keep_quantized(
             args.gguf_keep_quantized, self.device, self.load_format, self.tp.size)
@@ -86,7 +88,8 @@ class ModelRunner:
         self.fp8 = fp8_checkpoint.plan(self.hf_config, args.fp8_linear, self.device,
                                        self.tp.size, self.load_format)
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
-               self.fp32_gemm, self.keep_quantized, self.gguf_dense_rows, self.fp8)
+               self.fp32_gemm, self.keep_quantized, self.gguf_dense_rows, self.fp8,
+               self.cpu_packed)
         if self.tp.size > 1:  # never shared: a shard's layers hold this engine's TP group
             self.model = self._load_model(cfg, args.seed)
         else:
@@ -155,6 +158,8 @@ class ModelRunner:
                 cpu_linear.convert_model(model)
             # after loading the whole checkpoint, keep this rank's piece (distributed/sharding)
             sharding.shard_model(model, self.tp)
+            if self.cpu_packed:  # after sharding: it packs each rank's piece
+                cpu_packed.convert_model(model)
         finally:
             torch.set_num_threads(threads)
         logger.info("loaded %s (%s) in %.1fs", self.model_path, self.load_format,

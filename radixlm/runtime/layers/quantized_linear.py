@@ -131,6 +131,7 @@ class QuantizedLinear(nn.Module):
         # nn.Linear's, used for inputs of more than DIRECT_MAX_M rows
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype),
                                    requires_grad=False) if dense_rows else None
+        self.packed: Optional[torch.Tensor] = None  # `weight` prepacked (layers/cpu_packed)
 
     sources: tuple[str, ...] = ()  # the HF names whose block rows it holds, in row order
 
@@ -147,6 +148,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None and x.numel() > DIRECT_MAX_M * self.in_features:
+            if self.packed is not None:
+                from radixlm.runtime.layers import cpu_packed
+
+                return cpu_packed.linear(x, self.packed, self.bias)
             return F.linear(x, self.weight, self.bias)
         return self.forward_fp32(x).to(x.dtype)
 

@@ -17,7 +17,7 @@ from torch import nn
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
-from radixlm.runtime.layers import cpu_linear
+from radixlm.runtime.layers import cpu_linear, cpu_packed
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -213,6 +213,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # (vocab, hidden) fp32 head when layers/cpu_linear.convert_model ran (bf16 on an AVX2 CPU)
     lm_head_fp32: Optional[torch.Tensor] = None
+    # the dense head prepacked for oneDNN (layers/cpu_packed; bf16 on CPUs with bf16 matmul)
+    lm_head_packed: Optional[torch.Tensor] = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -269,6 +271,8 @@ class LlamaForCausalLM(nn.Module):
             return out if hidden.dtype == torch.float32 else out.to(hidden.dtype).float()
         if self.lm_head_fp32 is not None:
             return cpu_linear.logits_fp32(hidden, self.lm_head_fp32, hidden.dtype)
+        if self.lm_head_packed is not None:
+            return cpu_packed.linear(hidden, self.lm_head_packed, None).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         gemv = _gemv(hidden)
         return (F.linear(hidden, w) if gemv is None else gemv.linear(hidden, w)).float()
