@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from radixlm.runtime.layers import cpu_linear
+from radixlm.runtime.layers import cpu_linear, cpu_packed
 
 CPU = torch.device("cpu")
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
@@ -116,7 +116,8 @@ def test_switch_is_honoured(runs):
     assert on["fp32_gemm"] and set(on["projs"]) == {cpu_linear.Fp32GemmLinear}
     assert on["head32"] is not None and on["head32"].dtype == torch.float32
     assert not off["fp32_gemm"] and off["head32"] is None
-    assert all(issubclass(t, nn.Linear) for t in off["projs"])  # llama.Linear or nn.Linear
+    # llama.Linear / nn.Linear, or prepacked for oneDNN on CPUs with bf16 matmul
+    assert all(issubclass(t, (nn.Linear, cpu_packed.PackedLinear)) for t in off["projs"])
     assert not runs["fp32"]["fp32_gemm"]
 
 

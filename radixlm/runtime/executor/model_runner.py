@@ -75,8 +75,10 @@ class ModelRunner:
 
         # bf16 on a CPU without bf16 matmul: fp32 GEMMs on fp32 weight copies (layers/cpu_linear)
         self.fp32_gemm = cpu_linear.use_fp32_gemm(args.cpu_fp32_gemm, self.device, self.dtype)
-        # bf16 on a CPU with bf16 matmul: oneDNN on prepacked weights (layers/cpu_packed)
-        self.cpu_packed = not self.fp32_gemm and cpu_packed.use_packed(self.device, self.dtype)
+        # bf16 on a CPU with bf16 matmul: oneDNN on prepacked weights (layers/cpu_packed); not
+        # under TP (its sharded layers and vocab-parallel head are not packed: untested there)
+        self.cpu_packed = (not self.fp32_gemm and self.tp.size == 1
+                           and cpu_packed.use_packed(self.device, self.dtype))
         # GGUF on a CPU: projections and head multiply by the file's blocks (layers/quantized_linear)
         self.keep_quantized = quantized_linear.keep_quantized(
             args.gguf_keep_quantized, self.device, self.load_format, self.tp.size)
@@ -158,7 +160,7 @@ class ModelRunner:
                 cpu_linear.convert_model(model)
             # after loading the whole checkpoint, keep this rank's piece (distributed/sharding)
             sharding.shard_model(model, self.tp)
-            if self.cpu_packed:  # after sharding: it packs each rank's piece
+            if self.cpu_packed:
                 cpu_packed.convert_model(model)
         finally:
             torch.set_num_threads(threads)

@@ -5,12 +5,14 @@ frozen CPU models.
 Why: F.linear on a plain bf16 weight makes oneDNN reorder the weight on every call. At decode's
 row counts that reorder is most of the cost: SmolLM2-135M's projections on an AVX512-BF16 EPYC
 (2 cores) run 1.4-2.5x faster prepacked at 1-32 rows, 1.1-1.3x at 64-256, the 49152-row head
-1.4x. The results are bit-identical to F.linear's (same oneDNN kernel, checked at start-up by
-`packing_works` and in tests/unit/test_cpu_packed.py).
+1.4x. Without a bias the results are bit-identical to F.linear's (same oneDNN GEMM; checked in
+tests/unit/test_cpu_packed.py, through the Engine too); with a bias, oneDNN adds it inside the
+GEMM, which once in a full-suite run differed from F.linear's by one bf16 rounding.
 
-Memory: each layer keeps its plain weight too (load_weights, reloads and TP sharding write the
-plain one; `repack_model` refreshes the packed copies after any such write), so bf16 weights take
-twice their size on these CPUs. `RADIXLM_CPU_PACKED_LINEAR=off` turns it off.
+Memory: each layer keeps its plain weight too (load_weights and weight updates write the plain
+one; `repack_model` refreshes the packed copies after any such write), so bf16 weights take twice
+their size on these CPUs. `RADIXLM_CPU_PACKED_LINEAR=off` turns it off. Not under tensor
+parallelism (ModelRunner leaves sharded models unpacked).
 """
 
 from __future__ import annotations
@@ -36,9 +38,8 @@ def packing_works() -> bool:
     try:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(48, 64, generator=g).bfloat16()
-        b = torch.randn(48, generator=g).bfloat16()
         pk = pack(w)
-        return all(torch.equal(linear(x, pk, b), F.linear(x, w, b))
+        return all(torch.equal(linear(x, pk, None), F.linear(x, w))
                    for x in (torch.randn(m, 64, generator=g).bfloat16() for m in (1, 5, 40)))
     except (RuntimeError, AttributeError) as e:  # no mkldnn ops in this build / on this CPU
         logger.info("prepacked bf16 linear layers unavailable (%s); using F.linear", e)
@@ -89,7 +90,7 @@ class PackedLinear(nn.Module):
 def convert_model(model: nn.Module) -> int:
     """Swap the decoder projections (nn.Linear) for PackedLinear, pack the dense weights that
     QuantizedLinear keeps for many rows, and give the model a packed head
-    (`model.lm_head_packed`). After loading and TP sharding. Returns the layers packed."""
+    (`model.lm_head_packed`). After loading; single-rank models only. Returns the layers packed."""
     from radixlm.runtime.layers import cpu_linear
 
     n = 0

@@ -23,8 +23,9 @@ GEMM beats the kernel's dequantize-then-GEMM paths for many rows (an AVX512-BF16
 batch-32 decode 130 vs 210 ms a step) while the direct kernel still wins for few rows (batch-1
 decode 1.9x, batch-8 1.3x). So each layer also keeps the dense bf16 weight, loaded as without
 blocks, and takes it for x with more than DIRECT_MAX_M rows (the LM head: the embedding when tied,
-else lm_head). The blocks cost ~30% more memory than the dense model alone there. `on` keeps
-blocks only (the memory-saving choice).
+else lm_head). The blocks add ~30% to the dense model's memory there (and layers/cpu_packed's
+prepacked copies of the dense weights another 100%). `on` keeps blocks only (the memory-saving
+choice).
 
 What changes in the model (llama.py's module tree): every decoder projection whose GGUF tensors
 are all in a supported format becomes a QuantizedLinear; q/k/v and gate/up keep their fusion by
