@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.layers import cpu_linear
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "RADIXLM_CPU_PACKED_LINEAR"
@@ -47,8 +49,6 @@ def packing_works() -> bool:
 
 
 def use_packed(device: torch.device, dtype: torch.dtype) -> bool:
-    from radixlm.runtime.layers import cpu_linear
-
     setting = os.environ.get(ENV_VAR, "auto").strip().lower()
     if setting not in ("auto", "off"):
         raise ValueError(f"{ENV_VAR} must be auto or off (got {setting!r})")
@@ -91,8 +91,6 @@ def convert_model(model: nn.Module) -> int:
     """Swap the decoder projections (nn.Linear) for PackedLinear, pack the dense weights that
     QuantizedLinear keeps for many rows, and give the model a packed head
     (`model.lm_head_packed`). After loading; single-rank models only. Returns the layers packed."""
-    from radixlm.runtime.layers import cpu_linear
-
     n = 0
     for parent in list(model.modules()):
         for name in cpu_linear.PROJECTIONS:
@@ -106,7 +104,7 @@ def convert_model(model: nn.Module) -> int:
 
 def repack_model(model: nn.Module) -> int:
     """Refresh every packed copy from its plain weight (after a weight update)."""
-    from radixlm.runtime.layers.quantized_linear import QuantizedLinear
+    from radixlm.runtime.layers.quantized_linear import QuantizedLinear  # it imports this module
 
     n = 0
     for mod in model.modules():

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.layers import quant_kernels
+from radixlm.runtime.layers import cpu_linear, cpu_packed, quant_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,18 @@ _SINGLE = {"o_proj": "o_proj", "down_proj": "down_proj"}
 _BLOCKS_FILE = "blocks-v2.safetensors"  # v2: Q6_K too
 
 
-def keep_quantized(setting: str, device: torch.device, load_format: str, tp_size: int = 1) -> bool:
-    """Resolve the switch. `setting` is ServerArgs.gguf_keep_quantized; the env var wins."""
+def _setting(setting: str) -> str:
+    """ServerArgs.gguf_keep_quantized, unless the env var says otherwise; checked."""
     setting = os.environ.get(ENV_VAR, "").strip().lower() or setting
     if setting not in SETTINGS:
         raise ValueError(f"gguf_keep_quantized / {ENV_VAR} must be one of {', '.join(SETTINGS)} "
                          f"(got {setting!r})")
+    return setting
+
+
+def keep_quantized(setting: str, device: torch.device, load_format: str, tp_size: int = 1) -> bool:
+    """Resolve the switch. `setting` is ServerArgs.gguf_keep_quantized; the env var wins."""
+    setting = _setting(setting)
     if setting == "off" or load_format != "gguf":
         return False
     if tp_size > 1:  # distributed/sharding splits dense weights only
@@ -96,10 +102,7 @@ def keep_dense_rows(setting: str, device: torch.device, dtype: torch.dtype) -> b
     """With keep_quantized on: also keep dense weights for inputs of many rows (see the module
     docstring). Only for `auto` (the env var wins, as in keep_quantized), bf16, and a CPU with
     native bf16 matmul."""
-    from radixlm.runtime.layers import cpu_linear
-
-    setting = os.environ.get(ENV_VAR, "").strip().lower() or setting
-    return (setting == "auto" and device.type == "cpu" and dtype == torch.bfloat16
+    return (_setting(setting) == "auto" and device.type == "cpu" and dtype == torch.bfloat16
             and cpu_linear.cpu_has_native_bf16_matmul())
 
 
@@ -150,8 +153,6 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None and x.numel() > DIRECT_MAX_M * self.in_features:
             if self.packed is not None:
-                from radixlm.runtime.layers import cpu_packed
-
                 return cpu_packed.linear(x, self.packed, self.bias)
             return F.linear(x, self.weight, self.bias)
         return self.forward_fp32(x).to(x.dtype)
