@@ -19,6 +19,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
@@ -152,6 +153,10 @@ def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int,
                 logits.append(runner.forward(fb).clone())
         logits = [t.cpu() for t in logits]
         torch.save({"logits": logits, "kv_heads": runner.num_kv_heads}, f"{out}.{rank}")
+        # tear the group down together: a rank that destroyed its gloo group (and exited) while
+        # the other was still finishing its last broadcast aborted at interpreter exit
+        # ("terminate called without an active exception", exit -6) in ~1 of 4 runs
+        torch.distributed.barrier()
         parallel_state.destroy_distributed()
     except BaseException:
         with open(f"{out}.{rank}.err", "w") as f:
