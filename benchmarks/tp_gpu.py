@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ def run_one(args) -> dict:
                          tokenizer_path=args.tokenizer_path, context_length=4096,
                          tp_size=args.tp, disable_cuda_graph=args.disable_cuda_graph)
     res["engine_ready_s"] = round(time.perf_counter() - t0, 1)
+    print(f"PROGRESS tp{args.tp} engine ready in {res['engine_ready_s']}s", flush=True)
     try:
         vocab = eng.runner.model_config.vocab_size
         rng = random.Random(1)
@@ -53,6 +55,7 @@ def run_one(args) -> dict:
         dt, n = timed_generate(eng, [prompt], [256])
         res.update(bs1_tok_s=round(n / dt, 1), bs1_prefill_s=round(ttft, 4),
                    bs1_decode_tok_s=round((n - 1) / max(dt - ttft, 1e-9), 1))
+        print(f"PROGRESS tp{args.tp} bs1 done at {time.perf_counter() - t0:.1f}s", flush=True)
         eng.flush_cache()
         dt, n = timed_generate(eng, [rand_ids(rng, 512, vocab) for _ in range(128)], [128] * 128)
         res["batch128_out_tok_s"] = round(n / dt, 1)
@@ -72,9 +75,15 @@ def main(argv=None) -> dict:
     p.add_argument("--result-file", default=None)
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--timeout-s", type=float, default=240.0, help="per TP size")
+    p.add_argument("--log-dir", default=os.environ.get("OUT", "."),
+                   help="each TP size's output (default $OUT or .)")
     args = p.parse_args(argv)
     if args.one is not None:
+        import faulthandler
+
         args.tp = args.one
+        # a hang shows where it is: every thread's stack shortly before the parent's timeout
+        faulthandler.dump_traceback_later(max(5.0, args.timeout_s - 10), exit=False)
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return {}
     import torch
@@ -90,19 +99,30 @@ def main(argv=None) -> dict:
     except OSError:
         res["commit"] = None
     for tp in [int(x) for x in args.sizes.split(",")]:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", str(tp),
-               "--model-path", args.model_path, "--tokenizer-path", args.tokenizer_path]
+        t_size = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", str(tp), "--timeout-s",
+               str(args.timeout_s), "--model-path", args.model_path,
+               "--tokenizer-path", args.tokenizer_path]
         if args.disable_cuda_graph:
             cmd.append("--disable-cuda-graph")
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
-            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-            if lines:
-                res[f"tp{tp}"] = json.loads(lines[-1][7:])
-            else:
-                res.setdefault("errors", {})[f"tp{tp}"] = (out.stderr or out.stdout)[-1500:]
-        except subprocess.TimeoutExpired as e:
-            res.setdefault("errors", {})[f"tp{tp}"] = f"timed out after {e.timeout}s"
+        log_path = os.path.join(args.log_dir, f"tp_gpu.tp{tp}.log")
+        with open(log_path, "w") as log:  # the child and its TP worker ranks write here
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=args.timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker ranks too
+                proc.wait()
+        text = open(log_path, errors="replace").read()
+        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            res[f"tp{tp}"] = json.loads(lines[-1][7:])
+        else:
+            why = f"exit {proc.returncode}" if proc.returncode >= 0 else "timed out / killed"
+            res.setdefault("errors", {})[f"tp{tp}"] = (
+                f"{why} after {time.perf_counter() - t_size:.0f}s; log {log_path}, tail: "
+                + text[-3000:])
         print("PARTIAL " + json.dumps(res), flush=True)
     one, two = res.get("tp1"), res.get("tp2")
     if one and two:

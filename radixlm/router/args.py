@@ -1,7 +1,8 @@
 """The router's configuration: one frozen dataclass, one CLI flag per field.
 
 Flag names and defaults are sgl-router's (`python -m sglang_router.launch_router`): --worker-urls,
---policy, --cache-threshold 0.5, --balance-abs-threshold 32, --balance-rel-threshold 1.0001,
+--policy, --cache-threshold 0.3, --balance-abs-threshold 64, --balance-rel-threshold 1.5 (the
+SGLang model gateway's current defaults; older sgl-router releases had 0.5 / 32 / 1.0001),
 --max-tree-size, --health-check-interval-secs, --health-failure-threshold,
 --worker-startup-timeout-secs, --request-timeout-secs. `--load-balance-method` (SGLang's
 server flag) is accepted as another name of --policy. One difference: --max-tree-size counts the
@@ -25,9 +26,9 @@ class RouterArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     policy: str = "cache_aware"
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.0001
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 24
     health_check_interval_secs: float = 5.0
     health_check_timeout_secs: float = 5.0

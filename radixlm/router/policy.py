@@ -101,8 +101,8 @@ class CacheAware(Policy):
 
     name = "cache_aware"
 
-    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-                 balance_rel_threshold: float = 1.0001, max_tree_size: int = 1 << 24):
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 24):
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1] (got {cache_threshold})")
         self.cache_threshold = cache_threshold
@@ -149,8 +149,8 @@ class CacheAware(Policy):
         return {"tree_chars": t.size if t else 0, "tree_evicted_chars": t.evicted if t else 0}
 
 
-def make_policy(name: str, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-                balance_rel_threshold: float = 1.0001, max_tree_size: int = 1 << 24) -> Policy:
+def make_policy(name: str, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 24) -> Policy:
     if name == "cache_aware":
         return CacheAware(cache_threshold, balance_abs_threshold, balance_rel_threshold,
                           max_tree_size)

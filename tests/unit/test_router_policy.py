@@ -131,6 +131,23 @@ def test_cache_aware_threshold_is_strict_and_falls_back_to_the_smallest_tree():
     assert p.select(ws, "abcd" + "x" * 50) is ws[0]
 
 
+def test_cache_aware_defaults_keep_affinity_through_ordinary_load_swings():
+    """The defaults (SGLang gateway's 0.3 / 64 / 1.5). With the old 32 / 1.0001, two H100
+    replicas at 128 requests in flight (about 64 each) crossed a 33-request gap often enough that
+    48 of 512 requests were load-balanced away from their tenant's replica; each one copied the
+    tenant to the other tree, and the hit rate fell from 0.88 to 0.77 (dp_router, 2 x H100)."""
+    ws, p = _workers(2), CacheAware()
+    assert (p.cache_threshold, p.abs_threshold, p.rel_threshold) == (0.3, 64, 1.5)
+    tenant = "tenant system prompt " * 40
+    owner = p.select(ws, tenant + "q0")
+    other = ws[1] if owner is ws[0] else ws[0]
+    owner.in_flight, other.in_flight = 81, 47  # gap 34: an ordinary swing, not an imbalance
+    assert p.select(ws, tenant + "q1") is owner
+    owner.in_flight, other.in_flight = 100, 30  # gap 70 > 64 and 100 > 45: imbalanced
+    assert p.select(ws, tenant + "q2") is other
+    assert p.decisions == {"cache_hit": 1, "smallest_tree": 1, "load_balance": 1, "no_key": 0}
+
+
 def test_cache_aware_load_gap_overrides_the_cache():
     ws, p = _workers(2), CacheAware(cache_threshold=0.5, balance_abs_threshold=4,
                                     balance_rel_threshold=1.5)
