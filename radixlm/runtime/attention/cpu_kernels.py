@@ -1,6 +1,7 @@
 """The C++ CPU attention kernels (csrc/cpu_attention*.cpp): build once, then load in milliseconds.
 
-`load()` returns the ops namespace `torch.ops.radixlm_cpu` (decode, extend, store_kv, isa). The
+`load()` returns the ops namespace `torch.ops.radixlm_cpu` (decode, extend, store_kv, isa; and
+the fused elementwise ops of csrc/cpu_elementwise.cpp that layers/cpu_fused.py wraps). The
 build's name carries a hash of the sources, the compile flags, the CPU's feature flags (the build
 is `-march=native`: AVX-512, AVX2 or generic code, see cpu_vec.h), torch's and Python's versions,
 so a build is never loaded on a CPU or torch it was not made for. Builds live in
@@ -52,7 +53,7 @@ _CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # Every file of the build: the sources are compiled (one translation unit each), and all of them,
 # headers included, are hashed into the build's name (tests check that every `#include "..."` of a
 # source is listed here).
-_SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp")
+_SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp", "cpu_elementwise.cpp")
 _HEADERS = ("cpu_attention.h", "cpu_attention_gemm.h", "cpu_vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)

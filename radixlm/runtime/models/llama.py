@@ -17,7 +17,7 @@ from torch import nn
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
-from radixlm.runtime.layers import cpu_linear, cpu_packed
+from radixlm.runtime.layers import cpu_fused, cpu_linear, cpu_packed
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -58,10 +58,11 @@ def windows_by_layer_type(cfg: ModelConfig, window: Optional[int]) -> tuple[Opti
 
 
 def _fused_ops(x: torch.Tensor):
-    """layers/triton_ops (one Triton kernel per norm / rotary / SiLU-and-mul) for CUDA tensors,
-    None elsewhere: the CPU path never imports triton."""
+    """One fused kernel per norm / rotary / SiLU-and-mul: layers/triton_ops for CUDA tensors,
+    layers/cpu_fused (C++) for CPU tensors, None where neither runs (the torch ops below then).
+    The CPU path never imports triton."""
     if not x.is_cuda:
-        return None
+        return cpu_fused if cpu_fused.usable(x) else None
     from radixlm.runtime.layers import triton_ops
 
     return triton_ops if triton_ops.ENABLED else None
@@ -107,7 +108,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """norm(x); with `residual`: s = x + residual, returns (norm(s), s)."""
         ops = _fused_ops(x)
-        if ops is not None:
+        if ops is not None and (x.is_cuda or self.weight.dtype == x.dtype):
             return ops.rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual

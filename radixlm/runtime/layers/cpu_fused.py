@@ -1,0 +1,90 @@
+"""Fused elementwise ops on the CPU: the C++ kernels of csrc/cpu_elementwise.cpp (built with the
+CPU attention kernels, attention/cpu_kernels.py) behind the same functions as layers/triton_ops
+has on CUDA, so models/llama.py's `_fused_ops(x)` hands out one or the other:
+
+  rmsnorm(x, weight, eps, residual=None)  weight * norm(x); with residual: (weight * norm(s), s),
+                                          s = x + residual
+  silu_and_mul(gate_up)                   silu(gate) * up
+  rotary_inplace(x, cos, sin)             rotate-half rotary of x (T, H, D) in place
+
+Why: a SmolLM2 prefill step of 2048 tokens spent ~0.35 s of its ~1.7 s in the 4-9 small torch ops
+(and fp32 temporaries) each of these replaces; a decode step ~6 ms of ~85 ms.
+
+Numerics: the torch code's fp32 math and roundings at the same places (see the .cpp); a bf16 value
+may rarely differ from torch's by one rounding (sum-of-squares order, the exp polynomial).
+`RADIXLM_CPU_FUSED_OPS=off` keeps the torch ops. When the kernels cannot be built the torch ops
+run and one warning says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "RADIXLM_CPU_FUSED_OPS"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """torch.ops.radixlm_cpu, or None (off, or the build failed: logged once)."""
+    setting = os.environ.get(ENV_VAR, "auto").strip().lower()
+    if setting not in ("auto", "off"):
+        raise ValueError(f"{ENV_VAR} must be auto or off (got {setting!r})")
+    if setting == "off":
+        return None
+    from radixlm.runtime.attention import cpu_kernels
+
+    try:
+        return cpu_kernels.load()
+    except cpu_kernels.CpuKernelsUnavailable as e:
+        logger.warning("CPU fused elementwise kernels unavailable, using torch ops (slower): %s", e)
+        return None
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _DTYPES and _kernels() is not None
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: Optional[torch.Tensor] = None):
+    """x (..., N). Without residual: weight * norm(x). With residual: s = x + residual, returns
+    (weight * norm(s), s)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if residual is None:
+        _kernels().rmsnorm(x2, w.contiguous(), eps, None, out.view(-1, n), None)
+        return out
+    r2 = residual.reshape(-1, n)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    s = torch.empty(x.shape, dtype=x.dtype)
+    _kernels().rmsnorm(x2, w.contiguous(), eps, r2, out.view(-1, n), s.view(-1, n))
+    return out, s
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) = [gate | up] -> silu(gate) * up (T, I)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    _kernels().silu_and_mul(x, out)
+    return out
+
+
+def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D), last dim contiguous (may be a view of the fused qkv rows), rotated in place
+    by cos / sin (T, 1, D) or (T, D) fp32 (layers/rotary.py's tables)."""
+    t, _, d = x.shape
+    _kernels().rotary_inplace(x, cos.reshape(t, d), sin.reshape(t, d))
+    return x
