@@ -9,13 +9,14 @@
 // may rarely differ from torch's by one bf16 rounding.
 //
 // Registered as torch.ops.radixlm_cpu.{rmsnorm, silu_and_mul, rotary_inplace}; the Python side is
-// radixlm/runtime/layers/cpu_fused.py (shape checks, dtype dispatch, the torch fallback).
+// radixlm/runtime/layers/cpu_fused.py (reshapes, output allocation, the switch and the fallback).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -85,7 +86,9 @@ float* scratch(int which, int64_t n) {
   return bufs[which].data();
 }
 
-int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
+}
 
 // x, residual, out, sum: (R, N) with row strides; w: (N,). sum may be null (no residual).
 template <typename T>
