@@ -88,6 +88,8 @@ def test_bad_input_is_refused_with_a_message():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="weight must be"):
         cpu_fused.rmsnorm(x, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="weight dtype"):
+        cpu_fused.rmsnorm(x, torch.ones(8, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(RuntimeError, match="head dim must be even"):
         cpu_fused.rotary_inplace(torch.randn(2, 1, 5), torch.zeros(2, 5), torch.zeros(2, 5))
     with pytest.raises(RuntimeError, match="unsupported dtype"):

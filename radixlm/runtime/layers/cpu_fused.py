@@ -61,7 +61,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    if weight.dtype != x.dtype:  # torch would promote the product; the kernel computes in x's
+        raise ValueError(f"rmsnorm: weight dtype {weight.dtype} must be x's ({x.dtype})")
+    w = weight
     out = torch.empty(x.shape, dtype=x.dtype)
     if residual is None:
         _kernels().rmsnorm(x2, w.contiguous(), eps, None, out.view(-1, n), None)
