@@ -140,7 +140,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         ops = _fused_ops(qkv)
         backend = fb.attn_backend
-        if ops is not None and getattr(backend, "accepts_stored_kv", False):
+        # (CUDA only: the CPU fused ops have no KV store; the triton backend under the Triton
+        # interpreter on the CPU gets its K/V passed as usual)
+        if ops is not None and qkv.is_cuda and getattr(backend, "accepts_stored_kv", False):
             k_buf = backend.kv_pool.k_buffers[self.layer_id]
             if k_buf.dtype == qkv.dtype:
                 # one launch rotates q and k in place and writes k and v into the pool; the
