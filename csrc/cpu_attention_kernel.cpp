@@ -9,7 +9,10 @@
 // Inside a task keys go in blocks of KB: gather the block's K and V rows into fp32 scratch,
 // scores, masked online softmax (base 2: q is pre-scaled by scale * log2 e), O += P V.
 //   - a query block of one token (decode rows): scores are G x KB dot products along D
-//     ("direct" path), 8 keys at a time so the horizontal sums share a transpose-add;
+//     ("direct" path), 8 keys at a time so the horizontal sums share a transpose-add; with
+//     AVX512-BF16, bf16 q and K and D % 32 == 0 they are VDPBF16PS products read straight from
+//     the pool (scores_bf16: no fp32 copy of K; 1.55x faster per key and head when the KV is in
+//     cache, ~10% off a 32-request decode step's attention when it streams from memory);
 //   - a longer query block (prefill, shared prefix): scores are the small GEMM
 //     St (KB x M) = K_blk (KB x D) . Qt (D x M), vectorized over the M query rows, so the softmax
 //     max/exp/sum are vector ops along the same rows too; then O (M x D) += P (M x KB) . V_blk.
@@ -34,6 +37,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <atomic>
 #include <type_traits>
 #include <utility>
@@ -121,7 +125,7 @@ float* scratch(size_t n) {
 constexpr int kPrefetch = RLM_PREFETCH;
 template <typename TK>
 bool gather_kv(const Ctx& c, const int64_t* slots, int h, int n, int64_t n_ahead, int n_pad,
-               float* Kb, float* Vb) {
+               float* Kb, float* Vb, bool with_k = true) {
   bool ok = true;
   const long row_bytes = (long)c.D * sizeof(TK);
   for (int j = 0; j < n; ++j) {
@@ -138,14 +142,53 @@ bool gather_kv(const Ctx& c, const int64_t* slots, int h, int n, int64_t n_ahead
     }
     int64_t s = slots[j];
     if (s < 0 || s >= c.n_slots) { ok = false; s = 0; }  // never read out of bounds
-    row_to_f32(reinterpret_cast<const TK*>(c.k + (s * c.k_st0 + h * c.k_st1) * sizeof(TK)),
-               Kb + (long)j * c.Dp, c.D, c.Dp);
+    if (with_k)
+      row_to_f32(reinterpret_cast<const TK*>(c.k + (s * c.k_st0 + h * c.k_st1) * sizeof(TK)),
+                 Kb + (long)j * c.Dp, c.D, c.Dp);
     row_to_f32(reinterpret_cast<const TK*>(c.v + (s * c.v_st0 + h * c.v_st1) * sizeof(TK)),
                Vb + (long)j * c.Dp, c.D, c.Dp);
   }
-  if (n_pad > n) std::fill(Kb + (long)n * c.Dp, Kb + (long)n_pad * c.Dp, 0.f);
+  if (with_k && n_pad > n) std::fill(Kb + (long)n * c.Dp, Kb + (long)n_pad * c.Dp, 0.f);
   return ok;
 }
+
+#if defined(__AVX512BF16__)
+#define RLM_BF16_DOT 1
+// Decode scores straight from a bf16 pool: S[g * KB + j] = (q_g . k_j) * qscale for the keys
+// slots[0:n] of one block, by VDPBF16PS on the unscaled bf16 q rows (qb: G x D) and the K rows
+// where they lie: no fp32 copy of K (the K half of gather_kv and its conversions is skipped).
+// The products of bf16 pairs are exact in fp32; only the order of the sum differs from the fp32
+// path (and bf16 subnormals, below 1e-38, count as zero). Keys j0 + u >= n read `zero`; the caller
+// masks their scores. D % 32 == 0 (whole 512-bit rows of 32 bf16).
+void scores_bf16(const Ctx& c, const uint16_t* qb, const int64_t* slots, int h, int n, float* S,
+                 const uint16_t* zero) {
+  const int G = c.G, D = c.D, nc = D / 32;
+  for (int j0 = 0; j0 < n; j0 += 8) {
+    const uint16_t* kp[8];
+    for (int u = 0; u < 8; ++u) {
+      int64_t sl = j0 + u < n ? slots[j0 + u] : -1;
+      if (j0 + u < n && (sl < 0 || sl >= c.n_slots)) sl = 0;  // gather_kv reports a bad slot
+      kp[u] = sl < 0 ? zero
+                     : reinterpret_cast<const uint16_t*>(c.k + (sl * c.k_st0 + h * c.k_st1) * 2);
+    }
+    for (int g = 0; g < G; ++g) {  // the 8 K rows stay in L1 across the G heads
+      const uint16_t* q = qb + g * D;
+      vf acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = vzero();
+      for (int cc = 0; cc < nc; ++cc) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + cc * 32);
+        for (int u = 0; u < 8; ++u)
+          acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_loadu_si512(kp[u] + cc * 32));
+      }
+      reduce8(acc, S + g * KB + j0);
+    }
+  }
+  const vf scale = vset1(c.qscale);
+  const int nw = round_up(n, W);
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < nw; j += W) vstore(S + g * KB + j, vmul(vload(S + g * KB + j), scale));
+}
+#endif
 
 // One task: query rows r = (i - i0) * G + g of query block `blk`, keys [k0, k1) of the split.
 template <typename TK>
@@ -154,6 +197,13 @@ bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
   const int i0 = t.blk * sq.qb, i1 = std::min(i0 + sq.qb, sq.n_q);
   const int M = (i1 - i0) * G, Mp = round_up(M, W);
   const bool direct = (i1 - i0) == 1;
+#ifdef RLM_BF16_DOT
+  static const uint16_t kZeroRow[512] = {};
+  const bool dot16 = direct && std::is_same_v<TK, c10::BFloat16> && c.q_type == at::kBFloat16 &&
+                     D % 32 == 0 && D <= 512;
+#else
+  const bool dot16 = false;
+#endif
   const int64_t k0 = t.split * sq.chunk, k1 = std::min(sq.kv_len, k0 + sq.chunk);
   const int64_t diag = sq.kv_len - sq.n_q;  // query i sees keys j <= diag + i
   const int64_t hi = c.causal ? std::min(k1, diag + i1) : k1;
@@ -181,6 +231,10 @@ bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
   for (int r = 0; r < M; ++r) {
     const int i = i0 + r / G, hq = h * G + r % G;
     const char* src = c.q + ((sq.q0 + i) * c.q_st0 + hq * c.q_st1) * c.q_esize;
+    if (dot16) {  // the raw bf16 row (G x D bf16 fits in Q's G x Dp floats)
+      std::memcpy(reinterpret_cast<uint16_t*>(Q) + (long)r * D, src, (size_t)D * 2);
+      continue;
+    }
     float* dst = direct ? Q + r * Dp : Q + r;
     const long dst_stride = direct ? 1 : Mp;
     RLM_FLOAT_SWITCH(c.q_type, load_scaled, src, dst, dst_stride, D, c.qscale);
@@ -189,13 +243,18 @@ bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
   bool ok = true;
   for (int64_t kb0 = lo; kb0 < hi; kb0 += KB) {
     const int n = (int)std::min<int64_t>(KB, hi - kb0), nw = round_up(n, W);
-    ok &= gather_kv<TK>(c, sq.slots + kb0, h, n, hi - kb0, direct ? round_up(n, 8) : n, Kb, Vb);
+    ok &= gather_kv<TK>(c, sq.slots + kb0, h, n, hi - kb0, direct ? round_up(n, 8) : n, Kb, Vb,
+                        !dot16);
     if (direct) {
+#ifdef RLM_BF16_DOT
+      if (dot16)
+        scores_bf16(c, reinterpret_cast<const uint16_t*>(Q), sq.slots + kb0, h, n, S, kZeroRow);
+#endif
       // S (G x KB): 8 keys at a time, accumulators along D, one transpose-add per 8 keys
       for (int g = 0; g < G; ++g) {
         const float* qg = Q + g * Dp;
         float* Sg = S + g * KB;
-        for (int j0 = 0; j0 < n; j0 += 8) {
+        for (int j0 = 0; !dot16 && j0 < n; j0 += 8) {
           vf acc[8];
           for (int u = 0; u < 8; ++u) acc[u] = vzero();
           for (int d = 0; d < Dp; d += W) {
