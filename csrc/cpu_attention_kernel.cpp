@@ -37,8 +37,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <atomic>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -166,10 +166,13 @@ void scores_bf16(const Ctx& c, const uint16_t* qb, const int64_t* slots, int h, 
   for (int j0 = 0; j0 < n; j0 += 8) {
     const uint16_t* kp[8];
     for (int u = 0; u < 8; ++u) {
-      int64_t sl = j0 + u < n ? slots[j0 + u] : -1;
-      if (j0 + u < n && (sl < 0 || sl >= c.n_slots)) sl = 0;  // gather_kv reports a bad slot
-      kp[u] = sl < 0 ? zero
-                     : reinterpret_cast<const uint16_t*>(c.k + (sl * c.k_st0 + h * c.k_st1) * 2);
+      if (j0 + u >= n) {
+        kp[u] = zero;
+        continue;
+      }
+      int64_t sl = slots[j0 + u];
+      if (sl < 0 || sl >= c.n_slots) sl = 0;  // gather_kv reports a bad slot
+      kp[u] = reinterpret_cast<const uint16_t*>(c.k + (sl * c.k_st0 + h * c.k_st1) * 2);
     }
     for (int g = 0; g < G; ++g) {  // the 8 K rows stay in L1 across the G heads
       const uint16_t* q = qb + g * D;

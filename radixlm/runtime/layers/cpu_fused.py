@@ -63,16 +63,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x2 = x2.contiguous()
     if weight.dtype != x.dtype:  # torch would promote the product; the kernel computes in x's
         raise ValueError(f"rmsnorm: weight dtype {weight.dtype} must be x's ({x.dtype})")
-    w = weight
+    w = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     if residual is None:
-        _kernels().rmsnorm(x2, w.contiguous(), eps, None, out.view(-1, n), None)
+        _kernels().rmsnorm(x2, w, eps, None, out.view(-1, n), None)
         return out
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     s = torch.empty(x.shape, dtype=x.dtype)
-    _kernels().rmsnorm(x2, w.contiguous(), eps, r2, out.view(-1, n), s.view(-1, n))
+    _kernels().rmsnorm(x2, w, eps, r2, out.view(-1, n), s.view(-1, n))
     return out, s
 
 
