@@ -6,7 +6,7 @@
 #   # here: ../shared/tools/gpu-wheels fastapi uvicorn pyzmq xgrammar gguf orjson pydantic jsonschema
 #   #       .venv/bin/python benchmarks/gpu_prep.py --out .carry
 #   # device (kind nvidia-h200-x2 or nvidia-h100-x2, carry [".whl", ".carry"]):
-#   bash benchmarks/issue13_gpu.sh                  # all three steps, ~570 s at most
+#   bash benchmarks/issue13_gpu.sh                  # all four steps, ~580 s at most
 #   bash benchmarks/issue13_gpu.sh tp_bench dp_bench # some of them
 #
 # Budget (2 x H100, 2026-11-25): TP=1 took 36 s to start and ~60 s in all; the DP comparison 62 s.
@@ -18,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 t0=$(date +%s)
-STEPS=" ${*:-tp_tests tp_bench dp_bench} "
+STEPS=" ${*:-tp_tests tp_bench dp_bench dp_bench_long} "
 step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its tail and the clock
   local name=$1 limit=$2
   shift 2
@@ -28,7 +28,11 @@ step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its 
   grep -v '^PARTIAL' "$OUT/$name.log" | tail -c 2500
 }
 # TP=2 greedy-identical to TP=1 in fp32 over NCCL (runner with/without CUDA graphs, Engine)
-step tp_tests 120 python -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py
-step tp_bench 300 python benchmarks/tp_gpu.py --timeout-s 145 --log-dir "$OUT" \
+step tp_tests 100 python -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py
+step tp_bench 270 python benchmarks/tp_gpu.py --timeout-s 125 --log-dir "$OUT" \
   --result-file "$OUT/tp_gpu.jsonl"
-step dp_bench 150 python benchmarks/dp_router.py --start-timeout 100 --result-file "$OUT/dp_router.jsonl"
+step dp_bench 100 python benchmarks/dp_router.py --start-timeout 60 --result-file "$OUT/dp_router.jsonl"
+# the same tenants with a longer shared prompt and shorter answers: a prefill-heavier mix, where
+# the prefixes a router keeps together matter more (reported beside the default workload)
+step dp_bench_long 100 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
+  --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "prefill-heavier variant"
