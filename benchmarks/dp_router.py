@@ -31,7 +31,9 @@ reference the cache-aware hit rate is compared with.
 
 Cache hit rate = sum(meta_info.cached_tokens) / sum(meta_info.prompt_tokens) over the timed
 requests. Prints one JSON line: per configuration req/s, output and prompt tok/s, hit rate,
-requests per worker (and the cache-aware router's decisions), and the ratios
+client latency p50 / p90, requests per worker (and the cache-aware router's decisions), each
+server's scheduler state sampled during the run (mean running / waiting requests, KV in use or
+cached, forward steps, retractions), and the ratios
 cache_aware / round_robin (req/s) and the cache-aware hit rate vs the single replica's.
 """
 
@@ -43,6 +45,7 @@ import datetime
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,32 +143,92 @@ def workload(args, vocab: int) -> list[list[int]]:
     return prompts
 
 
-async def run_load(url: str, prompts: list[list[int]], args) -> dict:
+async def _watch(client, urls: list[str], stop: asyncio.Event, every_s: float = 0.25) -> dict:
+    """Sample each server's scheduler state (/get_server_info) while the load runs: mean running
+    and waiting requests, mean KV use (in use or cached), forward steps and retractions taken."""
+    acc = {u: {"samples": 0, "running": 0.0, "waiting": 0.0, "kv_used": 0.0} for u in urls}
+    first: dict = {}
+    last: dict = {}
+    while True:
+        for u in urls:
+            try:
+                st = (await client.get(u + "/get_server_info", timeout=10)).json()
+                st = st["internal_states"][0]
+            except (httpx.HTTPError, KeyError, ValueError):
+                continue
+            a = acc[u]
+            a["samples"] += 1
+            a["running"] += st.get("num_running", 0)
+            a["waiting"] += st.get("num_waiting", 0)
+            a["kv_used"] += 1 - st.get("kv_free", 0) / max(1, st.get("kv_capacity", 1))
+            first.setdefault(u, st)
+            last[u] = st
+        if stop.is_set():
+            break
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+    out = []
+    for u in urls:
+        a, n = acc[u], max(1, acc[u]["samples"])
+        f, la = first.get(u, {}), last.get(u, {})
+        out.append({"mean_running": round(a["running"] / n, 1),
+                    "mean_waiting": round(a["waiting"] / n, 1),
+                    "mean_kv_used": round(a["kv_used"] / n, 3),
+                    "forward_steps": la.get("forward_steps", 0) - f.get("forward_steps", 0),
+                    "retractions": la.get("retractions", 0) - f.get("retractions", 0)})
+    return {"servers": out}
+
+
+async def run_load(url: str, prompts: list[list[int]], args,
+                   watch: tuple[str, ...] = ()) -> dict:
+    """Closed loop of `max_concurrency` clients through `url`; `watch`: servers to sample."""
     sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     sem = asyncio.Semaphore(args.max_concurrency)
     limits = httpx.Limits(max_connections=args.max_concurrency + 8)
     totals = {"prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "failed": 0}
+    latencies: list[float] = []
+    errors: list[str] = []
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         async def one(p):
             async with sem:
-                r = await client.post(url + "/generate", json={"input_ids": p,
-                                                              "sampling_params": sp})
+                t = time.perf_counter()
+                try:
+                    r = await client.post(url + "/generate", json={"input_ids": p,
+                                                                  "sampling_params": sp})
+                except httpx.HTTPError as e:  # counted and reported, not fatal to the run
+                    totals["failed"] += 1
+                    errors.append(f"{type(e).__name__}: {e}")
+                    return
+                latencies.append(time.perf_counter() - t)
             if r.status_code != 200:
                 totals["failed"] += 1
+                errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
                 return
             meta = r.json()["meta_info"]
             totals["prompt_tokens"] += meta["prompt_tokens"]
             totals["cached_tokens"] += meta.get("cached_tokens", 0)
             totals["output_tokens"] += meta["completion_tokens"]
 
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_watch(client, list(watch), stop)) if watch else None
         t0 = time.perf_counter()
         await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - t0
+        stop.set()
+        watched = await watcher if watcher else {}
     n = len(prompts) - totals["failed"]
-    return {"requests": n, "failed": totals["failed"], "wall_s": round(wall, 3),
-            "req_s": round(n / wall, 3), "out_tok_s": round(totals["output_tokens"] / wall, 1),
-            "prompt_tok_s": round(totals["prompt_tokens"] / wall, 1),
-            "cache_hit_rate": round(totals["cached_tokens"] / max(1, totals["prompt_tokens"]), 4)}
+    lat = sorted(latencies) or [0.0]
+    res = {"requests": n, "failed": totals["failed"], "wall_s": round(wall, 3),
+           "req_s": round(n / wall, 3), "out_tok_s": round(totals["output_tokens"] / wall, 1),
+           "prompt_tok_s": round(totals["prompt_tokens"] / wall, 1),
+           "cache_hit_rate": round(totals["cached_tokens"] / max(1, totals["prompt_tokens"]), 4),
+           "latency_p50_s": round(lat[len(lat) // 2], 3),
+           "latency_p90_s": round(lat[int(len(lat) * 0.9)], 3), **watched}
+    if errors:
+        res["errors"] = sorted(set(errors))[:5]
+    return res
 
 
 def flush(urls: list[str]) -> None:
@@ -191,7 +254,7 @@ def warm_up(urls: list[str], args, vocab: int) -> None:
 def run_config(name: str, args, prompts, servers: dict, log_dir: str) -> dict:
     if name == "single":
         flush([servers["S"].url])
-        return asyncio.run(run_load(servers["S"].url, prompts, args))
+        return asyncio.run(run_load(servers["S"].url, prompts, args, (servers["S"].url,)))
     workers = [servers["A"].url, servers["B"].url]
     flush(workers)
     port = _free_port()
@@ -199,7 +262,7 @@ def run_config(name: str, args, prompts, servers: dict, log_dir: str) -> dict:
                                      "--worker-urls", *workers, "--policy", name], log_dir, port)
     try:
         router.wait_ready(120)
-        res = asyncio.run(run_load(router.url, prompts, args))
+        res = asyncio.run(run_load(router.url, prompts, args, tuple(workers)))
         listed = httpx.get(router.url + "/list_workers", timeout=30).json()
         res["routed"] = [w["routed"] for w in listed["workers"]]
         if "decisions" in listed:
@@ -234,6 +297,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--result-file", default=None)
     p.add_argument("--note", default=None)
+    p.add_argument("--keep-logs", default=None, help="copy the servers' and routers' logs here")
     args = p.parse_args(argv)
     if args.tiny:
         args.device, args.dtype = "cpu", "float32"
@@ -284,6 +348,11 @@ def main(argv=None) -> dict:
     finally:
         for s in servers.values():
             s.stop()
+        if args.keep_logs:
+            os.makedirs(args.keep_logs, exist_ok=True)
+            for f in os.listdir(log_dir):
+                if f.endswith(".log"):
+                    shutil.copy(os.path.join(log_dir, f), args.keep_logs)
     res = {"bench": "dp_router", "device": info.get("device"), "dtype": info.get("dtype"),
            "model": os.path.basename(args.model_path.rstrip("/")), "load_format": "dummy",
            "results": results,

@@ -6,7 +6,7 @@
 #   # here: ../shared/tools/gpu-wheels fastapi uvicorn pyzmq xgrammar gguf orjson pydantic jsonschema
 #   #       .venv/bin/python benchmarks/gpu_prep.py --out .carry
 #   # device (kind nvidia-h200-x2 or nvidia-h100-x2, carry [".whl", ".carry"]):
-#   bash benchmarks/issue13_gpu.sh                  # all four steps, ~580 s at most
+#   bash benchmarks/issue13_gpu.sh                  # all four steps, ~550 s at most
 #   bash benchmarks/issue13_gpu.sh tp_bench dp_bench # some of them
 #
 # Budget (2 x H100, 2026-11-25): TP=1 took 36 s to start and ~60 s in all; the DP comparison 62 s.
@@ -28,11 +28,16 @@ step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its 
   grep -v '^PARTIAL' "$OUT/$name.log" | tail -c 2500
 }
 # TP=2 greedy-identical to TP=1 in fp32 over NCCL (runner with/without CUDA graphs, Engine)
-step tp_tests 100 python -m pytest -v -x -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py
-step tp_bench 270 python benchmarks/tp_gpu.py --timeout-s 125 --log-dir "$OUT" \
+# (-s and RADIXLM_TP_HARNESS_DUMP_S: a hung rank prints its stack; pytest's own after 130 s)
+export RADIXLM_TP_HARNESS_DUMP_S=100
+step tp_tests 150 python -m pytest -v -s -x -p no:cacheprovider \
+  -o faulthandler_timeout=130 -m gpu tests/gpu/test_tensor_parallel_gpu.py
+step tp_bench 200 python benchmarks/tp_gpu.py --timeout-s 95 --log-dir "$OUT" \
   --result-file "$OUT/tp_gpu.jsonl"
-step dp_bench 100 python benchmarks/dp_router.py --start-timeout 60 --result-file "$OUT/dp_router.jsonl"
+step dp_bench 100 python benchmarks/dp_router.py --start-timeout 60 --result-file "$OUT/dp_router.jsonl" \
+  --keep-logs "$OUT/dp_logs"
 # the same tenants with a longer shared prompt and shorter answers: a prefill-heavier mix, where
 # the prefixes a router keeps together matter more (reported beside the default workload)
 step dp_bench_long 100 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
-  --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "prefill-heavier variant"
+  --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "prefill-heavier variant" \
+  --keep-logs "$OUT/dp_logs_long"

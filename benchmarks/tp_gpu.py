@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -59,10 +60,15 @@ def run_one(args) -> dict:
         eng.flush_cache()
         dt, n = timed_generate(eng, [rand_ids(rng, 512, vocab) for _ in range(128)], [128] * 128)
         res["batch128_out_tok_s"] = round(n / dt, 1)
+        print(f"PROGRESS tp{args.tp} batch128 done at {time.perf_counter() - t0:.1f}s", flush=True)
         res["peak_gpu0_mem_GB"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
         eng.check_integrity()
+    except BaseException:
+        traceback.print_exc()  # now: a hang in the shutdown below would hide it
+        raise
     finally:
         eng.shutdown()
+        print(f"PROGRESS tp{args.tp} shut down at {time.perf_counter() - t0:.1f}s", flush=True)
     return res
 
 

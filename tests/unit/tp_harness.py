@@ -137,6 +137,10 @@ def make_runner(args_kw: dict):
 
 def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int, out: str):
     torch.set_num_threads(1)  # a shared 2-core box: one thread per rank
+    if os.environ.get("RADIXLM_TP_HARNESS_DUMP_S"):  # where a hung rank is (device runs)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["RADIXLM_TP_HARNESS_DUMP_S"]))
     try:
         from radixlm.runtime.distributed import batch_sync, parallel_state
 
@@ -157,7 +161,8 @@ def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int,
         # the other was still finishing its last broadcast aborted at interpreter exit
         # ("terminate called without an active exception", exit -6) in ~1 of 4 runs
         torch.distributed.barrier()
-        parallel_state.destroy_distributed()
+        if not parallel_state.destroy_distributed(timeout_s=60.0):
+            raise RuntimeError(f"rank {rank}: leaving the process group hung")
     except BaseException:
         with open(f"{out}.{rank}.err", "w") as f:
             f.write(traceback.format_exc())

@@ -14,13 +14,17 @@ Collectives:
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,30 @@ def get_tp_group() -> TPGroup:
     return _TP
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(timeout_s: Optional[float] = None) -> bool:
+    """Leave the group. Every rank should call this at about the same time: tearing down an NCCL
+    communicator is a collective among a node's ranks, so a rank alone (its peers exited without
+    leaving, were killed, or wait for it elsewhere) blocks in it forever. With `timeout_s`, the
+    teardown runs in a daemon thread and is abandoned after that long (logged; the process is
+    on its way out and its GPU context goes with it). Returns whether the group was torn down."""
     global _TP
-    if dist.is_initialized():
-        dist.destroy_process_group()
     _TP = SINGLE
+    if not dist.is_initialized():
+        return True
+    if timeout_s is None:
+        dist.destroy_process_group()
+        return True
+    done = threading.Event()
+
+    def teardown():
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=teardown, name="tp-destroy", daemon=True).start()
+    if done.wait(timeout_s):
+        return True
+    logger.warning("leaving the TP process group did not finish in %.0fs (a peer rank did not "
+                   "leave with this one); abandoned", timeout_s)
+    return False

@@ -64,7 +64,7 @@ def worker_main(args: ServerArgs, rank: int, threads: Optional[int] = None) -> N
         r2t = runner.req_to_token_pool.req_to_token
         while (fb := batch_sync.recv_batch(tp, r2t, runner.device)) is not None:
             runner.forward(fb)
-        parallel_state.destroy_distributed()
+        parallel_state.destroy_distributed(timeout_s=STOP_TIMEOUT_S)  # with rank 0's
     except BaseException:
         logger.error("TP rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)  # rank 0's next collective fails on the closed connection
@@ -88,9 +88,16 @@ class TPHandle:
         if self.stopped:
             return
         self.stopped = True
+        left = False
         if graceful and all(p.is_alive() for p in self.procs):
             try:
                 batch_sync.send_stop(self.tp, self.device)
+                if self.tp.backend == "nccl":
+                    # the workers leave the group as soon as they see the stop: leave with them,
+                    # before joining them (NCCL's teardown pairs a node's ranks; waiting for the
+                    # workers to exit first, rank 0 then waited for them forever, they for it)
+                    left = True
+                    parallel_state.destroy_distributed(timeout_s=STOP_TIMEOUT_S)
             except Exception as e:  # a dead worker: the kill below cleans up
                 logger.warning("TP stop broadcast failed: %s", e)
         deadline = time.monotonic() + (STOP_TIMEOUT_S if graceful else 0.0)
@@ -99,7 +106,8 @@ class TPHandle:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        parallel_state.destroy_distributed()
+        if not left:  # gloo: after the workers are gone (see tests/unit/tp_harness.py)
+            parallel_state.destroy_distributed(timeout_s=5.0)
 
 
 def prepare_args(args: ServerArgs) -> ServerArgs:
