@@ -19,6 +19,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 t0=$(date +%s)
 STEPS=" ${*:-tp_tests tp_bench dp_bench dp_bench_long} "
+SIZES=${SIZES:-1,2}
 step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its tail and the clock
   local name=$1 limit=$2
   shift 2
@@ -32,7 +33,7 @@ step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its 
 export RADIXLM_TP_HARNESS_DUMP_S=100
 step tp_tests 150 python -m pytest -v -s -x -p no:cacheprovider \
   -o faulthandler_timeout=130 -m gpu tests/gpu/test_tensor_parallel_gpu.py
-step tp_bench 200 python benchmarks/tp_gpu.py --timeout-s 95 --log-dir "$OUT" \
+step tp_bench 200 python benchmarks/tp_gpu.py --timeout-s 95 --log-dir "$OUT" --sizes "$SIZES" \
   --result-file "$OUT/tp_gpu.jsonl"
 step dp_bench 100 python benchmarks/dp_router.py --start-timeout 60 --result-file "$OUT/dp_router.jsonl" \
   --keep-logs "$OUT/dp_logs"
@@ -41,3 +42,7 @@ step dp_bench 100 python benchmarks/dp_router.py --start-timeout 60 --result-fil
 step dp_bench_long 100 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
   --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "prefill-heavier variant" \
   --keep-logs "$OUT/dp_logs_long"
+# the device hands back at most 8 files: the servers' and routers' logs travel as one archive
+for d in dp_logs dp_logs_long; do
+  [[ -d $OUT/$d ]] && tar -czf "$OUT/$d.tgz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"
+done

@@ -271,7 +271,10 @@ class Engine:
         self._stopped = True
         self._thread.join(timeout=10)
         if self._tp is not None:  # the stop broadcast only when no forward can be in flight
-            self._tp.stop(graceful=not self._thread.is_alive())
+            graceful = not self._thread.is_alive()
+            if graceful:
+                self.runner.release_cuda_graphs()
+            self._tp.stop(graceful=graceful)
 
     def __enter__(self):
         return self

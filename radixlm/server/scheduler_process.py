@@ -190,6 +190,7 @@ def run_scheduler_process(args: ServerArgs, ipc: dict[str, str], ready_pipe) -> 
     try:
         server.serve_forever()
         if server.tp is not None:  # a shutdown request: the workers leave their loop too
+            server.runner.release_cuda_graphs()
             server.tp.stop()
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())

@@ -161,6 +161,7 @@ def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int,
         # the other was still finishing its last broadcast aborted at interpreter exit
         # ("terminate called without an active exception", exit -6) in ~1 of 4 runs
         torch.distributed.barrier()
+        runner.release_cuda_graphs()
         if not parallel_state.destroy_distributed(timeout_s=60.0):
             raise RuntimeError(f"rank {rank}: leaving the process group hung")
     except BaseException:

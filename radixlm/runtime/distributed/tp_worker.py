@@ -64,6 +64,7 @@ def worker_main(args: ServerArgs, rank: int, threads: Optional[int] = None) -> N
         r2t = runner.req_to_token_pool.req_to_token
         while (fb := batch_sync.recv_batch(tp, r2t, runner.device)) is not None:
             runner.forward(fb)
+        runner.release_cuda_graphs()
         parallel_state.destroy_distributed(timeout_s=STOP_TIMEOUT_S)  # with rank 0's
     except BaseException:
         logger.error("TP rank %d failed:\n%s", rank, traceback.format_exc())
@@ -94,8 +95,8 @@ class TPHandle:
                 batch_sync.send_stop(self.tp, self.device)
                 if self.tp.backend == "nccl":
                     # the workers leave the group as soon as they see the stop: leave with them,
-                    # before joining them (NCCL's teardown pairs a node's ranks; waiting for the
-                    # workers to exit first, rank 0 then waited for them forever, they for it)
+                    # before joining them (NCCL's teardown pairs a node's ranks). The caller
+                    # released its CUDA graphs first (ModelRunner.release_cuda_graphs)
                     left = True
                     parallel_state.destroy_distributed(timeout_s=STOP_TIMEOUT_S)
             except Exception as e:  # a dead worker: the kill below cleans up

@@ -6,6 +6,7 @@ exposes `forward(fb) -> logits (N, vocab) float32` for the rows `fb.logits_indic
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -187,6 +188,16 @@ class ModelRunner:
         return capacity
 
     @torch.inference_mode()
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured decode graphs. Under TP this must come before leaving the process
+        group: while a graph holding captured NCCL work lives, destroy_process_group hangs
+        (pytorch/pytorch#115388; seen on 2 x H100 with every rank in it)."""
+        if self.graph_runner is None:
+            return
+        self.graph_runner = None  # it and the runner reference each other: collect the cycle
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.tp.size > 1:
             # every rank runs the same batch: rank 0 (the scheduler's) sends it to the others
