@@ -188,6 +188,10 @@ class ModelRunner:
         return capacity
 
     @torch.inference_mode()
+    def replays_decode_graph(self, batch_size: int) -> bool:
+        """Whether a decode batch of this size (without shared-prefix groups) replays a graph."""
+        return self.graph_runner is not None and batch_size <= self.graph_runner.max_bs
+
     def release_cuda_graphs(self) -> None:
         """Drop the captured decode graphs. Under TP this must come before leaving the process
         group: while a graph holding captured NCCL work lives, destroy_process_group hangs
