@@ -36,10 +36,12 @@ def summarize(raw_path: str, top: int = 25) -> str:
             if not n.isdigit():
                 continue
             frames = stack.split(";")
-            proc = frames[0] if frames[0].startswith("process") else "?"
+            # a child's stack starts with its parent's frames: the innermost "process" frame
+            at = max((i for i, fr in enumerate(frames) if fr.startswith("process")), default=-1)
+            proc = frames[at] if at >= 0 else "?"
             totals[proc] += int(n)
             own[proc][frames[-1]] += int(n)
-            for fr in set(frames[1:]):
+            for fr in set(frames[at + 1:]):
                 incl[proc][fr] += int(n)
     out = []
     for proc, tot in totals.most_common():
