@@ -187,7 +187,6 @@ class ModelRunner:
                                "--mem-fraction-static / set --max-total-tokens")
         return capacity
 
-    @torch.inference_mode()
     def replays_decode_graph(self, batch_size: int) -> bool:
         """Whether a decode batch of this size (without shared-prefix groups) replays a graph."""
         return self.graph_runner is not None and batch_size <= self.graph_runner.max_bs
@@ -202,6 +201,7 @@ class ModelRunner:
         gc.collect()
         torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.tp.size > 1:
             # every rank runs the same batch: rank 0 (the scheduler's) sends it to the others
