@@ -12,8 +12,10 @@ process; the raw stacks stay in the out dir for a closer look.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
+import json
 import os
 import shutil
 import subprocess
@@ -54,25 +56,15 @@ def summarize(raw_path: str, top: int = 25) -> str:
 def main() -> None:
     from benchmarks import dp_router as dr
 
-    argv = sys.argv[1:]
-    out_dir = argv[argv.index("--out-dir") + 1] if "--out-dir" in argv else "."
-    seconds = float(argv[argv.index("--seconds") + 1]) if "--seconds" in argv else 8.0
-    rest = [a for i, a in enumerate(argv) if a not in ("--out-dir", "--seconds")
-            and (i == 0 or argv[i - 1] not in ("--out-dir", "--seconds"))]
-    args = dr.parse_args(rest + ["--configs", "single"])
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--out-dir", default=".")
+    p.add_argument("--seconds", type=float, default=8.0, help="how long py-spy samples")
+    own, rest = p.parse_known_args()
+    out_dir, seconds = own.out_dir, own.seconds
+    args = dr.parse_args(rest + ["--configs", "single"])  # dp_router's flags for the rest
     os.makedirs(out_dir, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix="dp_profile-")
-    if args.tiny:
-        import json
-
-        args.model_path = os.path.join(log_dir, "tiny-llama")
-        os.makedirs(args.model_path)
-        with open(os.path.join(args.model_path, "config.json"), "w") as f:
-            json.dump(dr.TINY_CONFIG, f)
-    import json
-
-    with open(os.path.join(args.model_path, "config.json")) as f:
-        vocab = min(json.load(f)["vocab_size"], 49152)
+    vocab = dr.prepare_model(args, log_dir)
     kv = int(args.max_total_tokens * args.single_kv_factor)
     port = dr._free_port()
     server = dr.Proc("S", dr.server_cmd(args, port, 0, kv), log_dir, port)

@@ -309,16 +309,22 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    log_dir = tempfile.mkdtemp(prefix="dp_router-")
+def prepare_model(args, log_dir: str) -> int:
+    """--tiny: writes the tiny config under log_dir (args.model_path points there). Returns the
+    vocabulary the prompts draw ids from."""
     if args.tiny:
         args.model_path = os.path.join(log_dir, "tiny-llama")
         os.makedirs(args.model_path)
         with open(os.path.join(args.model_path, "config.json"), "w") as f:
             json.dump(TINY_CONFIG, f)
     with open(os.path.join(args.model_path, "config.json")) as f:
-        vocab = min(json.load(f)["vocab_size"], 49152)  # ids valid for the SmolLM2 tokenizer too
+        return min(json.load(f)["vocab_size"], 49152)  # ids valid for the SmolLM2 tokenizer too
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    log_dir = tempfile.mkdtemp(prefix="dp_router-")
+    vocab = prepare_model(args, log_dir)
     configs = [c for c in args.configs.split(",") if c]
     kv, kv_single = args.max_total_tokens, int(args.max_total_tokens * args.single_kv_factor)
     plan = {}
@@ -375,7 +381,7 @@ def main(argv=None) -> dict:
     from benchmarks.offline_throughput import git_commit
 
     res.update({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "git_commit": os.environ.get("RADIXLM_GIT_COMMIT") or git_commit(),
+                "git_commit": git_commit(),
                 "command": "python " + " ".join([os.path.relpath(__file__, _ROOT)] + sys.argv[1:])})
     if args.note:
         res["note"] = args.note

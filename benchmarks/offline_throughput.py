@@ -158,6 +158,10 @@ def device_name(args) -> str:
 
 
 def git_commit() -> str:
+    """This tree's commit (+dirty); RADIXLM_GIT_COMMIT overrides it where the tree's git metadata
+    is not this commit's (the device machine's copy)."""
+    if os.environ.get("RADIXLM_GIT_COMMIT"):
+        return os.environ["RADIXLM_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()

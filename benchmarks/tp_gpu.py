@@ -99,12 +99,9 @@ def main(argv=None) -> dict:
                  "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
                  "model": os.path.basename(args.model_path), "dtype": "bfloat16 (dummy weights)",
                  "cuda_graph": not args.disable_cuda_graph, "torch": torch.__version__}
-    try:  # RADIXLM_GIT_COMMIT: where the tree's git metadata is not this commit's (the device)
-        res["commit"] = os.environ.get("RADIXLM_GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True,
-            text=True).stdout.strip() or None
-    except OSError:
-        res["commit"] = None
+    from benchmarks.offline_throughput import git_commit
+
+    res["commit"] = git_commit()
     for tp in [int(x) for x in args.sizes.split(",")]:
         t_size = time.perf_counter()
         cmd = [sys.executable, os.path.abspath(__file__), "--one", str(tp), "--timeout-s",
