@@ -51,6 +51,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -156,6 +157,7 @@ async def _watch(client, urls: list[str], stop: asyncio.Event, every_s: float = 
                 st = st["internal_states"][0]
             except (httpx.HTTPError, KeyError, ValueError):
                 continue
+            st["_t"] = time.perf_counter()
             a = acc[u]
             a["samples"] += 1
             a["running"] += st.get("num_running", 0)
@@ -173,11 +175,16 @@ async def _watch(client, urls: list[str], stop: asyncio.Event, every_s: float = 
     for u in urls:
         a, n = acc[u], max(1, acc[u]["samples"])
         f, la = first.get(u, {}), last.get(u, {})
+        delta = lambda k: la.get(k, 0) - f.get(k, 0)
         out.append({"mean_running": round(a["running"] / n, 1),
                     "mean_waiting": round(a["waiting"] / n, 1),
                     "mean_kv_used": round(a["kv_used"] / n, 3),
-                    "forward_steps": la.get("forward_steps", 0) - f.get("forward_steps", 0),
-                    "retractions": la.get("retractions", 0) - f.get("retractions", 0)})
+                    "forward_steps": delta("forward_steps"),
+                    "extend_steps": delta("extend_steps"),
+                    # time inside the scheduler's step() over the sampled span: ~1 = saturated
+                    "busy_frac": round(delta("busy_s") / max(1e-9, la.get("_t", 0)
+                                                             - f.get("_t", 0)), 3),
+                    "retractions": delta("retractions")})
     return {"servers": out}
 
 
@@ -189,14 +196,18 @@ async def run_load(url: str, prompts: list[list[int]], args,
     limits = httpx.Limits(max_connections=args.max_concurrency + 8)
     totals = {"prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "failed": 0}
     latencies: list[float] = []
+    server_lat: list[float] = []  # the serving worker's own e2e_latency (its HTTP front onward)
     errors: list[str] = []
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-        async def one(p):
+        # bodies encoded before the clock starts: the client's own work stays out of the timing
+        bodies = [json.dumps({"input_ids": p, "sampling_params": sp}).encode() for p in prompts]
+        headers = {"content-type": "application/json"}
+
+        async def one(body):
             async with sem:
                 t = time.perf_counter()
                 try:
-                    r = await client.post(url + "/generate", json={"input_ids": p,
-                                                                  "sampling_params": sp})
+                    r = await client.post(url + "/generate", content=body, headers=headers)
                 except httpx.HTTPError as e:  # counted and reported, not fatal to the run
                     totals["failed"] += 1
                     errors.append(f"{type(e).__name__}: {e}")
@@ -210,11 +221,12 @@ async def run_load(url: str, prompts: list[list[int]], args,
             totals["prompt_tokens"] += meta["prompt_tokens"]
             totals["cached_tokens"] += meta.get("cached_tokens", 0)
             totals["output_tokens"] += meta["completion_tokens"]
+            server_lat.append(meta.get("e2e_latency", 0.0))
 
         stop = asyncio.Event()
         watcher = asyncio.create_task(_watch(client, list(watch), stop)) if watch else None
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in prompts))
+        await asyncio.gather(*(one(b) for b in bodies))
         wall = time.perf_counter() - t0
         stop.set()
         watched = await watcher if watcher else {}
@@ -225,7 +237,10 @@ async def run_load(url: str, prompts: list[list[int]], args,
            "prompt_tok_s": round(totals["prompt_tokens"] / wall, 1),
            "cache_hit_rate": round(totals["cached_tokens"] / max(1, totals["prompt_tokens"]), 4),
            "latency_p50_s": round(lat[len(lat) // 2], 3),
-           "latency_p90_s": round(lat[int(len(lat) * 0.9)], 3), **watched}
+           "latency_p90_s": round(lat[int(len(lat) * 0.9)], 3),
+           # client latency minus the worker's e2e_latency: time in the client and the router
+           "latency_mean_s": round(sum(latencies) / max(1, len(latencies)), 3),
+           "server_e2e_mean_s": round(sum(server_lat) / max(1, len(server_lat)), 3), **watched}
     if errors:
         res["errors"] = sorted(set(errors))[:5]
     return res
@@ -251,10 +266,40 @@ def warm_up(urls: list[str], args, vocab: int) -> None:
     flush(urls)
 
 
+def _spy(args, name: str, procs: dict) -> list[threading.Thread]:
+    """--spy-dir: py-spy (raw stacks) over each of `procs` ({tag: Proc}, children included) for
+    --spy-seconds, starting 2 s into the load; summaries are written when the threads end."""
+    if not args.spy_dir:
+        return []
+    os.makedirs(args.spy_dir, exist_ok=True)
+
+    def one(tag, proc):
+        time.sleep(2.0)
+        raw = os.path.join(args.spy_dir, f"{name}-{tag}.raw")
+        subprocess.run(["py-spy", "record", "--pid", str(proc.proc.pid), "--subprocesses",
+                        "--duration", str(int(args.spy_seconds)), "--rate", "100", "--format",
+                        "raw", "--output", raw], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.STDOUT)
+        if os.path.exists(raw):
+            from benchmarks.dp_profile import summarize
+
+            with open(os.path.join(args.spy_dir, f"{name}-{tag}.txt"), "w") as f:
+                f.write(summarize(raw) + "\n")
+
+    threads = [threading.Thread(target=one, args=(t, p), daemon=True) for t, p in procs.items()]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def run_config(name: str, args, prompts, servers: dict, log_dir: str) -> dict:
     if name == "single":
         flush([servers["S"].url])
-        return asyncio.run(run_load(servers["S"].url, prompts, args, (servers["S"].url,)))
+        spies = _spy(args, name, {"S": servers["S"]})
+        res = asyncio.run(run_load(servers["S"].url, prompts, args, (servers["S"].url,)))
+        for t in spies:
+            t.join()
+        return res
     workers = [servers["A"].url, servers["B"].url]
     flush(workers)
     port = _free_port()
@@ -262,7 +307,10 @@ def run_config(name: str, args, prompts, servers: dict, log_dir: str) -> dict:
                                      "--worker-urls", *workers, "--policy", name], log_dir, port)
     try:
         router.wait_ready(120)
+        spies = _spy(args, name, {"router": router, "A": servers["A"]})
         res = asyncio.run(run_load(router.url, prompts, args, tuple(workers)))
+        for t in spies:
+            t.join()
         listed = httpx.get(router.url + "/list_workers", timeout=30).json()
         res["routed"] = [w["routed"] for w in listed["workers"]]
         if "decisions" in listed:
@@ -298,6 +346,10 @@ def parse_args(argv=None):
     p.add_argument("--result-file", default=None)
     p.add_argument("--note", default=None)
     p.add_argument("--keep-logs", default=None, help="copy the servers' and routers' logs here")
+    p.add_argument("--spy-dir", default=None,
+                   help="py-spy the router and replica A (or S) during each configuration; raw "
+                        "stacks and per-process summaries go here (needs py-spy)")
+    p.add_argument("--spy-seconds", type=float, default=6.0)
     args = p.parse_args(argv)
     if args.tiny:
         args.device, args.dtype = "cpu", "float32"

@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/issue13}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # py-spy
 nvidia-smi -L
 t0=$(date +%s)
 STEPS=" ${*:-tp_tests tp_bench dp_bench dp_bench_long} "
@@ -42,7 +42,13 @@ step dp_bench 100 python benchmarks/dp_router.py --start-timeout 60 --result-fil
 step dp_bench_long 100 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
   --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "prefill-heavier variant" \
   --keep-logs "$OUT/dp_logs_long"
+# where the time goes: the prefill-heavier variant with py-spy over the router and replica A (or
+# the single server) in each configuration (summaries under spy/, in spy.tgz)
+step dp_spy 150 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
+  --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "py-spy on (--spy-dir)" \
+  --spy-dir "$OUT/spy" --keep-logs "$OUT/dp_logs_spy"
+[[ -d $OUT/spy ]] && for f in "$OUT"/spy/*.txt; do echo "## $f"; head -8 "$f" | cut -c1-150; done
 # the device hands back at most 8 files: the servers' and routers' logs travel as one archive
-for d in dp_logs dp_logs_long; do
+for d in dp_logs dp_logs_long dp_logs_spy spy; do
   [[ -d $OUT/$d ]] && tar -czf "$OUT/$d.tgz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"
 done

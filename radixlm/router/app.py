@@ -35,7 +35,7 @@ from radixlm.router.keys import routing_key
 from radixlm.router.policy import make_policy
 from radixlm.router.proxy import Proxy, error_response, forward_headers
 from radixlm.router.workers import WorkerPool, normalize_url
-from radixlm.server.http_server import _Guard
+from radixlm.server.http_server import KEEP_ALIVE_S, _Guard
 
 logger = logging.getLogger("radixlm.router")
 
@@ -80,10 +80,13 @@ class Router:
         self.args = args
         self.policy = make_policy(args.policy, args.cache_threshold, args.balance_abs_threshold,
                                   args.balance_rel_threshold, args.max_tree_size)
-        # no pool limit: the router's concurrency is its clients'; the workers queue
+        # no pool limit: the router's concurrency is its clients'; the workers queue. Idle
+        # connections expire before the 5 s after which uvicorn-served workers (SGLang's too)
+        # close them, so a reused connection is never one the worker is closing.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(args.request_timeout_secs, connect=10.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=4.0))
         self.pool = WorkerPool(self.policy, self.client, args.health_failure_threshold,
                                args.health_check_interval_secs, args.health_check_timeout_secs,
                                on_remove)
@@ -259,7 +262,7 @@ def run_router(args: RouterArgs) -> None:
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-                            loop="asyncio")
+                            timeout_keep_alive=KEEP_ALIVE_S, loop="asyncio")
     server = uvicorn.Server(config)
     server.run()
     if not server.started:

@@ -174,6 +174,7 @@ def launch_dp(args: ServerArgs) -> None:
     import uvicorn
 
     from radixlm.router.app import Router, build_app
+    from radixlm.server.http_server import KEEP_ALIVE_S
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="[router %(asctime)s] %(levelname)s %(message)s")
@@ -218,7 +219,7 @@ def launch_dp(args: ServerArgs) -> None:
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-                            loop="asyncio")
+                            timeout_keep_alive=KEEP_ALIVE_S, loop="asyncio")
     server = uvicorn.Server(config)
     server_box["server"] = server
     print(f"radixlm: serving with dp_size={args.dp_size} ({args.load_balance_method}) on "

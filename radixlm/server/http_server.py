@@ -24,6 +24,12 @@ from radixlm.server.openai_api import register_openai_routes
 
 logger = logging.getLogger(__name__)
 
+# How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's
+# client-side expiry (5 s), so a client may reuse a connection at the very moment the server
+# closes it: the request then fails with a bare ReadError (seen as 1-2 of 512 requests under
+# benchmarks/dp_router.py's load). Longer than the usual client expiries closes that race.
+KEEP_ALIVE_S = 75
+
 
 class _Guard:
     """API key and body size checks, as a plain ASGI middleware.

@@ -122,7 +122,7 @@ def launch_server(args: ServerArgs) -> None:
 
         import uvicorn
 
-        from radixlm.server.http_server import build_app
+        from radixlm.server.http_server import KEEP_ALIVE_S, build_app
         from radixlm.server.tokenizer_manager import TokenizerManager
 
         tokenizer = None if args.skip_tokenizer_init else loader.load_tokenizer(tok_path, tok_fmt)
@@ -164,7 +164,7 @@ def launch_server(args: ServerArgs) -> None:
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-                            loop="asyncio")
+                            timeout_keep_alive=KEEP_ALIVE_S, loop="asyncio")
     server = uvicorn.Server(config)
     server_box["server"] = server
     print(f"radixlm: serving {tm.model_name} on http://{args.host}:{args.port} "

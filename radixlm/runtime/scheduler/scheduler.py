@@ -67,8 +67,9 @@ class Scheduler(TokenProcessing):
         self.inflight: Optional[InFlightDecode] = None  # a launched decode step not yet completed
         self._deferred: list[Req] = []  # requests completed outside step(), reported by the next
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                      "retractions": 0, "forward_steps": 0,
-                      "jump_forward_tokens": 0, "shared_prefix_steps": 0}
+                      "retractions": 0, "forward_steps": 0, "extend_steps": 0,
+                      "jump_forward_tokens": 0, "shared_prefix_steps": 0,
+                      "busy_s": 0.0}  # wall time inside step(): busy_s / elapsed = saturation
 
     # --- requests in and out --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -125,6 +126,13 @@ class Scheduler(TokenProcessing):
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Run one batch. Returns the requests that produced tokens or finished in this step."""
+        t0 = time.perf_counter()
+        try:
+            return self._step_or_chain()
+        finally:
+            self.stats["busy_s"] += time.perf_counter() - t0
+
+    def _step_or_chain(self) -> list[Req]:
         done, self._deferred = self._deferred, []
         if self.inflight is not None:
             prev, self.inflight = self.inflight, None
@@ -229,6 +237,7 @@ class Scheduler(TokenProcessing):
         fb.num_decode_tail = len(decoding)
         logits = self.runner.forward(fb)  # (N, vocab)
         self.stats["forward_steps"] += 1
+        self.stats["extend_steps"] += 1
         for req in reqs + decoding:
             req.kv_len += req.extend_len
         if any(r.embed_pooling for r in reqs):
