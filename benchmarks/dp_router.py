@@ -192,41 +192,45 @@ async def run_load(url: str, prompts: list[list[int]], args,
                    watch: tuple[str, ...] = ()) -> dict:
     """Closed loop of `max_concurrency` clients through `url`; `watch`: servers to sample."""
     sp = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
-    sem = asyncio.Semaphore(args.max_concurrency)
-    limits = httpx.Limits(max_connections=args.max_concurrency + 8)
     totals = {"prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "failed": 0}
     latencies: list[float] = []
     server_lat: list[float] = []  # the serving worker's own e2e_latency (its HTTP front onward)
     errors: list[str] = []
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-        # bodies encoded before the clock starts: the client's own work stays out of the timing
-        bodies = [json.dumps({"input_ids": p, "sampling_params": sp}).encode() for p in prompts]
-        headers = {"content-type": "application/json"}
+    # bodies encoded before the clock starts: the client's own work stays out of the timing
+    bodies = [json.dumps({"input_ids": p, "sampling_params": sp}).encode() for p in prompts]
+    headers = {"content-type": "application/json"}
+    todo = iter(bodies)
 
-        async def one(body):
-            async with sem:
+    async def slot():
+        """One of `max_concurrency` closed-loop clients, each with its own one-connection
+        client: a single httpx pool of 128 connections costs its owner more CPU per request
+        than the server spends (httpcore scans every connection per request; py-spy, 2 x H200,
+        2026-11-26), and the client must not be what is measured."""
+        async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=1)) as c:
+            for body in todo:
                 t = time.perf_counter()
                 try:
-                    r = await client.post(url + "/generate", content=body, headers=headers)
+                    r = await c.post(url + "/generate", content=body, headers=headers)
                 except httpx.HTTPError as e:  # counted and reported, not fatal to the run
                     totals["failed"] += 1
                     errors.append(f"{type(e).__name__}: {e}")
-                    return
+                    continue
                 latencies.append(time.perf_counter() - t)
-            if r.status_code != 200:
-                totals["failed"] += 1
-                errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
-                return
-            meta = r.json()["meta_info"]
-            totals["prompt_tokens"] += meta["prompt_tokens"]
-            totals["cached_tokens"] += meta.get("cached_tokens", 0)
-            totals["output_tokens"] += meta["completion_tokens"]
-            server_lat.append(meta.get("e2e_latency", 0.0))
+                if r.status_code != 200:
+                    totals["failed"] += 1
+                    errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
+                    continue
+                meta = r.json()["meta_info"]
+                totals["prompt_tokens"] += meta["prompt_tokens"]
+                totals["cached_tokens"] += meta.get("cached_tokens", 0)
+                totals["output_tokens"] += meta["completion_tokens"]
+                server_lat.append(meta.get("e2e_latency", 0.0))
 
+    async with httpx.AsyncClient(timeout=60) as watch_client:
         stop = asyncio.Event()
-        watcher = asyncio.create_task(_watch(client, list(watch), stop)) if watch else None
+        watcher = asyncio.create_task(_watch(watch_client, list(watch), stop)) if watch else None
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(b) for b in bodies))
+        await asyncio.gather(*(slot() for _ in range(min(args.max_concurrency, len(bodies)))))
         wall = time.perf_counter() - t0
         stop.set()
         watched = await watcher if watcher else {}

@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from radixlm.router.args import RouterArgs
+from radixlm.router.client_shards import ClientShards
 from radixlm.router.keys import routing_key
 from radixlm.router.policy import make_policy
 from radixlm.router.proxy import Proxy, error_response, forward_headers
@@ -83,14 +84,18 @@ class Router:
         # no pool limit: the router's concurrency is its clients'; the workers queue. Idle
         # connections expire before the 5 s after which uvicorn-served workers (SGLang's too)
         # close them, so a reused connection is never one the worker is closing.
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(args.request_timeout_secs, connect=10.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                                keepalive_expiry=4.0))
+        def make_client() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                timeout=httpx.Timeout(args.request_timeout_secs, connect=10.0, pool=None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                    keepalive_expiry=4.0))
+
+        self.client = make_client()  # health checks and broadcasts
+        self.shards = ClientShards(make_client)  # forwarded requests
         self.pool = WorkerPool(self.policy, self.client, args.health_failure_threshold,
                                args.health_check_interval_secs, args.health_check_timeout_secs,
                                on_remove)
-        self.proxy = Proxy(self.pool, self.client, args.retry_max_retries)
+        self.proxy = Proxy(self.pool, self.client, self.shards, args.retry_max_retries)
 
     async def add_initial_workers(self) -> None:
         """Standalone start-up: every --worker-urls worker must answer /health within
@@ -130,6 +135,7 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
             checker.cancel()
             await asyncio.gather(checker, return_exceptions=True)
             await router.client.aclose()
+            await router.shards.aclose()
 
     app = FastAPI(title="radixlm router", lifespan=lifespan)
     app.state.router = router

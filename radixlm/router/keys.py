@@ -27,7 +27,9 @@ _PART = "\x1f"
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(i, int) for i in x)
+    """A token-id prompt, by its first element (checking every id costs the router more than
+    the key is worth; ids_key copes with a bad one)."""
+    return isinstance(x, list) and bool(x) and isinstance(x[0], int)
 
 
 def _prompt_key(p: Any) -> Optional[str]:

@@ -29,6 +29,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from radixlm.router.client_shards import ClientShards
 from radixlm.router.keys import key_units
 from radixlm.router.workers import Worker, WorkerPool
 
@@ -87,8 +88,12 @@ async def _unless_disconnected(request: Request, coro) -> tuple[bool, object]:
 
 
 class Proxy:
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, retries: int = 2):
-        self.pool, self.client, self.retries = pool, client, retries
+    """`clients` carry the forwarded requests (see client_shards.py); `client` the few
+    broadcasts (`to_all`)."""
+
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, clients: ClientShards,
+                 retries: int = 2):
+        self.pool, self.client, self.clients, self.retries = pool, client, clients, retries
 
     async def forward(self, request: Request, path: str, body: bytes, key: Optional[str],
                       stream: bool) -> Response:
@@ -105,16 +110,19 @@ class Proxy:
                 break
             tried.add(w.url)
             w.begin(units)
+            client = self.clients.acquire()
             ended = False
             try:
-                req = self.client.build_request(request.method, w.url + url_path,
-                                                headers=headers, content=body)
-                done, result = await _unless_disconnected(request, self._exchange(req, stream))
+                req = client.build_request(request.method, w.url + url_path, headers=headers,
+                                           content=body)
+                done, result = await _unless_disconnected(request,
+                                                          self._exchange(client, req, stream))
                 if not done:  # the client left: nobody to answer (the worker saw us go)
                     return Response(status_code=499)
                 if stream:
                     ended = True  # the stream's finally ends it from now on
-                    return StreamingResponse(self._relay(result, w, units), result.status_code,
+                    return StreamingResponse(self._relay(result, w, units, client),
+                                             result.status_code,
                                              headers=_response_headers(result))
                 resp, content = result
                 return Response(content, resp.status_code, headers=_response_headers(resp))
@@ -130,11 +138,13 @@ class Proxy:
             finally:
                 if not ended:
                     w.end(units)
+                    self.clients.release(client)
         return error_response(path, status, last_problem)
 
-    async def _exchange(self, req: httpx.Request, stream: bool):
+    @staticmethod
+    async def _exchange(client: httpx.AsyncClient, req: httpx.Request, stream: bool):
         """stream: the response, its body still to come; else (response, whole body)."""
-        resp = await self.client.send(req, stream=True)
+        resp = await client.send(req, stream=True)
         if stream:
             return resp
         try:
@@ -142,7 +152,8 @@ class Proxy:
         finally:
             await resp.aclose()
 
-    async def _relay(self, resp: httpx.Response, w: Worker, units: int) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: httpx.Response, w: Worker, units: int,
+                     client: httpx.AsyncClient) -> AsyncIterator[bytes]:
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         try:
             async for chunk in resp.aiter_raw():
@@ -156,6 +167,7 @@ class Proxy:
                 yield b"data: " + json.dumps(err).encode() + b"\n\n"
         finally:
             w.end(units)
+            self.clients.release(client)
             await resp.aclose()
 
     async def to_all(self, method: str, path: str, headers: dict, body: bytes = b"",

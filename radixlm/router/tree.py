@@ -29,9 +29,13 @@ _IDS_MARK = "\x00ids\x00"
 
 
 def ids_key(ids: Iterable[int]) -> str:
-    """A token-id prompt as a key: chr(id) per id (ids beyond Unicode's range wrap; the tree is
-    approximate anyway)."""
-    return _IDS_MARK + "".join(chr(int(i) % 0x110000) for i in ids)
+    """A token-id prompt as a key: chr(id) per id (ids beyond Unicode's range wrap, anything but
+    an int maps to U+FFFD: the tree is approximate anyway, and the worker rejects bad ids)."""
+    try:
+        return _IDS_MARK + "".join(map(chr, ids))  # C speed: every id of a real vocabulary fits
+    except (TypeError, ValueError, OverflowError):
+        return _IDS_MARK + "".join(chr(i % 0x110000) if isinstance(i, int) else "\ufffd"
+                                   for i in ids)
 
 
 def common_prefix_len(a: str, b: str) -> int:
