@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from contextlib import asynccontextmanager
 from typing import Callable, Optional
 
@@ -84,11 +85,13 @@ class Router:
         # no pool limit: the router's concurrency is its clients'; the workers queue. Idle
         # connections expire before the 5 s after which uvicorn-served workers (SGLang's too)
         # close them, so a reused connection is never one the worker is closing.
+        tls = ssl.create_default_context()  # one for all shards (httpx: ~22 ms per client)
+
         def make_client() -> httpx.AsyncClient:
             return httpx.AsyncClient(
                 timeout=httpx.Timeout(args.request_timeout_secs, connect=10.0, pool=None),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                                    keepalive_expiry=4.0))
+                                    keepalive_expiry=4.0), verify=tls)
 
         self.client = make_client()  # health checks and broadcasts
         self.shards = ClientShards(make_client)  # forwarded requests
