@@ -20,6 +20,7 @@ nvidia-smi -L
 t0=$(date +%s)
 STEPS=" ${*:-tp_tests tp_bench dp_bench dp_bench_long} "
 SIZES=${SIZES:-1,2}
+DP_ARGS=${DP_ARGS:-}  # extra dp_router flags for the dp steps, e.g. "--per-group 32"
 step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its tail and the clock
   local name=$1 limit=$2
   shift 2
@@ -35,19 +36,22 @@ step tp_tests 150 python -m pytest -v -s -x -p no:cacheprovider \
   -o faulthandler_timeout=130 -m gpu tests/gpu/test_tensor_parallel_gpu.py
 step tp_bench 200 python benchmarks/tp_gpu.py --timeout-s 95 --log-dir "$OUT" --sizes "$SIZES" \
   --result-file "$OUT/tp_gpu.jsonl"
-step dp_bench 100 python benchmarks/dp_router.py --start-timeout 60 --result-file "$OUT/dp_router.jsonl" \
-  --keep-logs "$OUT/dp_logs"
+step dp_bench 150 python benchmarks/dp_router.py --start-timeout 60 --result-file "$OUT/dp_router.jsonl" \
+  --keep-logs "$OUT/dp_logs" $DP_ARGS
 # the same tenants with a longer shared prompt and shorter answers: a prefill-heavier mix, where
 # the prefixes a router keeps together matter more (reported beside the default workload)
-step dp_bench_long 100 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
+step dp_bench_long 150 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
   --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "prefill-heavier variant" \
-  --keep-logs "$OUT/dp_logs_long"
+  --keep-logs "$OUT/dp_logs_long" $DP_ARGS
 # where the time goes: the prefill-heavier variant with py-spy over the router and replica A (or
 # the single server) in each configuration (summaries under spy/, in spy.tgz)
 step dp_spy 150 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
   --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "py-spy on (--spy-dir)" \
   --spy-dir "$OUT/spy" --keep-logs "$OUT/dp_logs_spy"
 [[ -d $OUT/spy ]] && for f in "$OUT"/spy/*.txt; do echo "## $f"; head -8 "$f" | cut -c1-150; done
+# not issue 13's, run here to share a machine start: f1b62ac's A/B (decode graphs vs shared-prefix
+# groups) on gpu_suite's shared-prefix workload, one GPU (only when named: prefix_ab)
+CUDA_VISIBLE_DEVICES=0 step prefix_ab 200 python benchmarks/shared_prefix_ab.py
 # the device hands back at most 8 files: the servers' and routers' logs travel as one archive
 for d in dp_logs dp_logs_long dp_logs_spy spy; do
   [[ -d $OUT/$d ]] && tar -czf "$OUT/$d.tgz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"
