@@ -47,7 +47,7 @@ step dp_bench_long 150 python benchmarks/dp_router.py --start-timeout 60 --prefi
 # the single server) in each configuration (summaries under spy/, in spy.tgz)
 step dp_spy 150 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3072 \
   --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "py-spy on (--spy-dir)" \
-  --spy-dir "$OUT/spy" --keep-logs "$OUT/dp_logs_spy"
+  --spy-dir "$OUT/spy" --keep-logs "$OUT/dp_logs_spy" $DP_ARGS
 [[ -d $OUT/spy ]] && for f in "$OUT"/spy/*.txt; do echo "## $f"; head -8 "$f" | cut -c1-150; done
 # not issue 13's, run here to share a machine start: f1b62ac's A/B (decode graphs vs shared-prefix
 # groups) on gpu_suite's shared-prefix workload, one GPU (only when named: prefix_ab)
