@@ -9,7 +9,8 @@
 #   bash benchmarks/issue13_gpu.sh                  # all four steps, ~550 s at most
 #   bash benchmarks/issue13_gpu.sh tp_bench dp_bench # some of them
 #
-# Budget (2 x H100, 2026-11-25): TP=1 took 36 s to start and ~60 s in all; the DP comparison 62 s.
+# Budget: 2 x H100 (2026-11-25) TP=1 took 36 s to start and ~60 s in all; 2 x H200 (2026-11-26)
+# tp_tests 78 s, tp_bench 37 s, each dp step 35-40 s (1024 requests).
 set -u
 OUT=${OUT:-/tmp/issue13}
 mkdir -p "$OUT"
