@@ -119,12 +119,12 @@ def main(argv=None) -> dict:
                         **{f"{k}_median_ms": round(m, 2) for k, m in med.items()},
                         "tree_over_base": round(med["tree"] / med["base"], 3),
                         "max_abs_diff": diff}
+    from benchmarks.offline_throughput import git_commit
+
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=_ROOT,
                          capture_output=True, text=True).stdout.strip()
     res = {"bench": "cpu_attention_ab", "base": f"{args.base} ({rev})",
-           "tree": "working tree of " + subprocess.run(
-               ["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True,
-               text=True).stdout.strip(), "cases": report,
+           "tree": git_commit(), "cases": report,
            "layers": LAYERS, "heads": [HQ, HKV, D], "threads": args.threads,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": "python " + " ".join([os.path.relpath(__file__, _ROOT)] + sys.argv[1:])}
