@@ -54,12 +54,40 @@ class Engine:
         logging.getLogger("radixlm").setLevel(self.server_args.log_level.upper())
         # tp_size > 1: this process is rank 0; the other ranks run in worker processes
         self._tp = tp_worker.start_tp(self.server_args)
-        try:
-            self.runner = ModelRunner(self.server_args)
-        except BaseException:
+        self._inbox: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._error: Optional[BaseException] = None
+        self._stopped = False
+        # The model is built on the scheduler thread, the one that runs it: OpenMP keeps a thread
+        # team per thread that starts parallel regions, and a second team (the weights packed on
+        # this thread, the steps on that one) left libgomp with more threads than cores, where it
+        # stops spinning between regions. The same decode GEMMs took ~12% longer in a loop
+        # (220 vs 196 us per call, SmolLM2 shapes, 2-core EPYC, 2026-11-26) and 280-340 us
+        # inside the Engine's steps.
+        built = threading.Event()
+        init_error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._build()
+            except BaseException as e:
+                init_error.append(e)
+                return
+            finally:
+                built.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=run, name="radixlm-scheduler", daemon=True)
+        self._thread.start()
+        built.wait()
+        if init_error:
             if self._tp is not None:
                 self._tp.stop(graceful=False)
-            raise
+            raise init_error[0]
+
+    def _build(self) -> None:
+        """The model runner, tokenizer, request builder and scheduler (on the scheduler thread)."""
+        self.runner = ModelRunner(self.server_args)
         self.tokenizer = None
         if not self.server_args.skip_tokenizer_init:
             tok_path = self.server_args.tokenizer_path or self.runner.model_path
@@ -73,12 +101,6 @@ class Engine:
         self.builder = RequestBuilder(self.tokenizer, self.runner.model_config.vocab_size,
                                       self.runner.context_len, self.runner.capacity, eos, images)
         self.scheduler = Scheduler(self.server_args, self.runner, self.tokenizer)
-        self._inbox: queue.Queue = queue.Queue()
-        self._sinks: dict[str, _Sink] = {}
-        self._error: Optional[BaseException] = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="radixlm-scheduler", daemon=True)
-        self._thread.start()
 
     # --- scheduler thread -----------------------------------------------------------------------
     def _loop(self) -> None:
