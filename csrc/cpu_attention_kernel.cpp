@@ -380,12 +380,12 @@ void merge_group(const Ctx& c, const Seq& sq, const Task& t) {
 
 // Plan tasks (query blocks, key splits), run them biggest first, merge the splits.
 // A work item is the Hkv tasks of one (sequence, query block, key split), run one after another
-// on one thread: the heads of a slot are adjacent in the pool (Hkv x D per slot), so the rows the
-// first head's pass brings in are still in the core's cache for the next heads. Per-head tasks
-// spread over threads made each head's pass fetch the whole slot rows from memory again (the
-// prefetchers bring in the neighbouring heads' bytes too): a 32-request decode step of
-// SmolLM2-135M (3 KV heads, 230 keys) took 21-25 ms against 15 ms for the same bytes laid out
-// one head per slot (2-core EPYC, 2026-11-26).
+// on one thread. The heads of a slot are adjacent in the pool (Hkv x D per slot): head 0's pass
+// prefetches every head's bytes of each slot (gather_kv), so the next heads' passes read them
+// from this core's cache instead of memory. Measured on SmolLM2-135M's decode (3 KV heads, 32
+// requests x 230 keys, 2-core EPYC, 2026-11-26): per-head tasks took 21-25 ms per step against
+// 15 ms for the same bytes laid out one head per slot; grouping the tasks alone changed nothing,
+// grouping plus the whole-slot prefetch took 0.78x the time (benchmarks/cpu_attention_ab.py).
 template <typename TK>
 void run_all(Ctx& c, std::vector<Seq>& seqs) {
   const int nt = std::max(1, at::get_num_threads()), H = c.Hkv;
