@@ -54,6 +54,7 @@ def summarize(raw_path: str, top: int = 25) -> str:
 
 
 def main() -> None:
+    from benchmarks import dp_load
     from benchmarks import dp_router as dr
 
     p = argparse.ArgumentParser(add_help=False)
@@ -71,7 +72,7 @@ def main() -> None:
     raw = os.path.join(out_dir, "dp_profile.txt")
     try:
         server.wait_ready(args.start_timeout)
-        dr.warm_up([server.url], args, vocab)
+        dp_load.warm_up([server.url], args, vocab)
         prompts = dr.workload(args, vocab)
 
         def spy():  # start once the load is under way, sample the server and its children
@@ -81,7 +82,7 @@ def main() -> None:
 
         timer = threading.Timer(2.0, spy)
         timer.start()
-        res = asyncio.run(dr.run_load(server.url, prompts, args, (server.url,)))
+        res = asyncio.run(dp_load.run_load(server.url, prompts, args, (server.url,)))
         timer.join()
         print(json.dumps(res), flush=True)
     finally:
