@@ -7,6 +7,10 @@
 // dynamic scheduling, biggest first. A task processes all G = Hq / Hkv query heads of its KV head
 // together (GQA), so every K/V row is loaded and converted once for G * query_block query rows.
 //
+// Decode rows with a bf16 pool and q and D % 64 == 0 (the common serving case) skip the tasks:
+// their work item runs decode_item (cpu_attention_decode.h), one pass over the keys for every
+// head, reading the pool in place; the same arithmetic, bit-identical results.
+//
 // Inside a task keys go in blocks of KB: gather the block's K and V rows into fp32 scratch,
 // scores, masked online softmax (base 2: q is pre-scaled by scale * log2 e), O += P V.
 //   - a query block of one token (decode rows): scores are G x KB dot products along D
@@ -199,6 +203,8 @@ void scores_bf16(const Ctx& c, const uint16_t* qb, const int64_t* slots, int h, 
 }
 #endif
 
+#include "cpu_attention_decode.h"  // decode_item(): one pass over a decode sequence's keys
+
 // One task: query rows r = (i - i0) * G + g of query block `blk`, keys [k0, k1) of the split.
 template <typename TK>
 bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
@@ -388,6 +394,9 @@ void merge_group(const Ctx& c, const Seq& sq, const Task& t) {
 // grouping plus the whole-slot prefetch took 0.78x the time (benchmarks/cpu_attention_ab.py).
 template <typename TK>
 void run_all(Ctx& c, std::vector<Seq>& seqs) {
+  [[maybe_unused]] const at::ScalarType kv_type =
+      std::is_same_v<TK, float> ? at::kFloat
+                                : (std::is_same_v<TK, c10::BFloat16> ? at::kBFloat16 : at::kHalf);
   const int nt = std::max(1, at::get_num_threads()), H = c.Hkv;
   int64_t base = 0;
   for (auto& sq : seqs) {
@@ -439,12 +448,42 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
 
   std::atomic<bool> ok{true};
   const int n = (int)order.size(), ng = (int)groups.size();
-#pragma omp parallel for num_threads(std::min(nt, std::max(1, n))) schedule(dynamic, 1)
-  for (int i = 0; i < n; ++i)
-    for (int h = 0; h < H; ++h) {
-      const Task& t = tasks[(size_t)order[i] * H + h];
-      if (!run_task<TK>(c, seqs[t.s], t)) ok = false;
+  // dynamic scheduling, biggest first, with a thread claiming its next item when it starts one,
+  // so a decode item can prefetch the next one's first keys while it computes its last
+  std::atomic<int> next_item{0};
+#pragma omp parallel num_threads(std::min(nt, std::max(1, n)))
+  {
+    int i = next_item.fetch_add(1);
+    bool first = true;
+    while (i < n) {
+      const int j = next_item.fetch_add(1);
+      const Task* item = &tasks[(size_t)order[i] * H];
+      const Seq& sq = seqs[item->s];
+#ifdef RLM_DECODE_ITEM
+      if (decode_item_ok(c, kv_type, sq)) {
+        const int64_t* nx = nullptr;
+        int nx_n = 0;
+        if (j < n) {
+          const Task* nt_item = &tasks[(size_t)order[j] * H];
+          const Seq& ns = seqs[nt_item->s];
+          if (decode_item_ok(c, kv_type, ns)) {
+            const auto [nlo, nhi] = decode_range(c, ns, nt_item->split);
+            nx = ns.slots + nlo;
+            nx_n = (int)std::clamp<int64_t>(nhi - nlo, 0, KB);
+          }
+        }
+        if (!decode_item(c, sq, item, first, nx, nx_n)) ok = false;
+        first = false;
+        i = j;
+        continue;
+      }
+#endif
+      for (int h = 0; h < H; ++h)
+        if (!run_task<TK>(c, sq, item[h])) ok = false;
+      first = true;
+      i = j;
     }
+  }
 #pragma omp parallel for num_threads(std::min(nt, std::max(1, ng))) schedule(dynamic, 1)
   for (int i = 0; i < ng; ++i) merge_group(c, seqs[groups[i].s], groups[i]);
   TORCH_CHECK(ok.load(), "cpu_attention: req_to_token holds a slot outside the KV pool");

@@ -54,7 +54,7 @@ _CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # headers included, are hashed into the build's name (tests check that every `#include "..."` of a
 # source is listed here).
 _SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp", "cpu_elementwise.cpp")
-_HEADERS = ("cpu_attention.h", "cpu_attention_gemm.h", "cpu_vec.h")
+_HEADERS = ("cpu_attention.h", "cpu_attention_gemm.h", "cpu_attention_decode.h", "cpu_vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
