@@ -53,7 +53,8 @@ _CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # Every file of the build: the sources are compiled (one translation unit each), and all of them,
 # headers included, are hashed into the build's name (tests check that every `#include "..."` of a
 # source is listed here).
-_SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp", "cpu_elementwise.cpp")
+_SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp", "cpu_elementwise.cpp",
+            "cpu_gemm.cpp")
 _HEADERS = ("cpu_attention.h", "cpu_attention_gemm.h", "cpu_attention_decode.h", "cpu_vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)

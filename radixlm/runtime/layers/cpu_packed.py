@@ -1,12 +1,18 @@
-"""bf16 linear layers on a CPU with native bf16 matmul (avx512_bf16 / AMX), through oneDNN with
-the weight reordered once into its blocked layout ("prepacked"), as torch's inductor does for
-frozen CPU models.
+"""bf16 linear layers on a CPU with native bf16 matmul (avx512_bf16 / AMX), with the weight
+packed once: for radixlm's own GEMM (csrc/cpu_gemm.cpp, AVX512-BF16, where it is built), else for
+oneDNN's blocked layout ("prepacked"), as torch's inductor does for frozen CPU models.
+
+The own GEMM (`RADIXLM_CPU_PACKED_LINEAR=auto`, the default where available): 0.77x oneDNN's time
+at decode's 32 rows on SmolLM2's projections, the same at prefill's thousands (cpu_gemm.cpp's top
+comment; benchmarks/cpu_gemm_ab.py). Its rounding is independent of the row count, like
+oneDNN's, but its order of summation is not oneDNN's: ~1e-4 of outputs differ from F.linear's by
+one bf16 rounding. `onednn` keeps the oneDNN path, whose results are F.linear's bit for bit.
 
 Why: F.linear on a plain bf16 weight makes oneDNN reorder the weight on every call. At decode's
 row counts that reorder is most of the cost: SmolLM2-135M's projections on an AVX512-BF16 EPYC
 (2 cores) run 1.4-2.5x faster prepacked at 1-32 rows, 1.1-1.3x at 64-256, the 49152-row head
-1.4x. Without a bias the results are bit-identical to F.linear's (same oneDNN GEMM; checked in
-tests/unit/test_cpu_packed.py, through the Engine too); with a bias, oneDNN adds it inside the
+1.4x. Without a bias oneDNN's results are bit-identical to F.linear's (same oneDNN GEMM; checked
+in tests/unit/test_cpu_packed.py, through the Engine too); with a bias, oneDNN adds it inside the
 GEMM, which once in a full-suite run differed from F.linear's by one bf16 rounding.
 
 Memory: each layer keeps its plain weight too (load_weights and weight updates write the plain
@@ -34,6 +40,58 @@ ENV_VAR = "RADIXLM_CPU_PACKED_LINEAR"
 ROWS_HINT = 32  # the row count oneDNN picks the packed layout for (any count runs on it)
 
 
+SETTINGS = ("auto", "onednn", "off")
+
+
+class OwnPacked:
+    """A weight packed for csrc/cpu_gemm.cpp: `data` (P, K/2, 48, 2) bf16 of W (n, k), zero
+    padded to whole 48-column panels."""
+
+    __slots__ = ("data", "n", "k")
+
+    def __init__(self, w: torch.Tensor):
+        n, k = w.shape
+        p = -(-n // 48)
+        wp = torch.zeros(p * 48, k, dtype=torch.bfloat16)
+        wp[:n] = w.detach()
+        self.data = wp.view(p, 48, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        self.n, self.k = n, k
+
+
+@functools.lru_cache(maxsize=1)
+def own_gemm_works() -> bool:
+    """radixlm's GEMM is built for this CPU (AVX512-BF16) and agrees with F.linear."""
+    from radixlm.runtime.attention import cpu_kernels
+
+    try:
+        ops = cpu_kernels.load()
+        if not ops.gemm_bf16_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w = (torch.randn(100, 64, generator=g) * 0.1).bfloat16()
+        x = torch.randn(5, 64, generator=g).bfloat16()
+        ref = x.float() @ w.float().t()
+        return torch.allclose(_own_linear(x, OwnPacked(w), None).float(), ref, atol=0.02, rtol=0.01)
+    except (cpu_kernels.CpuKernelsUnavailable, RuntimeError, AttributeError) as e:
+        logger.info("radixlm's bf16 GEMM unavailable (%s); using oneDNN", e)
+        return False
+
+
+def _own_linear(x: torch.Tensor, packed: OwnPacked, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    x2 = x.reshape(-1, packed.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.ops.radixlm_cpu.gemm_bf16(x2, packed.data, packed.n, bias)
+    return out.view(*x.shape[:-1], packed.n)
+
+
+def _setting() -> str:
+    setting = os.environ.get(ENV_VAR, "auto").strip().lower()
+    if setting not in SETTINGS:
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(SETTINGS)} (got {setting!r})")
+    return setting
+
+
 @functools.lru_cache(maxsize=1)
 def packing_works() -> bool:
     """This torch build packs bf16 weights and multiplies by them exactly as F.linear does."""
@@ -49,20 +107,24 @@ def packing_works() -> bool:
 
 
 def use_packed(device: torch.device, dtype: torch.dtype) -> bool:
-    setting = os.environ.get(ENV_VAR, "auto").strip().lower()
-    if setting not in ("auto", "off"):
-        raise ValueError(f"{ENV_VAR} must be auto or off (got {setting!r})")
-    return (setting == "auto" and device.type == "cpu" and dtype == torch.bfloat16
-            and cpu_linear.cpu_has_native_bf16_matmul() and packing_works())
+    setting = _setting()
+    return (setting != "off" and device.type == "cpu" and dtype == torch.bfloat16
+            and cpu_linear.cpu_has_native_bf16_matmul()
+            and ((setting == "auto" and own_gemm_works()) or packing_works()))
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """(out, in) bf16 -> an opaque oneDNN tensor of the same values."""
+def pack(w: torch.Tensor):
+    """(out, in) bf16 -> the packed weight `linear` takes: OwnPacked for radixlm's GEMM
+    (`auto`, where it works, and an even `in`), else an opaque oneDNN tensor."""
+    if _setting() == "auto" and w.shape[1] % 2 == 0 and own_gemm_works():
+        return OwnPacked(w)
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), ROWS_HINT)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def linear(x: torch.Tensor, packed, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """(..., in) @ packed^T + bias -> (..., out), as F.linear."""
+    if isinstance(packed, OwnPacked):
+        return _own_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -1,0 +1,159 @@
+// bf16 GEMM of the CPU linear layers on AVX512-BF16: out (M, N) = x (M, K) . W^T [+ bias], W
+// prepacked once (radixlm/runtime/layers/cpu_packed.py) into panels of 48 output columns laid out
+// (K / 2, 48, 2): one VDPBF16PS multiplies a broadcast pair of x by the same pair of 16 columns.
+//
+// Why not oneDNN (which the prepacked layers used before): at decode's row counts (8-64) its
+// kernels ran at 61-68% of the machine's bf16 peak on SmolLM2's projections (2-core EPYC); this
+// kernel streams each panel once per call, the next panel prefetched into L2 along the current
+// one's K loop, and reached 0.77x oneDNN's time at 32 rows (benchmarks/cpu_gemm_ab.py).
+//
+// Numerics: the products of bf16 pairs are exact in fp32; each output accumulates its pairs in K
+// order in one fp32 register (VDPBF16PS: acc + odd product, then + even product), the bias is
+// added in fp32, and the result is rounded to bf16 (nearest even). The order does not depend on
+// M, on the row's position or on the thread count, so a token's projections are bit-identical
+// in a prefill, a chunk or a decode batch (prefix caching relies on that). oneDNN sums in another
+// order: ~1e-4 of the outputs differ from F.linear's by one bf16 rounding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+constexpr int NB = 48;   // output columns per panel: 3 vectors of 16 fp32
+constexpr int MR = 8;    // rows per register tile: 8 x 3 accumulators + 3 B vectors + 1 A
+constexpr int MC = 128;  // rows per chunk when many rows split across threads
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasKernel = true;
+
+// C (R x nvalid) = A (R x 2*K2) . B-panel [+ bias]; the panel's K2 x 48 x 2 bf16 at B. Prefetches
+// pf_bytes of `pf` (the next panel) into L2, spread over the K loop.
+template <int R>
+void tile(const uint16_t* A, long lda, const uint16_t* B, long K2, uint16_t* C, long ldc,
+          int nvalid, const float* bias, const char* pf, long pf_bytes) {
+  __m512 acc[R][3];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
+  const long pf_per_k = pf ? (pf_bytes / 64 + K2 - 1) / K2 : 0;
+  long pf_off = 0;
+  for (long k2 = 0; k2 < K2; ++k2) {
+    const uint16_t* b = B + k2 * NB * 2;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
+    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
+    for (long p = 0; p < pf_per_k && pf_off < pf_bytes; ++p, pf_off += 64)
+      __builtin_prefetch(pf + pf_off, 0, 2);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(
+          *reinterpret_cast<const int32_t*>(A + r * lda + 2 * k2));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 3; ++v) {
+      const int n0 = v * 16;
+      if (n0 >= nvalid) break;
+      __m512 o = acc[r][v];
+      if (bias) o = _mm512_add_ps(o, _mm512_loadu_ps(bias + n0));
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(o);
+      if (n0 + 16 <= nvalid)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + r * ldc + n0), h);
+      else
+        _mm256_mask_storeu_epi16(C + r * ldc + n0, (__mmask16)((1u << (nvalid - n0)) - 1), h);
+    }
+}
+
+using Tile = void (*)(const uint16_t*, long, const uint16_t*, long, uint16_t*, long, int,
+                      const float*, const char*, long);
+constexpr Tile kTiles[MR] = {&tile<1>, &tile<2>, &tile<3>, &tile<4>,
+                             &tile<5>, &tile<6>, &tile<7>, &tile<8>};
+
+// Rows [m0, m1) times panels [p0, p1); the first row tile of each panel prefetches the next one.
+void run_block(const uint16_t* A, long lda, const uint16_t* B, long K2, uint16_t* C, long N,
+               const float* bias, long m0, long m1, long p0, long p1) {
+  const long panel = K2 * NB * 2;  // elements
+  for (long p = p0; p < p1; ++p) {
+    const int nvalid = (int)std::min<long>(NB, N - p * NB);
+    const char* pf = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
+    for (long m = m0; m < m1; m += MR) {
+      const int r = (int)std::min<long>(MR, m1 - m);
+      kTiles[r - 1](A + m * lda, lda, B + p * panel, K2, C + m * N + p * NB, N, nvalid,
+                    bias ? bias + p * NB : nullptr, m == m0 ? pf : nullptr, panel * 2);
+    }
+  }
+}
+#else
+constexpr bool kHasKernel = false;
+#endif
+
+bool gemm_bf16_available() { return kHasKernel; }
+
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& wp, int64_t n,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kHasKernel, "gemm_bf16: this build has no AVX512-BF16 kernel (see gemm_bf16_available)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+              x.stride(1) == 1, "gemm_bf16: x must be a (M, K) bf16 CPU tensor, unit stride in K");
+  TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.dim() == 4 && wp.is_contiguous() &&
+              wp.size(2) == NB && wp.size(3) == 2, "gemm_bf16: wp must be a packed (P, K/2, 48, 2) weight");
+  const int64_t M = x.size(0), K = x.size(1), K2 = wp.size(1);
+  TORCH_CHECK(K == 2 * K2, "gemm_bf16: x has K=", K, ", the weight was packed for K=", 2 * K2);
+  TORCH_CHECK(n > 0 && (n + NB - 1) / NB == wp.size(0), "gemm_bf16: n does not match the panels");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+#if defined(__AVX512BF16__)
+  std::vector<float> bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "gemm_bf16: bias must be (n,)");
+    at::Tensor b = bias->to(at::kFloat).contiguous();
+    bias_f.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
+    bias_f.resize(wp.size(0) * NB, 0.f);
+  }
+  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+  const uint16_t* A = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* B = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+  uint16_t* C = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const long lda = x.stride(0), P = wp.size(0);
+  const int nt = std::max(1, at::get_num_threads());
+  const long chunks = (M + MC - 1) / MC;
+  if (nt == 1) {
+    run_block(A, lda, B, K2, C, n, bp, 0, M, 0, P);
+  } else if (chunks >= nt) {  // many rows: each thread takes whole row chunks, every panel
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (long c = 0; c < chunks; ++c)
+      run_block(A, lda, B, K2, C, n, bp, c * MC, std::min<long>(M, (c + 1) * MC), 0, P);
+  } else {  // few rows: each thread takes a run of panels, every row
+    const int T = (int)std::min<long>(nt, P);
+#pragma omp parallel num_threads(T)
+    {
+      const int t = omp_get_thread_num();
+      run_block(A, lda, B, K2, C, n, bp, 0, M, P * t / T, P * (t + 1) / T);
+    }
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+#ifndef RLM_OPS_NS
+#define RLM_OPS_NS radixlm_cpu
+#endif
+#define RLM_GEMM_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define RLM_GEMM_FRAGMENT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+RLM_GEMM_FRAGMENT(RLM_OPS_NS, m) {
+  m.def("gemm_bf16(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
+  m.def("gemm_bf16_available() -> bool", &gemm_bf16_available);
+}
+
+RLM_GEMM_FRAGMENT_IMPL(RLM_OPS_NS, CPU, m) { m.impl("gemm_bf16", &gemm_bf16); }
