@@ -1,7 +1,8 @@
 """The fused CPU elementwise ops (csrc/cpu_elementwise.cpp, layers/cpu_fused.py) against the torch
 code they replace in models/llama.py and layers/rotary.py: RMSNorm with and without the residual
 add, SiLU-and-mul, in-place rotary on a strided view of the fused qkv rows; fp32 / bf16 / fp16;
-the model picks them on the CPU and `RADIXLM_CPU_FUSED_OPS=off` turns them off.
+the model picks them on the CPU and `RADIXLM_CPU_FUSED_OPS=off` turns them off. The sampler's
+argmax against torch.argmax exactly.
 
 Tolerance: fp32 results within a few fp32 ulps (only the sum-of-squares order, the exp polynomial
 and FMA contraction differ); bf16 / fp16 results equal torch's except for rare single roundings
@@ -82,6 +83,27 @@ def test_rotary_inplace_on_the_qkv_view(dtype, hq, hkv, d):
     assert cpu_fused.rotary_inplace(qk, cos, sin) is qk
     _assert_near(qk, ref)
     assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v heads untouched
+
+
+@pytest.mark.parametrize("rows, vocab", [(32, 49152), (1, 17), (5, 1000), (3, 16)])
+def test_argmax_rows_matches_torch(rows, vocab):
+    """The first maximum, ties and -inf rows included; a NaN row gives its first NaN as torch's
+    argmax does; a strided view and a non-fp32 input (torch's path) too."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    x[0, vocab // 2] = x[0, vocab - 1] = x[0].max() + 1  # a tie: the first one wins
+    if rows > 2:
+        x[1] = float("-inf")
+        x[2, 3] = float("nan")
+        x[2, vocab - 2] = float("nan")
+        x[2, 1] = float("inf")
+    assert torch.equal(cpu_fused.argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(rows, 2 * vocab, generator=g)[:, ::2]  # stride 2: torch's path
+    assert torch.equal(cpu_fused.argmax_rows(wide), wide.argmax(dim=-1))
+    rowview = torch.randn(rows, vocab + 5, generator=g)[:, :vocab]  # row stride != vocab
+    assert torch.equal(cpu_fused.argmax_rows(rowview), rowview.argmax(dim=-1))
+    half = x.bfloat16()
+    assert torch.equal(cpu_fused.argmax_rows(half), half.argmax(dim=-1))
 
 
 def test_bad_input_is_refused_with_a_message():

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from radixlm.runtime.layers import cpu_fused
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.logprobs import token_logprobs
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
@@ -68,7 +69,7 @@ class Sampler:
 
         info.apply_penalties_and_masks(logits)
         if info.is_all_greedy:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = cpu_fused.argmax_rows(logits)  # torch's argmax off the CPU
         else:
             next_ids = self._sample(logits, info, reqs)
 
