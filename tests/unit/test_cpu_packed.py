@@ -72,6 +72,33 @@ def test_own_gemm_equals_its_emulation(own_gemm, out_f, in_f, n_threads):
         torch.set_num_threads(prev)
 
 
+@pytest.mark.parametrize("inter, in_f", [(1536, 576), (64, 96)])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_gate_up_paired_pack_and_silu_epilogue(own_gemm, inter, in_f, n_threads):
+    """An MLP's [gate; up] weight packs paired: its plain projection equals the 48-column
+    pack's bit for bit, and its SiLU-and-mul epilogue equals cpu_fused.silu_and_mul of that."""
+    from radixlm.runtime.layers import cpu_fused
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        g = torch.Generator().manual_seed(inter + n_threads)
+        lin = torch.nn.Linear(in_f, 2 * inter, bias=False).bfloat16()
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(2 * inter, in_f, generator=g) * 0.05)
+        paired = cpu_packed.PackedLinear(lin, gate_up=True)
+        plain = cpu_packed.PackedLinear(lin)
+        assert paired.packed.paired and not plain.packed.paired
+        for m in (1, 5, 6, 7, 33, 300):  # every 6-row tile; panels or row chunks per thread
+            x = torch.randn(m, in_f, generator=g).bfloat16()
+            ref = plain(x)
+            assert torch.equal(paired(x), ref), m
+            assert torch.equal(cpu_packed.silu_linear(x, paired), cpu_fused.silu_and_mul(ref)), m
+        assert cpu_packed.silu_linear(x, plain) is None  # not paired: the caller's two steps
+    finally:
+        torch.set_num_threads(prev)
+
+
 def test_own_gemm_bad_input_and_odd_k(own_gemm):
     w = torch.randn(50, 64).bfloat16()
     pk = cpu_packed.pack(w)
@@ -81,6 +108,9 @@ def test_own_gemm_bad_input_and_odd_k(own_gemm):
         torch.ops.radixlm_cpu.gemm_bf16(torch.randn(3, 64), pk.data, 50, None)
     with pytest.raises(RuntimeError, match="panels"):
         torch.ops.radixlm_cpu.gemm_bf16(torch.randn(3, 64).bfloat16(), pk.data, 200, None)
+    with pytest.raises(RuntimeError, match="paired"):
+        torch.ops.radixlm_cpu.gemm_bf16_silu(torch.randn(3, 64).bfloat16(), pk.data)
+    assert not cpu_packed.pack(torch.randn(96, 64).bfloat16(), gate_up=True).paired  # 96 % 64
     odd = torch.randn(20, 63).bfloat16()  # odd K: oneDNN packs it, F.linear's results
     pko = cpu_packed.pack(odd)
     assert not isinstance(pko, cpu_packed.OwnPacked)

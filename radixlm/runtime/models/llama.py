@@ -184,6 +184,9 @@ class MLP(nn.Module):
             h = gemv.gate_up_silu(x, self.gate_up_proj.weight)
             if h is not None:
                 return self.down_proj(h)
+        h = cpu_packed.silu_linear(x, self.gate_up_proj)  # the CPU GEMM's SiLU epilogue
+        if h is not None:
+            return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
         ops = _fused_ops(gate_up)
         if ops is not None:
