@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -92,10 +93,62 @@ int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
 }
 
+#if defined(__AVX512BF16__)
+// bf16 rows on AVX512-BF16, N % 16 == 0: the same steps as rmsnorm_kernel's, in two vector passes
+// per row instead of nine scalar ones (the sum of squares in the same 16 lanes, summed lane by
+// lane in the same order; roundings by VCVTNEPS2BF16, nearest even). A prefill step's ~2000-row
+// calls took ~0.6 ms each through the generic loops.
+inline vf round_bf16(vf v) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store_bf16(uint16_t* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+void rmsnorm_bf16_rows(const uint16_t* x, int64_t sx, const uint16_t* res, int64_t sr,
+                       const uint16_t* w, uint16_t* out, int64_t so, uint16_t* sum, int64_t ss,
+                       int64_t R, int64_t N, float eps) {
+  at::parallel_for(0, R, grain_rows(N), [&](int64_t r0, int64_t r1) {
+    float* buf = scratch(0, N);
+    for (int64_t r = r0; r < r1; ++r) {
+      vf acc = vzero();
+      for (int64_t i = 0; i < N; i += W) {
+        vf v = vload_bf16(x + r * sx + i);
+        if (res != nullptr) {  // s = x + residual, rounded to bf16
+          v = round_bf16(vadd(v, vload_bf16(res + r * sr + i)));
+          store_bf16(sum + r * ss + i, v);
+        }
+        vstore(buf + i, v);
+        acc = vfma(v, v, acc);
+      }
+      float lanes[W];
+      vstore(lanes, acc);
+      float sq = 0.f;
+      for (int j = 0; j < W; ++j) sq += lanes[j];
+      const vf inv = vset1(1.0f / std::sqrt(sq / static_cast<float>(N) + eps));
+      for (int64_t i = 0; i < N; i += W)
+        store_bf16(out + r * so + i,
+                   vmul(round_bf16(vmul(vload(buf + i), inv)), vload_bf16(w + i)));
+    }
+  });
+}
+#endif
+
 // x, residual, out, sum: (R, N) with row strides; w: (N,). sum may be null (no residual).
 template <typename T>
 void rmsnorm_kernel(const T* x, int64_t sx, const T* res, int64_t sr, const T* w, T* out,
                     int64_t so, T* sum, int64_t ss, int64_t R, int64_t N, float eps) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (N % W == 0) {
+      auto u = [](const T* p) { return reinterpret_cast<const uint16_t*>(p); };
+      rmsnorm_bf16_rows(u(x), sx, res ? u(res) : nullptr, sr, u(w),
+                        reinterpret_cast<uint16_t*>(out), so, reinterpret_cast<uint16_t*>(sum),
+                        ss, R, N, eps);
+      return;
+    }
+  }
+#endif
   float* wf = scratch(2, N);  // the caller's thread's buffer, read by all threads below
   load_row<T>(w, wf, N);
   at::parallel_for(0, R, grain_rows(N), [&](int64_t r0, int64_t r1) {
