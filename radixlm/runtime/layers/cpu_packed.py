@@ -137,11 +137,17 @@ def pack(w: torch.Tensor, gate_up: bool = False):
 def silu_linear(x: torch.Tensor, module) -> Optional[torch.Tensor]:
     """silu(gate) * up of an MLP's fused gate_up projection in one GEMM (the epilogue applies
     it, bit for bit as layers/cpu_fused.silu_and_mul on the projection would), or None where that
-    path does not apply (not a paired PackedLinear, or the fused CPU ops are off)."""
+    path does not apply (not a paired PackedLinear, nor a QuantizedLinear whose paired dense rows
+    take this many rows; or the fused CPU ops are off)."""
     from radixlm.runtime.layers import cpu_fused
+    from radixlm.runtime.layers.quantized_linear import DIRECT_MAX_M, QuantizedLinear
 
-    packed = getattr(module, "packed", None) if isinstance(module, PackedLinear) else None
-    if not (isinstance(packed, OwnPacked) and packed.paired and module.bias is None
+    packed = getattr(module, "packed", None)
+    if isinstance(module, QuantizedLinear):  # its dense rows run only above DIRECT_MAX_M rows
+        dense = module.weight is not None and x.numel() > DIRECT_MAX_M * module.in_features
+    else:
+        dense = isinstance(module, PackedLinear)
+    if not (dense and isinstance(packed, OwnPacked) and packed.paired and module.bias is None
             and cpu_fused.usable(x)):
         return None
     x2 = x.reshape(-1, packed.k)
@@ -200,12 +206,12 @@ def repack_model(model: nn.Module) -> int:
     from radixlm.runtime.layers.quantized_linear import QuantizedLinear  # it imports this module
 
     n = 0
-    for mod in model.modules():
+    for name, mod in model.named_modules():
         if isinstance(mod, PackedLinear):
             mod.repack()
             n += 1
         elif isinstance(mod, QuantizedLinear) and mod.weight is not None:
-            mod.packed = pack(mod.weight)
+            mod.packed = pack(mod.weight, gate_up=name.endswith("gate_up_proj") and mod.bias is None)
             n += 1
     blocks_only = (getattr(model, "lm_head_quant", None) is not None
                    and getattr(model, "lm_head_dense_above", None) is None)
