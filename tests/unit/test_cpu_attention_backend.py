@@ -85,6 +85,38 @@ def test_backend_mixed_extend_matches_torch_native(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_forward_rows_equals_forward_at_those_rows(dtype):
+    """forward_rows (models/llama.py's last layer: the logits rows only, as decode queries) gives
+    forward()'s rows: requests with and without cached prefixes, a decode tail, rows at the ends
+    and inside the new tokens, none at all; every new token's K/V still stored."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d = 9, 3, 64
+    prefix = [70, 0, 129, 4]
+    ext = [9, 17, 1, 1]
+    lens = [p + e for p, e in zip(prefix, ext)]
+    k0, v0, r2t, rows = make_pool(lens, hkv, d, dtype, gen, shared=70)
+    pools = []
+    for _ in range(2):
+        pool = KVPool(k0.shape[0] - 1, 1, hkv, d, dtype, "cpu")
+        pool.k_buffers[0].copy_(k0)
+        pool.v_buffers[0].copy_(v0)
+        pools.append(pool)
+    fb, t = _extend_batch(r2t, rows, prefix, ext, n_decode_tail=2)
+    qkv = [torch.randn(t, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv)]
+    full_be, rows_be = CpuAttention(pools[0], r2t, 0.125), CpuAttention(pools[1], r2t, 0.125)
+    full = _run_backend(full_be, pools[0], fb, qkv, 0)
+    for sel in ([8, 25, 26], [0, 3, 9, 12, 25, 26], []):
+        idx = torch.tensor(sel, dtype=torch.int64)
+        f = fb()
+        rows_be.init_forward_metadata(f)
+        out = rows_be.forward_rows(qkv[0][idx], qkv[1], qkv[2], 0, f, idx)
+        assert out.shape == (len(sel), hq, d)
+        close(out, full[idx], dtype)
+        assert torch.equal(pools[0].k_buffers[0], pools[1].k_buffers[0])
+        assert torch.equal(pools[0].v_buffers[0], pools[1].v_buffers[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_backend_decode_matches_torch_native(dtype):
     gen = torch.Generator().manual_seed(22)
     hq, hkv, d = 9, 3, 64

@@ -112,3 +112,23 @@ class CpuAttention(AttentionBackend):
                             self._empty_i64, meta.lens, True, self.scale, window,
                             self.logit_softcap, out, self._empty)
         return out
+
+    def forward_rows(self, q_rows, k, v, layer, fb, rows: torch.Tensor) -> torch.Tensor:
+        """An EXTEND batch's attention for the query rows `rows` (R,) of its T tokens only,
+        q_rows (R, Hq, D) = q[rows]; k, v (T, Hkv, D) are stored for every token. Row t of
+        request b at extend offset o sees keys [0, prefix_b + o], which is a decode query over
+        that many keys: the decode kernel runs them (models/llama.py's last layer, where only
+        the logits rows go on)."""
+        k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
+        self.ops.store_kv(k, v, k_buf, v_buf, fb.out_cache_loc)
+        meta: _Meta = fb.attn_metadata
+        out = torch.empty(q_rows.shape, dtype=q_rows.dtype)
+        if rows.numel() == 0:
+            return out
+        req = torch.searchsorted(meta.qo_indptr[1:], rows, right=True)  # (R,) request of each row
+        start = meta.qo_indptr[req]  # first row of that request's new tokens
+        lens = meta.lens[req] - (meta.qo_indptr[req + 1] - start) + (rows - start) + 1
+        self.ops.decode(q_rows, k_buf, v_buf, self.req_to_token, meta.rows[req].contiguous(),
+                        self._empty_i64, lens.contiguous(), self.scale, self.windows[layer],
+                        self.logit_softcap, out, self._empty)
+        return out

@@ -16,7 +16,7 @@ from torch import nn
 
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
-from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.layers import cpu_fused, cpu_linear, cpu_packed
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -153,6 +153,22 @@ class Attention(nn.Module):
                 q = qkv[:, : self.q_size].view(t, self.hq, self.d)
                 o = backend.forward(q, None, None, self.layer_id, fb)
                 return self.o_proj(o.reshape(t, self.q_size))
+        q, k, v = self._rotated_qkv(qkv, ops, cos_sin)
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+    def forward_rows(self, x: torch.Tensor, cos_sin, fb: ForwardBatch,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """The attention output (after o_proj) of the rows `rows` only; every row's K/V is
+        stored (the backend's forward_rows). (R, hidden)."""
+        qkv = self.qkv_proj(x)
+        q, k, v = self._rotated_qkv(qkv, _fused_ops(qkv), cos_sin)
+        o = fb.attn_backend.forward_rows(q[rows], k, v, self.layer_id, fb, rows)
+        return self.o_proj(o.reshape(rows.shape[0], self.q_size))
+
+    def _rotated_qkv(self, qkv: torch.Tensor, ops, cos_sin):
+        """q (t, hq, d), k (t, hkv, d) rotated, v (t, hkv, d): views of qkv's rows."""
+        t = qkv.shape[0]
         if ops is not None:  # q and k heads are adjacent in each qkv row: one in-place launch
             ops.rotary_inplace(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv,
                                                                           self.d), *cos_sin)
@@ -167,8 +183,7 @@ class Attention(nn.Module):
             q, k = qk[:, : self.hq], qk[:, self.hq :]
         elif ops is None:
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        o = fb.attn_backend.forward(q, k, v.view(t, self.hkv, self.d), self.layer_id, fb)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return q, k, v.view(t, self.hkv, self.d)
 
 
 class MLP(nn.Module):
@@ -213,6 +228,18 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos_sin, fb)
         h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def forward_rows(self, x, cos_sin, fb, residual, rows):
+        """forward() for the rows `rows` only (every row's K/V still reaches the pool): the last
+        layer, whose other rows no logit needs. Returns (h, residual) of those rows."""
+        if residual is None:
+            h = self.input_layernorm(x)
+            residual = x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn.forward_rows(h, cos_sin, fb, rows)
+        h, residual = self.post_attention_layernorm(h, residual[rows])
         return self.mlp(h), residual
 
 
@@ -262,9 +289,21 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(fb.input_ids) if input_embeds is None else input_embeds  # (T, hidden)
         cos_sin = self.rope(fb.positions)  # (T, 1, head_dim) each
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, cos_sin, fb, residual)
         idx = fb.logits_indices
+        last = self.layers[-1]
+        # an EXTEND batch's last layer runs only its logits rows past the K/V projection (the
+        # prompt rows before each request's last need their K/V, nothing after): SmolLM2's 30
+        # layers spend ~3% of a prefill's FLOPs there. Where the backend can (cpu: decode queries)
+        # (a subclass's own attention or layer forward, e.g. Qwen3's q/k norms, keeps all rows)
+        prune = (fb.mode != ForwardMode.DECODE and idx.shape[0] < fb.input_ids.shape[0]
+                 and hasattr(fb.attn_backend, "forward_rows")
+                 and type(last).forward is DecoderLayer.forward
+                 and type(last.self_attn).forward is Attention.forward)
+        for layer in self.layers[:-1] if prune else self.layers:
+            x, residual = layer(x, cos_sin, fb, residual)
+        if prune:
+            x, residual = last.forward_rows(x, cos_sin, fb, residual, idx)
+            return self.norm(x, residual)[0]
         return self.norm(x[idx], residual[idx])[0]  # norm of (x + residual) at the logits rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
