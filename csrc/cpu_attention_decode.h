@@ -148,24 +148,7 @@ bool decode_item(const Ctx& c, const Seq& sq, const Task* tasks, bool first,
       float* mh = m + h * G;
       float* lh = l + h * G;
       float* ah = alpha + h * G;
-      for (int g = 0; g < G; ++g) {  // the online softmax of run_task's direct path
-        float* Sg = S + g * KB;
-        if (c.cap2 > 0.f) softcap_scores(c, Sg, nw);
-        for (int j = n; j < nw; ++j) Sg[j] = -INFINITY;
-        vf bm = vset1(-INFINITY);
-        for (int j = 0; j < nw; j += W) bm = vmax(bm, vload(Sg + j));
-        const float m_new = std::max(mh[g], vhmax(bm));
-        const float mu = m_new == -INFINITY ? 0.f : m_new;
-        vf sum = vzero(), muv = vset1(mu);
-        for (int j = 0; j < nw; j += W) {
-          vf p = vexp2(vsub(vload(Sg + j), muv));
-          vstore(Sg + j, p);
-          sum = vadd(sum, p);
-        }
-        ah[g] = std::exp2(mh[g] - mu);
-        lh[g] = lh[g] * ah[g] + vhsum(sum);
-        mh[g] = m_new;
-      }
+      for (int g = 0; g < G; ++g) softmax_row(c, S + g * KB, n, nw, mh[g], lh[g], ah[g]);
       for (int j = 0; j < n; ++j) {
         int64_t s = slots[j];
         if (s < 0 || s >= c.n_slots) s = 0;

@@ -165,6 +165,28 @@ bool gather_kv(const Ctx& c, const int64_t* slots, int h, int n, int64_t n_ahead
 
 #include "cpu_attention_bf16.h"  // scores_bf16, scores_ext16 (AVX512-BF16)
 
+// The online softmax of one query row over a block of base-2 scores Sg[0:n] (padded to nw, a
+// multiple of W): soft-cap, mask the pad, Sg <- 2^(s - m_new) in place; m, l updated, alpha the
+// factor (2^(m_old - m_new)) the row's O is scaled by before this block's P V.
+inline void softmax_row(const Ctx& c, float* Sg, int n, int nw, float& m, float& l,
+                        float& alpha) {
+  if (c.cap2 > 0.f) softcap_scores(c, Sg, nw);
+  for (int j = n; j < nw; ++j) Sg[j] = -INFINITY;
+  vf bm = vset1(-INFINITY);
+  for (int j = 0; j < nw; j += W) bm = vmax(bm, vload(Sg + j));
+  const float m_new = std::max(m, vhmax(bm));
+  const float mu = m_new == -INFINITY ? 0.f : m_new;
+  vf sum = vzero(), muv = vset1(mu);
+  for (int j = 0; j < nw; j += W) {
+    vf p = vexp2(vsub(vload(Sg + j), muv));
+    vstore(Sg + j, p);
+    sum = vadd(sum, p);
+  }
+  alpha = std::exp2(m - mu);
+  l = l * alpha + vhsum(sum);
+  m = m_new;
+}
+
 #include "cpu_attention_decode.h"  // decode_item(): one pass over a decode sequence's keys
 
 // One task: query rows r = (i - i0) * G + g of query block `blk`, keys [k0, k1) of the split.
@@ -247,21 +269,7 @@ bool run_task(const Ctx& c, const Seq& sq, const Task& t) {
           }
           reduce8(acc, Sg + j0);
         }
-        if (c.cap2 > 0.f) softcap_scores(c, Sg, nw);
-        for (int j = n; j < nw; ++j) Sg[j] = -INFINITY;
-        vf bm = vset1(-INFINITY);
-        for (int j = 0; j < nw; j += W) bm = vmax(bm, vload(Sg + j));
-        const float m_new = std::max(m[g], vhmax(bm));
-        const float mu = m_new == -INFINITY ? 0.f : m_new;
-        vf sum = vzero(), muv = vset1(mu);
-        for (int j = 0; j < nw; j += W) {
-          vf p = vexp2(vsub(vload(Sg + j), muv));
-          vstore(Sg + j, p);
-          sum = vadd(sum, p);
-        }
-        alpha[g] = std::exp2(m[g] - mu);
-        l[g] = l[g] * alpha[g] + vhsum(sum);
-        m[g] = m_new;
+        softmax_row(c, Sg, n, nw, m[g], l[g], alpha[g]);
       }
     } else {
       // St (n x Mp) = K_blk . Qt; causal mask near the diagonal; softmax down each column
