@@ -41,7 +41,9 @@ def build(tag: str, csrc: Path):
     out = Path(tempfile.gettempdir()) / f"radixlm_ab_{tag}"
     out.mkdir(exist_ok=True)
     os.environ["PATH"] += os.pathsep + os.path.dirname(sys.executable)  # the venv's ninja
-    cpp_extension.load(name=f"rlm_ab_{tag}", sources=[str(csrc / f) for f in ck._SOURCES],
+    # the sources of today's build that the revision has (an older one may lack some)
+    sources = [str(csrc / f) for f in ck._SOURCES if (csrc / f).exists()]
+    cpp_extension.load(name=f"rlm_ab_{tag}", sources=sources,
                        extra_cflags=cflags + [f"-DRLM_OPS_NS=rlm_ab_{tag}"],
                        extra_ldflags=ldflags, extra_include_paths=[str(csrc)],
                        build_directory=str(out), is_python_module=False)
