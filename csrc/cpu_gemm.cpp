@@ -5,14 +5,15 @@
 // Why not oneDNN (which the prepacked layers used before): at decode's row counts (8-64) its
 // kernels ran at 61-68% of the machine's bf16 peak on SmolLM2's projections (2-core EPYC); this
 // kernel streams each panel once per call, the next panel prefetched into L2 along the current
-// one's K loop, and reached 0.77x oneDNN's time at 32 rows (benchmarks/cpu_gemm_ab.py).
+// one's K loop: 0.57-0.68x oneDNN's time at 1-8 rows, 0.80x at 32, 1.02x at 512-2048
+// (benchmarks/cpu_gemm_ab.py). 4 x 96 tiles instead of 8 x 48 ran 1.14x slower at 32 rows.
 //
 // Numerics: the products of bf16 pairs are exact in fp32; each output accumulates its pairs in K
 // order in one fp32 register (VDPBF16PS: acc + odd product, then + even product), the bias is
 // added in fp32, and the result is rounded to bf16 (nearest even). The order does not depend on
 // M, on the row's position or on the thread count, so a token's projections are bit-identical
 // in a prefill, a chunk or a decode batch (prefix caching relies on that). oneDNN sums in another
-// order: ~1e-4 of the outputs differ from F.linear's by one bf16 rounding.
+// order: ~4e-5 of the outputs differ from F.linear's by one bf16 rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
