@@ -36,32 +36,37 @@ constexpr int MC = 128;  // rows per chunk when many rows split across threads
 #if defined(__AVX512BF16__)
 constexpr bool kHasKernel = true;
 
-// C (R x nvalid) = A (R x 2*K2) . B-panel [+ bias]; the panel's K2 x 48 x 2 bf16 at B. Prefetches
-// pf_bytes of `pf` (the next panel) into L2, spread over the K loop.
-template <int R>
-void tile(const uint16_t* A, long lda, const uint16_t* B, long K2, uint16_t* C, long ldc,
-          int nvalid, const float* bias, const char* pf, long pf_bytes) {
-  __m512 acc[R][3];
+// acc (R x NV vectors of 16) = A (R x 2*K2) . the panel at B (K2 x 16*NV x 2 bf16): each
+// output's K pairs in order, one VDPBF16PS per pair. Prefetches pf_bytes of `pf` (the next
+// panel) into L2, spread over the K loop.
+template <int R, int NV>
+inline void accumulate(const uint16_t* A, long lda, const uint16_t* B, long K2, const char* pf,
+                       long pf_bytes, __m512 (&acc)[R][NV]) {
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   const long pf_per_k = pf ? (pf_bytes / 64 + K2 - 1) / K2 : 0;
   long pf_off = 0;
   for (long k2 = 0; k2 < K2; ++k2) {
-    const uint16_t* b = B + k2 * NB * 2;
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
-    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
+    const uint16_t* b = B + k2 * NV * 32;
+    __m512bh bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + 32 * v);
     for (long p = 0; p < pf_per_k && pf_off < pf_bytes; ++p, pf_off += 64)
       __builtin_prefetch(pf + pf_off, 0, 2);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(
           *reinterpret_cast<const int32_t*>(A + r * lda + 2 * k2));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, bv[v]);
     }
   }
+}
+
+// C (R x nvalid) = A (R x 2*K2) . a 48-column panel [+ bias], rounded to bf16.
+template <int R>
+void tile(const uint16_t* A, long lda, const uint16_t* B, long K2, uint16_t* C, long ldc,
+          int nvalid, const float* bias, const char* pf, long pf_bytes) {
+  __m512 acc[R][3];
+  accumulate<R, 3>(A, lda, B, K2, pf, pf_bytes, acc);
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 3; ++v) {
       const int n0 = v * 16;
@@ -95,23 +100,7 @@ template <int R, bool SILU>
 void tile_pair(const uint16_t* A, long lda, const uint16_t* B, long K2, uint16_t* C, long ldc,
                long up_off, const char* pf, long pf_bytes) {
   __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-  const long pf_per_k = pf ? (pf_bytes / 64 + K2 - 1) / K2 : 0;
-  long pf_off = 0;
-  for (long k2 = 0; k2 < K2; ++k2) {
-    const uint16_t* b = B + k2 * NBP * 2;
-    __m512bh bv[4];
-    for (int v = 0; v < 4; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + 32 * v);
-    for (long p = 0; p < pf_per_k && pf_off < pf_bytes; ++p, pf_off += 64)
-      __builtin_prefetch(pf + pf_off, 0, 2);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(
-          *reinterpret_cast<const int32_t*>(A + r * lda + 2 * k2));
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, bv[v]);
-    }
-  }
+  accumulate<R, 4>(A, lda, B, K2, pf, pf_bytes, acc);
   constexpr float kLog2e = 1.4426950408889634f;
   for (int r = 0; r < R; ++r) {
     __m256i h[4];
