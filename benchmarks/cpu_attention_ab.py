@@ -14,8 +14,6 @@ the outputs are identical (bit for bit) or how far apart.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import subprocess
@@ -121,20 +119,14 @@ def main(argv=None) -> dict:
                         **{f"{k}_median_ms": round(m, 2) for k, m in med.items()},
                         "tree_over_base": round(med["tree"] / med["base"], 3),
                         "max_abs_diff": diff}
-    from benchmarks.offline_throughput import git_commit
+    from benchmarks.offline_throughput import emit_result, git_commit
 
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=_ROOT,
                          capture_output=True, text=True).stdout.strip()
     res = {"bench": "cpu_attention_ab", "base": f"{args.base} ({rev})",
            "tree": git_commit(), "cases": report,
-           "layers": LAYERS, "heads": [HQ, HKV, D], "threads": args.threads,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python " + " ".join([os.path.relpath(__file__, _ROOT)] + sys.argv[1:])}
-    print(json.dumps(res), flush=True)
-    if args.result_file:
-        with open(args.result_file, "a") as f:
-            f.write(json.dumps(res) + "\n")
-    return res
+           "layers": LAYERS, "heads": [HQ, HKV, D], "threads": args.threads}
+    return emit_result(res, args.result_file, __file__)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,6 @@ rounding each: the kernels sum in different orders). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import sys
 import time
@@ -71,17 +68,11 @@ def main(argv=None) -> dict:
             "own_over_onednn": round(med["own"] / med["onednn"], 3),
             "own_gflops": round(flops / med["own"] / 1e9), "onednn_gflops": round(flops / med["onednn"] / 1e9),
             "outputs_differing": round(differ / total, 6)}
-    from benchmarks.offline_throughput import git_commit
+    from benchmarks.offline_throughput import emit_result, git_commit
 
     res = {"bench": "cpu_gemm_ab", "tree": git_commit(), "cases": report, "threads": args.threads,
-           "shapes": "SmolLM2-135M: 30 x (960x576, 576x576, 3072x576, 576x1536) + head 49152x576",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python " + " ".join([os.path.relpath(__file__, _ROOT)] + sys.argv[1:])}
-    print(json.dumps(res), flush=True)
-    if args.result_file:
-        with open(args.result_file, "a") as f:
-            f.write(json.dumps(res) + "\n")
-    return res
+           "shapes": "SmolLM2-135M: 30 x (960x576, 576x576, 3072x576, 576x1536) + head 49152x576"}
+    return emit_result(res, args.result_file, __file__)
 
 
 if __name__ == "__main__":

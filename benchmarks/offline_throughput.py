@@ -172,6 +172,18 @@ def git_commit() -> str:
         return "unknown"
 
 
+def emit_result(res: dict, result_file: str | None, script: str) -> dict:
+    """Stamp `res` with the UTC date and the command that made it (`script`: the caller's
+    __file__), print it as one JSON line, and append that line to `result_file` when given."""
+    res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    res["command"] = "python " + " ".join([os.path.relpath(script, _ROOT)] + sys.argv[1:])
+    print(json.dumps(res), flush=True)
+    if result_file:
+        with open(result_file, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return res
+
+
 def _peak_gpu_mb() -> float | None:
     import torch
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.layers import cpu_linear
+from radixlm.runtime.layers import cpu_fused, cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +139,7 @@ def silu_linear(x: torch.Tensor, module) -> Optional[torch.Tensor]:
     it, bit for bit as layers/cpu_fused.silu_and_mul on the projection would), or None where that
     path does not apply (not a paired PackedLinear, nor a QuantizedLinear whose paired dense rows
     take this many rows; or the fused CPU ops are off)."""
-    from radixlm.runtime.layers import cpu_fused
-    from radixlm.runtime.layers.quantized_linear import DIRECT_MAX_M, QuantizedLinear
+    from radixlm.runtime.layers.quantized_linear import DIRECT_MAX_M, QuantizedLinear  # imports us
 
     packed = getattr(module, "packed", None)
     if isinstance(module, QuantizedLinear):  # its dense rows run only above DIRECT_MAX_M rows
