@@ -138,21 +138,27 @@ void run_block(int mode, const uint16_t* A, long lda, const uint16_t* B, long K2
   const long panel = K2 * nb * 2;  // elements
   const long I = N / 2;            // paired: the intermediate size (N = 2I)
   const long ldc = mode == 2 ? I : N;
+  // the next panel's prefetch is spread over this panel's row tiles (a slice each), so the
+  // memory stream runs at a steady rate through the whole panel instead of bursting in one tile
+  const long ntiles = (m1 - m0 + mr - 1) / mr;
+  const long pf_slice = ((panel * 2 / 64 + ntiles - 1) / ntiles) * 64;  // bytes, whole lines
   for (long p = p0; p < p1; ++p) {
     const char* pf = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
-    for (long m = m0; m < m1; m += mr) {
+    for (long m = m0, ti = 0; m < m1; m += mr, ++ti) {
       const int r = (int)std::min<long>(mr, m1 - m);
-      const char* tpf = m == m0 ? pf : nullptr;
+      const long off = std::min(ti * pf_slice, panel * 2);
+      const char* tpf = pf && off < panel * 2 ? pf + off : nullptr;
+      const long tpf_bytes = std::min(pf_slice, panel * 2 - off);
       if (mode == 0)
         kTiles[r - 1](A + m * lda, lda, B + p * panel, K2, C + m * N + p * NB, N,
                       (int)std::min<long>(NB, N - p * NB), bias ? bias + p * NB : nullptr, tpf,
-                      panel * 2);
+                      tpf_bytes);
       else if (mode == 1)
         kPairTiles<false>[r - 1](A + m * lda, lda, B + p * panel, K2, C + m * ldc + p * 32, ldc,
-                                 I, tpf, panel * 2);
+                                 I, tpf, tpf_bytes);
       else
         kPairTiles<true>[r - 1](A + m * lda, lda, B + p * panel, K2, C + m * ldc + p * 32, ldc,
-                                0, tpf, panel * 2);
+                                0, tpf, tpf_bytes);
     }
   }
 }
