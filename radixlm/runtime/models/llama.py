@@ -17,7 +17,7 @@ from torch import nn
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
-from radixlm.runtime.layers import cpu_fused, cpu_linear, cpu_packed
+from radixlm.runtime.layers import cpu_fused, cpu_layer_stack, cpu_linear, cpu_packed
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -299,8 +299,14 @@ class LlamaForCausalLM(nn.Module):
                  and hasattr(fb.attn_backend, "forward_rows")
                  and type(last).forward is DecoderLayer.forward
                  and type(last.self_attn).forward is Attention.forward)
-        for layer in self.layers[:-1] if prune else self.layers:
-            x, residual = layer(x, cos_sin, fb, residual)
+        run = self.layers[:-1] if prune else self.layers
+        stacked = cpu_layer_stack.run(self, run, x, cos_sin, fb) if type(self) is LlamaForCausalLM \
+            else None  # (a subclass may change what a layer computes)
+        if stacked is not None:  # the CPU fast path: the same kernels, one call for the stack
+            x, residual = stacked
+        else:
+            for layer in run:
+                x, residual = layer(x, cos_sin, fb, residual)
         if prune:
             x, residual = last.forward_rows(x, cos_sin, fb, residual, idx)
             return self.norm(x, residual)[0]
