@@ -82,6 +82,8 @@ def test_rotary_inplace_on_the_qkv_view(dtype, hq, hkv, d):
     ref = apply_rotary(qk.clone(), cos, sin)
     assert cpu_fused.rotary_inplace(qk, cos, sin) is qk
     _assert_near(qk, ref)
+    if dtype == torch.bfloat16 and d % 32 == 0 and torch.ops.radixlm_cpu.gemm_bf16_available():
+        assert torch.equal(qk, ref)  # the AVX512-BF16 path: torch's steps, no FMA contraction
     assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v heads untouched
 
 
