@@ -16,6 +16,7 @@ from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.attention.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
+from radixlm.runtime.executor import cpu_malloc
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
@@ -56,6 +57,8 @@ class ModelRunner:
     def __init__(self, args: ServerArgs):
         self.args = args
         self.device = resolve_device(args.device)
+        if self.device.type == "cpu":  # reuse freed activation blocks (see cpu_malloc)
+            cpu_malloc.tune()
         self.dtype = resolve_dtype(args.dtype)
         self.model_path = args.model_path or loader.default_model_path()
         self.load_format = loader.resolve_load_format(self.model_path, args.load_format)
