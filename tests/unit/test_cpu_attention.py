@@ -177,12 +177,12 @@ def test_store_kv_matches_pool_write():
 
 
 def test_build_key_covers_every_source_and_header():
-    """Every csrc/cpu_attention*.cpp (and the fused elementwise ops' and the GEMM's sources) is
-    compiled, and every file a source or header includes with quotes is hashed into the build's
-    name, so that a change to any of them rebuilds."""
+    """Every csrc/cpu_attention*.cpp (and the fused elementwise ops', the GEMM's and the layer
+    stack's sources) is compiled, and every file a source or header includes with quotes is
+    hashed into the build's name, so that a change to any of them rebuilds."""
     csrc = cpu_kernels._CSRC
     expected = ({p.name for p in csrc.glob("cpu_attention*.cpp")}
-                | {"cpu_elementwise.cpp", "cpu_gemm.cpp"})
+                | {"cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_layers.cpp"})
     assert expected == set(cpu_kernels._SOURCES)
     for name in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
         for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', (csrc / name).read_text(), re.M):

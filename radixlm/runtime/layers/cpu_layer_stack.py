@@ -98,23 +98,20 @@ def _make_plan(layers, x: torch.Tensor) -> Optional[list[torch.Tensor]]:
     return flat
 
 
-def run(model, layers, x: torch.Tensor, cos_sin, fb, first_layer: int = 0):
-    """(x, residual) after `layers` (the model's layers first_layer.. in order), as the Python
-    loop `x, residual = layer(x, cos_sin, fb, residual)` from residual None gives; or None where
-    the C++ stack does not apply (the caller runs that loop)."""
+def run(model, layers, x: torch.Tensor, cos_sin, fb):
+    """(x, residual) after `layers` (some of the model's layers, in order), as the Python loop
+    `x, residual = layer(x, cos_sin, fb, residual)` from residual None gives; or None where the
+    C++ stack does not apply (the caller runs that loop)."""
     from radixlm.runtime.executor.forward_batch import ForwardMode
 
     weights = plan(model, layers, x, fb)
     if weights is None:
         return None
-    cfg, backend = model.cfg, fb.attn_backend
-    meta = fb.attn_metadata
-    n = len(layers)
-    t = x.shape[0]
-    cos, sin = (c.reshape(t, cfg.head_dim) for c in cos_sin)
+    backend, meta = fb.attn_backend, fb.attn_metadata
     dims = _dims(layers[0])
+    cos, sin = (c.reshape(x.shape[0], dims[2]) for c in cos_sin)  # (T, 1, D) -> (T, D)
     pool = backend.kv_pool
-    ids = range(first_layer, first_layer + n)
+    ids = [layer.self_attn.layer_id for layer in layers]
     return torch.ops.radixlm_cpu.llama_layers(
         x.contiguous(), cos, sin, weights, dims, layers[0].input_layernorm.eps,
         [pool.k_buffers[i] for i in ids], [pool.v_buffers[i] for i in ids], fb.out_cache_loc,
