@@ -56,7 +56,7 @@ _CSRC = Path(__file__).resolve().parents[3] / "csrc"
 _SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp", "cpu_elementwise.cpp",
             "cpu_gemm.cpp", "cpu_layers.cpp")
 _HEADERS = ("cpu_attention.h", "cpu_attention_gemm.h", "cpu_attention_bf16.h",
-            "cpu_attention_decode.h", "cpu_vec.h")
+            "cpu_attention_decode.h", "cpu_elementwise_bf16.h", "cpu_vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
