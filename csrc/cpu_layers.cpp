@@ -17,6 +17,12 @@
 //   o = decode or extend attention(q); h = gemm(o, o_proj)
 //   h, residual = rmsnorm(h, norm2, residual); x = gemm(gemm_silu(h, gate_up), down)
 // and returns (x, residual): the stack's output is x + residual.
+//
+// kinds[4 l + i] says how layer l's projection i (qkv, o, gate_up, down) multiplies, as the
+// Python layer would at this row count: -1 a radixlm-GEMM pack (gate_up: paired, the SiLU in the
+// GEMM's epilogue); -2 (gate_up only) an unpaired pack, then silu_and_mul; fmt >= 0 a GGUF
+// QuantizedLinear's blocks of that ggml type at <= 16 rows: radixlm_quant::gemm in fp32, the
+// bias added in fp32, rounded to bf16 (QuantizedLinear.forward), the SiLU by silu_and_mul.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -51,6 +57,8 @@ struct Ops {
       op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptT&)>("gemm_bf16");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> gemm_silu =
       op<at::Tensor(const at::Tensor&, const at::Tensor&)>("gemm_bf16_silu");
+  c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor&)> silu_mul =
+      op<void(const at::Tensor&, at::Tensor&)>("silu_and_mul");
   c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&)> rotary =
       op<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>("rotary_inplace");
   c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
@@ -73,24 +81,54 @@ struct Ops {
               double, int64_t, double, at::Tensor&, at::Tensor&)>("extend");
 };
 
+// radixlm_quant::gemm, looked up when a stack first has a quantized projection (its library is
+// loaded by then: the QuantizedLinear layers load it)
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
+quant_gemm() {
+  static const auto h = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("radixlm_quant::gemm", "")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return h;
+}
+
 const Ops& ops() {
   static const Ops o;  // looked up at the first call, when every fragment is registered
   return o;
 }
 
-OptT maybe(const at::Tensor& t) { return t.numel() ? OptT(t) : OptT(); }
+OptT maybe(const at::Tensor& t) { return t.defined() && t.numel() ? OptT(t) : OptT(); }
 
-// dims = [hq, hkv, d, qkv_n, o_n, down_n]; windows[l]: layer l's sliding window (0: none).
+// x (T, K) bf16 times projection w of the given kind (-1: a pack with n outputs; fmt >= 0: GGUF
+// blocks), plus bias (empty: none): as layers/cpu_packed.linear or QuantizedLinear.forward.
+at::Tensor project(const Ops& o, const at::Tensor& x, const at::Tensor& w, int64_t kind,
+                   int64_t n, const at::Tensor& bias) {
+  if (kind < 0) return o.gemm.call(x, w, n, maybe(bias));
+  at::Tensor y = quant_gemm().call(x, w, kind, x.size(1));
+  if (bias.defined() && bias.numel()) y.add_(bias.to(at::kFloat));
+  return y.to(x.scalar_type());
+}
+
+// silu(gate) * up of x (T, 2I) = [gate | up]: cpu_fused.silu_and_mul.
+at::Tensor silu_mul(const Ops& o, const at::Tensor& x) {
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  o.silu_mul.call(x, out);
+  return out;
+}
+
+// dims = [hq, hkv, d, qkv_n, o_n, down_n, intermediate]; windows[l]: layer l's sliding window
+// (0: none).
 std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
-    at::TensorList weights, at::IntArrayRef dims, double eps, at::TensorList k_bufs,
+    at::TensorList weights, at::IntArrayRef kinds, at::IntArrayRef dims, double eps,
+    at::TensorList k_bufs,
     at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& req_to_token,
     const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& qo_indptr, bool decode,
     double scale, at::IntArrayRef windows, double softcap) {
   const int64_t L = (int64_t)k_bufs.size();
-  TORCH_CHECK(L > 0 && (int64_t)weights.size() == 8 * L && (int64_t)v_bufs.size() == L &&
-              (int64_t)windows.size() == L && dims.size() == 6,
-              "llama_layers: 8 weights, a K and a V buffer and a window per layer; 6 dims");
+  TORCH_CHECK(L > 0 && (int64_t)weights.size() == 8 * L && (int64_t)kinds.size() == 4 * L &&
+              (int64_t)v_bufs.size() == L && (int64_t)windows.size() == L && dims.size() == 7,
+              "llama_layers: 8 weights, 4 kinds, a K and a V buffer and a window per layer; "
+              "7 dims");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "llama_layers: x must be (T, hidden)");
   const Ops& o = ops();
   const int64_t T = x_in.size(0), N = x_in.size(1);
@@ -101,6 +139,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
   at::Tensor x = x_in, residual;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + 8 * l;
+    const int64_t* kind = kinds.data() + 4 * l;
     // input norm (the first layer: residual = x)
     at::Tensor h = at::empty({T, N}, x.options());
     if (!residual.defined()) {
@@ -112,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
       residual = s;
     }
     // attention: q and k heads rotated in place, k and v stored, q attends
-    at::Tensor qkv = o.gemm.call(h, w[1], dims[3], maybe(w[2]));
+    at::Tensor qkv = project(o, h, w[1], kind[0], dims[3], w[2]);
     at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, hq + hkv, d});
     o.rotary.call(qk, cos, sin);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, hq, d});
@@ -128,12 +167,16 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     else
       o.extend.call(q, kb, vb, req_to_token, rows, qo_indptr, empty_i64, lens, true, scale,
                     windows[l], softcap, attn, no_lse);
-    at::Tensor a = o.gemm.call(attn.view({T, q_size}), w[3], dims[4], maybe(w[4]));
+    at::Tensor a = project(o, attn.view({T, q_size}), w[3], kind[1], dims[4], w[4]);
     // post-attention norm with the residual add, then the MLP
     at::Tensor h2 = at::empty({T, N}, x.options()), s2 = at::empty({T, N}, x.options());
     o.rmsnorm.call(a, w[5], eps, OptT(residual), h2, OptT(s2));
     residual = s2;
-    x = o.gemm.call(o.gemm_silu.call(h2, w[6]), w[7], dims[5], OptT());
+    const at::Tensor act = kind[2] == -1 ? o.gemm_silu.call(h2, w[6])
+                                         : silu_mul(o, project(o, h2, w[6], kind[2] == -2 ? -1
+                                                                                          : kind[2],
+                                                               2 * dims[6], at::Tensor()));
+    x = project(o, act, w[7], kind[3], dims[5], at::Tensor());
   }
   return {x, residual};
 }
@@ -144,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
 #define RLM_LAYERS_FRAGMENT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 RLM_LAYERS_FRAGMENT(RLM_OPS_NS, m) {
-  m.def("llama_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, int[] dims, "
+  m.def("llama_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, int[] dims, "
         "float eps, Tensor[] k_bufs, Tensor[] v_bufs, Tensor loc, Tensor req_to_token, "
         "Tensor rows, Tensor lens, Tensor qo_indptr, bool decode, float scale, int[] windows, "
         "float softcap) -> (Tensor, Tensor)");

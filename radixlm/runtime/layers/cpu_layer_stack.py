@@ -8,10 +8,11 @@ same order from C++: the same bits, ~1 Python call a step.
 
 It applies only where every layer would take exactly those kernels (`plan` checks): a plain
 `LlamaForCausalLM` (no subclass's own layer or attention code), the CPU attention backend, bf16,
-the fused CPU ops, and every projection a radixlm-GEMM pack at this row count (a PackedLinear, or
-a QuantizedLinear above DIRECT_MAX_M rows, where it takes its dense pack); the MLP's gate/up pack
-paired. Anything else (a quantized small batch, the shared-prefix decode path, oneDNN packs,
-`RADIXLM_CPU_LAYER_STACK=off`) runs the Python layers, which compute the same thing.
+the fused CPU ops, and every projection either a radixlm-GEMM pack (a PackedLinear, or a
+QuantizedLinear above DIRECT_MAX_M rows, where it takes its dense pack) or a QuantizedLinear's
+blocks at DIRECT_MAX_M rows or fewer. Anything else (the shared-prefix decode path, oneDNN packs,
+the tiled block kernels, `RADIXLM_CPU_LAYER_STACK=off`) runs the Python layers, which compute the
+same thing.
 """
 
 from __future__ import annotations
@@ -26,25 +27,30 @@ from radixlm.runtime.layers import cpu_fused, cpu_packed
 ENV_VAR = "RADIXLM_CPU_LAYER_STACK"
 
 
-def _pack_for(module, rows: int) -> Optional[cpu_packed.OwnPacked]:
-    """The radixlm-GEMM pack `module` multiplies `rows` rows by, or None if it takes another path."""
+def _weight_for(module, rows: int) -> Optional[tuple[int, torch.Tensor]]:
+    """(kind, tensor): how `module` multiplies `rows` rows, as its forward would: (-1, a
+    radixlm-GEMM pack's data), or (ggml type, the GGUF blocks) for a QuantizedLinear at
+    <= DIRECT_MAX_M rows (csrc/cpu_layers.cpp's `kinds`); None for any other path."""
     from radixlm.runtime.layers.quantized_linear import DIRECT_MAX_M, QuantizedLinear
 
     if isinstance(module, QuantizedLinear):
-        if module.weight is None or rows <= DIRECT_MAX_M:
-            return None  # the quantized kernels (or no dense rows)
+        if rows <= DIRECT_MAX_M:
+            return module.fmt, module.blocks  # forward_fp32's direct kernel
+        if module.weight is None:
+            return None  # the tiled / chunked block kernels
     elif not isinstance(module, cpu_packed.PackedLinear):
         return None
     packed = module.packed
-    return packed if isinstance(packed, cpu_packed.OwnPacked) else None
+    return (-1, packed.data) if isinstance(packed, cpu_packed.OwnPacked) else None
 
 
 def _empty_if_none(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return t if t is not None else like.new_empty(0)
 
 
-def plan(model, layers, x: torch.Tensor, fb) -> Optional[list[torch.Tensor]]:
-    """The flat weight list (8 per layer) for `llama_layers`, or None where it does not apply.
+def plan(model, layers, x: torch.Tensor, fb):
+    """(weights, kinds) for `llama_layers` (8 tensors and 4 kinds per layer), or None where it
+    does not apply.
     Cached on the model per (layers, row class); a cached plan is used only while every module
     still holds the pack it was made from (a reload or repack replaces them)."""
     from radixlm.runtime.attention.cpu_backend import CpuAttention
@@ -69,11 +75,12 @@ def plan(model, layers, x: torch.Tensor, fb) -> Optional[list[torch.Tensor]]:
     return cache[key][0]
 
 
-def _make_plan(layers, x: torch.Tensor) -> Optional[list[torch.Tensor]]:
+def _make_plan(layers, x: torch.Tensor):
     from radixlm.runtime.models import llama
 
     rows = x.shape[0]
     flat: list[torch.Tensor] = []
+    kinds: list[int] = []
     eps = layers[0].input_layernorm.eps
     dims = _dims(layers[0])
     for layer in layers:
@@ -88,14 +95,19 @@ def _make_plan(layers, x: torch.Tensor) -> Optional[list[torch.Tensor]]:
         if _dims(layer) != dims or any(n.weight.dtype != x.dtype or n.eps != eps for n in norms):
             return None
         mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        packs = [_pack_for(m, rows) for m in mods]
-        qkv, o, gate_up, down = packs
-        if (None in packs or not gate_up.paired or mlp.gate_up_proj.bias is not None
-                or mlp.down_proj.bias is not None or qkv.paired or o.paired or down.paired):
+        got = [_weight_for(m, rows) for m in mods]
+        if None in got or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return None
-        flat += [norms[0].weight, qkv.data, _empty_if_none(attn.qkv_proj.bias, x), o.data,
-                 _empty_if_none(attn.o_proj.bias, x), norms[1].weight, gate_up.data, down.data]
-    return flat
+        (kq, wq), (ko, wo), (kg, wg), (kd, wd) = got
+        if kg == -1 and not mlp.gate_up_proj.packed.paired:
+            kg = -2  # an unpaired pack: the GEMM, then silu_and_mul (MLP.forward's fallback)
+        if any(k == -1 and m.packed.paired for k, m in ((kq, mods[0]), (ko, mods[1]),
+                                                        (kd, mods[3]))):
+            return None
+        kinds += [kq, ko, kg, kd]
+        flat += [norms[0].weight, wq, _empty_if_none(attn.qkv_proj.bias, x), wo,
+                 _empty_if_none(attn.o_proj.bias, x), norms[1].weight, wg, wd]
+    return flat, kinds
 
 
 def run(model, layers, x: torch.Tensor, cos_sin, fb):
@@ -104,16 +116,17 @@ def run(model, layers, x: torch.Tensor, cos_sin, fb):
     C++ stack does not apply (the caller runs that loop)."""
     from radixlm.runtime.executor.forward_batch import ForwardMode
 
-    weights = plan(model, layers, x, fb)
-    if weights is None:
+    made = plan(model, layers, x, fb)
+    if made is None:
         return None
+    weights, kinds = made
     backend, meta = fb.attn_backend, fb.attn_metadata
     dims = _dims(layers[0])
     cos, sin = (c.reshape(x.shape[0], dims[2]) for c in cos_sin)  # (T, 1, D) -> (T, D)
     pool = backend.kv_pool
     ids = [layer.self_attn.layer_id for layer in layers]
     return torch.ops.radixlm_cpu.llama_layers(
-        x.contiguous(), cos, sin, weights, dims, layers[0].input_layernorm.eps,
+        x.contiguous(), cos, sin, weights, kinds, dims, layers[0].input_layernorm.eps,
         [pool.k_buffers[i] for i in ids], [pool.v_buffers[i] for i in ids], fb.out_cache_loc,
         backend.req_to_token, meta.rows, meta.lens, meta.qo_indptr,
         fb.mode == ForwardMode.DECODE, backend.scale, [backend.windows[i] for i in ids],
@@ -121,7 +134,7 @@ def run(model, layers, x: torch.Tensor, cos_sin, fb):
 
 
 def _dims(layer) -> list[int]:
-    """[hq, hkv, head_dim, qkv out, o out, down out]: one set for the whole stack."""
+    """[hq, hkv, head_dim, qkv out, o out, down out, intermediate]: one set for the stack."""
     attn = layer.self_attn
     return [attn.hq, attn.hkv, attn.d, attn.qkv_proj.out_features, attn.o_proj.out_features,
-            layer.mlp.down_proj.out_features]
+            layer.mlp.down_proj.out_features, layer.mlp.inter]
