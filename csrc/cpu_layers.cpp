@@ -47,47 +47,36 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
       .typed<Sig>();
 }
 
+// The ops' C++ signatures (as registered), each named once.
+using T_ = const at::Tensor&;
+using RmsnormSig = void(T_, T_, double, const OptT&, at::Tensor&, const OptT&);
+using GemmSig = at::Tensor(T_, T_, int64_t, const OptT&);
+using GemmSiluSig = at::Tensor(T_, T_);
+using SiluMulSig = void(T_, at::Tensor&);
+using RotarySig = void(at::Tensor&, T_, T_);
+using StoreKvSig = void(T_, T_, at::Tensor&, at::Tensor&, T_);
+using DecodeSig = void(T_, T_, T_, T_, T_, T_, T_, double, int64_t, double, at::Tensor&,
+                       at::Tensor&);
+using ExtendSig = void(T_, T_, T_, T_, T_, T_, T_, T_, bool, double, int64_t, double, at::Tensor&,
+                       at::Tensor&);
+using QuantGemmSig = at::Tensor(T_, T_, int64_t, int64_t);
+
 struct Ops {
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, double, const OptT&,
-                                at::Tensor&, const OptT&)> rmsnorm = op<void(
-      const at::Tensor&, const at::Tensor&, double, const OptT&, at::Tensor&, const OptT&)>(
-      "rmsnorm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                      const OptT&)> gemm =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptT&)>("gemm_bf16");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> gemm_silu =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&)>("gemm_bf16_silu");
-  c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor&)> silu_mul =
-      op<void(const at::Tensor&, at::Tensor&)>("silu_and_mul");
-  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&)> rotary =
-      op<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>("rotary_inplace");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                                const at::Tensor&)> store_kv =
-      op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
-          "store_kv");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, double, int64_t, double, at::Tensor&,
-                                at::Tensor&)> decode =
-      op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, double,
-              at::Tensor&, at::Tensor&)>("decode");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, bool, double, int64_t,
-                                double, at::Tensor&, at::Tensor&)> extend =
-      op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
-              double, int64_t, double, at::Tensor&, at::Tensor&)>("extend");
+  c10::TypedOperatorHandle<RmsnormSig> rmsnorm = op<RmsnormSig>("rmsnorm");
+  c10::TypedOperatorHandle<GemmSig> gemm = op<GemmSig>("gemm_bf16");
+  c10::TypedOperatorHandle<GemmSiluSig> gemm_silu = op<GemmSiluSig>("gemm_bf16_silu");
+  c10::TypedOperatorHandle<SiluMulSig> silu_mul = op<SiluMulSig>("silu_and_mul");
+  c10::TypedOperatorHandle<RotarySig> rotary = op<RotarySig>("rotary_inplace");
+  c10::TypedOperatorHandle<StoreKvSig> store_kv = op<StoreKvSig>("store_kv");
+  c10::TypedOperatorHandle<DecodeSig> decode = op<DecodeSig>("decode");
+  c10::TypedOperatorHandle<ExtendSig> extend = op<ExtendSig>("extend");
 };
 
 // radixlm_quant::gemm, looked up when a stack first has a quantized projection (its library is
 // loaded by then: the QuantizedLinear layers load it)
-const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
-quant_gemm() {
-  static const auto h = c10::Dispatcher::singleton()
-                            .findSchemaOrThrow("radixlm_quant::gemm", "")
-                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+const c10::TypedOperatorHandle<QuantGemmSig>& quant_gemm() {
+  static const auto h =
+      c10::Dispatcher::singleton().findSchemaOrThrow("radixlm_quant::gemm", "").typed<QuantGemmSig>();
   return h;
 }
 

@@ -68,9 +68,7 @@ def plan(model, layers, x: torch.Tensor, fb):
     hit = cache.get(key)
     if hit is not None and all(getattr(m, "packed", None) is pk for m, pk in hit[1]):
         return hit[0]
-    held = [(m, getattr(m, "packed", None)) for layer in layers
-            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                      layer.mlp.down_proj)]
+    held = [(m, getattr(m, "packed", None)) for layer in layers for m in _projections(layer)]
     cache[key] = (_make_plan(layers, x), held)  # None too: no re-check until a pack changes
     return cache[key][0]
 
@@ -94,7 +92,7 @@ def _make_plan(layers, x: torch.Tensor):
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if _dims(layer) != dims or any(n.weight.dtype != x.dtype or n.eps != eps for n in norms):
             return None
-        mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        mods = _projections(layer)
         got = [_weight_for(m, rows) for m in mods]
         if None in got or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return None
@@ -131,6 +129,12 @@ def run(model, layers, x: torch.Tensor, cos_sin, fb):
         backend.req_to_token, meta.rows, meta.lens, meta.qo_indptr,
         fb.mode == ForwardMode.DECODE, backend.scale, [backend.windows[i] for i in ids],
         float(backend.logit_softcap or 0.0))
+
+
+def _projections(layer) -> tuple:
+    """qkv, o, gate_up, down: the order of `llama_layers`' weights and kinds."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
 
 
 def _dims(layer) -> list[int]:
