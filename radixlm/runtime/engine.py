@@ -132,9 +132,10 @@ class Engine:
             return
         while True:
             kind, payload = item
-            if kind == "add":
-                self._sinks[payload.req.rid] = payload
-                self.scheduler.add_request(payload.req)
+            if kind == "add":  # one call's requests, all added before the next step
+                for sink in payload:
+                    self._sinks[sink.req.rid] = sink
+                    self.scheduler.add_request(sink.req)
             elif kind == "abort":
                 req = self.scheduler.abort_request(payload)
                 sink = self._sinks.pop(payload, None)
@@ -179,7 +180,7 @@ class Engine:
         """One prompt -> a dict (or an iterator of dicts with `stream=True`); a batch -> a list."""
         reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
                                           logprob_start_len, top_logprobs_num, rid, kwargs)
-        sinks = [self._submit(r) for r in reqs]
+        sinks = self._submit(reqs)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
@@ -200,7 +201,7 @@ class Engine:
             raise ValueError(f"pooling: must be last or mean (got {pooling!r})")
         reqs, single = self.builder.build(prompt, input_ids, {"max_new_tokens": 0}, False, None,
                                           None, None, {}, embed_pooling=pooling)
-        sinks = [self._submit(r) for r in reqs]
+        sinks = self._submit(reqs)
         for sink in sinks:
             while not sink.done.wait(0.1):
                 self._raise_if_dead()
@@ -215,7 +216,7 @@ class Engine:
         reqs, single = self.builder.build(prompt, input_ids, sampling_params, return_logprob,
                                           logprob_start_len, top_logprobs_num, rid, kwargs)
         loop = asyncio.get_running_loop()
-        sinks = [self._submit(r, loop) for r in reqs]
+        sinks = self._submit(reqs, loop)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single prompt")
@@ -229,12 +230,19 @@ class Engine:
         results = [build_result(s.req, self.tokenizer) for s in sinks]
         return results[0] if single else results
 
-    def _submit(self, req: Req, loop=None) -> _Sink:
+    def _submit(self, reqs: list[Req], loop=None) -> list[_Sink]:
+        """One inbox item for the call's whole batch: the scheduler adds all of it before its
+        next step, so a batch is scheduled the same way however fast the thread picks it up
+        (one request at a time, a step could start on part of it: a GGUF layer's kernel, and so
+        its roundings, depends on the step's row count)."""
         self._raise_if_dead()
-        req.created_at = time.perf_counter()
-        sink = _Sink(req, loop)
-        self._inbox.put(("add", sink))
-        return sink
+        now = time.perf_counter()
+        sinks = []
+        for req in reqs:
+            req.created_at = now
+            sinks.append(_Sink(req, loop))
+        self._inbox.put(("add", sinks))
+        return sinks
 
     def _stream(self, sink: _Sink) -> Iterator[dict]:
         emitted = 0

@@ -166,3 +166,34 @@ def test_max_new_tokens_zero_caches_prompt(engine, integrity):
     again = engine.generate("A prompt only for scoring", {"max_new_tokens": 0})
     assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
     integrity(engine)
+
+
+def test_a_batch_call_is_scheduled_whole(engine, integrity, monkeypatch):
+    """A call's batch reaches the scheduler as one inbox item: its first step prefills all of it,
+    even when the caller's thread is slow between requests (one item per request let a step
+    start on part of the batch, so batch composition, and with GGUF kernels chosen by row count
+    the roundings, depended on thread timing: CI saw it)."""
+    import time
+
+    from radixlm.runtime import engine as engine_mod
+
+    slow_init = engine_mod._Sink.__init__
+
+    def slow(self, *a, **k):
+        slow_init(self, *a, **k)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(engine_mod._Sink, "__init__", slow)
+    steps = []
+    forward = engine.runner.forward
+
+    def counted(fb):
+        steps.append((fb.mode.name, fb.batch_size))
+        return forward(fb)
+
+    monkeypatch.setattr(engine.runner, "forward", counted)
+    engine.flush_cache()
+    engine.generate([f"Item {i} of the list is" for i in range(6)],
+                    {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True})
+    assert steps[0][1] == 6 and steps[0][0] != "DECODE", steps
+    integrity(engine)
