@@ -14,7 +14,7 @@
 // an empty bias tensor means none):
 //   h, residual = rmsnorm(x, norm1[, residual])        (the first layer: residual = x)
 //   qkv = gemm(h, qkv); rotary(q, k heads); store_kv(k, v -> the layer's pool)
-//   o = decode or extend attention(q); h = gemm(o, o_proj)
+//   o = decode (plain or shared-prefix) or extend attention(q); h = gemm(o, o_proj)
 //   h, residual = rmsnorm(h, norm2, residual); x = gemm(gemm_silu(h, gate_up), down)
 // and returns (x, residual): the stack's output is x + residual.
 //
@@ -104,20 +104,48 @@ at::Tensor silu_mul(const Ops& o, const at::Tensor& x) {
   return out;
 }
 
+// Shared-prefix decode (attention/shared_prefix.decode_with_groups with CpuAttention's ranged
+// ops): each row over its own keys [kv_start, len) with its lse; each group's members, packed,
+// over the group's prefix by a non-causal extend; merged by log-sum-exp with the same torch ops
+// as merge_states, into the members' rows of attn (B, hq, d).
+// groups = [rows (M), qo_indptr (G+1), rep rows (G), shared lens (G), zeros (G), kv_start (B)].
+void grouped_decode(const Ops& o, const at::Tensor& q, const at::Tensor& kb,
+                    const at::Tensor& vb, const at::Tensor& req_to_token, const at::Tensor& rows,
+                    const at::Tensor& lens, at::TensorList groups, double scale, double softcap,
+                    at::Tensor& attn) {
+  const at::Tensor &g_rows = groups[0], &g_indptr = groups[1], &g_reps = groups[2],
+                   &g_lens = groups[3], &g_zeros = groups[4], &kv_start = groups[5];
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  o.decode.call(q, kb, vb, req_to_token, rows, kv_start, lens, scale, 0, softcap, attn, lse);
+  const at::Tensor q_sh = q.index_select(0, g_rows);  // (M, hq, d), group after group
+  at::Tensor o_sh = at::empty(q_sh.sizes(), q_sh.options());
+  at::Tensor lse_sh = at::empty({q_sh.size(0), q_sh.size(1)}, lse.options());
+  o.extend.call(q_sh, kb, vb, req_to_token, g_reps, g_indptr, g_zeros, g_lens, false, scale, 0,
+                softcap, o_sh, lse_sh);
+  const at::Tensor o_own = attn.index_select(0, g_rows), lse_own = lse.index_select(0, g_rows);
+  const at::Tensor m = at::maximum(lse_sh, lse_own);
+  const at::Tensor w_sh = at::exp(lse_sh - m).unsqueeze(-1);  // (M, hq, 1)
+  const at::Tensor w_own = at::exp(lse_own - m).unsqueeze(-1);
+  const at::Tensor merged =
+      (o_sh.to(at::kFloat) * w_sh + o_own.to(at::kFloat) * w_own) / (w_sh + w_own);
+  attn.index_copy_(0, g_rows, merged.to(attn.scalar_type()));
+}
+
 // dims = [hq, hkv, d, qkv_n, o_n, down_n, intermediate]; windows[l]: layer l's sliding window
-// (0: none).
+// (0: none); groups: a decode step's prefix groups (grouped_decode), empty for none.
 std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
     at::TensorList weights, at::IntArrayRef kinds, at::IntArrayRef dims, double eps,
     at::TensorList k_bufs,
     at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& req_to_token,
     const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& qo_indptr, bool decode,
-    double scale, at::IntArrayRef windows, double softcap) {
+    double scale, at::IntArrayRef windows, double softcap, at::TensorList groups) {
   const int64_t L = (int64_t)k_bufs.size();
   TORCH_CHECK(L > 0 && (int64_t)weights.size() == 8 * L && (int64_t)kinds.size() == 4 * L &&
-              (int64_t)v_bufs.size() == L && (int64_t)windows.size() == L && dims.size() == 7,
+              (int64_t)v_bufs.size() == L && (int64_t)windows.size() == L && dims.size() == 7 &&
+              (groups.empty() || groups.size() == 6),
               "llama_layers: 8 weights, 4 kinds, a K and a V buffer and a window per layer; "
-              "7 dims");
+              "7 dims; 6 group tensors or none");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "llama_layers: x must be (T, hidden)");
   const Ops& o = ops();
   const int64_t T = x_in.size(0), N = x_in.size(1);
@@ -150,7 +178,9 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     o.store_kv.call(k, v, kb, vb, loc);
     at::Tensor attn = at::empty({T, hq, d}, x.options());
     at::Tensor no_lse = empty_f;
-    if (decode)
+    if (decode && !groups.empty() && windows[l] == 0)
+      grouped_decode(o, q, kb, vb, req_to_token, rows, lens, groups, scale, softcap, attn);
+    else if (decode)
       o.decode.call(q, kb, vb, req_to_token, rows, empty_i64, lens, scale, windows[l], softcap,
                     attn, no_lse);
     else
@@ -179,7 +209,7 @@ RLM_LAYERS_FRAGMENT(RLM_OPS_NS, m) {
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, int[] kinds, int[] dims, "
         "float eps, Tensor[] k_bufs, Tensor[] v_bufs, Tensor loc, Tensor req_to_token, "
         "Tensor rows, Tensor lens, Tensor qo_indptr, bool decode, float scale, int[] windows, "
-        "float softcap) -> (Tensor, Tensor)");
+        "float softcap, Tensor[] groups) -> (Tensor, Tensor)");
 }
 
 RLM_LAYERS_FRAGMENT_IMPL(RLM_OPS_NS, CPU, m) { m.impl("llama_layers", &llama_layers); }

@@ -2,8 +2,8 @@
 kernels models/llama.py calls layer by layer, in the same order: an engine with it gives the same
 greedy tokens and the same prompt and output logprobs, bit for bit, as with the Python layers
 (RADIXLM_CPU_LAYER_STACK=off), in prefill (with the last-layer pruning), chunked prefill and
-decode, with q/k/v biases (Qwen2) and sliding windows (Mistral), and on GGUF blocks at small
-batches; and the stack really ran."""
+decode, shared-prefix decode, with q/k/v biases (Qwen2) and sliding windows (Mistral), and on
+GGUF blocks at small batches; and the stack really ran."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def own_gemm(monkeypatch):
 @pytest.fixture
 def stack_calls(own_gemm):
     """Counts the forwards the C++ stack ran (run() returned a result), by mode."""
-    calls = {"decode": 0, "extend": 0, "decode_small": 0}
+    calls = {"decode": 0, "extend": 0, "decode_small": 0, "grouped": 0}
     inner = cpu_layer_stack.run
 
     def counted(model, layers, x, cos_sin, fb, *a, **k):
@@ -47,6 +47,7 @@ def stack_calls(own_gemm):
         if out is not None:
             calls["decode" if fb.mode.name == "DECODE" else "extend"] += 1
             calls["decode_small"] += fb.mode.name == "DECODE" and x.shape[0] <= 16
+            calls["grouped"] += fb.mode.name == "DECODE" and fb.prefix_groups is not None
         return out
 
     own_gemm.setattr(cpu_layer_stack, "run", counted)
@@ -109,3 +110,40 @@ def test_stack_on_the_bundled_model(stack_calls, own_gemm):
         eng.shutdown()
     assert on == off and small_on == small_off
     assert stack_calls["decode"] > 0 and stack_calls["decode_small"] > 0, stack_calls
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+def test_stack_with_prefix_groups(name, tmp_path, stack_calls, own_gemm):
+    """Decode steps whose rows share a cached prefix (fb.prefix_groups): the stack's grouped
+    attention (own keys, the group's prefix once, merged by lse) gives the Python layers' bits;
+    with a window (Mistral) the backend plans no groups and the stack decodes plainly."""
+    import radixlm
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[name]))
+    rng = random.Random(2)
+    shared = [rng.randrange(3, 500) for _ in range(200)]
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 12))]
+               for _ in range(20)]
+    eng = radixlm.Engine(model_path=str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
+                         dtype="bfloat16", context_length=512, max_total_tokens=8192)
+    got, steps = {}, {}
+    try:
+        sched = eng.scheduler
+        for mode in ("auto", "off"):
+            own_gemm.setenv(cpu_layer_stack.ENV_VAR, mode)
+            assert eng.flush_cache()
+            eng.generate(input_ids=shared, sampling_params={"max_new_tokens": 1})  # cached first
+            before = sched.stats["shared_prefix_steps"]
+            outs = eng.generate(input_ids=prompts, sampling_params={
+                "temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+                return_logprob=True, logprob_start_len=0)
+            steps[mode] = sched.stats["shared_prefix_steps"] - before
+            got[mode] = [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+        eng.wait_idle()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    assert got["auto"] == got["off"]
+    windowed = name == "mistral-window"
+    assert steps["auto"] == steps["off"] and (steps["auto"] == 0) == windowed, steps
+    assert stack_calls["grouped"] == steps["auto"] and stack_calls["decode"] > 0, stack_calls

@@ -10,9 +10,9 @@ It applies only where every layer would take exactly those kernels (`plan` check
 `LlamaForCausalLM` (no subclass's own layer or attention code), the CPU attention backend, bf16,
 the fused CPU ops, and every projection either a radixlm-GEMM pack (a PackedLinear, or a
 QuantizedLinear above DIRECT_MAX_M rows, where it takes its dense pack) or a QuantizedLinear's
-blocks at DIRECT_MAX_M rows or fewer. Anything else (the shared-prefix decode path, oneDNN packs,
-the tiled block kernels, `RADIXLM_CPU_LAYER_STACK=off`) runs the Python layers, which compute the
-same thing.
+blocks at DIRECT_MAX_M rows or fewer. Shared-prefix decode steps (fb.prefix_groups) run the
+grouped attention in C++ too. Anything else (oneDNN packs, the tiled block kernels,
+`RADIXLM_CPU_LAYER_STACK=off`) runs the Python layers, which compute the same thing.
 """
 
 from __future__ import annotations
@@ -54,14 +54,12 @@ def plan(model, layers, x: torch.Tensor, fb):
     Cached on the model per (layers, row class); a cached plan is used only while every module
     still holds the pack it was made from (a reload or repack replaces them)."""
     from radixlm.runtime.attention.cpu_backend import CpuAttention
-    from radixlm.runtime.executor.forward_batch import ForwardMode
     from radixlm.runtime.layers.quantized_linear import DIRECT_MAX_M
 
     if os.environ.get(ENV_VAR, "auto") == "off" or not layers:
         return None
     if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or not cpu_fused.usable(x)
-            or type(fb.attn_backend) is not CpuAttention
-            or (fb.mode == ForwardMode.DECODE and fb.prefix_groups is not None)):
+            or type(fb.attn_backend) is not CpuAttention):
         return None
     key = (len(layers), x.shape[0] > DIRECT_MAX_M)
     cache = model.__dict__.setdefault("_cpu_layer_stack_plans", {})
@@ -123,12 +121,16 @@ def run(model, layers, x: torch.Tensor, cos_sin, fb):
     cos, sin = (c.reshape(x.shape[0], dims[2]) for c in cos_sin)  # (T, 1, D) -> (T, D)
     pool = backend.kv_pool
     ids = [layer.self_attn.layer_id for layer in layers]
+    decode = fb.mode == ForwardMode.DECODE
+    g = fb.prefix_groups if decode else None  # layers with a window decode plainly (in C++)
+    groups = [] if g is None else [g.rows, g.qo_indptr, g.rep_pool_indices, g.shared_lens,
+                                   g.zeros, g.kv_start]
     return torch.ops.radixlm_cpu.llama_layers(
         x.contiguous(), cos, sin, weights, kinds, dims, layers[0].input_layernorm.eps,
         [pool.k_buffers[i] for i in ids], [pool.v_buffers[i] for i in ids], fb.out_cache_loc,
         backend.req_to_token, meta.rows, meta.lens, meta.qo_indptr,
-        fb.mode == ForwardMode.DECODE, backend.scale, [backend.windows[i] for i in ids],
-        float(backend.logit_softcap or 0.0))
+        decode, backend.scale, [backend.windows[i] for i in ids],
+        float(backend.logit_softcap or 0.0), groups)
 
 
 def _projections(layer) -> tuple:
