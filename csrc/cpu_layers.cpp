@@ -10,10 +10,11 @@
 // (2-core EPYC). Here a step makes one Python call; the ops are reached through the dispatcher's
 // unboxed path (~0.2 us a call), which also keeps the A/B builds of RLM_OPS_NS apart.
 //
-// Per layer l (weights[8 l : 8 l + 8] = norm1, qkv, qkv_bias, o, o_bias, norm2, gate_up, down;
-// an empty bias tensor means none):
+// Per layer l (weights[10 l : 10 l + 10] = norm1, qkv, qkv_bias, o, o_bias, norm2, gate_up, down,
+// q_norm, k_norm; an empty bias or q/k norm tensor means none):
 //   h, residual = rmsnorm(x, norm1[, residual])        (the first layer: residual = x)
-//   qkv = gemm(h, qkv); rotary(q, k heads); store_kv(k, v -> the layer's pool)
+//   qkv = gemm(h, qkv); [Qwen3: rmsnorm of each q and k head]; rotary(q, k heads);
+//   store_kv(k, v -> the layer's pool)
 //   o = decode (plain or shared-prefix) or extend attention(q); h = gemm(o, o_proj)
 //   h, residual = rmsnorm(h, norm2, residual); x = gemm(gemm_silu(h, gate_up), down)
 // and returns (x, residual): the stack's output is x + residual.
@@ -75,8 +76,9 @@ struct Ops {
 // radixlm_quant::gemm, looked up when a stack first has a quantized projection (its library is
 // loaded by then: the QuantizedLinear layers load it)
 const c10::TypedOperatorHandle<QuantGemmSig>& quant_gemm() {
-  static const auto h =
-      c10::Dispatcher::singleton().findSchemaOrThrow("radixlm_quant::gemm", "").typed<QuantGemmSig>();
+  static const auto h = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("radixlm_quant::gemm", "")
+                            .typed<QuantGemmSig>();
   return h;
 }
 
@@ -84,6 +86,8 @@ const Ops& ops() {
   static const Ops o;  // looked up at the first call, when every fragment is registered
   return o;
 }
+
+constexpr int64_t kWeights = 10;  // a layer's weights (the order above)
 
 OptT maybe(const at::Tensor& t) { return t.defined() && t.numel() ? OptT(t) : OptT(); }
 
@@ -141,10 +145,10 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& qo_indptr, bool decode,
     double scale, at::IntArrayRef windows, double softcap, at::TensorList groups) {
   const int64_t L = (int64_t)k_bufs.size();
-  TORCH_CHECK(L > 0 && (int64_t)weights.size() == 8 * L && (int64_t)kinds.size() == 4 * L &&
+  TORCH_CHECK(L > 0 && (int64_t)weights.size() == kWeights * L && (int64_t)kinds.size() == 4 * L &&
               (int64_t)v_bufs.size() == L && (int64_t)windows.size() == L && dims.size() == 7 &&
               (groups.empty() || groups.size() == 6),
-              "llama_layers: 8 weights, 4 kinds, a K and a V buffer and a window per layer; "
+              "llama_layers: 10 weights, 4 kinds, a K and a V buffer and a window per layer; "
               "7 dims; 6 group tensors or none");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "llama_layers: x must be (T, hidden)");
   const Ops& o = ops();
@@ -155,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
   const at::Tensor empty_f = at::empty({0}, cos.options());
   at::Tensor x = x_in, residual;
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + 8 * l;
+    const at::Tensor* w = weights.data() + kWeights * l;
     const int64_t* kind = kinds.data() + 4 * l;
     // input norm (the first layer: residual = x)
     at::Tensor h = at::empty({T, N}, x.options());
@@ -169,10 +173,20 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     }
     // attention: q and k heads rotated in place, k and v stored, q attends
     at::Tensor qkv = project(o, h, w[1], kind[0], dims[3], w[2]);
-    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, hq + hkv, d});
+    at::Tensor qk;  // (T, hq + hkv, d): q heads then k heads, rotated in place
+    if (w[8].numel()) {  // Qwen3's QKNormAttention: each q and k head RMS-normed, then joined
+      at::Tensor qn = at::empty({T * hq, d}, x.options());
+      at::Tensor kn = at::empty({T * hkv, d}, x.options());
+      o.rmsnorm.call(qkv.narrow(1, 0, q_size).reshape({T * hq, d}), w[8], eps, OptT(), qn, OptT());
+      o.rmsnorm.call(qkv.narrow(1, q_size, kv_size).reshape({T * hkv, d}), w[9], eps, OptT(), kn,
+                     OptT());
+      qk = at::cat({qn.view({T, hq, d}), kn.view({T, hkv, d})}, 1);
+    } else {
+      qk = qkv.narrow(1, 0, q_size + kv_size).view({T, hq + hkv, d});
+    }
     o.rotary.call(qk, cos, sin);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, hq, d});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, hkv, d});
+    const at::Tensor q = qk.narrow(1, 0, hq);
+    const at::Tensor k = qk.narrow(1, hq, hkv);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, hkv, d});
     at::Tensor kb = k_bufs[l], vb = v_bufs[l];
     o.store_kv.call(k, v, kb, vb, loc);

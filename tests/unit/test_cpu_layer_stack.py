@@ -2,8 +2,9 @@
 kernels models/llama.py calls layer by layer, in the same order: an engine with it gives the same
 greedy tokens and the same prompt and output logprobs, bit for bit, as with the Python layers
 (RADIXLM_CPU_LAYER_STACK=off), in prefill (with the last-layer pruning), chunked prefill and
-decode, shared-prefix decode, with q/k/v biases (Qwen2) and sliding windows (Mistral), and on
-GGUF blocks at small batches; and the stack really ran."""
+decode, shared-prefix decode, with q/k/v biases (Qwen2), sliding windows (Mistral), Qwen3's
+per-head q/k norms and Phi-3's rotary tables, and on GGUF blocks at small batches; and the stack
+really ran."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ CONFIGS = {
                               use_sliding_window=True, sliding_window=24, max_window_layers=1),
     "mistral-window": dict(COMMON, architectures=["MistralForCausalLM"], model_type="mistral",
                            sliding_window=16),
+    # per-head q/k RMSNorms (QKNormAttention) and an o_proj bias
+    "qwen3-qk-norm": dict(COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                          attention_bias=True),
+    # Phi-3's own rotary tables (LongRoPE's short factors, attention factor) into llama's layers
+    "phi3-longrope": dict(COMMON, architectures=["Phi3ForCausalLM"], model_type="phi3",
+                          original_max_position_embeddings=512,
+                          rope_scaling={"type": "longrope", "short_factor": [1.5] * 32,
+                                        "long_factor": [4.0] * 32}),
 }
 
 

@@ -6,8 +6,10 @@ layers with tiny weights: 7.8 ms a step of pure overhead; the real step ~38 ms),
 core idles through it. `run` hands the whole stack to one op that calls the same kernels in the
 same order from C++: the same bits, ~1 Python call a step.
 
-It applies only where every layer would take exactly those kernels (`plan` checks): a plain
-`LlamaForCausalLM` (no subclass's own layer or attention code), the CPU attention backend, bf16,
+It applies only where every layer would take exactly those kernels (`plan` checks): llama.py's
+decoder layer, attention (or Qwen3's, with its per-head q/k norms) and MLP classes, whatever the
+model class around them (Llama, Mistral, Qwen2, Qwen3, Phi-3 without partial rotary, LLaVA's
+language model; MoE and Gemma layers are other classes), the CPU attention backend, bf16,
 the fused CPU ops, and every projection either a radixlm-GEMM pack (a PackedLinear, or a
 QuantizedLinear above DIRECT_MAX_M rows, where it takes its dense pack) or a QuantizedLinear's
 blocks at DIRECT_MAX_M rows or fewer. Shared-prefix decode steps (fb.prefix_groups) run the
@@ -49,7 +51,7 @@ def _empty_if_none(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tenso
 
 
 def plan(model, layers, x: torch.Tensor, fb):
-    """(weights, kinds) for `llama_layers` (8 tensors and 4 kinds per layer), or None where it
+    """(weights, kinds) for `llama_layers` (10 tensors and 4 kinds per layer), or None where it
     does not apply.
     Cached on the model per (layers, row class); a cached plan is used only while every module
     still holds the pack it was made from (a reload or repack replaces them)."""
@@ -71,24 +73,38 @@ def plan(model, layers, x: torch.Tensor, fb):
     return cache[key][0]
 
 
-def _make_plan(layers, x: torch.Tensor):
-    from radixlm.runtime.models import llama
+def _layer_kind(layer) -> Optional[bool]:
+    """Whether the layer is llama.py's (False) or has Qwen3's per-head q/k norms (True); None for
+    any other layer, attention, MLP or norm code."""
+    from radixlm.runtime.models import llama, qwen3
 
+    attn, mlp = layer.self_attn, layer.mlp
+    qk_norm = type(attn).forward is qwen3.QKNormAttention.forward
+    norms = (layer.input_layernorm, layer.post_attention_layernorm) + (
+        (attn.q_norm, attn.k_norm) if qk_norm else ())
+    if (type(layer).forward is not llama.DecoderLayer.forward
+            or (type(attn).forward is not llama.Attention.forward and not qk_norm)
+            or type(mlp).forward is not llama.MLP.forward
+            or any(type(n) is not llama.RMSNorm for n in norms)):
+        return None
+    return qk_norm
+
+
+def _make_plan(layers, x: torch.Tensor):
+    qk_norms = [_layer_kind(layer) for layer in layers]
+    if None in qk_norms:
+        return None
     rows = x.shape[0]
     flat: list[torch.Tensor] = []
     kinds: list[int] = []
     eps = layers[0].input_layernorm.eps
     dims = _dims(layers[0])
-    for layer in layers:
+    for layer, qk_norm in zip(layers, qk_norms):
         attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer).forward is not llama.DecoderLayer.forward
-                or type(attn).forward is not llama.Attention.forward
-                or type(mlp).forward is not llama.MLP.forward
-                or type(layer.input_layernorm) is not llama.RMSNorm
-                or type(layer.post_attention_layernorm) is not llama.RMSNorm):
-            return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if _dims(layer) != dims or any(n.weight.dtype != x.dtype or n.eps != eps for n in norms):
+        head_norms = (attn.q_norm, attn.k_norm) if qk_norm else ()
+        if _dims(layer) != dims or any(n.weight.dtype != x.dtype or n.eps != eps
+                                       for n in norms + head_norms):
             return None
         mods = _projections(layer)
         got = [_weight_for(m, rows) for m in mods]
@@ -103,6 +119,7 @@ def _make_plan(layers, x: torch.Tensor):
         kinds += [kq, ko, kg, kd]
         flat += [norms[0].weight, wq, _empty_if_none(attn.qkv_proj.bias, x), wo,
                  _empty_if_none(attn.o_proj.bias, x), norms[1].weight, wg, wd]
+        flat += [n.weight for n in head_norms] or [x.new_empty(0), x.new_empty(0)]
     return flat, kinds
 
 
@@ -134,9 +151,11 @@ def run(model, layers, x: torch.Tensor, cos_sin, fb):
 
 
 def _projections(layer) -> tuple:
-    """qkv, o, gate_up, down: the order of `llama_layers`' weights and kinds."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)
+    """qkv, o, gate_up, down: the order of `llama_layers`' weights and kinds (None for one a
+    layer of other classes lacks, e.g. an MoE block's gate_up)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return tuple(getattr(parent, name, None) for parent, name in (
+        (attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))
 
 
 def _dims(layer) -> list[int]:

@@ -300,8 +300,8 @@ class LlamaForCausalLM(nn.Module):
                  and type(last).forward is DecoderLayer.forward
                  and type(last.self_attn).forward is Attention.forward)
         run = self.layers[:-1] if prune else self.layers
-        stacked = cpu_layer_stack.run(self, run, x, cos_sin, fb) if type(self) is LlamaForCausalLM \
-            else None  # (a subclass may change what a layer computes)
+        # (it checks each layer's classes: a subclass's own layer code runs in Python)
+        stacked = cpu_layer_stack.run(self, run, x, cos_sin, fb)
         if stacked is not None:  # the CPU fast path: the same kernels, one call for the stack
             x, residual = stacked
         else:
