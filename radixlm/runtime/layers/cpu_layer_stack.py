@@ -20,7 +20,7 @@ grouped attention in C++ too. Anything else (oneDNN packs, the tiled block kerne
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -50,9 +50,18 @@ def _empty_if_none(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tenso
     return t if t is not None else like.new_empty(0)
 
 
-def plan(model, layers, x: torch.Tensor, fb):
-    """(weights, kinds) for `llama_layers` (10 tensors and 4 kinds per layer), or None where it
-    does not apply.
+class Plan(NamedTuple):
+    """What `llama_layers` takes of the layers themselves, derived once per plan."""
+    weights: list  # 10 tensors a layer (csrc/cpu_layers.cpp's order)
+    kinds: list  # 4 a layer: how each projection multiplies
+    dims: list  # _dims
+    eps: float
+    layer_ids: list  # each layer's KV pool index
+
+
+def plan(model, layers, x: torch.Tensor, fb) -> Optional[Plan]:
+    """The `llama_layers` plan of these layers at x's row count, or None where it does not
+    apply.
     Cached on the model per (layers, row class); a cached plan is used only while every module
     still holds the pack it was made from (a reload or repack replaces them)."""
     from radixlm.runtime.attention.cpu_backend import CpuAttention
@@ -90,7 +99,7 @@ def _layer_kind(layer) -> Optional[bool]:
     return qk_norm
 
 
-def _make_plan(layers, x: torch.Tensor):
+def _make_plan(layers, x: torch.Tensor) -> Optional[Plan]:
     qk_norms = [_layer_kind(layer) for layer in layers]
     if None in qk_norms:
         return None
@@ -120,7 +129,7 @@ def _make_plan(layers, x: torch.Tensor):
         flat += [norms[0].weight, wq, _empty_if_none(attn.qkv_proj.bias, x), wo,
                  _empty_if_none(attn.o_proj.bias, x), norms[1].weight, wg, wd]
         flat += [n.weight for n in head_norms] or [x.new_empty(0), x.new_empty(0)]
-    return flat, kinds
+    return Plan(flat, kinds, dims, eps, [layer.self_attn.layer_id for layer in layers])
 
 
 def run(model, layers, x: torch.Tensor, cos_sin, fb):
@@ -132,18 +141,16 @@ def run(model, layers, x: torch.Tensor, cos_sin, fb):
     made = plan(model, layers, x, fb)
     if made is None:
         return None
-    weights, kinds = made
     backend, meta = fb.attn_backend, fb.attn_metadata
-    dims = _dims(layers[0])
-    cos, sin = (c.reshape(x.shape[0], dims[2]) for c in cos_sin)  # (T, 1, D) -> (T, D)
+    cos, sin = (c.reshape(x.shape[0], made.dims[2]) for c in cos_sin)  # (T, 1, D) -> (T, D)
     pool = backend.kv_pool
-    ids = [layer.self_attn.layer_id for layer in layers]
+    ids = made.layer_ids
     decode = fb.mode == ForwardMode.DECODE
     g = fb.prefix_groups if decode else None  # layers with a window decode plainly (in C++)
     groups = [] if g is None else [g.rows, g.qo_indptr, g.rep_pool_indices, g.shared_lens,
                                    g.zeros, g.kv_start]
     return torch.ops.radixlm_cpu.llama_layers(
-        x.contiguous(), cos, sin, weights, kinds, dims, layers[0].input_layernorm.eps,
+        x.contiguous(), cos, sin, made.weights, made.kinds, made.dims, made.eps,
         [pool.k_buffers[i] for i in ids], [pool.v_buffers[i] for i in ids], fb.out_cache_loc,
         backend.req_to_token, meta.rows, meta.lens, meta.qo_indptr,
         decode, backend.scale, [backend.windows[i] for i in ids],
