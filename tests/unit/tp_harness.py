@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 
@@ -168,6 +169,15 @@ def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int,
         with open(f"{out}.{rank}.err", "w") as f:
             f.write(traceback.format_exc())
         raise
+    # Results saved and the group left together: end the process here, as a forked
+    # multiprocessing child does, without the interpreter's teardown of torch's native state.
+    # That teardown still aborted now and then after the barrier above ("terminate called
+    # without an active exception", exit -6: once in this session's five full-suite runs, at
+    # c7531cc; 537dc9d's faulthandler saw it after rank_main returned), failing a run whose
+    # ranks had all finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_tp(world: int, args_kw: dict, vocab: int, tmp: str) -> list[dict]:
