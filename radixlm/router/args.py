@@ -19,6 +19,11 @@ from typing import Optional
 
 from radixlm.router.policy import POLICIES
 
+# How dp.py hands a replica (`python -m radixlm.router.replica`) its start: its ServerArgs as
+# JSON, and the launcher's pid, which the replica must not outlive.
+ARGS_ENV = "RADIXLM_REPLICA_ARGS"
+PARENT_ENV = "RADIXLM_REPLICA_PARENT"
+
 
 @dataclass(frozen=True)
 class RouterArgs:

@@ -35,8 +35,7 @@ import time
 from contextlib import asynccontextmanager
 
 from radixlm.runtime.config import ServerArgs
-from radixlm.router.args import RouterArgs
-from radixlm.router.replica import ARGS_ENV, PARENT_ENV
+from radixlm.router.args import ARGS_ENV, PARENT_ENV, RouterArgs
 
 logger = logging.getLogger("radixlm.router")
 

@@ -17,8 +17,7 @@ import os
 import signal
 import sys
 
-ARGS_ENV = "RADIXLM_REPLICA_ARGS"
-PARENT_ENV = "RADIXLM_REPLICA_PARENT"
+from radixlm.router.args import ARGS_ENV, PARENT_ENV
 
 
 def die_with_parent(parent_pid: int) -> None:

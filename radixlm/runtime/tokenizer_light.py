@@ -79,6 +79,15 @@ def _refusal(path: str, cfg: dict, backend) -> Optional[str]:
     return None
 
 
+def tokenizer_from_dir(path: str):
+    """transformers' tokenizer saved in `path` (what LightTokenizer stands in for)."""
+    # The class transformers builds for GGUF tokenizers, imported directly: AutoTokenizer's
+    # dispatch machinery costs more import time than the load itself.
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(path)
+
+
 class LightTokenizer:
     is_fast = True
     # What HF's tokenizer returns from __call__ (its model_input_names default).
@@ -138,8 +147,6 @@ class LightTokenizer:
         """transformers' tokenizer for the same folder, loaded on first use (xgrammar needs it)."""
         with self._hf_lock:
             if self._hf is None:
-                from radixlm.runtime.models.cache import tokenizer_from_dir
-
                 logger.info("loading the transformers tokenizer from %s", self.path)
                 self._hf = tokenizer_from_dir(self.path)
                 self._hf.name_or_path = self.name_or_path

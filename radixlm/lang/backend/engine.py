@@ -14,8 +14,9 @@ _BODY_KEYS = ("sampling_params", "return_logprob", "logprob_start_len", "top_log
 class EngineBackend(RuntimeEndpoint):
     def __init__(self, engine=None, chat_template: Optional[str] = None, **engine_kwargs):
         if engine is None:
-            import radixlm
-            engine = radixlm.Engine(**engine_kwargs)
+            from radixlm.runtime.engine import Engine
+
+            engine = Engine(**engine_kwargs)
         self.engine = engine
         runner = engine.runner
         self.model_info = {"model_path": runner.model_path, "served_model_name": runner.model_path,

@@ -82,19 +82,38 @@ def plan(model, layers, x: torch.Tensor, fb) -> Optional[Plan]:
     return cache[key][0]
 
 
+# The Python layer code the C++ stack reproduces, registered by the model files that define it
+# (models/llama.py, models/qwen3.py): layers sit below models, so the stack never imports a model
+# class; a layer runs here only where its classes' forwards are exactly these.
+_CODE: dict = {}  # "decoder", "attention", "mlp": forward functions; "norm": the RMSNorm class
+_QK_NORM_ATTENTION: set = set()  # attention forwards with per-head q/k norms (Qwen3's)
+
+
+def accept(*, decoder, attention, mlp, norm: type) -> None:
+    """Registers llama.py's layer code: DecoderLayer.forward, Attention.forward, MLP.forward and
+    the RMSNorm class, which csrc/cpu_layers.cpp's `llama_layers` computes bit for bit."""
+    _CODE.update(decoder=decoder, attention=attention, mlp=mlp, norm=norm)
+
+
+def accept_qk_norm_attention(forward) -> None:
+    """Registers an attention forward that is llama's plus an RMSNorm on each q and k head
+    (Qwen3's QKNormAttention.forward), which the stack runs with the heads' norm weights."""
+    _QK_NORM_ATTENTION.add(forward)
+
+
 def _layer_kind(layer) -> Optional[bool]:
     """Whether the layer is llama.py's (False) or has Qwen3's per-head q/k norms (True); None for
     any other layer, attention, MLP or norm code."""
-    from radixlm.runtime.models import llama, qwen3
-
+    if not _CODE:
+        return None
     attn, mlp = layer.self_attn, layer.mlp
-    qk_norm = type(attn).forward is qwen3.QKNormAttention.forward
+    qk_norm = type(attn).forward in _QK_NORM_ATTENTION
     norms = (layer.input_layernorm, layer.post_attention_layernorm) + (
         (attn.q_norm, attn.k_norm) if qk_norm else ())
-    if (type(layer).forward is not llama.DecoderLayer.forward
-            or (type(attn).forward is not llama.Attention.forward and not qk_norm)
-            or type(mlp).forward is not llama.MLP.forward
-            or any(type(n) is not llama.RMSNorm for n in norms)):
+    if (type(layer).forward is not _CODE["decoder"]
+            or (type(attn).forward is not _CODE["attention"] and not qk_norm)
+            or type(mlp).forward is not _CODE["mlp"]
+            or any(type(n) is not _CODE["norm"] for n in norms)):
         return None
     return qk_norm
 

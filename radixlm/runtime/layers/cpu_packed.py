@@ -139,14 +139,9 @@ def silu_linear(x: torch.Tensor, module) -> Optional[torch.Tensor]:
     it, bit for bit as layers/cpu_fused.silu_and_mul on the projection would), or None where that
     path does not apply (not a paired PackedLinear, nor a QuantizedLinear whose paired dense rows
     take this many rows; or the fused CPU ops are off)."""
-    from radixlm.runtime.layers.quantized_linear import DIRECT_MAX_M, QuantizedLinear  # imports us
-
-    packed = getattr(module, "packed", None)
-    if isinstance(module, QuantizedLinear):  # its dense rows run only above DIRECT_MAX_M rows
-        dense = module.weight is not None and x.numel() > DIRECT_MAX_M * module.in_features
-    else:
-        dense = isinstance(module, PackedLinear)
-    if not (dense and isinstance(packed, OwnPacked) and packed.paired and module.bias is None
+    dense_pack = getattr(module, "dense_pack", None)  # PackedLinear, QuantizedLinear
+    packed = dense_pack(x) if dense_pack is not None else None
+    if not (isinstance(packed, OwnPacked) and packed.paired and module.bias is None
             and cpu_fused.usable(x)):
         return None
     x2 = x.reshape(-1, packed.k)
@@ -177,6 +172,10 @@ class PackedLinear(nn.Module):
     def repack(self) -> None:
         self.packed = pack(self.weight, self.gate_up)
 
+    def dense_pack(self, x: torch.Tensor):
+        """The pack that forward multiplies x by (QuantizedLinear.dense_pack's contract)."""
+        return self.packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.packed, self.bias)
 
@@ -202,15 +201,12 @@ def convert_model(model: nn.Module) -> int:
 
 def repack_model(model: nn.Module) -> int:
     """Refresh every packed copy from its plain weight (after a weight update)."""
-    from radixlm.runtime.layers.quantized_linear import QuantizedLinear  # it imports this module
-
     n = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, PackedLinear):
+    for mod in model.modules():
+        # PackedLinear, and QuantizedLinear's dense rows (layers/quantized_linear); the layers
+        # above this module define `repack`, so it needs no import of them
+        if callable(getattr(mod, "repack", None)) and getattr(mod, "weight", None) is not None:
             mod.repack()
-            n += 1
-        elif isinstance(mod, QuantizedLinear) and mod.weight is not None:
-            mod.packed = pack(mod.weight, gate_up=name.endswith("gate_up_proj") and mod.bias is None)
             n += 1
     blocks_only = (getattr(model, "lm_head_quant", None) is not None
                    and getattr(model, "lm_head_dense_above", None) is None)

@@ -138,6 +138,20 @@ class QuantizedLinear(nn.Module):
         self.packed: Optional[torch.Tensor] = None  # `weight` prepacked (layers/cpu_packed)
 
     sources: tuple[str, ...] = ()  # the HF names whose block rows it holds, in row order
+    gate_up: bool = False  # an MLP's [gate; up] rows: the dense pack pairs them
+
+    def repack(self) -> None:
+        """Refresh `packed` from the dense `weight` (cpu_packed.repack_model calls it after a
+        load or a weight update)."""
+        if self.weight is not None:
+            self.packed = cpu_packed.pack(self.weight, gate_up=self.gate_up and self.bias is None)
+
+    def dense_pack(self, x: torch.Tensor):
+        """The pack that forward multiplies x by (its dense rows, for more than DIRECT_MAX_M
+        rows), else None (the block kernels run)."""
+        if self.weight is not None and x.numel() > DIRECT_MAX_M * self.in_features:
+            return self.packed
+        return None
 
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) any float dtype -> (..., out) float32."""
@@ -242,6 +256,7 @@ def convert_model(model: nn.Module, gguf_file: str, dense_rows: bool = False) ->
             new = QuantizedLinear(w, types.pop(), old.in_features, bias=old.bias is not None,
                                   dtype=dtype, dense_rows=dense_rows)
             new.sources = tuple(names)
+            new.gate_up = target == "gate_up_proj"
             setattr(owner, target, new)
             if not dense_rows:
                 covered.update(names)

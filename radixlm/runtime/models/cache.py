@@ -181,7 +181,7 @@ class GGUFCache:
         `light`: a LightTokenizer (no transformers import, ~1 s less start-up) when the MANIFEST
         records that it was checked against this HF tokenizer and agreed; else HF's class.
         Entries written before that check existed get it on their first HF load."""
-        from radixlm.runtime.tokenizer_light import LightTokenizer
+        from radixlm.runtime.tokenizer_light import LightTokenizer, tokenizer_from_dir
 
         d = os.path.dirname(self.gguf_path)
 
@@ -288,14 +288,6 @@ class GGUFCache:
                             writer.abort(RuntimeError("the load stopped before the last tensor"))
                     return
         yield from mapped
-
-
-def tokenizer_from_dir(path: str):
-    # The class transformers builds for GGUF tokenizers, imported directly: AutoTokenizer's
-    # dispatch machinery costs more import time than the load itself.
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    return TokenizersBackend.from_pretrained(path)
 
 
 def tokenizer_from_gguf(gguf_path: str):

@@ -248,6 +248,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+# the C++ layer stack (layers/cpu_layer_stack.py) runs layers whose code is exactly this file's
+cpu_layer_stack.accept(decoder=DecoderLayer.forward, attention=Attention.forward,
+                       mlp=MLP.forward, norm=RMSNorm)
+
+
 class LlamaForCausalLM(nn.Module):
     # (vocab, hidden) fp32 head when layers/cpu_linear.convert_model ran (bf16 on an AVX2 CPU)
     lm_head_fp32: Optional[torch.Tensor] = None

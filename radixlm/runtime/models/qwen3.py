@@ -18,6 +18,7 @@ import torch
 
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.layers import cpu_layer_stack
 from radixlm.runtime.layers.rotary import apply_rotary
 from radixlm.runtime.models import arch_support
 from radixlm.runtime.models.llama import Attention, Linear, LlamaForCausalLM, RMSNorm, _fused_ops
@@ -66,6 +67,9 @@ class QKNormAttention(Attention):
         qk = torch.cat((self.q_norm(q.reshape(t * hq, d)).view(t, hq, d),
                         self.k_norm(k.reshape(t * hkv, d)).view(t, hkv, d)), dim=1)
         return rotate_qk(qk, cos_sin), v.view(t, hkv, d)
+
+
+cpu_layer_stack.accept_qk_norm_attention(QKNormAttention.forward)  # its q/k norms run in C++ too
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
