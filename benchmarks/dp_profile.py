@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,35 +25,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
 
-def summarize(raw_path: str, top: int = 25) -> str:
-    """py-spy raw lines ('frame;frame;... count') -> top own and inclusive frames per process."""
-    own: dict = collections.defaultdict(collections.Counter)
-    incl: dict = collections.defaultdict(collections.Counter)
-    totals: collections.Counter = collections.Counter()
-    with open(raw_path) as f:
-        for line in f:
-            stack, _, n = line.rstrip().rpartition(" ")
-            if not n.isdigit():
-                continue
-            frames = stack.split(";")
-            # a child's stack starts with its parent's frames: the innermost "process" frame
-            at = max((i for i, fr in enumerate(frames) if fr.startswith("process")), default=-1)
-            proc = frames[at] if at >= 0 else "?"
-            totals[proc] += int(n)
-            own[proc][frames[-1]] += int(n)
-            for fr in set(frames[at + 1:]):
-                incl[proc][fr] += int(n)
-    out = []
-    for proc, tot in totals.most_common():
-        out.append(f"== {proc[:160]}: {tot} samples")
-        out += [f"own  {100 * v / tot:5.1f}% {k[:150]}" for k, v in own[proc].most_common(top)]
-        out += [f"incl {100 * v / tot:5.1f}% {k[:150]}" for k, v in incl[proc].most_common(top)]
-    return "\n".join(out)
-
-
 def main() -> None:
     from benchmarks import dp_load
     from benchmarks import dp_router as dr
+    from benchmarks.pyspy_stacks import record, summarize
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--out-dir", default=".")
@@ -76,9 +49,7 @@ def main() -> None:
         prompts = dr.workload(args, vocab)
 
         def spy():  # start once the load is under way, sample the server and its children
-            subprocess.run(["py-spy", "record", "--pid", str(server.proc.pid), "--subprocesses",
-                            "--duration", str(int(seconds)), "--rate", "100", "--format", "raw",
-                            "--output", raw], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            record(server.proc.pid, seconds, raw)
 
         timer = threading.Timer(2.0, spy)
         timer.start()
