@@ -1,5 +1,5 @@
 """Data parallelism: one replica vs DP=2 round-robin vs DP=2 cache-aware, on a multi-tenant
-shared-prefix workload, in one run (issue 13 item 4).
+shared-prefix workload, in one run.
 
     # 2 GPUs, Llama-3.1-8B shape, dummy bf16 weights (~40 s after start-up on 2 x H200):
     python benchmarks/dp_router.py --result-file benchmarks/results/dp_router-h200x2.jsonl

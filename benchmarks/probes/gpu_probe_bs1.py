@@ -1,5 +1,7 @@
-"""Where batch-1 decode loses time against the bandwidth roofline (a diagnostic: prints, no result
-file). Three probes, each one JSON line on stdout (tables on stderr):
+"""Where does batch-1 decode lose time against the bandwidth roofline?
+
+A diagnostic (prints, no result file). Three probes, each one JSON line on stdout (tables on
+stderr):
 
   chain     the decode step's weight GEMVs alone (qkv, o, gate_up, down per layer x 32, lm_head)
             captured in one CUDA graph, per GEMV routing (cuBLAS, layers/triton_gemv), against
@@ -9,7 +11,7 @@ file). Three probes, each one JSON line on stdout (tables on stderr):
   ttft      the 128-token prefill of an empty cache: wall of generate(max_new_tokens=1) against
             the GPU busy time of its kernels
 
-    python benchmarks/gpu_probe_bs1.py chain timeline ttft
+    python benchmarks/probes/gpu_probe_bs1.py chain timeline ttft
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 

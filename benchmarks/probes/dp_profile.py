@@ -1,10 +1,12 @@
-"""Where one replica's time goes under dp_router's workload: py-spy samples every process of a
-served model (HTTP front, scheduler, detokenizer) while the multi-tenant load runs against it.
+"""Where does one replica's time go under dp_router's workload?
+
+py-spy samples every process of a served model (HTTP front, scheduler, detokenizer) while the
+multi-tenant load runs against it.
 
     # device (py-spy travels as a wheel in .whl): writes $OUT/dp_profile.txt (py-spy raw stacks)
-    python benchmarks/dp_profile.py --out-dir "$OUT"
+    python benchmarks/probes/dp_profile.py --out-dir "$OUT"
     # CPU dry run with the tiny model
-    python benchmarks/dp_profile.py --tiny --out-dir /tmp/dp_profile
+    python benchmarks/probes/dp_profile.py --tiny --out-dir /tmp/dp_profile
 
 Prints the load's result line (as dp_router's `single`) and the top own / inclusive frames per
 process; the raw stacks stay in the out dir for a closer look.
@@ -22,7 +24,7 @@ import tempfile
 import threading
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
+_ROOT = os.path.dirname(os.path.dirname(_HERE))  # benchmarks/probes/ -> the repository
 
 
 def main() -> None:
