@@ -37,6 +37,18 @@ from benchmarks.gpu_suite_parts import copy_bandwidth_tbps, rand_ids, timed_gene
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
+def _gemv(x, w, cfg) -> None:
+    """One projection the way `cfg` routes it: "cublas" (F.linear), "default" (triton_gemv's own
+    choice of config, as the model runs it) or an explicit Triton GEMV config tuple."""
+    from radixlm.runtime.layers import triton_gemv
+    if cfg == "cublas":
+        F.linear(x, w)
+    elif cfg == "default":
+        triton_gemv.linear(x, w)
+    else:
+        triton_gemv.gemv(x, w, config=cfg)
+
+
 def probe_chain(args, out: dict) -> None:
     """The 32 layers' GEMVs in one graph, weights as in the model (15 GB: nothing stays in L2)."""
     from radixlm.runtime.layers import triton_gemv
@@ -53,14 +65,7 @@ def probe_chain(args, out: dict) -> None:
         def run():
             for ly in layers:
                 for name, w in ly.items():
-                    x = xs[w.shape[1]]
-                    cfg = route.get(name, "default")
-                    if cfg == "cublas":
-                        F.linear(x, w)
-                    elif cfg == "default":
-                        triton_gemv.linear(x, w)
-                    else:
-                        triton_gemv.gemv(x, w, config=cfg)
+                    _gemv(xs[w.shape[1]], w, route.get(name, "default"))
             triton_gemv.linear(xs[4096], head)
         return run
 
@@ -95,12 +100,7 @@ def probe_chain(args, out: dict) -> None:
 
             def run(ws=ws, cfg=cfg):
                 for w in ws:
-                    if cfg == "cublas":
-                        F.linear(x, w)
-                    elif cfg == "default":
-                        triton_gemv.linear(x, w)
-                    else:
-                        triton_gemv.gemv(x, w, config=cfg)
+                    _gemv(x, w, cfg)
             run()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
