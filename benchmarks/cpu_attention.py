@@ -11,10 +11,10 @@ tokens over one shared (cached) 1000-token prefix; decode of those 64 requests (
 own tokens), plain and with the shared prefix read once for the group ("cpu_grouped", what the
 scheduler plans on such a batch; torch_native has no grouped path); one 1000-token prefill.
 
-`--engine`: also the end-to-end figure, workload (b) of issue 10 (32 x (200 random ids in, 64 out),
-greedy, `ignore_eos`, SmolLM2, bf16 unless `--engine-dtype`), in this one process with
-attention_backend "torch_native" and "cpu" side by side, taking turns on the same prompts, fresh
-prompts each round (see run_engine).
+`--engine`: also the end-to-end figure, the peer comparison's `short` workload (32 x (200 random
+ids in, 64 out), greedy, `ignore_eos`, SmolLM2, bf16 unless `--engine-dtype`), in this one
+process with attention_backend "torch_native" and "cpu" side by side, taking turns on the same
+prompts, fresh prompts each round (see run_engine).
 Prints one JSON line per part; `--result-file` appends them
 (benchmarks/results/cpu_attention-cpu.jsonl).
 """
@@ -132,7 +132,8 @@ def run_case(backends, fb, layers, reps, dtype, groups=None):
 
 
 def run_engine(args) -> dict:
-    """Workload (b) through `radixlm.Engine`, attention_backend torch_native vs cpu, one process.
+    """The peers' `short` workload through `radixlm.Engine`, attention_backend torch_native vs
+    cpu, one process.
 
     Both engines live side by side (they share the model's weights) and run the same workloads in
     turn, the order flipping every round (AB BA AB ...), so that a load change on a shared machine

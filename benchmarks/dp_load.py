@@ -1,6 +1,6 @@
 """The client side of benchmarks/dp_router.py: a closed-loop load of token-id requests against one
 URL (a server or a router), sampling the servers' scheduler state while it runs, and the cache
-flush / warm-up between configurations. dp_profile.py drives one server with it too.
+flush / warm-up between configurations. probes/dp_profile.py drives one server with it too.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Data parallelism: one replica vs DP=2 round-robin vs DP=2 cache-aware, on a multi-tenant
-shared-prefix workload, in one run (issue 13 item 4).
+shared-prefix workload, in one run.
 
     # 2 GPUs, Llama-3.1-8B shape, dummy bf16 weights (~40 s after start-up on 2 x H200):
     python benchmarks/dp_router.py --result-file benchmarks/results/dp_router-h200x2.jsonl
@@ -62,6 +62,8 @@ if _ROOT not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, _ROOT)
 
 from benchmarks.dp_load import flush, run_load, warm_up  # noqa: E402
+from benchmarks.pyspy_stacks import record, summarize  # noqa: E402
+
 CONFIGS = ("single", "round_robin", "cache_aware")
 # 1024 requests: with 512 a configuration took 3-5 s on 2 x H200, much of it the start when
 # every tenant's prefix is still cold
@@ -160,13 +162,8 @@ def _spy(args, name: str, procs: dict) -> list[threading.Thread]:
     def one(tag, proc):
         time.sleep(2.0)
         raw = os.path.join(args.spy_dir, f"{name}-{tag}.raw")
-        subprocess.run(["py-spy", "record", "--pid", str(proc.proc.pid), "--subprocesses",
-                        "--duration", str(int(args.spy_seconds)), "--rate", "100", "--format",
-                        "raw", "--output", raw], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.STDOUT)
+        record(proc.proc.pid, args.spy_seconds, raw)
         if os.path.exists(raw):
-            from benchmarks.dp_profile import summarize
-
             with open(os.path.join(args.spy_dir, f"{name}-{tag}.txt"), "w") as f:
                 f.write(summarize(raw) + "\n")
 

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
-sys.path.insert(0, _ROOT)
+if _ROOT not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, _ROOT)
 
-from cpu_attention import git_commit, meta as attn_meta  # noqa: E402
+from benchmarks.cpu_attention import git_commit, meta as attn_meta  # noqa: E402
 
 from radixlm.runtime.layers import quant_kernels as qk, quantized_linear  # noqa: E402
 

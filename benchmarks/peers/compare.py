@@ -175,7 +175,7 @@ def program_lines(rl: dict, v: dict) -> list[dict]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="full", choices=["full", "small"],
-                   help="full: the issue's sizes; small: a sanity run (cannot be --save'd)")
+                   help="full: the recorded comparison's sizes; small: a sanity run (cannot be --save'd)")
     p.add_argument("--workloads", default=",".join(wl.ALL),
                    help=f"comma list of {', '.join(wl.ALL)}")
     p.add_argument("--rounds", default="1,2")

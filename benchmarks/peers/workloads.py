@@ -15,7 +15,7 @@ shares nothing with round 1 that is not meant to be shared (the shared-prefix wo
 shared prefix, the few-shot workload new shots). The compare script writes each offline workload
 to a JSON file (`to_json`) that both runners read, so the two sides see the very same ids.
 
-Sizes come from `sizes(preset)`: "full" is the issue's sizes, "small" a quick sanity run.
+Sizes come from `sizes(preset)`: "full" is the recorded comparison's sizes, "small" a quick sanity run.
 """
 
 from __future__ import annotations

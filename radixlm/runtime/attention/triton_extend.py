@@ -146,8 +146,8 @@ def default_config(d: int, device: torch.device,
     bf16, D 128): 128/64/8/2 uses 255 registers and spills ~300 bytes; 64/32/4/2 spills none.
     fp32 (tests only; products on CUDA cores): 128/64 tiles spill 28-60 KB per thread, 64/32/4/2
     the least (0.9 KB at D 64, 2.5 KB at D 128).
-    Timed on an H100 (benchmarks/gpu_probe.py attn, bf16, Hq 32, Hkv 8, D 128), ms per call,
-    128/64/8/2 -> 64/64/4/4: prefill 1 x 2048 0.204 -> 0.139; a 2048 chunk after 2048 cached
+    Timed on an H100 (benchmarks/probes/gpu_probe.py attn, bf16, Hq 32, Hkv 8, D 128), ms per
+    call, 128/64/8/2 -> 64/64/4/4: prefill 1 x 2048 0.204 -> 0.139; a 2048 chunk after 2048 cached
     0.503 -> 0.341; 64 x 64 new on 2048 cached 0.878 -> 0.479; the shared-prefix decode's
     32 groups x 16 queries on 2048 (non-causal) 0.236 -> 0.104, the best of 8 configs there and
     within 6% of the best elsewhere. D <= 64 was not timed."""

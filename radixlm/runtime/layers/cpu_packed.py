@@ -4,8 +4,9 @@ oneDNN's blocked layout ("prepacked"), as torch's inductor does for frozen CPU m
 
 The own GEMM (`RADIXLM_CPU_PACKED_LINEAR=auto`, the default where available), on SmolLM2's
 projections and head: 0.57-0.68x oneDNN's time at 1-8 rows, 0.80x at decode's 32, 1.02x at
-prefill's hundreds to thousands (benchmarks/cpu_gemm_ab.py, results/cpu_gemm_ab-cpu.jsonl). Its
-rounding is independent of the row count, like oneDNN's, but its order of summation is not
+prefill's hundreds to thousands (benchmarks/probes/cpu_gemm_ab.py,
+results/cpu_gemm_ab-cpu.jsonl). Its rounding is independent of the row count, like oneDNN's, but
+its order of summation is not
 oneDNN's: ~4e-5 of outputs differ from F.linear's by one bf16 rounding. `onednn` keeps the oneDNN path, whose results are F.linear's bit for bit.
 An MLP's fused gate/up weight is packed paired (gate and up features side by side), so the GEMM
 applies the SiLU-and-mul in its epilogue (`silu_linear`): 30 layers of SmolLM2's MLP input

@@ -86,16 +86,17 @@ def _gemv_silu_kernel(X, W, Y, N, K, stride_w,
 
 def tuned_config(n: int, k: int) -> Optional[tuple[int, int, int, int]]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an (N, K) weight, or None where cuBLAS is as
-    fast or the shape was never measured. From a sweep on an H100 (benchmarks/gpu_probe.py gemv,
-    bf16, weights cycled so none stays in L2; us per call, cuBLAS -> Triton):
+    fast or the shape was never measured. From a sweep on an H100
+    (benchmarks/probes/gpu_probe.py gemv, bf16, weights cycled so none stays in L2; us per call,
+    cuBLAS -> Triton):
         o 4096 x 4096           37.7 -> 21.9    (8, 256, 2, 4)
         qkv 6144 x 4096         22.3 -> 23.2    (8, 256, 2, 4): faster inside a CUDA graph
         gate_up 28672 x 4096    82.9 -> 78.3    (4, 1024, 8, 3)
         down 4096 x 14336       45.5 -> 42.2    (4, 512, 2, 3)
         lm_head 128256 x 4096   379.8 -> 332.6  (2, 1024, 8, 3)
-    Inside a CUDA graph of the 32 layers' GEMVs (benchmarks/gpu_probe_bs1.py chain, where the
-    decode step runs them), per call: qkv cuBLAS 20.5 -> (8, 256, 2, 4) 18.7, o 15.4 -> 13.3; the
-    whole chain 5.135 ms with qkv on cuBLAS, 5.063 with it here (ideal at copy bandwidth 4.957).
+    Inside a CUDA graph of the 32 layers' GEMVs (benchmarks/probes/gpu_probe_bs1.py chain, where
+    the decode step runs them), per call: qkv cuBLAS 20.5 -> (8, 256, 2, 4) 18.7, o 15.4 -> 13.3;
+    the whole chain 5.135 ms with qkv on cuBLAS, 5.063 with it here (ideal at copy bandwidth 4.957).
     Hidden sizes under 4096 were not measured, so they keep cuBLAS."""
     if k < 4096 or k % 256:
         return None

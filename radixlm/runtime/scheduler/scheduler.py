@@ -286,7 +286,8 @@ class Scheduler(TokenProcessing):
         # the graph wins: grouping skips KV reads (Llama-3.1-8B: 4 KB per key and layer, ~1.2 us
         # per 1000 keys on an H100) but an eager step costs ~0.6 ms of launches per layer; with
         # groups on, dp_router's tenants kept an H100 replica's scheduler 100% host-bound
-        # (benchmarks/dp_profile.py, 2026-11-25). Groups stay for the CPU and past the graphs.
+        # (benchmarks/probes/dp_profile.py, 2026-11-25). Groups stay for the CPU and past the
+        # graphs.
         if self.prefix_grouper is not None and not self.runner.replays_decode_graph(len(reqs)):
             fb.prefix_groups = self.prefix_grouper.plan(reqs)
             self.stats["shared_prefix_steps"] += fb.prefix_groups is not None

@@ -1,9 +1,11 @@
-"""radixlm's bf16 GEMM (csrc/cpu_gemm.cpp) against oneDNN on prepacked weights, in one process:
+"""Is radixlm's CPU bf16 GEMM faster than oneDNN (or than a git revision's build of itself)?
+
+radixlm's bf16 GEMM (csrc/cpu_gemm.cpp) against oneDNN on prepacked weights, in one process:
 SmolLM2-135M's four projections of 30 layers (each layer its own weights, so they stream from
 memory as in a real step) plus the 49152-row head, at decode and prefill row counts.
 
-    .venv/bin/python benchmarks/cpu_gemm_ab.py [--rows 1,8,32,64,512] [--rounds 8]
-    .venv/bin/python benchmarks/cpu_gemm_ab.py --base HEAD~1 [--rows 32]
+    .venv/bin/python benchmarks/probes/cpu_gemm_ab.py [--rows 1,8,32,64,512] [--rounds 8]
+    .venv/bin/python benchmarks/probes/cpu_gemm_ab.py --base HEAD~1 [--rows 32]
 
 The two alternate round by round (this machine's speed drifts by 10-30% between runs); the
 comparison is the ratio of medians. Also reports how many outputs differ from oneDNN's (one bf16
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]  # benchmarks/probes/ -> the repository
 sys.path.insert(0, str(_ROOT))
 
 from radixlm.runtime.layers import cpu_packed  # noqa: E402
@@ -84,7 +86,7 @@ def main(argv=None) -> dict:
 
 def compare_builds(args) -> dict:
     """radixlm's GEMM at args.base against the working tree's, on the model's op mix."""
-    from benchmarks.cpu_attention_ab import build, sources_at
+    from benchmarks.probes.cpu_attention_ab import build, sources_at
     from benchmarks.offline_throughput import emit_result, git_commit
 
     builds = {"base": build("base", sources_at(args.base)), "tree": build("tree", _ROOT / "csrc")}

@@ -1,10 +1,12 @@
-"""Where one replica's time goes under dp_router's workload: py-spy samples every process of a
-served model (HTTP front, scheduler, detokenizer) while the multi-tenant load runs against it.
+"""Where does one replica's time go under dp_router's workload?
+
+py-spy samples every process of a served model (HTTP front, scheduler, detokenizer) while the
+multi-tenant load runs against it.
 
     # device (py-spy travels as a wheel in .whl): writes $OUT/dp_profile.txt (py-spy raw stacks)
-    python benchmarks/dp_profile.py --out-dir "$OUT"
+    python benchmarks/probes/dp_profile.py --out-dir "$OUT"
     # CPU dry run with the tiny model
-    python benchmarks/dp_profile.py --tiny --out-dir /tmp/dp_profile
+    python benchmarks/probes/dp_profile.py --tiny --out-dir /tmp/dp_profile
 
 Prints the load's result line (as dp_router's `single`) and the top own / inclusive frames per
 process; the raw stacks stay in the out dir for a closer look.
@@ -14,48 +16,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-
-
-def summarize(raw_path: str, top: int = 25) -> str:
-    """py-spy raw lines ('frame;frame;... count') -> top own and inclusive frames per process."""
-    own: dict = collections.defaultdict(collections.Counter)
-    incl: dict = collections.defaultdict(collections.Counter)
-    totals: collections.Counter = collections.Counter()
-    with open(raw_path) as f:
-        for line in f:
-            stack, _, n = line.rstrip().rpartition(" ")
-            if not n.isdigit():
-                continue
-            frames = stack.split(";")
-            # a child's stack starts with its parent's frames: the innermost "process" frame
-            at = max((i for i, fr in enumerate(frames) if fr.startswith("process")), default=-1)
-            proc = frames[at] if at >= 0 else "?"
-            totals[proc] += int(n)
-            own[proc][frames[-1]] += int(n)
-            for fr in set(frames[at + 1:]):
-                incl[proc][fr] += int(n)
-    out = []
-    for proc, tot in totals.most_common():
-        out.append(f"== {proc[:160]}: {tot} samples")
-        out += [f"own  {100 * v / tot:5.1f}% {k[:150]}" for k, v in own[proc].most_common(top)]
-        out += [f"incl {100 * v / tot:5.1f}% {k[:150]}" for k, v in incl[proc].most_common(top)]
-    return "\n".join(out)
+_ROOT = os.path.dirname(os.path.dirname(_HERE))  # benchmarks/probes/ -> the repository
 
 
 def main() -> None:
     from benchmarks import dp_load
     from benchmarks import dp_router as dr
+    from benchmarks.pyspy_stacks import record, summarize
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--out-dir", default=".")
@@ -76,9 +51,7 @@ def main() -> None:
         prompts = dr.workload(args, vocab)
 
         def spy():  # start once the load is under way, sample the server and its children
-            subprocess.run(["py-spy", "record", "--pid", str(server.proc.pid), "--subprocesses",
-                            "--duration", str(int(seconds)), "--rate", "100", "--format", "raw",
-                            "--output", raw], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            record(server.proc.pid, seconds, raw)
 
         timer = threading.Timer(2.0, spy)
         timer.start()

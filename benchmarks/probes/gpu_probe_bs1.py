@@ -1,5 +1,7 @@
-"""Where batch-1 decode loses time against the bandwidth roofline (a diagnostic: prints, no result
-file). Three probes, each one JSON line on stdout (tables on stderr):
+"""Where does batch-1 decode lose time against the bandwidth roofline?
+
+A diagnostic (prints, no result file). Three probes, each one JSON line on stdout (tables on
+stderr):
 
   chain     the decode step's weight GEMVs alone (qkv, o, gate_up, down per layer x 32, lm_head)
             captured in one CUDA graph, per GEMV routing (cuBLAS, layers/triton_gemv), against
@@ -9,7 +11,7 @@ file). Three probes, each one JSON line on stdout (tables on stderr):
   ttft      the 128-token prefill of an empty cache: wall of generate(max_new_tokens=1) against
             the GPU busy time of its kernels
 
-    python benchmarks/gpu_probe_bs1.py chain timeline ttft
+    python benchmarks/probes/gpu_probe_bs1.py chain timeline ttft
 """
 
 from __future__ import annotations
@@ -26,14 +28,25 @@ import time
 import torch
 import torch.nn.functional as F
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.gpu_suite_parts import copy_bandwidth_tbps, rand_ids, timed_generate  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _gemv(x, w, cfg) -> None:
+    """One projection the way `cfg` routes it: "cublas" (F.linear), "default" (triton_gemv's own
+    choice of config, as the model runs it) or an explicit Triton GEMV config tuple."""
+    from radixlm.runtime.layers import triton_gemv
+    if cfg == "cublas":
+        F.linear(x, w)
+    elif cfg == "default":
+        triton_gemv.linear(x, w)
+    else:
+        triton_gemv.gemv(x, w, config=cfg)
 
 
 def probe_chain(args, out: dict) -> None:
@@ -52,14 +65,7 @@ def probe_chain(args, out: dict) -> None:
         def run():
             for ly in layers:
                 for name, w in ly.items():
-                    x = xs[w.shape[1]]
-                    cfg = route.get(name, "default")
-                    if cfg == "cublas":
-                        F.linear(x, w)
-                    elif cfg == "default":
-                        triton_gemv.linear(x, w)
-                    else:
-                        triton_gemv.gemv(x, w, config=cfg)
+                    _gemv(xs[w.shape[1]], w, route.get(name, "default"))
             triton_gemv.linear(xs[4096], head)
         return run
 
@@ -94,12 +100,7 @@ def probe_chain(args, out: dict) -> None:
 
             def run(ws=ws, cfg=cfg):
                 for w in ws:
-                    if cfg == "cublas":
-                        F.linear(x, w)
-                    elif cfg == "default":
-                        triton_gemv.linear(x, w)
-                    else:
-                        triton_gemv.gemv(x, w, config=cfg)
+                    _gemv(x, w, cfg)
             run()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()

@@ -1,9 +1,12 @@
-"""Where an offline run's time goes, step by step: wall time of every extend and decode step
-(synchronized on CUDA, so the overlap schedule is off while probing), grouped by kind.
+"""Where does an offline run's time go, step by step?
 
-    python benchmarks/step_probe.py --model-path benchmarks/configs/llama-3.1-8b --workload shared_prefix
+The wall time of every extend and decode step (synchronized on CUDA, so the overlap schedule is
+off while probing), grouped by kind.
+
+    python benchmarks/probes/step_probe.py --model-path benchmarks/configs/llama-3.1-8b \
+        --workload shared_prefix
     # CPU, the bundled SmolLM2 (real weights), a peer workload written by peers/workloads.py:
-    python benchmarks/step_probe.py --device cpu --workloads-file W.json --workload short \
+    python benchmarks/probes/step_probe.py --device cpu --workloads-file W.json --workload short \
         --profile-extend-step 1 --profile-decode-step 10
 
 Prints one JSON line: per kind (extend / decode / decode_grouped) the step count, total seconds,
@@ -24,8 +27,11 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_suite import rand_ids, shared_prefix_workload  # noqa: E402
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.gpu_suite_parts import rand_ids, shared_prefix_workload  # noqa: E402
 
 
 def main() -> None:
@@ -93,7 +99,6 @@ def main() -> None:
     rng = random.Random(0)
     vocab = eng.runner.model_config.vocab_size
     if args.workloads_file:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from benchmarks.peers import workloads as wl
 
         w = next(w for w in wl.read_offline(args.workloads_file)

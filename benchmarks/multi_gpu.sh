@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Issue 13's GPU measurements in ONE device call on a 2-GPU machine (device time is scarce, a
-# machine start costs minutes): the TP GPU tests, TP=1 vs TP=2 and the DP router comparison.
+# The multi-GPU measurements in ONE device call on a 2-GPU machine (device time is scarce, a
+# machine start costs minutes): the TP GPU tests, TP=1 vs TP=2 (tp_gpu.py) and the DP router
+# comparison (dp_router.py), which write tp_gpu.jsonl and dp_router*.jsonl under results/.
 # Each step has its own time limit and logs to $OUT, so a hang in one leaves the others' results.
 #
 #   # here: ../shared/tools/gpu-wheels fastapi uvicorn pyzmq xgrammar gguf orjson pydantic jsonschema
 #   #       .venv/bin/python benchmarks/gpu_prep.py --out .carry
 #   # device (kind nvidia-h200-x2 or nvidia-h100-x2, carry [".whl", ".carry"]):
-#   bash benchmarks/issue13_gpu.sh                  # all four steps, ~550 s at most
-#   bash benchmarks/issue13_gpu.sh tp_bench dp_bench # some of them
+#   bash benchmarks/multi_gpu.sh                    # all four steps, ~550 s at most
+#   bash benchmarks/multi_gpu.sh tp_bench dp_bench  # some of them
 #
 # Budget: 2 x H100 (2026-11-25) TP=1 took 36 s to start and ~60 s in all; 2 x H200 (2026-11-26)
 # tp_tests 78 s, tp_bench 37 s, each dp step 35-40 s (1024 requests).
 set -u
-OUT=${OUT:-/tmp/issue13}
+OUT=${OUT:-/tmp/multi_gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -50,9 +51,9 @@ step dp_spy 150 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3
   --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "py-spy on (--spy-dir)" \
   --spy-dir "$OUT/spy" --keep-logs "$OUT/dp_logs_spy" $DP_ARGS
 [[ -d $OUT/spy ]] && for f in "$OUT"/spy/*.txt; do echo "## $f"; head -8 "$f" | cut -c1-150; done
-# not issue 13's, run here to share a machine start: f1b62ac's A/B (decode graphs vs shared-prefix
+# a probe, run here to share a machine start: f1b62ac's A/B (decode graphs vs shared-prefix
 # groups) on gpu_suite's shared-prefix workload, one GPU (only when named: prefix_ab)
-CUDA_VISIBLE_DEVICES=0 step prefix_ab 200 python benchmarks/shared_prefix_ab.py
+CUDA_VISIBLE_DEVICES=0 step prefix_ab 200 python benchmarks/probes/shared_prefix_ab.py
 # the device hands back at most 8 files: the servers' and routers' logs travel as one archive
 for d in dp_logs dp_logs_long dp_logs_spy spy; do
   [[ -d $OUT/$d ]] && tar -czf "$OUT/$d.tgz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"

@@ -1,8 +1,10 @@
-"""A/B of two builds of the CPU attention kernels in one process: the csrc/ of a git revision
+"""Are the working tree's CPU attention kernels faster than a git revision's, and bit-identical?
+
+A/B of two builds of the CPU attention kernels in one process: the csrc/ of a git revision
 against the working tree's, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, D 64, bf16 pool,
 30 layers, each with its own pool so the KV streams from memory as in a real step).
 
-    .venv/bin/python benchmarks/cpu_attention_ab.py --base HEAD~1 [--rounds 12]
+    .venv/bin/python benchmarks/probes/cpu_attention_ab.py --base HEAD~1 [--rounds 12]
 
 This machine's speed drifts by 10-30% between runs, so both builds run interleaved in one
 process (round by round) and the comparison is their ratio. Each build loads under its own ops
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]  # benchmarks/probes/ -> the repository
 sys.path.insert(0, str(_ROOT))
 
 from radixlm.runtime.attention import cpu_kernels as ck  # noqa: E402

@@ -1,9 +1,11 @@
-"""GPU diagnostics behind issue 9's slow parts (a diagnostic, not a benchmark: prints, no result file).
+"""Why is a part of the GPU suite slow: attention, the batch-1 GEMVs or the shared-prefix steps?
 
-    python benchmarks/gpu_probe.py attn            # extend attention (Triton) vs torch SDPA, same shapes
-    python benchmarks/gpu_probe.py gemv            # batch-1..8 linear layers vs the copy bandwidth
-    python benchmarks/gpu_probe.py steps           # shared-prefix workload: profile chosen steps
-    python benchmarks/gpu_probe.py dattn           # decode attention configs at serving batches
+GPU diagnostics (not a benchmark: prints, no result file).
+
+    python benchmarks/probes/gpu_probe.py attn    # extend attention (Triton) vs torch SDPA
+    python benchmarks/probes/gpu_probe.py gemv    # batch-1..8 linear layers vs copy bandwidth
+    python benchmarks/probes/gpu_probe.py steps   # shared-prefix workload: profile chosen steps
+    python benchmarks/probes/gpu_probe.py dattn   # decode attention configs at serving batches
 
 `steps` runs the suite's shared-prefix workload (32 groups x 16 x (2048 shared + 64 own), 64 out)
 with the overlap schedule off and profiles, with torch.profiler, the extend steps and decode steps
@@ -23,8 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
