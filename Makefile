@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 KERNELS := $(VENV)/.cpu-kernels
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`, one module each at a time (--dist loadfile: a module's
+# fixtures are built once); tests/conftest.py gives each one torch thread. 0 runs in-process.
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-gpu serve bench clean
 
@@ -33,7 +36,7 @@ $(KERNELS): $(STAMP) $(wildcard csrc/*.cpp csrc/*.h) radixlm/runtime/attention/c
 install: $(STAMP) $(KERNELS)
 
 test: $(STAMP) $(KERNELS)
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

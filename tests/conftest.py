@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Set before torch loads OpenMP. `make test` runs pytest-xdist workers side by side on the
+# machine's cores: one torch thread per worker (and per server it starts), and OpenMP threads that
+# sleep instead of spinning while they wait. A spinning team starves whatever runs on the other
+# core, itself included: a 2-thread GEMM test took 50 s instead of 5 s beside one busy process.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from radixlm.runtime.models.loader import default_model_path
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from radixlm.runtime.models.loader import default_model_path  # noqa: E402
 
 
 def _import_triton_interpreted() -> None:

@@ -1,12 +1,12 @@
 """Model loading: GGUF and safetensors weights, configs, tokenizer, errors.
 
-The GGUF reference is HF transformers' own GGUF loader on the bundled SmolLM2 file (~13 s, so it
-is built once per module); everything else uses tiny random models saved to tmp folders.
+The bundled SmolLM2 file against HF transformers' own GGUF loader (weights and config) is in
+test_hf_parity.py, next to the other checks that need HF's model; everything else uses tiny random
+models saved to tmp folders.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -41,14 +41,6 @@ def gguf_path() -> str:
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module")
-def hf_gguf_model(gguf_path):
-    pytest.importorskip("accelerate")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    )
-
-
 def test_default_model_path(gguf_path):
     assert os.path.isfile(gguf_path) and gguf_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert resolve_load_format(gguf_path) == "gguf"
@@ -66,31 +58,6 @@ def test_gguf_config_matches_facts(gguf_path):
     assert mc.rope_theta == 100000.0 and mc.rms_norm_eps == 1e-5  # exact, not float32-rounded
     assert mc.tie_word_embeddings and not mc.attention_bias
     assert mc.bos_token_id == 1 and mc.eos_token_ids == (2,)
-
-
-def test_gguf_weights_equal_hf(gguf_path, hf_gguf_model):
-    ours = dict(iter_weights(gguf_path, "gguf", torch.float32))
-    ref = hf_gguf_model.state_dict()
-    # Tied embeddings: HF's state dict also lists lm_head.weight (the same tensor); the file does not.
-    assert torch.equal(ref["lm_head.weight"], ref["model.embed_tokens.weight"])
-    ref.pop("lm_head.weight")
-    ref = {k: v for k, v in ref.items() if "rotary_emb" not in k}  # buffers, not weights
-    assert set(ours) == set(ref)
-    assert len(ours) == 2 + 30 * 9
-    for name, ref_t in ref.items():
-        assert ours[name].dtype == torch.float32
-        assert ours[name].shape == ref_t.shape, name
-        # Same dequantization, same float32 arithmetic: bit-identical, not merely close.
-        assert torch.equal(ours[name], ref_t), name
-
-
-def test_gguf_config_matches_hf(gguf_path, hf_gguf_model):
-    hf = ModelConfig.from_hf(hf_gguf_model.config.to_dict())
-    ours = ModelConfig.from_hf(load_hf_config(gguf_path, "gguf"))
-    # HF's GGUF config has no `architectures` and keeps eps as float32 (9.99999974e-06).
-    assert ours.architecture == "LlamaForCausalLM" and hf.architecture == "llama"
-    assert ours.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)
-    assert dataclasses.replace(ours, architecture="llama", rms_norm_eps=hf.rms_norm_eps) == hf
 
 
 def test_gguf_weights_cast_dtype(gguf_path):
