@@ -13,7 +13,9 @@ Shape invariants (check_integrity asserts each):
   the device): attention reads a request's prefix as one run of device slots, and `evict` takes
   device leaves only. Below it, host-resident nodes extend that subtree (device or host => parent
   device or host), and storage-only nodes hang below those. Every path reads D* H* S*.
-- Storage coverage is a prefix of each path: storage_len > 0 => the parent is fully covered.
+- Storage coverage is per node and need not be a prefix of the path: pages are found by content
+  key, so a page can outlive (or be written without) the pages before it (a corrupt page is
+  deleted; a later one of the same path stays).
 - Locks: `lock_ref` (a request's path lock, as in RadixCache) only on device nodes; `host_ref`
   (a transfer in progress) pins a node's host copy. Neither kind is evicted.
 Accounting per tier, each slot in exactly one place:
@@ -257,15 +259,15 @@ class HiRadixCache(TierTransfers, RadixCache):
             if node.storage_len == n:
                 self._store_tokens += n
                 self._sync(node)
-                self._sync(parent)
             else:
-                assert not node.children, f"{node}: a partly stored node with children"
                 kept = node.storage_len
                 if kept:  # keep the stored head as storage-only, drop the unstored tail
                     self._split(node, kept)
                     self._store_tokens += kept
+                # (with any storage-only children: pages of theirs stay on disk, found by key)
                 self._drop_subtree(node)
                 self.counters["dropped_tokens"] += n - kept
+            self._sync(parent)
             if parent in self._host_leaves and parent.host_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         if slots:

@@ -27,8 +27,6 @@ def _check_node(cache, node, parent) -> None:
             _fail(f"{node}: on the device under {parent}, which is not")
         if (on_dev or on_host) and parent.value is None and parent.host_value is None:
             _fail(f"{node}: on the device or host under storage-only {parent}")
-        if node.storage_len and parent.storage_len != len(parent.key):
-            _fail(f"{node}: stored under a partly stored {parent}")
         if node.lock_ref > parent.lock_ref:
             _fail(f"{node}: locked more than its parent")
     if not 0 <= node.storage_len <= n:

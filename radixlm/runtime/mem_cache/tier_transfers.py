@@ -238,13 +238,7 @@ class TierTransfers:
             return
         page = self.page
         end = (node.start + len(node.key)) // page * page
-        covered, x = 0, node  # the path's stored prefix ends in its deepest node with pages
-        while x is not self.root:
-            if x.storage_len:
-                covered = x.start + x.storage_len
-                break
-            x = x.parent
-        if end <= covered:
+        if end == 0:
             return
         path = []
         x = node
@@ -253,17 +247,29 @@ class TierTransfers:
             x = x.parent
         path.reverse()
         tokens = tuple(t for x in path for t in x.key)
-        keys = page_keys(self.seed, tokens, page, end // page)[covered // page:]
-        block = self._gather(path, covered, end)  # (L, 2, end - covered, H, D)
-        pages = block.unflatten(2, (len(keys), page)).permute(2, 0, 1, 3, 4, 5).contiguous()
-        payloads = [p.view(torch.uint8).numpy().tobytes() for p in pages]
-        accepted = self.storage.batch_put(keys, payloads)
-        self.counters["pages_stored"] += accepted
-        self.counters["bytes_host_to_storage"] += accepted * self.storage.page_bytes
-        stored_to = covered + accepted * page
+        keys = page_keys(self.seed, tokens, page, end // page)
+        # The path's stored pages: ask the store, not the nodes. A node's storage_len can come
+        # from another path through it (its last page, when it ends mid-page, is a different page
+        # on each branch), and another process may have written this path's pages.
+        first = self.storage.batch_exists(keys)
+        covered, keys = first * page, keys[first:]
+        if keys:
+            block = self._gather(path, covered, end)  # (L, 2, end - covered, H, D)
+            pages = block.unflatten(2, (len(keys), page)).permute(2, 0, 1, 3, 4, 5).contiguous()
+            payloads = [p.view(torch.uint8).numpy().tobytes() for p in pages]
+            accepted = self.storage.batch_put(keys, payloads)
+            self.counters["pages_stored"] += accepted
+            self.counters["bytes_host_to_storage"] += accepted * self.storage.page_bytes
+            covered += accepted * page
+        self._mark_stored(path, covered)
+
+    @staticmethod
+    def _mark_stored(path: list, stored_to: int) -> None:
+        """The path's tokens before stored_to lie in stored pages."""
         for x in path:
-            if x.start < stored_to and x.start + len(x.key) > covered:
-                x.storage_len = max(x.storage_len, min(len(x.key), stored_to - x.start))
+            if x.start >= stored_to:
+                break
+            x.storage_len = max(x.storage_len, min(len(x.key), stored_to - x.start))
 
     def _gather(self, path: list, lo: int, hi: int) -> torch.Tensor:
         """The KV of absolute positions [lo, hi) along path, from host copies where present."""
