@@ -78,8 +78,13 @@ class TieredMachine(RuleBasedStateMachine):
         the multi-turn pattern, more often than the rules above happen to line it up."""
         self.cache.evict(CAP)
         self.cache.evict_host(HOST_CAP)
-        if spoil is not None and self.cache.storage is not None:
-            self.corrupt(i, spoil)
+        seq = self.seen[i % len(self.seen)]
+        if spoil is not None and self.cache.storage is not None and len(seq) >= 2:
+            self.cache.storage.flush()  # spoil one of this sequence's own pages
+            pages = len(seq) // 2
+            key = self.cache._keys(tuple(seq), pages)[i % pages]
+            if os.path.exists(self.cache.storage.path(key)):
+                self._spoil(self.cache.storage.path(key), spoil)
         self.load_seen(i, extra)
 
     @precondition(lambda self: self.locks)
@@ -101,17 +106,18 @@ class TieredMachine(RuleBasedStateMachine):
     def corrupt(self, i, how):
         self.cache.storage.flush()
         files = sorted(glob.glob(os.path.join(self.cache.storage.dir, "*", "*.kv")))
-        if not files:
-            return
-        path = files[i % len(files)]
+        if files:
+            self._spoil(files[i % len(files)], how)
+
+    def _spoil(self, path, how):
         with open(path, "r+b") as f:
             if how == "truncate":
                 f.truncate(os.path.getsize(path) - 1)
-            else:
+            else:  # the sign bit of the page's last value
                 f.seek(-1, os.SEEK_END)
                 last = f.read(1)
                 f.seek(-1, os.SEEK_END)
-                f.write(bytes([last[0] ^ 0x40]))
+                f.write(bytes([last[0] ^ 0x80]))
         self.corrupted += 1
 
     @precondition(lambda self: not self.locks)
