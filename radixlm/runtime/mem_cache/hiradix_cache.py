@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode, _common_len
+from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode
 from radixlm.runtime.mem_cache.tier_integrity import check_tiered_tree
 from radixlm.runtime.mem_cache.tier_transfers import TierTransfers
 
@@ -70,6 +70,13 @@ class TierNode(TreeNode):
         tiers = "D" * (self.value is not None) + "H" * (self.host_value is not None)
         return (f"TierNode(id={self.id}, start={self.start}, len={len(self.key)}, {tiers or '-'}"
                 f" stored={self.storage_len}, lock={self.lock_ref}/{self.host_ref})")
+
+
+def _lru_heap(leaves: set, lock: str) -> list:
+    """Eviction candidates: the leaves not locked by `lock` (an attribute), least recent first."""
+    heap = [(n.last_access, n.id, n) for n in leaves if not getattr(n, lock)]
+    heapq.heapify(heap)
+    return heap
 
 
 def _store_only(node: TierNode) -> bool:
@@ -139,19 +146,15 @@ class HiRadixCache(TierTransfers, RadixCache):
         tick = self._tick()
         node, pos, values, dev_node, lower = self.root, 0, [], self.root, []
         while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+            child = self._descend(node, tokens, pos, tick)
             if child is None:
                 break
-            n = _common_len(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = tick
             if child.value is not None:  # device nodes come first on any path (D* H* S*)
                 values.append(child.value)
                 dev_node = child
             else:
                 lower.append(child)
-            node, pos = child, pos + n
+            node, pos = child, pos + len(child.key)
         slots = torch.cat(values) if values else self._empty()
         host_len = sum(len(c.key) for c in lower if c.host_value is not None)
         loadable = slots.numel() + host_len
@@ -169,7 +172,7 @@ class HiRadixCache(TierTransfers, RadixCache):
         tick = self._tick()
         node, pos, kept, path = self.root, 0, None, []
         while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+            child = self._descend(node, tokens, pos, tick)
             if child is None:
                 leaf = TierNode(tokens[pos:], slots[pos:].clone(), node, pos)
                 leaf.last_access, leaf.hit_count = tick, 1
@@ -181,10 +184,7 @@ class HiRadixCache(TierTransfers, RadixCache):
                 kept = pos if kept is None else kept
                 pos = len(tokens)
                 break
-            n = _common_len(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = tick
+            n = len(child.key)
             child.hit_count += 1
             if child.value is None:
                 kept = pos if kept is None else kept
@@ -214,8 +214,7 @@ class HiRadixCache(TierTransfers, RadixCache):
         unlocked device leaves, LRU first, down to the host. Returns the slots freed."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._dev_leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
+        heap = _lru_heap(self._dev_leaves, "lock_ref")
         freed, values = 0, []
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
@@ -244,8 +243,7 @@ class HiRadixCache(TierTransfers, RadixCache):
         """Free >= num_tokens host slots (fewer if nothing unpinned is left) from host-only leaves,
         LRU first: a stored node stays as storage-only, a partly stored one keeps its stored head,
         the rest are dropped."""
-        heap = [(n.last_access, n.id, n) for n in self._host_leaves if n.host_ref == 0]
-        heapq.heapify(heap)
+        heap = _lru_heap(self._host_leaves, "host_ref")
         freed, slots = 0, []
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
@@ -278,8 +276,7 @@ class HiRadixCache(TierTransfers, RadixCache):
     def _trim_store_index(self) -> None:
         if self._store_tokens <= self.store_index_tokens:
             return
-        heap = [(n.last_access, n.id, n) for n in self._store_leaves if n.host_ref == 0]
-        heapq.heapify(heap)
+        heap = _lru_heap(self._store_leaves, "host_ref")
         while self._store_tokens > self.store_index_tokens and heap:
             node = heapq.heappop(heap)[2]
             if node not in self._store_leaves or node.host_ref:
