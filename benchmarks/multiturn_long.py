@@ -11,10 +11,18 @@ Runs, each a fresh Engine in this process:
   off      radix cache only, turns 1..T-1
   on       + host pool holding the working set + file store (write_through), same turns
   restart  a new engine on `on`'s store (warm) and one on an empty store (cold) both replay
-           turn T of every conversation: the first turns after a restart
+           turn T of every conversation: the first turns after a restart, one request at a time
+           by default (--restart-concurrency), so TTFT is the turn's own prefill or load and
+           not its wait behind other requests' decoding
 Prints one JSON line (throughput, TTFT p50/p90, per-tier hits and bytes, the ratios, whether
 `off` and `on` generated the same tokens, the machine's load); --save appends it to
 benchmarks/results/multiturn_long-<device>.jsonl with the date, commit and command.
+
+`tokens_identical` holds in fp32. In bf16 on a CPU it need not: `off` recomputes in one prefill
+the KV that `on` kept from decode steps, and the CPU's linear layers round differently for one
+row than for many (GGUF blocks below 17 rows, packed bf16 weights above), as the plain radix
+cache on vs off does. On a shared 2-core machine run it with OMP_NUM_THREADS=1: with the cores
+oversubscribed, two OpenMP threads stall at every barrier (a decode step of 50 ms took 2 s).
 """
 
 from __future__ import annotations
@@ -47,13 +55,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--num-conversations", type=int, default=12)
-    p.add_argument("--turns", type=int, default=6, help="user turns per conversation (the last "
+    p.add_argument("--num-conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5, help="user turns per conversation (the last "
                                                         "is the restart phase's)")
-    p.add_argument("--first-turn-len", type=int, default=384)
-    p.add_argument("--question-len", type=int, default=96)
+    p.add_argument("--first-turn-len", type=int, default=768)
+    p.add_argument("--question-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
+    p.add_argument("--restart-concurrency", type=int, default=1)
     p.add_argument("--device-fraction", type=float, default=0.25,
                    help="device pool (max_total_tokens) / KV working set")
     p.add_argument("--hicache-ratio", type=float, default=None,
@@ -79,11 +88,11 @@ async def _one(eng, prompt: list[int], sp: dict) -> dict:
             "cached": meta["cached_tokens"], "details": meta.get("cached_tokens_details")}
 
 
-async def _turns(eng, convs, histories, turns, args) -> list[dict]:
-    """Run `turns` of every conversation, `args.concurrency` requests at a time; updates
-    histories in place. Returns one record per request."""
+async def _turns(eng, convs, histories, turns, args, concurrency: int) -> list[dict]:
+    """Run `turns` of every conversation, `concurrency` requests at a time; updates histories in
+    place. Returns one record per request."""
     sp = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
-    sem = asyncio.Semaphore(args.concurrency)
+    sem = asyncio.Semaphore(concurrency)
     records = []
 
     async def turn_of(i: int, t: int) -> None:
@@ -98,7 +107,8 @@ async def _turns(eng, convs, histories, turns, args) -> list[dict]:
     return records
 
 
-def _run(engine_kw: dict, convs, histories, turns, args) -> tuple[dict, list[dict]]:
+def _run(engine_kw: dict, convs, histories, turns, args,
+         concurrency: int) -> tuple[dict, list[dict]]:
     import radixlm
 
     eng = radixlm.Engine(**engine_kw)
@@ -106,7 +116,7 @@ def _run(engine_kw: dict, convs, histories, turns, args) -> tuple[dict, list[dic
         eng.generate(input_ids=list(range(1000, 1016)), sampling_params={"max_new_tokens": 4})
         eng.flush_cache()  # warm-up done: device and host empty (a store keeps what it has)
         t0 = time.perf_counter()
-        records = asyncio.run(_turns(eng, convs, histories, turns, args))
+        records = asyncio.run(_turns(eng, convs, histories, turns, args, concurrency))
         elapsed = time.perf_counter() - t0
         stats = eng.get_stats()
     finally:
@@ -123,7 +133,8 @@ def _run(engine_kw: dict, convs, histories, turns, args) -> tuple[dict, list[dic
            "cached_tokens": sum(r["cached"] for r in records), "hit_tokens": hits,
            "ttft_p50_s": round(_pct(ttfts, 50), 4), "ttft_p90_s": round(_pct(ttfts, 90), 4),
            "latency_mean_s": round(statistics.mean(r["latency"] for r in records), 3),
-           "retractions": stats["retractions"]}
+           "retractions": stats["retractions"], "forward_steps": stats["forward_steps"],
+           "extend_steps": stats["extend_steps"], "busy_s": round(stats["busy_s"], 2)}
     tiers = stats.get("hicache")
     if tiers:
         out["bytes_moved"] = {k[6:]: v for k, v in tiers.items() if k.startswith("bytes_")}
@@ -131,6 +142,12 @@ def _run(engine_kw: dict, convs, histories, turns, args) -> tuple[dict, list[dic
                                 ("pages_written", "pages_read", "pages_corrupt", "pages_dropped")}
         out["host_capacity_tokens"] = tiers["host"]["capacity"]
     return out, records
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _pct(sorted_vals: list[float], q: float) -> float:
@@ -174,19 +191,23 @@ def main(argv=None) -> dict:
                  "dtype": args.dtype, "conversations": len(convs), "turns": args.turns,
                  "first_turn_len": args.first_turn_len, "question_len": args.question_len,
                  "output_len": args.output_len, "concurrency": args.concurrency,
+                 "restart_concurrency": args.restart_concurrency,
                  "working_set_tokens": working_set, "device_pool_tokens": device_pool,
-                 "hicache_ratio": ratio, "write_policy": args.hicache_write_policy}
+                 "hicache_ratio": ratio, "write_policy": args.hicache_write_policy,
+                 "torch_threads": _torch_threads()}
     try:
         hist_off = [[] for _ in convs]
-        res["off"], rec_off = _run(base, convs, hist_off, main_turns, args)
+        res["off"], rec_off = _run(base, convs, hist_off, main_turns, args, args.concurrency)
         hist_on = [[] for _ in convs]
-        res["on"], rec_on = _run(tiered(store), convs, hist_on, main_turns, args)
+        res["on"], rec_on = _run(tiered(store), convs, hist_on, main_turns, args, args.concurrency)
         key = lambda r: (r["conv"], r["turn"])  # noqa: E731
         res["tokens_identical"] = ({key(r): r["output_ids"] for r in rec_off}
                                    == {key(r): r["output_ids"] for r in rec_on})
-        last = range(args.turns - 1, args.turns)
-        res["restart_warm"], _ = _run(tiered(store), convs, [list(h) for h in hist_on], last, args)
-        res["restart_cold"], _ = _run(tiered(empty), convs, [list(h) for h in hist_on], last, args)
+        last, conc = range(args.turns - 1, args.turns), args.restart_concurrency
+        res["restart_warm"], _ = _run(tiered(store), convs, [list(h) for h in hist_on], last,
+                                      args, conc)
+        res["restart_cold"], _ = _run(tiered(empty), convs, [list(h) for h in hist_on], last,
+                                      args, conc)
     finally:
         shutil.rmtree(empty, ignore_errors=True)
         if args.storage_dir is None:

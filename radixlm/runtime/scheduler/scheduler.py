@@ -262,10 +262,10 @@ class Scheduler(TokenProcessing):
         info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, self.device)
         sample_logits = logits[torch.tensor(rows.sample_rows[:n_new], device=self.device)]
         out = self._sample(sample_logits, info, sample_reqs)
-        if self.tiered:  # the prefill rate that storage loads must beat (sampling synced it)
+        keep = self._process_tokens(sample_reqs, out)
+        if self.tiered:  # the prefill rate storage loads must beat (the tokens synced the step)
             self.tree_cache.observe_prefill(sum(r.extend_len for r in reqs),
                                             time.perf_counter() - t0)
-        keep = self._process_tokens(sample_reqs, out)
         if keep:
             info.filter(keep)
             joining = [sample_reqs[i] for i in keep]
