@@ -1,9 +1,10 @@
 """Ordering of the waiting queue.
 
 - `lpm` (longest prefix match, default): requests whose prompt is most cached go first, so the
-  cached prefix is reused before eviction can take it. With the hierarchical cache a token in the
-  host pool or the store counts for a fraction of one on the device (`match_score`). Matching costs a tree walk per request,
-  so past `LPM_FALLBACK_QUEUE_LEN` waiting requests the policy falls back to FCFS.
+  cached prefix is reused before eviction can take it (with the hierarchical cache a token in
+  the host pool or the store counts for a fraction of one on the device: `match_score`).
+  Matching costs a tree walk per request, so past `LPM_FALLBACK_QUEUE_LEN` waiting requests the
+  policy falls back to FCFS.
 - `dfs-weight`: walk the radix tree depth-first, visiting the subtree holding the most waiting
   requests first, so requests sharing a prefix run together.
 - `fcfs`: arrival order.
