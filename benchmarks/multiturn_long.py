@@ -21,8 +21,9 @@ benchmarks/results/multiturn_long-<device>.jsonl with the date, commit and comma
 `tokens_identical` holds in fp32. In bf16 on a CPU it need not: `off` recomputes in one prefill
 the KV that `on` kept from decode steps, and the CPU's linear layers round differently for one
 row than for many (GGUF blocks below 17 rows, packed bf16 weights above), as the plain radix
-cache on vs off does. On a shared 2-core machine run it with OMP_NUM_THREADS=1: with the cores
-oversubscribed, two OpenMP threads stall at every barrier (a decode step of 50 ms took 2 s).
+cache on vs off does. On a shared, oversubscribed CPU run it with OMP_WAIT_POLICY=PASSIVE (or
+OMP_NUM_THREADS=1): with other processes on the cores, spinning OpenMP threads stalled at
+barriers and a 50 ms decode step took 1-2 s (2026-11-27, load 4-6 on 2 cores).
 """
 
 from __future__ import annotations

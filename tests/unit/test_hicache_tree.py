@@ -14,6 +14,7 @@ import torch
 
 from hicache_helpers import admit, check_contents, expect_kv, make_tiered, put
 from radixlm.runtime.mem_cache.hicache_config import HiCacheConfig
+from radixlm.runtime.mem_cache.storage import file_backend
 from radixlm.runtime.mem_cache.storage.file_backend import FileStorage
 
 SEQ = [5, 6, 7, 8, 9, 10]  # three pages of two tokens
@@ -113,7 +114,8 @@ def test_full_disk_turns_writes_off_once(tmp_path, monkeypatch, caplog):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("builtins.open", full)
+    # the store's own `open` only: other threads of the test session keep the real one
+    monkeypatch.setattr(file_backend, "open", full, raising=False)
     with caplog.at_level(logging.WARNING):
         assert store.put(b"a" * 32, b"x" * 8)
         store.flush()
