@@ -287,6 +287,56 @@ def sample_generated_shared_prefix(
     return reqs
 
 
+@dataclass
+class Conversation:
+    """A multi-turn chat from ShareGPT: the first user turn and the questions of the next turns, as
+    token ids (no special tokens); the answers are the model's own, generated turn by turn."""
+
+    first_ids: list[int]
+    question_ids: list[list[int]]
+
+
+def sample_sharegpt_conversations(tokenizer, num: int, turns: int, first_len: int,
+                                  question_len: int, seed: int,
+                                  path: Optional[str] = None) -> list[Conversation]:
+    """`num` conversations of `turns` user turns: the first `first_len` tokens long (the opening
+    message, continued by later ones when short: long-context chats), each later one
+    `question_len` tokens (the conversation's own next human turns, then other conversations')."""
+    rng = random.Random(seed)
+    human = [[t["value"] for t in conv.get("conversations") or []
+              if t.get("from") == "human" and isinstance(t.get("value"), str) and t["value"].strip()]
+             for conv in _take(iter_sharegpt(path), 8 * num)]
+    human = [h for h in human if h]
+    if len(human) < num:
+        raise ValueError(f"ShareGPT has only {len(human)} usable conversations for {num}")
+    rng.shuffle(human)
+    spare = [t for conv in human[num:] for t in conv]
+    out = []
+    for conv in human[:num]:
+        ids = [_encode(tokenizer, [t])[0] for t in conv]
+        first = [tok for part in ids for tok in part][:first_len]
+        while len(first) < first_len:  # a short chat: pad its opening with other users' text
+            first += _encode(tokenizer, [rng.choice(spare)])[0][:first_len - len(first)]
+        questions = []
+        for k in range(1, turns):
+            text = conv[k] if k < len(conv) else rng.choice(spare)
+            q = _encode(tokenizer, [text])[0]
+            while len(q) < question_len:
+                q += _encode(tokenizer, [rng.choice(spare)])[0]
+            questions.append(q[:question_len])
+        out.append(Conversation(first, questions))
+    return out
+
+
+def _take(it, n: int) -> list:
+    out = []
+    for x in it:
+        out.append(x)
+        if len(out) >= n:
+            break
+    return out
+
+
 def summarize(reqs: list[BenchRequest]) -> dict:
     """Token totals of a request list, for logs and result files."""
     return {

@@ -98,6 +98,13 @@ class ServerArgs:
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
+    # --- hierarchical cache (mem_cache/hicache_config.py): device KV <- host pool <- storage ---
+    enable_hierarchical_cache: bool = False  # alias --enable-hicache
+    hicache_ratio: float = 2.0  # host pool tokens / device pool tokens (must come out > 1)
+    hicache_size: float = 0.0  # host pool in GB; > 0 overrides hicache_ratio
+    hicache_write_policy: str = "write_through"  # write_through | write_through_selective | write_back
+    hicache_storage_backend: Optional[str] = None  # file
+    hicache_storage_backend_extra_config: Optional[str] = None  # JSON: {"file_storage_path": DIR}
     disable_jump_forward: bool = False  # constrained decoding: decode forced text token by token
     # by default a step that admits new requests also decodes the running ones in the same forward
     disable_mixed_batch: bool = False
@@ -156,11 +163,20 @@ class ServerArgs:
 
     @staticmethod
     def from_kwargs(**kwargs) -> "ServerArgs":
+        for alias, name in ARG_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"{alias} and {name} are the same argument: give one")
+                kwargs[name] = kwargs.pop(alias)
         names = {f.name for f in dataclasses.fields(ServerArgs)}
         unknown = set(kwargs) - names
         if unknown:
             raise TypeError(f"unknown server argument(s): {sorted(unknown)}")
         return ServerArgs(**kwargs)
+
+
+# SGLang's other spellings (Engine keywords; the CLI takes them as --flag aliases)
+ARG_ALIASES = {"enable_hicache": "enable_hierarchical_cache"}
 
 
 def resolve_chunked_prefill_size(value: Optional[int], device) -> int:

@@ -273,8 +273,9 @@ class Engine:
     def abort_request(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
-    def flush_cache(self) -> bool:
-        return self._call_in_loop(self.scheduler.flush_cache)
+    def flush_cache(self, storage: bool = False) -> bool:
+        """Drop the cached KV of the device and host tiers (and the store's with `storage`)."""
+        return self._call_in_loop(lambda: self.scheduler.flush_cache(storage))
 
     def check_integrity(self) -> None:
         """Assert the KV accounting invariant (free + cached + in use == capacity)."""
@@ -288,18 +289,16 @@ class Engine:
             time.sleep(0.01)
 
     def get_stats(self) -> dict:
-        def snapshot():
-            s = dict(self.scheduler.stats)
-            s.update(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                     kv_capacity=self.runner.capacity,
-                     kv_free=self.scheduler.allocator.available_size(),
-                     kv_cached=self.scheduler.tree_cache.total_size())
-            return s
-        return self._call_in_loop(snapshot)
+        """Scheduler counters and KV use; with the hierarchical cache, `hicache` holds each tier's
+        use, hits and bytes moved."""
+        return self._call_in_loop(self.scheduler.stats_snapshot)
 
     def shutdown(self) -> None:
         self._stopped = True
         self._thread.join(timeout=10)
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None and scheduler.tiered:
+            scheduler.tree_cache.close()  # queued pages reach the store before we go
         if self._tp is not None:  # the stop broadcast only when no forward can be in flight
             graceful = not self._thread.is_alive()
             if graceful:

@@ -218,6 +218,8 @@ def build_result(req: Req, tokenizer, upto: Optional[int] = None, partial: bool 
         "completion_tokens": upto,
         "cached_tokens": req.cached_tokens,
     }
+    if req.cached_tokens_details is not None:
+        meta["cached_tokens_details"] = dict(req.cached_tokens_details)
     if req.return_logprob:
         with_text = return_text_in_logprobs
         inp = req.vocab_input_ids()[req.logprob_start_len:] if req.logprob_start_len >= 0 else []

@@ -85,6 +85,8 @@ class Req:
         self.last_node: Any = None
         self.kv_len = 0
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to the user)
+        # hierarchical cache: {"device": n, "host": n, "storage": n}, where those tokens came from
+        self.cached_tokens_details: Optional[dict] = None
         self.extend_len = 0  # tokens in the current extend step (chunk)
         self.is_chunked = False  # mid-way through a chunked prefill
         self.match: Any = None  # (slots, node) from the last prefix match, used at admission

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from radixlm.runtime.config import ServerArgs
+from radixlm.runtime.config import ARG_ALIASES, ServerArgs
 from radixlm.router.policy import POLICIES
 from radixlm.server.reasoning import PARSER_NAMES as REASONING_PARSERS
 from radixlm.server.tool_calls.parsers import PARSER_NAMES
@@ -48,6 +48,19 @@ _HELP = {
                            "decode step) "
                            "instead of dequantizing at load. auto: on where the AVX2 kernel "
                            "builds; never on CUDA; env RADIXLM_GGUF_KEEP_QUANTIZED overrides",
+    "enable_hierarchical_cache": "keep KV that leaves the device pool in a host-memory pool "
+                                 "(L2) and, with --hicache-storage-backend, in a store (L3); "
+                                 "cached prefixes load back instead of being recomputed",
+    "hicache_ratio": "host pool size / device pool size in tokens (must come out > 1)",
+    "hicache_size": "host pool size in GB; > 0 overrides --hicache-ratio",
+    "hicache_write_policy": "when device KV is copied to the host: write_through (at insert), "
+                            "write_through_selective (on a node's second hit), write_back (at "
+                            "eviction)",
+    "hicache_storage_backend": "L3 store for KV pages: file (survives restarts)",
+    "hicache_storage_backend_extra_config": "JSON for the store: {\"file_storage_path\": DIR, "
+                                            "\"page_tokens\": 64}; DIR defaults to "
+                                            "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, then "
+                                            "/tmp/hicache",
     "fp8_linear": "FP8 (e4m3) checkpoints: scaled_mm keeps the projections' weights in FP8 and "
                   "multiplies with torch._scaled_mm (half the weight memory), dequant "
                   "dequantizes them at load. auto: scaled_mm on CUDA SM89+ without TP, else "
@@ -58,7 +71,9 @@ _HELP = {
 _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSERS,
             "fp8_linear": ("auto", "scaled_mm", "dequant"),
             "embedding_pooling": ("last", "mean"), "cpu_fp32_gemm": ("auto", "on", "off"),
-            "gguf_keep_quantized": ("auto", "on", "off"), "load_balance_method": POLICIES}
+            "gguf_keep_quantized": ("auto", "on", "off"), "load_balance_method": POLICIES,
+            "hicache_write_policy": ("write_through", "write_through_selective", "write_back"),
+            "hicache_storage_backend": ("file",)}
 
 
 def _kind(field: dataclasses.Field):
@@ -70,13 +85,17 @@ def _kind(field: dataclasses.Field):
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    aliases = {name: alias for alias, name in ARG_ALIASES.items()}
     for f in dataclasses.fields(ServerArgs):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.name in aliases:
+            flags.append("--" + aliases[f.name].replace("_", "-"))
         kind = _kind(f)
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=f.default, help=_HELP.get(f.name))
+            parser.add_argument(*flags, action="store_true", default=f.default,
+                                help=_HELP.get(f.name))
         else:
-            parser.add_argument(flag, type=kind, default=f.default, choices=_CHOICES.get(f.name),
+            parser.add_argument(*flags, type=kind, default=f.default, choices=_CHOICES.get(f.name),
                                 help=_HELP.get(f.name, f"default: {f.default}"))
 
 

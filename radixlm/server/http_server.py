@@ -104,8 +104,12 @@ def build_app(tm, args, health) -> FastAPI:
         return Response(status_code=200)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        ok = await tm.control("flush_cache")
+    async def flush_cache(request: Request):
+        # the device and host tiers; ?storage=true also deletes the store's pages (hicache)
+        flag = request.query_params.get("storage", "false").lower()
+        if flag not in ("true", "false", "1", "0"):
+            return error(400, f"storage: must be true or false (got {flag!r})")
+        ok = await tm.control("flush_cache", {"storage": flag in ("true", "1")})
         if not ok:
             return error(400, "cannot flush the cache while requests are running")
         return Response("Cache flushed.\n", status_code=200)

@@ -100,6 +100,8 @@ class ReqUpdate:
     input_token_ids_logprobs: Optional[list] = None  # full list, with input_token_logprobs
     embedding: Optional[list] = None  # embedding requests: the pooled, normalized vector
     retractions: int = 0
+    # hierarchical cache: {"device": n, "host": n, "storage": n} (meta_info.cached_tokens_details)
+    cached_tokens_details: Optional[dict] = None
     # jump-forward re-tokenized earlier output: ids (and logprobs) from this index on are replaced
     # by new_ids (the text they decode to is unchanged, so streamed text stays valid)
     rollback_to: Optional[int] = None

@@ -29,6 +29,16 @@ class ServerMetrics:
         self.token_usage = Gauge(p + "token_usage", "Fraction of KV slots in use or cached", registry=r)
         self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Cached prompt tokens / prompt tokens",
                                     registry=r)
+        # --enable-hierarchical-cache only (labelled gauges have no samples until set)
+        self.tier_tokens = Gauge(p + "hicache_cached_tokens", "Tokens whose KV a tier holds "
+                                 "(storage: the tree's index of stored tokens)", ["tier"],
+                                 registry=r)
+        self.tier_capacity = Gauge(p + "hicache_capacity_tokens", "Tokens a tier's pool holds",
+                                   ["tier"], registry=r)
+        self.tier_hits = Gauge(p + "hicache_hit_tokens", "Prompt tokens served from a tier",
+                               ["tier"], registry=r)
+        self.tier_bytes = Gauge(p + "hicache_bytes_moved", "KV bytes copied between tiers",
+                                ["direction"], registry=r)
 
     def on_request(self, prompt_tokens: int) -> None:
         self.requests.inc()
@@ -54,4 +64,14 @@ class ServerMetrics:
         self.token_usage.set(1 - stats.get("kv_free", cap) / cap)
         prompt = stats.get("prompt_tokens") or 0
         self.cache_hit_rate.set(stats.get("cached_tokens", 0) / prompt if prompt else 0.0)
+        tiers = stats.get("hicache")
+        if tiers:
+            for tier in ("device", "host"):
+                self.tier_tokens.labels(tier).set(tiers[tier]["cached"])
+                self.tier_capacity.labels(tier).set(tiers[tier]["capacity"])
+            self.tier_tokens.labels("storage").set(tiers["storage"]["index_tokens"])
+            for tier in ("device", "host", "storage"):
+                self.tier_hits.labels(tier).set(tiers["hit_tokens_" + tier])
+            for way in ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host"):
+                self.tier_bytes.labels(way).set(tiers["bytes_" + way])
         return generate_latest(self.registry)

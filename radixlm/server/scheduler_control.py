@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.mem_cache.hicache_config import rekey_storage
 from radixlm.runtime.models import loader
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ def update_weights_from_disk(runner, scheduler, req: dict) -> dict:
         load(old_path, old_fmt)
         raise ValueError(f"loading the weights failed, the old ones are back: {e}") from None
     runner.model_path, runner.load_format = path, fmt
+    rekey_storage(scheduler.tree_cache, runner)  # stored pages are the old weights' KV
     if req.get("flush_cache", True):
         scheduler.flush_cache()
     return {"success": True, "num_paused_requests": 0,

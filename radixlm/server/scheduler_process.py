@@ -105,13 +105,9 @@ class SchedulerServer:
         reply = ControlReply(msg.req_id)
         try:
             if msg.kind == "flush_cache":
-                reply.result = self.scheduler.flush_cache()
+                reply.result = self.scheduler.flush_cache(bool((msg.payload or {}).get("storage")))
             elif msg.kind == "get_stats":
-                s = self.scheduler
-                reply.result = dict(s.stats, num_running=len(s.running), num_waiting=len(s.waiting),
-                                    kv_capacity=self.runner.capacity,
-                                    kv_free=s.allocator.available_size(),
-                                    kv_cached=s.tree_cache.total_size())
+                reply.result = self.scheduler.stats_snapshot()
             elif msg.kind == "check_integrity":
                 self.scheduler.check_integrity()
                 reply.result = True
@@ -151,6 +147,7 @@ class SchedulerServer:
                            retractions=req.retractions)
             if req.embedding is not None:
                 up.embedding = req.embedding
+            up.cached_tokens_details = req.cached_tokens_details
             if req.return_logprob:
                 up.output_token_logprobs = list(zip(req.output_token_logprobs[start:n],
                                                     req.output_ids[start:n]))
@@ -189,6 +186,8 @@ def run_scheduler_process(args: ServerArgs, ipc: dict[str, str], ready_pipe) -> 
         return
     try:
         server.serve_forever()
+        if server.scheduler.tiered:
+            server.scheduler.tree_cache.close()  # queued pages reach the store before we go
         if server.tp is not None:  # a shutdown request: the workers leave their loop too
             server.runner.release_cuda_graphs()
             server.tp.stop()

@@ -43,6 +43,7 @@ class ReqState:
         self.output_ids: list[int] = []
         self.finish: Optional[dict] = None
         self.cached_tokens = 0
+        self.cached_tokens_details: Optional[dict] = None
         self.out_lp: list = []
         self.out_top: list = []
         self.in_lp: Optional[list] = None
@@ -119,6 +120,7 @@ class TokenizerManager:
         state.output_ids.extend(up.new_ids)
         state.retractions = up.retractions
         state.cached_tokens = up.cached_tokens
+        state.cached_tokens_details = up.cached_tokens_details
         if up.output_token_logprobs:
             state.out_lp.extend(up.output_token_logprobs)
         if up.output_top_logprobs:
@@ -240,6 +242,8 @@ class TokenizerManager:
                 meta["output_token_ids_logprobs"] = tops(state.out_tid)
         meta.update(reasoning_tokens=0, completion_tokens=len(state.output_ids),
                     cached_tokens=state.cached_tokens)
+        if state.cached_tokens_details is not None:
+            meta["cached_tokens_details"] = dict(state.cached_tokens_details)
         if state.finish is not None:
             meta["e2e_latency"] = time.perf_counter() - state.created
         out = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}

@@ -43,6 +43,9 @@ class ForwardBatch:
     # EXTEND only, None unless a request of the batch has images: (first row of its tokens in
     # the batch, its first position computed, its number of tokens, its MultimodalInputs) each
     mm_inputs: Optional[list] = None
+    # EXTEND, CUDA: one event per layer of the KV loads from the host pool this forward reads
+    # (mem_cache/host_pool.py); layer l waits for its own event only. None: nothing in flight
+    kv_load_events: Optional[list] = None
 
     @property
     def batch_size(self) -> int:

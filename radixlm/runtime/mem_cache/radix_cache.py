@@ -110,16 +110,12 @@ class RadixCache:
         tick = self._tick()
         node, pos, values = self.root, 0, []
         while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+            child = self._descend(node, tokens, pos, tick)
             if child is None:
                 break
-            n = _common_len(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = tick
             values.append(child.value)
             # after a split, `child` ends where the match ends; the next lookup misses and exits
-            node, pos = child, pos + n
+            node, pos = child, pos + len(child.key)
         return (torch.cat(values) if values else self._empty()), node
 
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
@@ -133,16 +129,12 @@ class RadixCache:
         tick = self._tick()
         node, pos = self.root, 0
         while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+            child = self._descend(node, tokens, pos, tick)
             if child is None:
                 # copy: `slots` is often a view of a req_to_token row that will be overwritten
                 self._add_leaf(node, tokens[pos:], slots[pos:].clone(), tick)
                 return pos
-            n = _common_len(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = tick
-            node, pos = child, pos + n
+            node, pos = child, pos + len(child.key)
         return pos
 
     # --- locking -------------------------------------------------------------------------------
@@ -303,6 +295,18 @@ class RadixCache:
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+
+    def _descend(self, node: TreeNode, tokens: tuple, pos: int, tick: int) -> Optional[TreeNode]:
+        """The child of `node` that matches tokens[pos:], cut where the match ends (so the whole
+        returned node matches) and touched at `tick`; None when no child starts with tokens[pos]."""
+        child = node.children.get(tokens[pos])
+        if child is None:
+            return None
+        n = _common_len(child.key, tokens, pos)
+        if n < len(child.key):
+            child = self._split(child, n)
+        child.last_access = tick
+        return child
 
     def _add_leaf(self, parent: TreeNode, key: tuple, value: torch.Tensor, tick: int) -> None:
         leaf = TreeNode(key, value, parent)

@@ -1,8 +1,10 @@
 """Ordering of the waiting queue.
 
 - `lpm` (longest prefix match, default): requests whose prompt is most cached go first, so the
-  cached prefix is reused before eviction can take it. Matching costs a tree walk per request,
-  so past `LPM_FALLBACK_QUEUE_LEN` waiting requests the policy falls back to FCFS.
+  cached prefix is reused before eviction can take it (with the hierarchical cache a token in
+  the host pool or the store counts for a fraction of one on the device: `match_score`).
+  Matching costs a tree walk per request, so past `LPM_FALLBACK_QUEUE_LEN` waiting requests the
+  policy falls back to FCFS.
 - `dfs-weight`: walk the radix tree depth-first, visiting the subtree holding the most waiting
   requests first, so requests sharing a prefix run together.
 - `fcfs`: arrival order.
@@ -29,6 +31,11 @@ def match_len_cap(req: Req) -> int:
     return cap
 
 
+def match_score(match) -> float:
+    """Device-cached tokens, plus the tiered cache's weighted host and storage hits."""
+    return len(match[0]) + getattr(match, "lower_score", 0.0)
+
+
 def compute_matches(waiting: list[Req], tree_cache) -> None:
     for req in waiting:
         req.match = tree_cache.match_prefix(req.fill_ids[: match_len_cap(req)])
@@ -43,7 +50,7 @@ def order_waiting(waiting: list[Req], policy: str, tree_cache) -> list[Req]:
         return list(waiting)
     compute_matches(waiting, tree_cache)
     if policy == "lpm":
-        return sorted(waiting, key=lambda r: -len(r.match[0]))  # stable: FCFS among equals
+        return sorted(waiting, key=lambda r: -match_score(r.match))  # stable: FCFS among equals
     return _dfs_weight_order(waiting, tree_cache)
 
 

@@ -7,6 +7,10 @@ token budget (`chunked_prefill_size`, `max_prefill_tokens`), in chunks over seve
 
 The matched prefix is locked as soon as a request is considered, so evictions made for later
 requests in the same round cannot take it; a request that is not admitted is unlocked again.
+
+With the hierarchical cache, the part of the prefix that sits in the host pool or the store is
+loaded into device slots when the request is considered (`_load_lower`), before its forward reads
+it: the loaded tokens spend the slots their compute would have and none of the step's compute.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class PrefillAdder:
     def __init__(self, tree_cache, allocator, running: list[Req], new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int):
         self.tree_cache = tree_cache
+        self.allocator = allocator
+        self.tiered = getattr(tree_cache, "tiered", False)
         self.ratio = new_token_ratio
         self.rem_total = (allocator.available_size() + tree_cache.evictable_size()
                           - sum(reserved_decode_tokens(r, new_token_ratio) for r in running))
@@ -71,19 +77,45 @@ class PrefillAdder:
     def add(self, req: Req) -> AddResult:
         if self.rem_step <= 0:
             return AddResult.NO_COMPUTE
-        if req.match is None:
+        if req.match is None or self.tiered:  # tiered: this round's loads may have moved KV
             req.match = self.tree_cache.match_prefix(req.fill_ids[: match_len_cap(req)])
         slots, node = req.match
-        if self._shares_prefix_with_admitted(req, len(slots)):
+        lower = getattr(req.match, "lower_len", 0)
+        if self._shares_prefix_with_admitted(req, len(slots) + lower):
             return AddResult.DEFERRED
         self._lock(node)
+        details = None
+        if self.tiered:
+            slots, node, details = self._load_lower(req, slots, node)
         req.prefix_indices, req.last_node = slots, node
         req.kv_len = len(slots)
         result = self._take(req, req.seqlen - len(slots))
         if result != AddResult.ADDED:
             self._unlock(node)
             req.prefix_indices, req.last_node, req.kv_len = slots[:0], None, 0
+        elif details is not None:
+            self.tree_cache.record_hits(details)
+            if req.retractions == 0 and not req.output_ids:  # what meta_info reports
+                req.cached_tokens_details = details
         return result
+
+    def _load_lower(self, req: Req, slots, node):
+        """Load the match's host / storage part into device slots (unless the request cannot be
+        admitted anyway); moves the request's lock to the loaded path's end. Returns the new
+        (slots, node) and the tokens each tier gave."""
+        details = {"device": len(slots), "host": 0, "storage": 0}
+        need = req.seqlen - len(slots) + reserved_decode_tokens(req, self.ratio)
+        if req.match.lower_len and need <= self.rem_total:
+            tree = self.tree_cache
+            room = self.allocator.available_size() + tree.evictable_size()
+            slots, new_node, details = tree.load_back(req.match)
+            if new_node is not node:
+                tree.inc_lock_ref(new_node)
+                tree.dec_lock_ref(node)
+            # the loaded tokens now sit in locked device slots: out of free + evictable
+            self.rem_total -= room - (self.allocator.available_size() + tree.evictable_size())
+            node = new_node
+        return slots, node, details
 
     def _take(self, req: Req, remaining: int) -> AddResult:
         need = remaining + reserved_decode_tokens(req, self.ratio)

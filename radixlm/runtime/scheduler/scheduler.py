@@ -20,7 +20,7 @@ import torch
 from radixlm.runtime.attention.shared_prefix import PrefixGrouper
 from radixlm.runtime.config import resolve_chunked_prefill_size
 from radixlm.runtime.constrained.grammar import GrammarCompilerPool, MaskBuffer, constraint_of
-from radixlm.runtime.mem_cache.radix_cache import RadixCache
+from radixlm.runtime.mem_cache.hicache_config import make_tree_cache
 from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
@@ -48,7 +48,8 @@ class Scheduler(TokenProcessing):
                                                                  runner.device)
         self.allocator = runner.allocator
         self.req_pool = runner.req_to_token_pool
-        self.tree_cache = RadixCache(self.allocator, self.req_pool, disable=args.disable_radix_cache)
+        self.tree_cache = make_tree_cache(args, runner)  # RadixCache, or HiRadixCache's tiers
+        self.tiered = getattr(self.tree_cache, "tiered", False)
         self.sampler = Sampler()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -232,9 +233,12 @@ class Scheduler(TokenProcessing):
         decoding = list(self.running) if mixed else []
         for req in decoding:
             req.extend_len = 1
+        t0 = time.perf_counter()
         fb, rows = build_extend(reqs + decoding, self.req_pool, self.allocator, self.tree_cache,
                                 self.device)
         fb.num_decode_tail = len(decoding)
+        if self.tiered:  # CUDA: each layer waits for its own loaded KV (mem_cache/host_pool.py)
+            fb.kv_load_events = self.tree_cache.take_load_events()
         logits = self.runner.forward(fb)  # (N, vocab)
         self.stats["forward_steps"] += 1
         self.stats["extend_steps"] += 1
@@ -259,6 +263,9 @@ class Scheduler(TokenProcessing):
         sample_logits = logits[torch.tensor(rows.sample_rows[:n_new], device=self.device)]
         out = self._sample(sample_logits, info, sample_reqs)
         keep = self._process_tokens(sample_reqs, out)
+        if self.tiered:  # the prefill rate storage loads must beat (the tokens synced the step)
+            self.tree_cache.observe_prefill(sum(r.extend_len for r in reqs),
+                                            time.perf_counter() - t0)
         if keep:
             info.filter(keep)
             joining = [sample_reqs[i] for i in keep]
@@ -354,15 +361,27 @@ class Scheduler(TokenProcessing):
             req.last_node = None
 
     # --- maintenance ----------------------------------------------------------------------------
-    def flush_cache(self) -> bool:
-        """Drop the whole radix cache; only allowed when no request holds KV."""
+    def flush_cache(self, storage: bool = False) -> bool:
+        """Drop the whole radix cache (device and host tiers; with `storage`, the store's pages
+        too); only allowed when no request holds KV."""
         self._settle()
         if not self.is_idle():
             return False
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_pool.clear()
+        if storage and self.tiered:
+            self.tree_cache.clear_storage()
         return True
+
+    def stats_snapshot(self) -> dict:
+        """The stats the engine and the server report (get_stats, /metrics, /get_server_info)."""
+        s = dict(self.stats, num_running=len(self.running), num_waiting=len(self.waiting),
+                 kv_capacity=self.allocator.capacity, kv_free=self.allocator.available_size(),
+                 kv_cached=self.tree_cache.total_size())
+        if self.tiered:
+            s["hicache"] = self.tree_cache.tier_stats()
+        return s
 
     def check_integrity(self) -> None:
         self._settle()

@@ -1,0 +1,155 @@
+"""The hierarchical cache's settings (SGLang's flags) and the factory that builds the tree cache.
+
+    --enable-hierarchical-cache (--enable-hicache)   L2 host pool (+ L3 with a storage backend)
+    --hicache-ratio R        host pool = R x device pool tokens (SGLang: must come out larger)
+    --hicache-size GB        host pool in GB (1e9 bytes), overrides the ratio when > 0
+    --hicache-write-policy   write_through (default) | write_through_selective | write_back
+    --hicache-storage-backend file
+    --hicache-storage-backend-extra-config '{"file_storage_path": DIR, "page_tokens": 64}'
+        DIR defaults to $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, then /tmp/hicache (SGLang's)
+A bad value raises ValueError naming the field, before any pool is allocated.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from radixlm.runtime.mem_cache.radix_cache import RadixCache
+from radixlm.runtime.mem_cache.storage import BACKENDS
+from radixlm.runtime.mem_cache.storage.keys import file_fingerprint, namespace_seed
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+DEFAULT_FILE_DIR = "/tmp/hicache"
+DEFAULT_PAGE_TOKENS = 64
+EXTRA_KEYS = ("file_storage_path", "page_tokens")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    host_capacity: int  # tokens
+    write_policy: str
+    storage_backend: Optional[str]
+    storage_dir: Optional[str]
+    page_tokens: int
+
+    @staticmethod
+    def from_args(args, device_capacity: int, token_bytes: int) -> "HiCacheConfig":
+        if args.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache: needs the radix cache "
+                             "(drop --disable-radix-cache)")
+        if args.tp_size != 1:
+            raise ValueError("enable_hierarchical_cache: not supported with tp_size > 1 yet")
+        if args.hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy: must be one of {WRITE_POLICIES} "
+                             f"(got {args.hicache_write_policy!r})")
+        size, ratio = args.hicache_size, args.hicache_ratio
+        if not isinstance(size, (int, float)) or size < 0:
+            raise ValueError(f"hicache_size: must be >= 0 GB (got {size!r})")
+        if not isinstance(ratio, (int, float)) or ratio <= 0:
+            raise ValueError(f"hicache_ratio: must be > 0 (got {ratio!r})")
+        host = int(size * 1e9 // token_bytes) if size > 0 else int(device_capacity * ratio)
+        if host <= device_capacity:
+            field = "hicache_size" if size > 0 else "hicache_ratio"
+            raise ValueError(f"{field}: the host pool ({host} tokens) must be larger than the "
+                             f"device pool ({device_capacity} tokens)")
+        backend, extra = args.hicache_storage_backend, _extra_config(args)
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"hicache_storage_backend: must be one of {sorted(BACKENDS)} "
+                             f"(got {backend!r})")
+        page = extra.get("page_tokens", DEFAULT_PAGE_TOKENS)
+        if isinstance(page, bool) or not isinstance(page, int) or page < 1:
+            raise ValueError(f"hicache_storage_backend_extra_config: page_tokens must be a "
+                             f"positive integer (got {page!r})")
+        folder = None
+        if backend == "file":
+            folder = (extra.get("file_storage_path") or os.environ.get(FILE_DIR_ENV)
+                      or DEFAULT_FILE_DIR)
+            if not isinstance(folder, str):
+                raise ValueError("hicache_storage_backend_extra_config: file_storage_path must "
+                                 f"be a string (got {folder!r})")
+        return HiCacheConfig(host, args.hicache_write_policy, backend, folder, page)
+
+
+def _extra_config(args) -> dict:
+    raw = args.hicache_storage_backend_extra_config
+    if raw is None or raw == "":
+        return {}
+    try:
+        extra = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hicache_storage_backend_extra_config: not valid JSON ({e})") from None
+    if not isinstance(extra, dict):
+        raise ValueError("hicache_storage_backend_extra_config: must be a JSON object")
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"hicache_storage_backend_extra_config: unknown key(s) {unknown} "
+                         f"(known: {list(EXTRA_KEYS)})")
+    return extra
+
+
+def model_fingerprint(runner) -> str:
+    """What, besides the tokens, decides the KV bytes: the weights, and every setting that changes
+    the arithmetic producing them (see storage/keys.py)."""
+    path = runner.model_path
+    if runner.load_format == "dummy":
+        files = []  # random weights: the config and the seed below decide them
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        files = [f for ext in ("safetensors", "gguf", "bin", "pt")
+                 for f in glob.glob(os.path.join(path, f"*.{ext}"))]
+    numerics = (runner.load_format, runner.args.seed, runner.device.type,
+                runner.attention_backend_name, runner.fp32_gemm, runner.keep_quantized,
+                runner.gguf_dense_rows, repr(runner.fp8), runner.cpu_packed)
+    config = json.dumps(runner.hf_config, sort_keys=True, default=str)
+    return "|".join([file_fingerprint(files), repr(numerics), config])
+
+
+def make_tree_cache(args, runner) -> RadixCache:
+    """The scheduler's prefix cache: a RadixCache, or with --enable-hierarchical-cache the tiered
+    HiRadixCache over the runner's device pool, a host pool and (optionally) a store."""
+    if not args.enable_hierarchical_cache:
+        return RadixCache(runner.allocator, runner.req_to_token_pool,
+                          disable=args.disable_radix_cache)
+    from radixlm.runtime.mem_cache.hiradix_cache import HiRadixCache
+    from radixlm.runtime.mem_cache.host_pool import HostKVPool, KVMover
+
+    pool = runner.kv_pool
+    heads, head_dim = pool.k_buffers[0].shape[1:]
+    token_bytes = pool.bytes_per_token(pool.num_layers, heads, head_dim, pool.dtype)
+    cfg = HiCacheConfig.from_args(args, runner.capacity, token_bytes)
+    host = HostKVPool(cfg.host_capacity, pool, runner.device)
+    mover = KVMover(pool, host, runner.device)
+    seed, storage = open_storage(cfg, runner)
+    cache = HiRadixCache(runner.allocator, runner.req_to_token_pool, host, mover,
+                         cfg.write_policy, storage, seed, cfg.page_tokens)
+    cache.config = cfg
+    return cache
+
+
+def open_storage(cfg: HiCacheConfig, runner) -> tuple[bytes, object]:
+    """(key seed, store) for the runner's current weights; (b"", None) without a backend. The
+    store's folder is named by the seed: each model and layout keeps its pages apart."""
+    if cfg.storage_backend is None:
+        return b"", None
+    pool = runner.kv_pool
+    heads, head_dim = pool.k_buffers[0].shape[1:]
+    layout = (pool.num_layers, heads, head_dim, cfg.page_tokens, runner.tp.rank, runner.tp.size)
+    seed = namespace_seed(model_fingerprint(runner), str(pool.dtype), layout)
+    page_bytes = cfg.page_tokens * pool.bytes_per_token(pool.num_layers, heads, head_dim, pool.dtype)
+    return seed, BACKENDS[cfg.storage_backend](cfg.storage_dir, seed.hex()[:16], page_bytes)
+
+
+def rekey_storage(cache, runner) -> None:
+    """After new weights: pages are keyed by the new model from now on (the old ones stay on
+    disk, under the old model's folder)."""
+    if getattr(cache, "storage", None) is None:
+        return
+    cache.storage.close()
+    cache.seed, cache.storage = open_storage(cache.config, runner)
+    cache._key_memo.clear()

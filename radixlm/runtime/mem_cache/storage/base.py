@@ -1,0 +1,74 @@
+"""The L3 storage contract: pages of KV by content key (storage/keys.py).
+
+A page is the KV of `page_tokens` consecutive positions, all layers, as raw bytes in one layout:
+(layers, 2 [K, V], page_tokens, KV heads, head dim) in the pool's dtype, C order. A store keeps
+pages by key; it never interprets them.
+
+Contract for an implementation (a file store here; Mooncake, 3FS or a Redis-like KV plug in the
+same way, by implementing these methods and registering a name in `storage/__init__.py`):
+- `exists(key)` may be optimistic: a page reported present can still fail to read (deleted,
+  evicted by another process, corrupt). Callers must treat `get` as the truth.
+- `get(key)` returns the page's payload, verified (length and checksum, stored key == key), or
+  None when the page is missing, truncated, corrupt or foreign. It never raises for a bad page and
+  never returns one: the caller then recomputes those tokens.
+- `put(key, payload)` stores a page, possibly asynchronously (a later `get` of a queued page must
+  return it). Returns False when the page was not accepted (writes off, queue full); the caller
+  then does not count the page as stored.
+- The batch forms act on a list of keys that chain (page j+1 extends page j): `batch_exists`
+  returns how many leading keys exist, `batch_get` stops at the first missing page.
+- `clear()` removes every page of this store's namespace; `close()` finishes queued writes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+
+class StorageBackend(ABC):
+    page_bytes: int  # every payload's size
+
+    @abstractmethod
+    def exists(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def get(self, key: bytes) -> Optional[bytes]: ...
+
+    @abstractmethod
+    def put(self, key: bytes, payload: bytes) -> bool: ...
+
+    def batch_exists(self, keys: list[bytes]) -> int:
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+    def batch_get(self, keys: list[bytes]) -> list[bytes]:
+        """The payloads of the leading keys that read back valid (stops at the first that does
+        not)."""
+        out = []
+        for key in keys:
+            payload = self.get(key)
+            if payload is None:
+                break
+            out.append(payload)
+        return out
+
+    def batch_put(self, keys: list[bytes], payloads: list[bytes]) -> int:
+        """Store pages in order; returns how many leading pages were accepted."""
+        for i, (key, payload) in enumerate(zip(keys, payloads)):
+            if not self.put(key, payload):
+                return i
+        return len(keys)
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    def flush(self) -> None:
+        """Wait until every accepted page is stored (tests; shutdown)."""
+
+    def close(self) -> None:
+        self.flush()
+
+    def stats(self) -> dict:
+        return {}

@@ -1,0 +1,196 @@
+"""The `file` storage backend: one file per page under DIR/<namespace>/<kk>/<key>.kv.
+
+File layout (64-byte header, then the payload):
+    magic b"RLMKVPG1" | key (32 bytes) | payload length (u64 LE) | BLAKE2b-128 of the payload | payload
+A read checks all four against what it asked for; a file that fails (truncated by a crash, bytes
+flipped, a page of another key copied or renamed into place, another format) is reported missing,
+deleted, and its tokens are recomputed: a bad page is never served.
+
+Writes run on one background thread (the scheduler only copies the page's bytes out of the host
+pool): each page goes to a temporary file in the same folder and is renamed into place, so a
+reader never sees half a page. No fsync: a crash can leave a truncated or empty page, which the
+checks above catch. A full disk (ENOSPC, EDQUOT) turns writes off for this process with one
+warning; reads go on. Queued pages are served from memory until they are on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+from typing import Optional
+
+from radixlm.runtime.mem_cache.storage.base import StorageBackend
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"RLMKVPG1"
+_HEADER = struct.Struct("<8s32sQ16s")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _checksum(payload) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+class FileStorage(StorageBackend):
+    def __init__(self, root: str, namespace: str, page_bytes: int,
+                 max_pending_bytes: int = 512 << 20):
+        self.dir = os.path.join(root, namespace)
+        os.makedirs(self.dir, exist_ok=True)
+        self.page_bytes = page_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.writes_enabled = True
+        self._known: set[bytes] = set()  # keys seen on disk (may go stale: get is the truth)
+        self._pending: dict[bytes, bytes] = {}  # accepted, not yet on disk
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self.counters = {"pages_written": 0, "pages_read": 0, "pages_corrupt": 0,
+                         "pages_dropped": 0, "write_errors": 0}
+        self._writer = threading.Thread(target=self._write_loop, name="radixlm-hicache-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    # --- reads -----------------------------------------------------------------------------------
+    def path(self, key: bytes) -> str:
+        hexkey = key.hex()
+        return os.path.join(self.dir, hexkey[:2], hexkey + ".kv")
+
+    def exists(self, key: bytes) -> bool:
+        if key in self._pending or key in self._known:
+            return True
+        if os.path.exists(self.path(key)):
+            self._known.add(key)
+            return True
+        return False
+
+    def get(self, key: bytes) -> Optional[bytes]:
+        payload = self._pending.get(key)
+        if payload is not None:
+            return payload
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                header = f.read(_HEADER.size)
+                payload = f.read(self.page_bytes + 1)  # one byte more: a longer file is bad too
+        except FileNotFoundError:
+            self._known.discard(key)
+            return None
+        except OSError as e:
+            logger.warning("hicache: reading %s failed (%s); recomputing those tokens", path, e)
+            return None
+        problem = self._check(key, header, payload)
+        if problem is None:
+            self._known.add(key)
+            self.counters["pages_read"] += 1
+            return payload
+        self.counters["pages_corrupt"] += 1
+        logger.warning("hicache: ignoring %s (%s); its tokens are recomputed", path, problem)
+        self._known.discard(key)
+        try:
+            os.remove(path)  # let the recomputed page be written again
+        except OSError:
+            pass
+        return None
+
+    def _check(self, key: bytes, header: bytes, payload: bytes) -> Optional[str]:
+        if len(header) < _HEADER.size:
+            return "truncated header"
+        magic, stored_key, length, checksum = _HEADER.unpack(header)
+        if magic != MAGIC:
+            return "not a radixlm page file"
+        if stored_key != key:
+            return "a page of another key"
+        if length != self.page_bytes:
+            return f"payload length {length}, this layout's is {self.page_bytes}"
+        if len(payload) != length:
+            return f"payload of {len(payload)} bytes, the header says {length}"
+        if _checksum(payload) != checksum:
+            return "checksum mismatch"
+        return None
+
+    # --- writes ----------------------------------------------------------------------------------
+    def put(self, key: bytes, payload: bytes) -> bool:
+        if len(payload) != self.page_bytes:
+            raise ValueError(f"page payload is {len(payload)} bytes, expected {self.page_bytes}")
+        if not self.writes_enabled:
+            return False
+        if key in self._pending or key in self._known:
+            return True
+        with self._lock:
+            if self._pending_bytes + len(payload) > self.max_pending_bytes:
+                self.counters["pages_dropped"] += 1  # the disk is slower than the KV we make
+                return False
+            self._pending[key] = payload
+            self._pending_bytes += len(payload)
+        self._queue.put(key)
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            key = self._queue.get()
+            try:
+                if key is None:
+                    return
+                payload = self._pending.get(key)
+                if payload is not None:
+                    self._write(key, payload)
+            finally:
+                with self._lock:
+                    payload = self._pending.pop(key, None) if key is not None else None
+                    if payload is not None:
+                        self._pending_bytes -= len(payload)
+                self._queue.task_done()
+
+    def _write(self, key: bytes, payload: bytes) -> None:
+        path = self.path(key)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, key, len(payload), _checksum(payload)))
+                f.write(payload)
+            os.replace(tmp, path)
+            self._known.add(key)
+            self.counters["pages_written"] += 1
+        except OSError as e:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            self.counters["write_errors"] += 1
+            if e.errno in _DISK_FULL:
+                if self.writes_enabled:
+                    logger.warning("hicache: storage %s is full (%s); writes to it are off for this "
+                                   "process, reads go on", self.dir, e)
+                self.writes_enabled = False
+            else:
+                logger.warning("hicache: writing %s failed: %s", path, e)
+
+    # --- maintenance -----------------------------------------------------------------------------
+    def flush(self) -> None:
+        self._queue.join()
+
+    def clear(self) -> None:
+        with self._lock:  # queued pages are dropped, not written
+            self._pending.clear()
+            self._pending_bytes = 0
+        self._queue.join()
+        self._known.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir, exist_ok=True)
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    def stats(self) -> dict:
+        return dict(self.counters, backend="file", dir=self.dir, writes_enabled=self.writes_enabled,
+                    pending_bytes=self._pending_bytes)

@@ -1,0 +1,132 @@
+"""The hierarchical cache end to end on the CPU (fp32 SmolLM2): greedy tokens equal the plain
+engine's when prefixes come back from the host pool and from the file store, after a restart on
+the same store, and after its pages are spoiled; reporting (meta_info, get_stats, /metrics,
+/get_server_info, /flush_cache?storage=true). KV integrity is checked after every engine run."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+
+SP = {"temperature": 0, "max_new_tokens": 2}
+PAGE = 8
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(25)
+    return [[rng.randrange(100, 20000) for _ in range(48)] for _ in range(4)]
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+    assert "cached_tokens_details" not in outs[0]["meta_info"]  # tiers off: as before
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hicache-store"))
+
+
+def _tiered(make_engine, folder):
+    # device pool of 110 tokens: two 50-token conversations; host pool 1.5x: three
+    return make_engine(max_total_tokens=110, enable_hicache=True, hicache_ratio=1.5,
+                       hicache_storage_backend="file",
+                       hicache_storage_backend_extra_config=json.dumps(
+                           {"file_storage_path": folder, "page_tokens": PAGE}))
+
+
+def _run_each(eng, integrity, reference, order=(0, 1, 2, 3)) -> list[dict]:
+    details = []
+    for i in order:
+        out = eng.generate(input_ids=PROMPTS[i], sampling_params=SP)
+        assert out["output_ids"] == reference[i]
+        meta = out["meta_info"]
+        assert sum(meta["cached_tokens_details"].values()) == meta["cached_tokens"]
+        details.append(meta["cached_tokens_details"])
+        integrity(eng)
+    return details
+
+
+def test_prefixes_back_from_host_and_storage(make_engine, integrity, reference, store):
+    eng = _tiered(make_engine, store)
+    first = _run_each(eng, integrity, reference)
+    assert all(d == {"device": 0, "host": 0, "storage": 0} for d in first)
+    # newest first: the device holds the last, the host the two before, the store the first
+    again = _run_each(eng, integrity, reference, order=(3, 2, 1, 0))
+    assert again[2]["host"] > 0 and again[3]["storage"] == 40, again
+    assert all(sum(d.values()) == 47 for d in again[:3]), again  # all but the last token
+    tiers = eng.get_stats()["hicache"]
+    assert tiers["hit_tokens_storage"] == sum(d["storage"] for d in again)
+    assert tiers["bytes_host_to_device"] > 0 and tiers["storage"]["pages_written"] > 0
+    eng.shutdown()  # queued pages reach the folder
+
+
+def test_restart_on_the_same_store(make_engine, integrity, reference, store):
+    eng = _tiered(make_engine, store)  # a new engine: empty device and host pools
+    details = _run_each(eng, integrity, reference)
+    assert all(d == {"device": 0, "host": 0, "storage": 40} for d in details), details
+    eng.flush_cache()  # device and host only: the pages stay
+    assert eng.generate(input_ids=PROMPTS[0], sampling_params=SP)[
+        "meta_info"]["cached_tokens_details"]["storage"] == 40
+    integrity(eng)
+
+
+def test_spoiled_store_is_recomputed(make_engine, integrity, reference, store, tmp_path):
+    import pathlib
+
+    eng = _tiered(make_engine, store)
+    for path in pathlib.Path(store).rglob("*.kv"):  # flip a value in every page
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x80
+        path.write_bytes(bytes(data))
+    out = eng.generate(input_ids=PROMPTS[1], sampling_params=SP)
+    assert out["output_ids"] == reference[1]
+    assert out["meta_info"]["cached_tokens_details"]["storage"] == 0
+    assert eng.get_stats()["hicache"]["storage"]["pages_corrupt"] == 1  # the first stops it
+    integrity(eng)
+
+
+def test_reporting_routes(make_engine, integrity, reference, tmp_path):
+    from radixlm.server.http_server import build_app
+    from radixlm.server.metrics import ServerMetrics
+
+    eng = _tiered(make_engine, str(tmp_path))
+    _run_each(eng, integrity, reference)  # fills the store
+    eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    eng.scheduler.tree_cache.storage.flush()
+    assert list(tmp_path.rglob("*.kv"))
+
+    class TM:  # the TokenizerManager's control channel, answered by the engine's scheduler
+        metrics, info = ServerMetrics(), {"max_total_tokens": 110, "device": "cpu",
+                                          "dtype": "float32", "hf_config": {},
+                                          "eos_token_ids": [2]}
+        model_path = model_name = "smol"
+        server_args, tokenizer = eng.server_args, eng.tokenizer
+
+        async def control(self, kind, payload=None, timeout=30.0):
+            if kind == "flush_cache":
+                return eng.flush_cache(bool((payload or {}).get("storage")))
+            return eng.get_stats()
+
+    client = TestClient(build_app(TM(), eng.server_args, lambda: None))
+    text = client.get("/metrics").text
+    assert 'radixlm:hicache_hit_tokens{tier="host"}' in text
+    assert 'radixlm:hicache_capacity_tokens{tier="host"} 165.0' in text
+    assert 'radixlm:hicache_bytes_moved{direction="host_to_storage"}' in text
+    info = client.get("/get_server_info").json()
+    assert info["internal_states"][0]["hicache"]["host"]["capacity"] == 165
+    assert info["enable_hierarchical_cache"] is True
+    assert client.post("/flush_cache?storage=maybe").status_code == 400
+    assert client.post("/flush_cache").status_code == 200
+    assert list(tmp_path.rglob("*.kv"))  # L1 and L2 only
+    assert client.post("/flush_cache?storage=true").status_code == 200
+    assert not list(tmp_path.rglob("*.kv"))
+    integrity(eng)

@@ -1,0 +1,162 @@
+"""HiRadixCache: a stateful property test. Rules insert, match, lock / unlock, evict (device ->
+host), evict_host (host -> storage or gone), load (host / storage -> device), corrupt a stored
+page, flush; after every step the tiered invariants (check_integrity: shape, locks, per-tier
+accounting) hold, every device and host copy holds its path's KV, and a load serves only
+correct KV (a corrupt page is recomputed, never served)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from hicache_helpers import admit, check_contents, expect_kv, make_tiered, put
+
+CAP, HOST_CAP = 12, 18
+TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=8)
+PICK = st.integers(0, 1000)
+
+
+class TieredMachine(RuleBasedStateMachine):
+    STORED = True  # with a file store (page of 2 tokens) under the host pool
+
+    @initialize(policy=st.sampled_from(["write_through", "write_through_selective",
+                                        "write_back"]))
+    def setup(self, policy):
+        self.dir = tempfile.mkdtemp(prefix="hicache-prop-")
+        self.cache, self.pool, self.alloc = make_tiered(
+            CAP, HOST_CAP, policy, self.dir if self.STORED else None, page=2)
+        self.locks = []  # (node, its device slots, its path tokens)
+        self.seen = []  # inserted sequences: loads of them hit every tier
+        self.corrupted = 0
+
+    def teardown(self):
+        if getattr(self, "cache", None) is not None and self.cache.storage is not None:
+            self.cache.storage.close()
+        shutil.rmtree(getattr(self, "dir", ""), ignore_errors=True)
+
+    @rule(tokens=TOKENS)
+    def insert(self, tokens):
+        if put(self.cache, self.pool, self.alloc, tokens):
+            self.seen.append(tokens)
+
+    @rule(tokens=TOKENS)
+    def match(self, tokens):
+        m = self.cache.match_prefix(tokens)
+        expect_kv(self.pool, tokens, m[0])
+        assert m[0].numel() + m.lower_len <= len(tokens)
+
+    @rule(tokens=TOKENS)
+    def load(self, tokens):
+        got = admit(self.cache, self.alloc, tokens)
+        if got is not None:
+            slots, node, details = got
+            expect_kv(self.pool, tokens, slots)  # never a wrong byte, whatever tier it came from
+            assert sum(details.values()) == slots.numel()
+            for tier in ("host", "storage"):
+                if details[tier]:
+                    event(f"load from {tier}")
+            if self.cache.counters["storage_load_failures"]:
+                event("a bad page stopped a load")
+            self.locks.append((node, slots, tuple(tokens[:slots.numel()])))
+
+    @precondition(lambda self: self.seen)
+    @rule(i=PICK, extra=TOKENS)
+    def load_seen(self, i, extra):
+        self.load(self.seen[i % len(self.seen)] + extra[:2])
+
+    @precondition(lambda self: self.seen)
+    @rule(i=PICK, extra=TOKENS, spoil=st.sampled_from([None, "flip", "truncate"]))
+    def comes_back(self, i, extra, spoil):
+        """A sequence pushed down every tier (and maybe a page of the store spoiled), then loaded:
+        the multi-turn pattern, more often than the rules above happen to line it up."""
+        self.cache.evict(CAP)
+        self.cache.evict_host(HOST_CAP)
+        seq = self.seen[i % len(self.seen)]
+        if spoil is not None and self.cache.storage is not None and len(seq) >= 2:
+            self.cache.storage.flush()  # spoil one of this sequence's own pages
+            pages = len(seq) // 2
+            key = self.cache._keys(tuple(seq), pages)[i % pages]
+            if os.path.exists(self.cache.storage.path(key)):
+                self._spoil(self.cache.storage.path(key), spoil)
+        self.load_seen(i, extra)
+
+    @precondition(lambda self: self.locks)
+    @rule(i=PICK)
+    def unlock(self, i):
+        node, _, _ = self.locks.pop(i % len(self.locks))
+        self.cache.dec_lock_ref(node)
+
+    @rule(k=st.sampled_from([1, 3, CAP]))
+    def evict(self, k):
+        self.cache.evict(k)
+
+    @rule(k=st.sampled_from([1, 4, HOST_CAP]))
+    def evict_host(self, k):
+        self.cache.evict_host(k)
+
+    @precondition(lambda self: self.cache.storage is not None)
+    @rule(i=PICK, how=st.sampled_from(["flip", "truncate"]))
+    def corrupt(self, i, how):
+        self.cache.storage.flush()
+        files = sorted(glob.glob(os.path.join(self.cache.storage.dir, "*", "*.kv")))
+        if files:
+            self._spoil(files[i % len(files)], how)
+
+    def _spoil(self, path, how):
+        with open(path, "r+b") as f:
+            if how == "truncate":
+                f.truncate(os.path.getsize(path) - 1)
+            else:  # the sign bit of the page's last value
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0x80]))
+        self.corrupted += 1
+
+    @precondition(lambda self: not self.locks)
+    @rule(storage=st.booleans())
+    def flush(self, storage):
+        self.cache.reset()
+        self.alloc.clear()
+        if storage:
+            self.cache.clear_storage()
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check_integrity()
+        check_contents(self.cache, self.pool)
+        # device: no request owns slots here, so free + tree == capacity
+        assert self.alloc.available_size() + self.cache.total_size() == CAP
+        for node, slots, _ in self.locks:  # a locked node is never evicted nor moved
+            if node is not self.cache.root:
+                assert node.parent is not None and node.value is not None
+                assert node.value.data_ptr() == slots[-len(node.key):].data_ptr() or \
+                    node.value.tolist() == slots[-len(node.key):].tolist()
+        locked = sum(len(n.key) for n in set(self._locked_nodes()))
+        assert self.cache.protected_size() == locked
+
+    def _locked_nodes(self):
+        for node, _, _ in self.locks:
+            while node is not self.cache.root:
+                yield node
+                node = node.parent
+
+
+class HostOnlyMachine(TieredMachine):
+    STORED = False  # host eviction drops nodes
+
+
+TieredMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+HostOnlyMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30,
+                                             deadline=None)
+test_tiered_cache_invariants = TieredMachine.TestCase
+test_host_only_cache_invariants = HostOnlyMachine.TestCase
