@@ -100,6 +100,8 @@ class ReqUpdate:
     input_token_ids_logprobs: Optional[list] = None  # full list, with input_token_logprobs
     embedding: Optional[list] = None  # embedding requests: the pooled, normalized vector
     retractions: int = 0
+    spec_verify_steps: Optional[int] = None  # speculative decoding (None: off), see engine_io
+    spec_verify_tokens: int = 0
     # jump-forward re-tokenized earlier output: ids (and logprobs) from this index on are replaced
     # by new_ids (the text they decode to is unchanged, so streamed text stays valid)
     rollback_to: Optional[int] = None

@@ -29,6 +29,12 @@ class ServerMetrics:
         self.token_usage = Gauge(p + "token_usage", "Fraction of KV slots in use or cached", registry=r)
         self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Cached prompt tokens / prompt tokens",
                                     registry=r)
+        # speculative decoding (0 when off): per request and verify, tokens appended / verifies
+        self.spec_accept_length = Gauge(p + "spec_accept_length",
+                                        "Mean tokens a request appended per verify it drafted in",
+                                        registry=r)
+        self.spec_verify_steps = Gauge(p + "spec_verify_steps", "Verify forwards run",
+                                       registry=r)
 
     def on_request(self, prompt_tokens: int) -> None:
         self.requests.inc()
@@ -54,4 +60,8 @@ class ServerMetrics:
         self.token_usage.set(1 - stats.get("kv_free", cap) / cap)
         prompt = stats.get("prompt_tokens") or 0
         self.cache_hit_rate.set(stats.get("cached_tokens", 0) / prompt if prompt else 0.0)
+        verifies = stats.get("spec_verify_reqs") or 0
+        self.spec_accept_length.set(stats.get("spec_verify_tokens", 0) / verifies
+                                    if verifies else 0.0)
+        self.spec_verify_steps.set(stats.get("spec_verify_steps", 0))
         return generate_latest(self.registry)

@@ -1,0 +1,130 @@
+"""Adaptive draft lengths: per step, draft where the expected tokens pay for the step's cost.
+
+Model (re-estimated every step):
+- Acceptance: a request's drafts are accepted token by token with probability `a` until the
+  first rejection, so its j-th draft token adds a**j expected output tokens (the verify always
+  yields one token: the correction or the bonus). `a` is the request's recent record (decayed
+  counts) shrunk toward the global record for drafts of the same match length.
+- Cost: a step that computes T tokens (T = batch + drafts) takes c0 + c1 * T seconds, fitted
+  online from the measured steps (ridge regression toward a prior ratio c1 / c0, with
+  forgetting, so a machine's or batch's change is followed within ~30 steps).
+Choice: with E expected tokens and T tokens so far (E = T = B without drafts), a draft token
+of gain g raises the step's rate E / (c0 + c1 T) iff g > rho * E / (1 + rho * T), rho = c1 / c0.
+Tokens are taken in decreasing gain while that holds: a compute-bound batch (rho * T >> 1)
+drafts only near-certain tokens, a request whose drafts fail drafts nothing (0 = plain decode).
+A request not drafting for a while forgets its record (its estimate drifts back to the global
+one), so a change of text (chat -> quoting) is noticed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+PRIOR_WEIGHT = 4.0  # the global record counts as this many trials of the request's own
+RECORD_DECAY = 0.8  # a request's record before adding a new verify's outcome
+IDLE_DECAY = 0.95  # ... per step it had a draft but did not verify it
+COST_DECAY = 0.97  # per observed step
+_MATCH_BUCKETS = 4  # global acceptance by suffix-match length: 1, 2, 3, 4+
+
+
+class Acceptance:
+    """A request's decayed record: accepted drafts over trials (a trial ends at a rejection)."""
+
+    __slots__ = ("succ", "trials")
+
+    def __init__(self):
+        self.succ = 0.0
+        self.trials = 0.0
+
+
+class CostModel:
+    """step seconds ~ c0 + c1 * T, fitted online; `ratio()` = c1 / c0."""
+
+    def __init__(self, prior_ratio: float):
+        self.prior = prior_ratio
+        self.s = [0.0] * 5  # decayed sums of w, w T, w T^2, w t, w T t
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        T = float(tokens)
+        s = self.s
+        for i, v in enumerate((1.0, T, T * T, seconds, T * seconds)):
+            s[i] = s[i] * COST_DECAY + v
+
+    def ratio(self) -> float:
+        w, wT, wTT, wt, wTt = self.s
+        if w <= 0 or wt <= 0:
+            return self.prior
+        # ridge pull toward c1 = prior * c0 as strong as data whose T spreads +-0.5 token: the
+        # prior decides until drafts or batch changes move T, the data decides after
+        lam = 0.25 * w
+        p = self.prior
+        a00, a01, a11 = w + lam * p * p, wT - lam * p, wTT + lam
+        det = a00 * a11 - a01 * a01
+        if det <= 0:
+            return self.prior
+        c0 = (a11 * wt - a01 * wTt) / det
+        c1 = (a00 * wTt - a01 * wt) / det
+        if c0 <= 0:
+            return 10.0
+        return min(max(c1 / c0, 1e-3), 10.0)
+
+
+class AdaptivePolicy:
+    def __init__(self, max_draft: int, adaptive: bool, device_type: str):
+        self.max_draft = max_draft
+        self.adaptive = adaptive
+        # a prior c1 / c0: a 2-core CPU's decode is far from compute-bound only at small batches;
+        # a GPU's far further (a token's FLOPs against all the weights' bytes)
+        self.cost = CostModel(0.1 if device_type == "cpu" else 0.01)
+        self.glob = [[1.0, 2.0] for _ in range(_MATCH_BUCKETS)]  # (succ, trials) per bucket
+
+    def estimate(self, rec: Acceptance, match_len: int) -> float:
+        gs, gt = self.glob[min(match_len, _MATCH_BUCKETS) - 1]
+        prior = gs / gt
+        return (rec.succ + PRIOR_WEIGHT * prior) / (rec.trials + PRIOR_WEIGHT)
+
+    def choose(self, recs: list[Acceptance], lens: list[int], matches: list[int]) -> list[int]:
+        """Draft length per request (<= lens[i], the draft it has); 0: plain decode."""
+        if not self.adaptive:
+            return list(lens)
+        B = len(lens)
+        rho = self.cost.ratio()
+        heap = []  # (-gain, request, j): each request's next draft token to consider
+        rates = [0.0] * B
+        for i, n in enumerate(lens):
+            if n:
+                rates[i] = self.estimate(recs[i], matches[i])
+                heap.append((-rates[i], i, 1))
+        heapq.heapify(heap)
+        ks = [0] * B
+        E = T = float(B)
+        while heap:
+            neg, i, j = heap[0]
+            g = -neg
+            if g <= rho * E / (1.0 + rho * T):
+                break
+            heapq.heappop(heap)
+            ks[i] = j
+            E += g
+            T += 1
+            if j < lens[i]:
+                heapq.heappush(heap, (-g * rates[i], i, j + 1))
+        for i, n in enumerate(lens):
+            if n and not ks[i]:  # had a draft, skipped it: let its record fade toward the prior
+                recs[i].succ *= IDLE_DECAY
+                recs[i].trials *= IDLE_DECAY
+        return ks
+
+    def record(self, rec: Acceptance, match_len: int, drafted: int, accepted: int) -> None:
+        """One verify's outcome for a request: `accepted` of its `drafted` tokens."""
+        trials = accepted + (accepted < drafted)
+        rec.succ = rec.succ * RECORD_DECAY + accepted
+        rec.trials = rec.trials * RECORD_DECAY + trials
+        g = self.glob[min(match_len, _MATCH_BUCKETS) - 1]
+        g[0] = g[0] * 0.99 + accepted
+        g[1] = g[1] * 0.99 + trials
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        if math.isfinite(seconds) and seconds > 0:
+            self.cost.observe(tokens, seconds)
