@@ -55,9 +55,9 @@ class CostModel:
         w, wT, wTT, wt, wTt = self.s
         if w <= 0 or wt <= 0:
             return self.prior
-        # ridge pull toward c1 = prior * c0 as strong as data whose T spreads +-0.5 token: the
+        # ridge pull toward c1 = prior * c0 as strong as data whose T spreads +-0.15 token: the
         # prior decides until drafts or batch changes move T, the data decides after
-        lam = 0.25 * w
+        lam = 0.02 * w
         p = self.prior
         a00, a01, a11 = w + lam * p * p, wT - lam * p, wTT + lam
         det = a00 * a11 - a01 * a01
