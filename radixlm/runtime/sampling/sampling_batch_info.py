@@ -222,14 +222,15 @@ class SamplingBatchInfo:
     _OPTIONAL_TENSORS = ("output_counts", "prompt_seen", "min_tokens_left", "stop_mask",
                          "vocab_mask", "logit_bias")
 
-    def take(self, rows: list[int]) -> "SamplingBatchInfo":
+    def take(self, rows: list[int], index: Optional[torch.Tensor] = None) -> "SamplingBatchInfo":
         """A new batch of rows `rows` of this one (repeats allowed: speculative verification
-        samples one request at several positions); this one is unchanged."""
+        samples one request at several positions); this one is unchanged. `index`: the same
+        rows as a device tensor, when the caller has one (no host -> device copy)."""
         new = SamplingBatchInfo(self.vocab_size, self.device)
         new.step = self.step
         new.flags = self.flags.take(rows)
         new._refresh_flags()
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device) if index is None else index
         for name in self._ROW_TENSORS + self._OPTIONAL_TENSORS:
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.index_select(0, idx))

@@ -98,8 +98,8 @@ class NgramSpeculator:
         sched.stats["forward_steps"] += 1
         mask = grammar_drafts.masker(breqs, bdrafts, plan.offsets, plan.num_rows, sched.masks)
         lp_reqs = [r for r in reqs if r.return_logprob]
-        res = verify(logits, plan, sched.running_info, sched.sampler, sched.device, mask,
-                     bool(lp_reqs), max((r.top_logprobs_num for r in lp_reqs), default=0))
+        res = verify(logits, plan, sched.running_info, sched.sampler, mask, bool(lp_reqs),
+                     max((r.top_logprobs_num for r in lp_reqs), default=0))
 
         free: list[int] = []  # rows of plan.slots whose tokens were not kept
         keep: set[int] = set()
