@@ -159,3 +159,26 @@ def test_flags_resolve_as_sglang_and_refuse_what_is_not_built():
     assert (ns.speculative_algorithm, ns.speculative_adaptive,
             ns.speculative_num_draft_tokens) == ("NGRAM", False, 5)
     assert parser.parse_args(["--speculative-adaptive"]).speculative_adaptive is True
+
+
+def test_server_reports_spec_meta_and_metrics():
+    """The server path: a scheduler update's verify counts reach meta_info, the scheduler's
+    stats reach /metrics."""
+    from radixlm.server.io_struct import GenerateReqInput, ReqUpdate, TextUpdate
+    from radixlm.server.metrics import ServerMetrics
+    from radixlm.server.tokenizer_manager import ReqState, TokenizerManager
+
+    tm = TokenizerManager.__new__(TokenizerManager)  # only its result bookkeeping is used
+    tm.weight_version, tm.tokenizer, tm.metrics = "default", None, None
+    state = ReqState(GenerateReqInput(text="x"), prompt_len=3)
+    up = ReqUpdate("r", [5, 6, 7, 8], 4, {"type": "length", "length": 4}, 3, 0,
+                   spec_verify_steps=2, spec_verify_tokens=3)
+    tm._apply(state, TextUpdate("r", "", up), 0.0)
+    meta = tm.result("r", state)["meta_info"]
+    assert meta["spec_verify_steps"] == 2 and meta["spec_accept_length"] == 1.5
+    off = ReqState(GenerateReqInput(text="x"), prompt_len=3)
+    tm._apply(off, TextUpdate("r", "", ReqUpdate("r", [5], 1, None, 3, 0)), 0.0)
+    assert "spec_verify_steps" not in tm.result("r", off)["meta_info"]
+    text = ServerMetrics().render({"spec_verify_steps": 10, "spec_verify_reqs": 16,
+                                   "spec_verify_tokens": 40}).decode()
+    assert "radixlm:spec_accept_length 2.5" in text and "radixlm:spec_verify_steps 10.0" in text
