@@ -5,14 +5,17 @@
 One Engine is built with --speculative-algorithm NGRAM; an "off" run detaches its speculator
 (the scheduler then runs exactly its plain decode code), an "on" run attaches a fresh one (empty
 n-gram tables, cold cost model: nothing learned from an earlier run's identical answers). The
-radix cache is flushed before every run, so both see the same prefill work. Runs alternate
-off/on, on/off, ... and the medians are reported: this machine is shared and noisy (its load
-average at start and end is in the line).
+radix cache is flushed before every run, so both see the same prefill work. This machine is
+shared and its load swings within minutes (a batch-1 decode step took 13 ms idle and 145 ms at a
+load average of 5), so the arms alternate at a fine grain: the requests go in chunks (--chunk,
+default 8 at batch 1, the whole batch otherwise), each chunk runs off then on or on then off
+(flipping every chunk), and each arm's tok/s is its total tokens over its total time; the median
+of the per-chunk ratios is reported too, and the load average at start and end.
 
 Workloads (benchmarks/workloads/spec_text.py, chat prompts from ShareGPT text, greedy):
 copy (return a JSON document / code block with one change), extract (quote a passage), chat.
 --batch 1 runs one request at a time (max_running_requests=1); --batch N lets N run together.
-Prints one JSON line per workload: output tok/s off and on (median), their ratio, the on runs'
+Prints one JSON line per workload: output tok/s off and on, their ratio, the on runs'
 mean accept length (tokens a request appended per verify it drafted in) and how often drafts
 ran; --save appends it to benchmarks/results/speculative-<device>.jsonl.
 """
@@ -47,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="repeatable; default: all three")
     p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3, help="off/on pairs per workload")
+    p.add_argument("--rounds", type=int, default=2, help="passes over the requests")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="requests per alternation (default: 8 at batch 1, else the batch)")
     p.add_argument("--model-path", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gguf-keep-quantized", default="auto", choices=["auto", "on", "off"])
@@ -108,12 +113,20 @@ def main(argv=None) -> list[dict]:
             ids = tok(texts, add_special_tokens=False)["input_ids"]
             params = [{"temperature": 0, "max_new_tokens": n} for _, n in items]
             load_start = _load()
+            chunk = args.chunk or (8 if args.batch == 1 else args.batch)
             runs = {False: [], True: []}
-            for r in range(args.rounds):
-                for on in ((False, True) if r % 2 == 0 else (True, False)):
-                    runs[on].append(_run(eng, ids, params, on, make_spec))
-            off_med = statistics.median(x["tok_s"] for x in runs[False])
-            on_med = statistics.median(x["tok_s"] for x in runs[True])
+            flip = 0
+            for _ in range(args.rounds):
+                for c in range(0, len(ids), chunk):
+                    part = slice(c, c + chunk)
+                    for on in ((False, True) if flip % 2 == 0 else (True, False)):
+                        runs[on].append(_run(eng, ids[part], params[part], on, make_spec))
+                    flip += 1
+            tok_s = {on: sum(x["tokens"] for x in runs[on]) / sum(x["s"] for x in runs[on])
+                     for on in runs}
+            off_med, on_med = tok_s[False], tok_s[True]
+            chunk_ratio = statistics.median(y["tok_s"] / x["tok_s"]
+                                            for x, y in zip(runs[False], runs[True]))
             st = {k: sum(x["stats"][k] for x in runs[True]) for k in SPEC_STATS}
             same = sum(a == b for x, y in zip(runs[False], runs[True])
                        for a, b in zip(x["ids"], y["ids"]))
@@ -127,9 +140,10 @@ def main(argv=None) -> list[dict]:
                 "adaptive": not args.no_speculative_adaptive,
                 "tok_s_off": round(off_med, 2), "tok_s_on": round(on_med, 2),
                 "ratio": round(on_med / off_med, 3),
-                "rounds_tok_s_off": [round(x["tok_s"], 2) for x in runs[False]],
-                "rounds_tok_s_on": [round(x["tok_s"], 2) for x in runs[True]],
-                "output_tokens": runs[False][0]["tokens"],
+                "median_chunk_ratio": round(chunk_ratio, 3),
+                "chunks_tok_s_off": [round(x["tok_s"], 1) for x in runs[False]],
+                "chunks_tok_s_on": [round(x["tok_s"], 1) for x in runs[True]],
+                "output_tokens_per_pass": sum(x["tokens"] for x in runs[False]) // args.rounds,
                 "mean_accept_length": round(st["spec_verify_tokens"] / st["spec_verify_reqs"], 3)
                 if st["spec_verify_reqs"] else None,
                 "drafted_steps_share": round(st["spec_verify_steps"] / st["forward_steps"], 3)
@@ -137,6 +151,7 @@ def main(argv=None) -> list[dict]:
                 "draft_tokens_per_verify": round(st["spec_draft_tokens"] / st["spec_verify_reqs"], 2)
                 if st["spec_verify_reqs"] else None,
                 "same_outputs_share": round(same / (len(ids) * args.rounds), 3),
+                "rounds": args.rounds, "chunk": chunk,
                 "loadavg_start": load_start, "loadavg_end": _load(),
             }
             out = None
