@@ -92,6 +92,7 @@ def main(argv=None) -> list[dict]:
     import radixlm
     from radixlm.runtime import speculative
 
+    commit = git_commit()  # the code this process imported (later edits do not count)
     model_path = args.model_path or default_model_path()
     tok = ds.load_tokenizer(model_path)
     kw = dict(model_path=model_path, dtype=args.dtype, gguf_keep_quantized=args.gguf_keep_quantized,
@@ -134,7 +135,7 @@ def main(argv=None) -> list[dict]:
                 "benchmark": "speculative", "workload": workload, "batch": args.batch,
                 "requests": len(ids), "device": device_name(argparse.Namespace(device="cpu")),
                 "dtype": str(eng.runner.dtype).removeprefix("torch."),
-                "gguf_keep_quantized": eng.runner.keep_quantized, "git_commit": git_commit(),
+                "gguf_keep_quantized": eng.runner.keep_quantized, "git_commit": commit,
                 "num_draft_tokens": eng.scheduler.spec.cfg.max_draft + 1
                 if eng.scheduler.spec else None,
                 "adaptive": not args.no_speculative_adaptive,
