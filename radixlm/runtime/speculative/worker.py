@@ -107,17 +107,9 @@ class NgramSpeculator:
         stats = sched.stats
         stats["spec_verify_steps"] += 1
         for b, req in enumerate(breqs):
-            k, off, kv = len(bdrafts[b]), plan.offsets[b], plan.kv_lens[b]
+            k, off = len(bdrafts[b]), plan.offsets[b]
             state = req.spec_draft  # (a finish below hands it to on_finish)
-            alive, m = True, 0
-            for j, tok in enumerate(res.tokens[b]):
-                req.kv_len = kv + 1 + j  # the KV of everything before tok (last, d_1..d_j)
-                if res.logprobs is not None:
-                    res.logprobs.append(req, off + j)
-                m = j + 1
-                if not sched._append_token(req, tok):
-                    alive = False
-                    break
+            m, alive = _append(sched, req, res.tokens[b], plan.kv_lens[b], res.logprobs, off)
             free.extend(range(off + m, off + k + 1))
             i = order[b]
             counts[i] = m
@@ -140,3 +132,17 @@ class NgramSpeculator:
                                    torch.tensor(kept_toks, device=dev), counts)
         sched._retire(reqs, keep)
         return reqs
+
+
+def _append(sched, req: Req, tokens: list[int], kv_len: int, logprobs, first_row: int):
+    """Append a verify's tokens to `req` one by one through the plain decoding code; the first
+    that finishes the request (or splices a jump-forward) is the last. Returns (tokens kept m,
+    still running). Before token j, kv_len covers [.., last, d_1..d_j]: a finish or splice hands
+    exactly that KV to the tree, and the step's slots from row m on are the caller's to free."""
+    for j, tok in enumerate(tokens):
+        req.kv_len = kv_len + 1 + j
+        if logprobs is not None:
+            logprobs.append(req, first_row + j)
+        if not sched._append_token(req, tok):
+            return j + 1, False
+    return len(tokens), True
