@@ -91,6 +91,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     import radixlm
     from radixlm.runtime import speculative
+    from radixlm.runtime.speculative import spec_config
 
     commit = git_commit()  # the code this process imported (later edits do not count)
     model_path = args.model_path or default_model_path()
@@ -136,8 +137,7 @@ def main(argv=None) -> list[dict]:
                 "requests": len(ids), "device": device_name(argparse.Namespace(device="cpu")),
                 "dtype": str(eng.runner.dtype).removeprefix("torch."),
                 "gguf_keep_quantized": eng.runner.keep_quantized, "git_commit": commit,
-                "num_draft_tokens": eng.scheduler.spec.cfg.max_draft + 1
-                if eng.scheduler.spec else None,
+                "num_draft_tokens": spec_config.resolve(eng.server_args).max_draft + 1,
                 "adaptive": not args.no_speculative_adaptive,
                 "tok_s_off": round(off_med, 2), "tok_s_on": round(on_med, 2),
                 "ratio": round(on_med / off_med, 3),
