@@ -130,6 +130,8 @@ def test_adaptive_drafts_where_it_pays():
             busy.observe_step(T, 0.05 * (1 + 0.5 * T))
     ks = busy.choose(_records(6, 10, 64), [7] * 64, [4] * 64)
     assert sum(ks) == 0
+    assert busy.hopeless([None] * 64) and not busy.hopeless(_records(60, 61, 64))
+    assert not pol.hopeless([None])  # (the step then skips even the lookups)
     assert AdaptivePolicy(7, False, "cpu").choose(_records(0, 40, 2), [3, 5], [1, 1]) == [3, 5]
 
 

@@ -84,6 +84,20 @@ class AdaptivePolicy:
         prior = gs / gt
         return (rec.succ + PRIOR_WEIGHT * prior) / (rec.trials + PRIOR_WEIGHT)
 
+    def hopeless(self, recs: list) -> bool:
+        """True when no draft token could pass this step whatever the lookups find: the first
+        token's threshold rho * B / (1 + rho * B) is above every acceptance estimate's upper
+        bound (an estimate mixes a request's record with a global rate; `recs` holds the
+        records, None for a request that never drafted). The step then skips the lookups."""
+        if not self.adaptive:
+            return False
+        rho, B = self.cost.ratio(), len(recs)
+        bound = max(s / t for s, t in self.glob)
+        for rec in recs:
+            if rec is not None and rec.trials > 0:
+                bound = max(bound, rec.succ / rec.trials)
+        return bound <= rho * B / (1.0 + rho * B)
+
     def choose(self, recs: list[Acceptance], lens: list[int], matches: list[int]) -> list[int]:
         """Draft length per request (<= lens[i], the draft it has); 0: plain decode."""
         if not self.adaptive:

@@ -54,9 +54,11 @@ class NgramSpeculator:
         """One decode step of sched.running (which ensure_decode_memory gave a slot each)."""
         t0 = time.perf_counter()
         reqs = list(sched.running)
-        drafts = [self._draft(req, sched.context_len) for req in reqs]
-        ks = self.policy.choose([r.spec_draft.record for r in reqs], [len(d) for d in drafts],
-                                [r.spec_draft.match for r in reqs])
+        ks = [0] * len(reqs)
+        if not self.policy.hopeless([r.spec_draft and r.spec_draft.record for r in reqs]):
+            drafts = [self._draft(req, sched.context_len) for req in reqs]
+            ks = self.policy.choose([r.spec_draft.record for r in reqs],
+                                    [len(d) for d in drafts], [r.spec_draft.match for r in reqs])
         tokens = len(reqs) + sum(ks)
         if tokens > len(reqs) and sched.allocator.available_size() < tokens:
             ks, tokens = [0] * len(reqs), len(reqs)  # never evict cached prefixes for guesses
