@@ -6,8 +6,8 @@ Model (re-estimated every step):
   yields one token: the correction or the bonus). `a` is the request's recent record (decayed
   counts) shrunk toward the global record for drafts of the same match length.
 - Cost: a step that computes T tokens (T = batch + drafts) takes c0 + c1 * T seconds, fitted
-  online from the measured steps (ridge regression toward a prior ratio c1 / c0, with
-  forgetting, so a machine's or batch's change is followed within ~30 steps).
+  online from the measured steps (per-T bins of recent steps, ridge regression toward a prior
+  ratio c1 / c0; see CostModel).
 Choice: with E expected tokens and T tokens so far (E = T = B without drafts), a draft token
 of gain g raises the step's rate E / (c0 + c1 T) iff g > rho * E / (1 + rho * T), rho = c1 / c0.
 Tokens are taken in decreasing gain while that holds: a compute-bound batch (rho * T >> 1)
@@ -24,7 +24,7 @@ import math
 PRIOR_WEIGHT = 4.0  # the global record counts as this many trials of the request's own
 RECORD_DECAY = 0.8  # a request's record before adding a new verify's outcome
 IDLE_DECAY = 0.95  # ... per step it had a draft but did not verify it
-COST_DECAY = 0.97  # per observed step
+COST_BIN_WEIGHT = 16.0  # a step-cost bin averages about its last this many steps
 _MATCH_BUCKETS = 4  # global acceptance by suffix-match length: 1, 2, 3, 4+
 
 
@@ -39,24 +39,34 @@ class Acceptance:
 
 
 class CostModel:
-    """step seconds ~ c0 + c1 * T, fitted online; `ratio()` = c1 / c0."""
+    """step seconds ~ c0 + c1 * T, fitted online; `ratio()` = c1 / c0.
+
+    Steps are kept per bin of T (exact up to 16, then ~12% wide), each bin a running mean of its
+    recent steps (weight: its count, capped), and the line is fitted over the bins. A bin keeps
+    what it learned while the batch sits elsewhere: forgetting by time alone let ~30 decode steps
+    at T = 28..32 (a spread of a few tokens and 5% noise) replace the batch-1 verifies' slope with
+    noise (c1 / c0 from 0.001 to 10, and a verify of 54 drafts at batch 28)."""
 
     def __init__(self, prior_ratio: float):
         self.prior = prior_ratio
-        self.s = [0.0] * 5  # decayed sums of w, w T, w T^2, w t, w T t
+        self.bins: dict[int, list[float]] = {}  # bin -> [weight, mean T, mean seconds]
 
     def observe(self, tokens: int, seconds: float) -> None:
-        T = float(tokens)
-        s = self.s
-        for i, v in enumerate((1.0, T, T * T, seconds, T * seconds)):
-            s[i] = s[i] * COST_DECAY + v
+        key = tokens if tokens <= 16 else 16 + round(math.log(tokens / 16) / math.log(1.125))
+        b = self.bins.setdefault(key, [0.0, 0.0, 0.0])
+        b[0] = min(b[0] + 1.0, COST_BIN_WEIGHT)
+        alpha = 1.0 / b[0]  # the running mean of the bin's last ~COST_BIN_WEIGHT steps
+        b[1] += alpha * (tokens - b[1])
+        b[2] += alpha * (seconds - b[2])
 
     def ratio(self) -> float:
-        w, wT, wTT, wt, wTt = self.s
-        if w <= 0 or wt <= 0:
+        w = wT = wTT = wt = wTt = 0.0
+        for n, T, t in self.bins.values():
+            w, wT, wTT, wt, wTt = w + n, wT + n * T, wTT + n * T * T, wt + n * t, wTt + n * T * t
+        if w <= 0:
             return self.prior
-        # ridge pull toward c1 = prior * c0 as strong as data whose T spreads +-0.15 token: the
-        # prior decides until drafts or batch changes move T, the data decides after
+        # ridge pull toward c1 = prior * c0, as strong as data whose T spreads +-0.15 token:
+        # the prior decides until T has varied, the data after
         lam = 0.02 * w
         p = self.prior
         a00, a01, a11 = w + lam * p * p, wT - lam * p, wTT + lam
@@ -67,7 +77,7 @@ class CostModel:
         c1 = (a00 * wTt - a01 * wt) / det
         if c0 <= 0:
             return 10.0
-        return min(max(c1 / c0, 1e-3), 10.0)
+        return min(max(c1 / c0, 0.1 * self.prior), 10.0)
 
 
 class AdaptivePolicy:
