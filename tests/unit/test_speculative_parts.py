@@ -123,7 +123,7 @@ def _records(succ: float, trials: float, n: int) -> list:
 
 
 def test_adaptive_drafts_where_it_pays():
-    pol = AdaptivePolicy(max_draft=7, adaptive=True, device_type="cpu")
+    pol = AdaptivePolicy(adaptive=True, device_type="cpu")
     for _ in range(40):  # a token costs a tenth of the fixed cost: c1 / c0 = 0.1
         for T in (1, 4, 8):
             pol.observe_step(T, 0.05 * (1 + 0.1 * T))
@@ -131,7 +131,7 @@ def test_adaptive_drafts_where_it_pays():
     assert pol.choose(_records(0, 40, 1), [7], [4]) == [0]  # failing drafts: plain decode
     assert pol.choose(_records(40, 42, 1), [0], [0]) == [0]  # nothing found
     # a batch of 64 where a token costs 0.5 of the fixed cost: only near-certain tokens
-    busy = AdaptivePolicy(max_draft=7, adaptive=True, device_type="cpu")
+    busy = AdaptivePolicy(adaptive=True, device_type="cpu")
     for _ in range(40):
         for T in (64, 70, 80):
             busy.observe_step(T, 0.05 * (1 + 0.5 * T))
@@ -139,7 +139,7 @@ def test_adaptive_drafts_where_it_pays():
     assert sum(ks) == 0
     assert busy.hopeless([None] * 64) and not busy.hopeless(_records(60, 61, 64))
     assert not pol.hopeless([None])  # (the step then skips even the lookups)
-    assert AdaptivePolicy(7, False, "cpu").choose(_records(0, 40, 2), [3, 5], [1, 1]) == [3, 5]
+    assert AdaptivePolicy(False, "cpu").choose(_records(0, 40, 2), [3, 5], [1, 1]) == [3, 5]
 
 
 def test_flags_resolve_as_sglang_and_refuse_what_is_not_built():

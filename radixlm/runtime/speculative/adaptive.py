@@ -6,8 +6,8 @@ Model (re-estimated every step):
   yields one token: the correction or the bonus). `a` is the request's recent record (decayed
   counts) shrunk toward the global record for drafts of the same match length.
 - Cost: a step that computes T tokens (T = batch + drafts) takes c0 + c1 * T seconds, fitted
-  online from the measured steps (per-T bins of recent steps, ridge regression toward a prior
-  ratio c1 / c0; see CostModel).
+  online from the measured steps (per-T bins of recent steps, a Bayesian line fit around a
+  prior ratio c1 / c0; see CostModel).
 Choice: with E expected tokens and T tokens so far (E = T = B without drafts), a draft token
 of gain g raises the step's rate E / (c0 + c1 T) iff g > rho * E / (1 + rho * T), rho = c1 / c0.
 Tokens are taken in decreasing gain while that holds: a compute-bound batch (rho * T >> 1)
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Optional
 
 PRIOR_WEIGHT = 4.0  # the global record counts as this many trials of the request's own
 RECORD_DECAY = 0.8  # a request's record before adding a new verify's outcome
@@ -52,6 +53,7 @@ class CostModel:
     def __init__(self, prior_ratio: float):
         self.prior = prior_ratio
         self.bins: dict[int, list[float]] = {}  # bin -> [weight, mean T, mean seconds]
+        self._ratio: Optional[float] = None  # cached until the next observation
 
     def observe(self, tokens: int, seconds: float) -> None:
         key = tokens if tokens <= 16 else 16 + round(math.log(tokens / 16) / math.log(1.125))
@@ -60,8 +62,14 @@ class CostModel:
         alpha = 1.0 / b[0]  # the running mean of the bin's last ~COST_BIN_WEIGHT steps
         b[1] += alpha * (tokens - b[1])
         b[2] += alpha * (seconds - b[2])
+        self._ratio = None
 
     def ratio(self) -> float:
+        if self._ratio is None:
+            self._ratio = self._fit()
+        return self._ratio
+
+    def _fit(self) -> float:
         """Bayesian: the prior says c1 = prior * c0 give or take half; the data, weighted by how
         well it pins the slope (its T spread against the steps' own scatter around the line),
         moves it. Plain steps of one batch size (no spread) leave the prior; verifies of
@@ -97,8 +105,7 @@ class CostModel:
 
 
 class AdaptivePolicy:
-    def __init__(self, max_draft: int, adaptive: bool, device_type: str):
-        self.max_draft = max_draft
+    def __init__(self, adaptive: bool, device_type: str):
         self.adaptive = adaptive
         # a prior c1 / c0: a 2-core CPU's decode is far from compute-bound only at small batches;
         # a GPU's far further (a token's FLOPs against all the weights' bytes)

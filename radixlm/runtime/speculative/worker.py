@@ -46,7 +46,7 @@ class NgramSpeculator:
     def __init__(self, cfg: SpecConfig, sched):
         self.cfg = cfg
         self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
-        self.policy = AdaptivePolicy(cfg.max_draft, cfg.adaptive, sched.device.type)
+        self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type)
         for key in STAT_KEYS:
             sched.stats[key] = 0
 
