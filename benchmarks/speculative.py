@@ -23,7 +23,6 @@ ran; --save appends it to benchmarks/results/speculative-<device>.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,8 +35,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks import datasets as ds  # noqa: E402
-from benchmarks.offline_throughput import (default_model_path, device_name, emit_result,  # noqa: E402
-                                           git_commit)
+from benchmarks.offline_throughput import (  # noqa: E402
+    default_model_path, device_name, emit_result, git_commit)
 from benchmarks.workloads import spec_text  # noqa: E402
 
 SPEC_STATS = ("spec_verify_steps", "spec_verify_reqs", "spec_verify_tokens", "spec_draft_tokens",
@@ -149,7 +148,8 @@ def main(argv=None) -> list[dict]:
                 if st["spec_verify_reqs"] else None,
                 "drafted_steps_share": round(st["spec_verify_steps"] / st["forward_steps"], 3)
                 if st["forward_steps"] else None,
-                "draft_tokens_per_verify": round(st["spec_draft_tokens"] / st["spec_verify_reqs"], 2)
+                "draft_tokens_per_verify":
+                round(st["spec_draft_tokens"] / st["spec_verify_reqs"], 2)
                 if st["spec_verify_reqs"] else None,
                 "same_outputs_share": round(same / (len(ids) * args.rounds), 3),
                 "rounds": args.rounds, "chunk": chunk,
