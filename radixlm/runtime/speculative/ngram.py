@@ -12,6 +12,9 @@ Two tables, both keyed by an n-gram (a tuple of n token ids, min_match <= n <= m
   continue another request's answer (n > 1, retries, templated outputs).
 A lookup tries the longest suffix first, the request's own text before the shared table at each
 length: at most 2 * (max_match - min_match + 1) dict reads per request per step.
+Memory: the own index holds ~(max_match - min_match + 1) entries per token of the request (~0.6
+KB a token at the defaults, against 23 KB of bf16 KV per token for SmolLM2), built once from the
+prompt at the request's first draft and dropped when it finishes; the shared table `capacity`.
 Drafts are guesses: a stale or wrong entry costs acceptance, never correctness.
 """
 
