@@ -16,7 +16,7 @@ from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.speculative import spec_config
 from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy, CostModel
-from radixlm.runtime.speculative.ngram import OwnIndex, SharedIndex, propose
+from radixlm.runtime.speculative.ngram import OwnIndex, SharedIndex, propose, suffix_hashes
 from radixlm.runtime.speculative.rejection import accept_rows
 from radixlm.server.cli_args import add_server_args
 
@@ -92,7 +92,8 @@ def test_shared_index_drafts_another_requests_answer_within_its_capacity():
     assert propose(own, shared, 3) == ([4, 5, 6], 2)  # (2, 3) continued by the output
     shared.add([7, 8, 9, 10, 11, 12, 13, 14], start=1)
     assert len(shared.table) == 6  # the oldest n-grams went first
-    assert (2, 3) not in shared.table
+    assert suffix_hashes([2, 3], 2)[1] not in shared.table
+    assert propose(own, shared, 3) == ([], 0)
 
 
 def test_cost_model_recovers_the_per_token_cost():

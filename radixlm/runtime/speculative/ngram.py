@@ -1,6 +1,6 @@
 """NGRAM drafts: the tokens that followed the current suffix elsewhere.
 
-Two tables, both keyed by an n-gram (a tuple of n token ids, min_match <= n <= max_match):
+Two tables, both keyed by an n-gram (n token ids, min_match <= n <= max_match; as a hash):
 - `OwnIndex`, one per request, over its own prompt + output: n-gram -> the position right after
   its latest occurrence. Kept incrementally: each appended token adds the n-grams it continues
   (max_match - min_match + 1 dict writes), nothing is rebuilt. A draft is the text after that
@@ -22,13 +22,37 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+# n-grams are keyed by a 64-bit polynomial hash, H(a_1..a_n) = H(a_1..a_n-1) * P + (a_n + 1):
+# the hashes of all suffix lengths roll forward with one multiply-add each per token (a tuple
+# per length cost ~13 us a token). A collision only makes a wrong draft, which verification
+# rejects.
+_P = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def suffix_hashes(tokens: list[int], max_n: int) -> list[int]:
+    """[H(last 1 token), H(last 2), ..., H(last min(max_n, len) tokens)]."""
+    out, h, pw = [], 0, 1
+    for n in range(1, min(max_n, len(tokens)) + 1):
+        h = (h + (tokens[-n] + 1) * pw) & _MASK
+        pw = pw * _P & _MASK
+        out.append(h)
+    return out
+
+
+def roll(suffix: list[int], token: int, max_n: int) -> list[int]:
+    """The suffix hashes after appending `token`."""
+    t = token + 1
+    return [t] + [(h * _P + t) & _MASK for h in suffix[: max_n - 1]]
+
 
 class OwnIndex:
-    __slots__ = ("tokens", "table", "min_n", "max_n", "n_prompt", "n_out", "jumps")
+    __slots__ = ("tokens", "table", "suffix", "min_n", "max_n", "n_prompt", "n_out", "jumps")
 
     def __init__(self, prompt: list[int], min_n: int, max_n: int):
         self.tokens: list[int] = []
-        self.table: dict[tuple, int] = {}
+        self.table: dict[int, int] = {}  # n-gram hash -> the position after its last occurrence
+        self.suffix: list[int] = []  # suffix_hashes(tokens, max_n), kept rolling
         self.min_n, self.max_n = min_n, max_n
         self.n_prompt = len(prompt)
         self.n_out = 0  # output tokens mirrored so far
@@ -37,11 +61,14 @@ class OwnIndex:
 
     def extend(self, new: list[int]) -> None:
         toks, table, lo, hi = self.tokens, self.table, self.min_n, self.max_n
+        suffix = self.suffix
         for t in new:
             i = len(toks)  # t's position: it continues the n-grams ending at i - 1
-            for n in range(lo, min(hi, i) + 1):
-                table[tuple(toks[i - n : i])] = i
+            for n in range(lo, len(suffix) + 1):
+                table[suffix[n - 1]] = i
+            suffix = roll(suffix, t, hi)
             toks.append(t)
+        self.suffix = suffix
 
     def sync(self, output_ids: list[int], jumps: int) -> None:
         """Mirror the request's output. A jump-forward re-tokenizes the output's tail: cut the
@@ -56,6 +83,7 @@ class OwnIndex:
                 i += 1
             del mirror[base + i :]
             self.n_out = i
+            self.suffix = suffix_hashes(mirror, self.max_n)
         if len(output_ids) > self.n_out:
             self.extend(output_ids[self.n_out :])
             self.n_out = len(output_ids)
@@ -65,20 +93,21 @@ class SharedIndex:
     def __init__(self, min_n: int, max_n: int, max_draft: int, capacity: int):
         self.min_n, self.max_n, self.max_draft = min_n, max_n, max_draft
         self.capacity = capacity
-        self.table: OrderedDict[tuple, tuple] = OrderedDict()
+        self.table: OrderedDict[int, tuple] = OrderedDict()  # n-gram hash -> continuation
 
     def add(self, tokens: list[int], start: int) -> None:
         """Enter the n-grams of `tokens` whose continuation starts at `start` or later (a
         finished request: its output, continuing its prompt's end)."""
-        if self.capacity == 0:
+        if self.capacity == 0 or start >= len(tokens):
             return
         table, lo, hi, k = self.table, self.min_n, self.max_n, self.max_draft
-        for i in range(max(start, lo), len(tokens)):
+        suffix = suffix_hashes(tokens[:start], hi)
+        for i in range(start, len(tokens)):
             cont = tuple(tokens[i : i + k])  # one tuple shared by the n-grams ending at i - 1
-            for n in range(lo, min(hi, i) + 1):
-                key = tuple(tokens[i - n : i])
-                table[key] = cont
-                table.move_to_end(key)
+            for n in range(lo, len(suffix) + 1):
+                table[suffix[n - 1]] = cont
+                table.move_to_end(suffix[n - 1])
+            suffix = roll(suffix, tokens[i], hi)
         while len(table) > self.capacity:
             table.popitem(last=False)
 
@@ -87,10 +116,10 @@ def propose(own: OwnIndex, shared: SharedIndex, max_len: int) -> tuple[list[int]
     """(draft tokens, length of the matched suffix n-gram); ([], 0) without a match."""
     if max_len <= 0:
         return [], 0
-    toks = own.tokens
+    toks, suffix = own.tokens, own.suffix
     end = len(toks)
-    for n in range(min(own.max_n, end), own.min_n - 1, -1):
-        key = tuple(toks[end - n :])
+    for n in range(len(suffix), own.min_n - 1, -1):
+        key = suffix[n - 1]
         p = own.table.get(key)
         if p is not None and p < end:
             return toks[p : p + max_len], n
