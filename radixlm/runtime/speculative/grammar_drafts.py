@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from radixlm.runtime.constrained.grammar import MaskBuffer
+from radixlm.runtime.constrained.grammar import MaskBuffer, apply_bitmask_rows
 
 
 def truncate(req, draft: list[int]) -> list[int]:
@@ -39,8 +39,6 @@ def masker(reqs: list, drafts: list[list[int]], offsets: list[int], rows: int,
     """A function that masks the (rows, V) verify logits of the constrained requests in place."""
     if not any(r.grammar is not None for r in reqs):
         return lambda logits: None
-    from radixlm.runtime.constrained.grammar import _xgr
-
     bitmask = masks.get(rows)
     bitmask.fill_(-1)  # every token allowed on rows without a grammar (or after termination)
     constrained: list[int] = []
@@ -61,9 +59,4 @@ def masker(reqs: list, drafts: list[list[int]], offsets: list[int], rows: int,
         if walked:
             m.rollback(walked)
 
-    def apply(logits: torch.Tensor) -> None:
-        mask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
-        _xgr().apply_token_bitmask_inplace(logits, mask, vocab_size=masks.vocab_size,
-                                           indices=constrained)
-
-    return apply
+    return lambda logits: apply_bitmask_rows(logits, bitmask, constrained, masks.vocab_size)
