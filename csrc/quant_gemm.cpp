@@ -84,15 +84,22 @@ void gemm_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
   for (int64_t t = 0; t < ntask; ++t) {
     const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
     for (int64_t m0 = 0; m0 < M;) {
+      // any 1..8 rows in one tile: a block is dequantized once per tile, and that (not the
+      // bytes) is most of the cost, so M = 3, 5, 6, 7 (speculative verifies) take one pass
+      // instead of the 2-3 a {8, 4, 2, 1} split needs
       const int64_t left = M - m0;
-      const int mb = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const int mb = left >= 8 ? 8 : static_cast<int>(left);
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* wr = w + n * row_bytes;
         const float* xm = x + m0 * K;
         float* ym = y + m0 * N + n;
         switch (mb) {
           case 8: row_dot<F, 8>(xm, K, wr, ym, N); break;
+          case 7: row_dot<F, 7>(xm, K, wr, ym, N); break;
+          case 6: row_dot<F, 6>(xm, K, wr, ym, N); break;
+          case 5: row_dot<F, 5>(xm, K, wr, ym, N); break;
           case 4: row_dot<F, 4>(xm, K, wr, ym, N); break;
+          case 3: row_dot<F, 3>(xm, K, wr, ym, N); break;
           case 2: row_dot<F, 2>(xm, K, wr, ym, N); break;
           default: row_dot<F, 1>(xm, K, wr, ym, N); break;
         }

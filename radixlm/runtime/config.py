@@ -157,6 +157,21 @@ class ServerArgs:
     enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
     reasoning_parser: Optional[str] = None  # deepseek-r1 | qwen3 | ...: split <think> output
     embedding_pooling: str = "last"  # /v1/embeddings and /encode: last | mean (L2-normalized)
+    # --- speculative decoding (runtime/speculative): SGLang's flags ---
+    speculative_algorithm: Optional[str] = None  # NGRAM (STANDALONE, EAGLE3: not built yet)
+    # chain depth (draft tokens per verify, top-k 1); None: num_draft_tokens - 1
+    speculative_num_steps: Optional[int] = None
+    # tokens one verify forward computes per request: the last token + the drafts (SGLang's
+    # meaning: with top-k 1 it is num_steps + 1); None: 8
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None  # branching of a draft tree; only 1 (a chain)
+    speculative_draft_model_path: Optional[str] = None  # STANDALONE / EAGLE3 (not built yet)
+    # choose each step's draft lengths from acceptance and the batch's cost (0: plain decode)
+    speculative_adaptive: bool = True
+    speculative_ngram_min_match_window_size: int = 1  # shortest suffix n-gram looked up
+    speculative_ngram_max_match_window_size: int = 6  # longest suffix n-gram looked up
+    # n-grams of finished requests' text (what entered the radix tree) that drafts may come from
+    speculative_ngram_capacity: int = 65536
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)

@@ -23,6 +23,7 @@ from radixlm.runtime.multimodal import image_processor_for
 from radixlm.runtime.models import loader
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.speculative import spec_config
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Engine:
         if self.server_args.dp_size != 1:
             raise ValueError("dp_size > 1 is served by `radixlm serve --dp-size N` (replicas behind "
                              "a router); an Engine is one replica")
+        spec_config.resolve(self.server_args)  # refused flags fail before the model loads
         logging.getLogger("radixlm").setLevel(self.server_args.log_level.upper())
         # tp_size > 1: this process is rank 0; the other ranks run in worker processes
         self._tp = tp_worker.start_tp(self.server_args)

@@ -205,6 +205,17 @@ def output_text(req: Req, tokenizer, upto: Optional[int] = None) -> str:
     return text
 
 
+def spec_meta(verify_steps: Optional[int], verify_tokens: int) -> dict:
+    """meta_info of speculative decoding (empty when it is off): `spec_verify_steps`, the verify
+    forwards in which the request had a draft, and `spec_accept_length`, the mean tokens each of
+    them appended (its accepted drafts + the one token every verify yields; SGLang's accept
+    length: 1.0 means no draft was accepted)."""
+    if verify_steps is None:
+        return {}
+    return {"spec_verify_steps": verify_steps,
+            "spec_accept_length": verify_tokens / verify_steps if verify_steps else 0.0}
+
+
 def build_result(req: Req, tokenizer, upto: Optional[int] = None, partial: bool = False,
                  return_text_in_logprobs: bool = False) -> dict:
     upto = len(req.output_ids) if upto is None else upto
@@ -217,6 +228,7 @@ def build_result(req: Req, tokenizer, upto: Optional[int] = None, partial: bool 
         "reasoning_tokens": 0,
         "completion_tokens": upto,
         "cached_tokens": req.cached_tokens,
+        **spec_meta(req.spec_verify_steps, req.spec_verify_tokens),
     }
     if req.cached_tokens_details is not None:
         meta["cached_tokens_details"] = dict(req.cached_tokens_details)

@@ -108,6 +108,11 @@ class Req:
         self.jumps = 0  # jump-forward splices
         # lowest output index rewritten by a jump-forward since the last streamed update
         self.output_rollback: Optional[int] = None
+        # speculative decoding: the drafting state (n-gram index; dropped when finished), and
+        # the verify steps this request drafted in with the tokens they appended
+        self.spec_draft: Any = None
+        self.spec_verify_steps: Optional[int] = None  # None: speculation is off
+        self.spec_verify_tokens = 0
         self.created_at = 0.0  # perf_counter() when submitted
         self.finished_at: Optional[float] = None
 

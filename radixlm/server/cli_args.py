@@ -65,6 +65,17 @@ _HELP = {
                   "multiplies with torch._scaled_mm (half the weight memory), dequant "
                   "dequantizes them at load. auto: scaled_mm on CUDA SM89+ without TP, else "
                   "dequant; env RADIXLM_FP8_LINEAR overrides",
+    "speculative_algorithm": "speculative decoding: NGRAM (drafts from the request's own text "
+                             "and from finished requests' text); STANDALONE and EAGLE3 are "
+                             "not built yet",
+    "speculative_num_draft_tokens": "tokens one verify computes per request (the last token + "
+                                    "up to this - 1 drafts; default 8)",
+    "speculative_num_steps": "draft chain depth (default: num_draft_tokens - 1)",
+    "speculative_eagle_topk": "draft tree branching; only 1 (a chain) is built",
+    "speculative_adaptive": "choose each step's draft lengths from recent acceptance and the "
+                            "batch's measured step cost (--no-speculative-adaptive: always the "
+                            "longest draft found)",
+    "speculative_ngram_capacity": "n-grams kept from finished requests' text for drafting",
 }
 
 
@@ -73,7 +84,8 @@ _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARS
             "embedding_pooling": ("last", "mean"), "cpu_fp32_gemm": ("auto", "on", "off"),
             "gguf_keep_quantized": ("auto", "on", "off"), "load_balance_method": POLICIES,
             "hicache_write_policy": ("write_through", "write_through_selective", "write_back"),
-            "hicache_storage_backend": ("file",)}
+            "hicache_storage_backend": ("file",),
+            "speculative_algorithm": ("NGRAM", "STANDALONE", "EAGLE3", "EAGLE")}
 
 
 def _kind(field: dataclasses.Field):
@@ -91,9 +103,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         if f.name in aliases:
             flags.append("--" + aliases[f.name].replace("_", "-"))
         kind = _kind(f)
-        if kind is bool:
-            parser.add_argument(*flags, action="store_true", default=f.default,
+        if kind is bool and f.default is True:  # on by default: --no-<flag> turns it off
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=True,
                                 help=_HELP.get(f.name))
+        elif kind is bool:
+            parser.add_argument(*flags, action="store_true", default=f.default, help=_HELP.get(f.name))
         else:
             parser.add_argument(*flags, type=kind, default=f.default, choices=_CHOICES.get(f.name),
                                 help=_HELP.get(f.name, f"default: {f.default}"))

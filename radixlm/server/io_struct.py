@@ -102,6 +102,8 @@ class ReqUpdate:
     retractions: int = 0
     # hierarchical cache: {"device": n, "host": n, "storage": n} (meta_info.cached_tokens_details)
     cached_tokens_details: Optional[dict] = None
+    spec_verify_steps: Optional[int] = None  # speculative decoding (None: off), see engine_io
+    spec_verify_tokens: int = 0
     # jump-forward re-tokenized earlier output: ids (and logprobs) from this index on are replaced
     # by new_ids (the text they decode to is unchanged, so streamed text stays valid)
     rollback_to: Optional[int] = None

@@ -84,6 +84,9 @@ def launch_server(args: ServerArgs) -> None:
          importing transformers and loading it a third time on the same cores;
       4. wait for both to report ready, then serve.
     dp_size > 1: replicas of this server behind the router instead (radixlm/router/dp.py)."""
+    from radixlm.runtime.speculative import spec_config
+
+    spec_config.resolve(args)  # a flag that cannot run fails here, before any process starts
     if args.dp_size > 1:
         from radixlm.router.dp import launch_dp
 

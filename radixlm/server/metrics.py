@@ -39,6 +39,12 @@ class ServerMetrics:
                                ["tier"], registry=r)
         self.tier_bytes = Gauge(p + "hicache_bytes_moved", "KV bytes copied between tiers",
                                 ["direction"], registry=r)
+        # speculative decoding (0 when off): per request and verify, tokens appended / verifies
+        self.spec_accept_length = Gauge(p + "spec_accept_length",
+                                        "Mean tokens a request appended per verify it drafted in",
+                                        registry=r)
+        self.spec_verify_steps = Gauge(p + "spec_verify_steps", "Verify forwards run",
+                                       registry=r)
 
     def on_request(self, prompt_tokens: int) -> None:
         self.requests.inc()
@@ -74,4 +80,8 @@ class ServerMetrics:
                 self.tier_hits.labels(tier).set(tiers["hit_tokens_" + tier])
             for way in ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host"):
                 self.tier_bytes.labels(way).set(tiers["bytes_" + way])
+        verifies = stats.get("spec_verify_reqs") or 0
+        self.spec_accept_length.set(stats.get("spec_verify_tokens", 0) / verifies
+                                    if verifies else 0.0)
+        self.spec_verify_steps.set(stats.get("spec_verify_steps", 0))
         return generate_latest(self.registry)

@@ -144,7 +144,9 @@ class SchedulerServer:
                            len(req.origin_input_ids), req.cached_tokens,
                            sp.skip_special_tokens, sp.spaces_between_special_tokens,
                            tuple(sp.stop_strs), sp.no_stop_trim, rollback_to=rollback,
-                           retractions=req.retractions)
+                           retractions=req.retractions,
+                           spec_verify_steps=req.spec_verify_steps,
+                           spec_verify_tokens=req.spec_verify_tokens)
             if req.embedding is not None:
                 up.embedding = req.embedding
             up.cached_tokens_details = req.cached_tokens_details

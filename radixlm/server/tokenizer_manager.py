@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Optional
 import zmq
 import zmq.asyncio
 
-from radixlm.runtime.engine_io import RequestBuilder
+from radixlm.runtime.engine_io import RequestBuilder, spec_meta
 from radixlm.runtime.multimodal import image_processor_for
 from radixlm.server.errors import QueueFullError
 from radixlm.server.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq,
@@ -52,6 +52,7 @@ class ReqState:
         self.in_tid: Optional[list] = None
         self.embedding: Optional[list] = None
         self.retractions = 0
+        self.spec: tuple = (None, 0)  # speculative decoding: (verify steps, their tokens)
         self.event = asyncio.Event()
         self.created = time.perf_counter()
         self.last_token_time: Optional[float] = None
@@ -119,6 +120,7 @@ class TokenizerManager:
             del state.out_tid[up.rollback_to:]
         state.output_ids.extend(up.new_ids)
         state.retractions = up.retractions
+        state.spec = (up.spec_verify_steps, up.spec_verify_tokens)
         state.cached_tokens = up.cached_tokens
         state.cached_tokens_details = up.cached_tokens_details
         if up.output_token_logprobs:
@@ -241,7 +243,7 @@ class TokenizerManager:
                 meta["input_token_ids_logprobs"] = tops(state.in_tid or [])
                 meta["output_token_ids_logprobs"] = tops(state.out_tid)
         meta.update(reasoning_tokens=0, completion_tokens=len(state.output_ids),
-                    cached_tokens=state.cached_tokens)
+                    cached_tokens=state.cached_tokens, **spec_meta(*state.spec))
         if state.cached_tokens_details is not None:
             meta["cached_tokens_details"] = dict(state.cached_tokens_details)
         if state.finish is not None:

@@ -158,6 +158,11 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list, masks: MaskBuffer) -> 
     bitmask = masks.get(len(reqs))
     for i in rows:
         reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
-    xgr = _xgr()
+    apply_bitmask_rows(logits, bitmask, rows, masks.vocab_size)
+
+
+def apply_bitmask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                       vocab_size: int) -> None:
+    """logits (N, V): rows `rows` keep only the tokens their row of the host bitmask allows."""
     device_mask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
-    xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=masks.vocab_size, indices=rows)
+    _xgr().apply_token_bitmask_inplace(logits, device_mask, vocab_size=vocab_size, indices=rows)

@@ -85,25 +85,23 @@ class Sampler:
         # Greedy rows of a mixed batch: argmax before temperature touches the logits. Their
         # temperature entry is 1.0, so the division below leaves them finite.
         greedy_ids = logits.argmax(dim=-1) if info.any_greedy else None  # (B,)
+        probs = self.filtered_probs(logits, info)
+        next_ids = probs.div_(row_noise(probs, info, reqs, "exponential")).argmax(dim=-1)  # (B,)
+        if greedy_ids is not None:
+            next_ids = torch.where(info.greedy_rows, greedy_ids, next_ids)
+        return next_ids
 
+    def filtered_probs(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The distribution a row samples from, (B, V): logits (penalized, in place) / temperature
+        -> softmax -> tokens below the top-k / top-p / min-p cut set to 0. Not renormalized (the
+        exponential race does not need it; divide by the row sum for probabilities)."""
         logits.div_(info.temperatures)  # (B, V) / (B, 1)
         probs = torch.softmax(logits, dim=-1)  # (B, V)
-
         if info.need_top_k or info.need_top_p or info.need_min_p:
             threshold = self._keep_threshold(probs, info)  # (B, 1)
             # Ties at the threshold are all kept: the kept set depends only on the row's values.
             probs.masked_fill_(probs < threshold, 0.0)
-
-        noise = torch.empty_like(probs)  # (B, V) ~ Exp(1)
-        noise.exponential_()
-        for i in info.seeded_rows:  # the only per-request loop: each seeded row has its own RNG
-            noise[i].exponential_(generator=_generator_for(reqs[i], probs.device))
-        noise.clamp_(min=_MIN_NOISE)
-        next_ids = probs.div_(noise).argmax(dim=-1)  # (B,)
-
-        if greedy_ids is not None:
-            next_ids = torch.where(info.greedy_rows, greedy_ids, next_ids)
-        return next_ids
+        return probs
 
     @staticmethod
     def _keep_threshold(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -145,6 +143,21 @@ class Sampler:
         if info.need_min_p:
             threshold = torch.maximum(threshold, info.min_ps.view(-1, 1) * row_max)
         return threshold
+
+
+def row_noise(like: torch.Tensor, info: SamplingBatchInfo, reqs: list[Req],
+              kind: str) -> torch.Tensor:
+    """Noise shaped like `like` ((B, V) or (B,)): i.i.d. Exp(1) (clamped away from 0) or U[0, 1).
+    Seeded rows draw from their request's own generator, so their draws do not depend on what
+    else shares the batch."""
+    noise = torch.empty_like(like)
+    draw = noise.exponential_ if kind == "exponential" else noise.uniform_
+    draw()
+    for i in info.seeded_rows:  # the only per-request loop: each seeded row has its own RNG
+        row = noise[i]
+        (row.exponential_ if kind == "exponential" else row.uniform_)(
+            generator=_generator_for(reqs[i], like.device))
+    return noise.clamp_(min=_MIN_NOISE) if kind == "exponential" else noise
 
 
 def _generator_for(req: Req, device: torch.device) -> torch.Generator:

@@ -202,10 +202,16 @@ class SamplingBatchInfo:
         if self.output_counts is not None:
             ones = torch.ones(len(self), 1, dtype=torch.float32, device=self.device)
             self.output_counts.scatter_add_(1, next_token_ids.view(-1, 1), ones)
+        self._step_done(1)
+
+    def _step_done(self, appended) -> None:
+        """`appended`: tokens each row got this step (1, or a list with one count per row)."""
         self.step += 1
         if self.min_tokens_left is not None:
             if self.need_min_tokens:
-                self.min_tokens_left.sub_(1).clamp_(min=0)
+                if not isinstance(appended, int):
+                    appended = torch.tensor(appended, dtype=torch.int64, device=self.device)
+                self.min_tokens_left.sub_(appended).clamp_(min=0)
             else:  # every row has its minimum: drop the (B, V) mask (host-side decision)
                 self.min_tokens_left = self.stop_mask = None
         self.vocab_mask = None
@@ -216,15 +222,35 @@ class SamplingBatchInfo:
     _OPTIONAL_TENSORS = ("output_counts", "prompt_seen", "min_tokens_left", "stop_mask",
                          "vocab_mask", "logit_bias")
 
-    def filter(self, keep: list[int]) -> None:
-        """Keep rows `keep` (indices into the current rows, in the new order)."""
-        self.flags = self.flags.take(keep)
-        self._refresh_flags()
-        idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+    def take(self, rows: list[int], index: Optional[torch.Tensor] = None) -> "SamplingBatchInfo":
+        """A new batch of rows `rows` of this one (repeats allowed: speculative verification
+        samples one request at several positions); this one is unchanged. `index`: the same
+        rows as a device tensor, when the caller has one (no host -> device copy)."""
+        new = SamplingBatchInfo(self.vocab_size, self.device)
+        new.step = self.step
+        new.flags = self.flags.take(rows)
+        new._refresh_flags()
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device) if index is None else index
         for name in self._ROW_TENSORS + self._OPTIONAL_TENSORS:
             t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, idx))
+            setattr(new, name, None if t is None else t.index_select(0, idx))
+        return new
+
+    def advance(self, row_ids: torch.Tensor, token_ids: torch.Tensor, counts: list[int]) -> None:
+        """update() for a step that appended counts[i] >= 1 tokens to row i: row_ids, token_ids
+        (N,) int64 list every appended token (N = sum(counts)). The host-side min-token
+        deadlines count steps, so they stay conservative (a row has at least as many tokens as
+        steps); `min_tokens_left` is exact."""
+        if self.output_counts is not None:
+            ones = torch.ones(token_ids.shape[0], dtype=torch.float32, device=self.device)
+            self.output_counts.index_put_((row_ids, token_ids), ones, accumulate=True)
+        self._step_done(counts)
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep rows `keep` (indices into the current rows, in the new order)."""
+        step = self.step
+        self.__dict__.update(self.take(keep).__dict__)
+        self.step = step
         # Drop (B, V) tensors that no remaining row needs.
         if not self.need_penalties:
             self.output_counts = None

@@ -91,19 +91,31 @@ def record_output_logprobs(reqs: list[Req], out) -> None:
     logprobs of its `token_ids_logprob` ids (gathered from the raw logits the sampler kept)."""
     if out.logprobs is None:
         return
-    chosen = out.logprobs.tolist()
-    top_vals = out.top_logprobs_vals.tolist() if out.top_logprobs_vals is not None else None
-    top_ids = out.top_logprobs_ids.tolist() if out.top_logprobs_ids is not None else None
-    raw = getattr(out, "raw_logits", None)
+    rows = LogprobRows(out)
     for i, req in enumerate(reqs):
+        rows.append(req, i)
+
+
+class LogprobRows:
+    """A SampleOutput's logprobs on the host (copied once), appended to requests row by row."""
+
+    def __init__(self, out):
+        self.chosen = out.logprobs.tolist()
+        self.top_vals = out.top_logprobs_vals.tolist() if out.top_logprobs_vals is not None else None
+        self.top_ids = out.top_logprobs_ids.tolist() if out.top_logprobs_ids is not None else None
+        self.raw = getattr(out, "raw_logits", None)
+
+    def append(self, req: Req, i: int) -> None:
+        """Row i's chosen-token logprob (and top-k, token_ids_logprob) onto req's output lists."""
         if not req.return_logprob:
-            continue
-        req.output_token_logprobs.append(chosen[i])
-        if req.top_logprobs_num and top_vals is not None:
+            return
+        req.output_token_logprobs.append(self.chosen[i])
+        if req.top_logprobs_num and self.top_vals is not None:
             k = req.top_logprobs_num
-            req.output_top_logprobs.append(list(zip(top_vals[i][:k], top_ids[i][:k])))
-        if req.token_ids_logprob and raw is not None:
-            req.output_token_ids_logprobs.append(ids_logprobs(raw[i : i + 1], req.token_ids_logprob)[0])
+            req.output_top_logprobs.append(list(zip(self.top_vals[i][:k], self.top_ids[i][:k])))
+        if req.token_ids_logprob and self.raw is not None:
+            req.output_token_ids_logprobs.append(
+                ids_logprobs(self.raw[i : i + 1], req.token_ids_logprob)[0])
 
 
 def ids_logprobs(logits: torch.Tensor, ids: list[int]) -> list[list[tuple[float, int]]]:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from radixlm.runtime import speculative
 from radixlm.runtime.attention.shared_prefix import PrefixGrouper
 from radixlm.runtime.config import resolve_chunked_prefill_size
 from radixlm.runtime.constrained.grammar import GrammarCompilerPool, MaskBuffer, constraint_of
@@ -58,9 +59,6 @@ class Scheduler(TokenProcessing):
         self.new_token_ratio = decode.INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
         self.grammars: Optional[GrammarCompilerPool] = None  # created on the first constraint
         self.masks = MaskBuffer(self.vocab_size)
-        # overlap schedule (see overlap.py): on CUDA unless disabled; on the CPU nothing runs
-        # asynchronously, so it would only waste the rows of finishing requests
-        self.overlap = not args.disable_overlap_schedule and self.device.type == "cuda"
         self.prefix_grouper: Optional[PrefixGrouper] = None
         if (not args.disable_shared_prefix_attention and not args.disable_radix_cache
                 and getattr(runner.attn_backend, "supports_shared_prefix", False)):
@@ -71,9 +69,18 @@ class Scheduler(TokenProcessing):
                       "retractions": 0, "forward_steps": 0, "extend_steps": 0,
                       "jump_forward_tokens": 0, "shared_prefix_steps": 0,
                       "busy_s": 0.0}  # wall time inside step(): busy_s / elapsed = saturation
+        # speculative decoding (runtime/speculative): drafts verified in one forward per step
+        self.spec = speculative.create(args, self)
+        # overlap schedule (see overlap.py): on CUDA unless disabled; on the CPU nothing runs
+        # asynchronously, so it would only waste the rows of finishing requests. Not with
+        # speculation: a step's drafts need the previous step's tokens on the host (as SGLang)
+        self.overlap = (not args.disable_overlap_schedule and self.device.type == "cuda"
+                        and self.spec is None)
 
     # --- requests in and out --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
+        if self.spec is not None:
+            req.spec_verify_steps = 0  # reported in meta_info (None: speculation off)
         c = constraint_of(req.sampling_params)
         if c is not None and req.grammar is None:
             if self.grammars is None:
@@ -279,6 +286,8 @@ class Scheduler(TokenProcessing):
         aborted = [r for r in retracted if r.finished]
         if not self.running:
             return aborted
+        if self.spec is not None:  # drafts verified, or a plain step where none pays
+            return self.spec.step(self) + aborted
         step = self._launch_decode(list(self.running))
         if self.overlap and self._overlappable():
             self.inflight = step  # completed by the next step(), after it launches its own
@@ -316,11 +325,14 @@ class Scheduler(TokenProcessing):
         if len(live) != len(step.reqs):
             out = _take_rows(out, live)
         reqs = [step.reqs[i] for i in live]
-        keep = set(self._process_tokens(reqs, out))
+        self._retire(reqs, set(self._process_tokens(reqs, out)))
+        return reqs
+
+    def _retire(self, reqs: list[Req], keep: set[int]) -> None:
+        """After a decode step of `reqs`: those not in `keep` (indices) leave the batch."""
         self._drop_from_running({id(r) for i, r in enumerate(reqs) if i not in keep})
         self.new_token_ratio = max(decode.MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - decode.NEW_TOKEN_RATIO_DECAY)
-        return reqs
 
     def _drop_from_running(self, gone: set) -> None:
         """Remove the requests whose id() is in `gone` from the batch and its sampling rows."""
@@ -355,6 +367,8 @@ class Scheduler(TokenProcessing):
     def _finish(self, req: Req, finish: Finish) -> None:
         req.finish = finish
         req.finished_at = time.perf_counter()
+        if self.spec is not None:
+            self.spec.on_finish(req)
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req, req.fill_ids[: req.kv_len])
             req.req_pool_idx = None

@@ -38,20 +38,26 @@ class TokenProcessing:
                     req.output_top_logprobs.clear()
                 self._finish(req, Finish(FinishReason.LENGTH, matched=0))
                 continue
-            req.output_ids.append(tok)
-            self.stats["generated_tokens"] += 1
-            finish = None
-            if req.grammar is not None:
-                if not req.grammar.accept_token(tok):
-                    finish = Finish(FinishReason.ABORT, message=f"grammar rejected token {tok}")
-                elif req.grammar.is_terminated():
-                    finish = Finish(FinishReason.STOP, matched=tok if tok in req.stop_token_ids else None)
-            finish = finish or check_finish(req, tok, self.context_len, self.tokenizer)
-            if finish is not None:
-                self._finish(req, finish)
-            elif not (req.grammar is not None and self._jump_forward(req)):
+            if self._append_token(req, tok):
                 keep.append(i)
         return keep
+
+    def _append_token(self, req: Req, tok: int) -> bool:
+        """Append one sampled token: advance the grammar, finish the request or splice a
+        jump-forward. True while the request keeps decoding in the running batch."""
+        req.output_ids.append(tok)
+        self.stats["generated_tokens"] += 1
+        finish = None
+        if req.grammar is not None:
+            if not req.grammar.accept_token(tok):
+                finish = Finish(FinishReason.ABORT, message=f"grammar rejected token {tok}")
+            elif req.grammar.is_terminated():
+                finish = Finish(FinishReason.STOP, matched=tok if tok in req.stop_token_ids else None)
+        finish = finish or check_finish(req, tok, self.context_len, self.tokenizer)
+        if finish is not None:
+            self._finish(req, finish)
+            return False
+        return not (req.grammar is not None and self._jump_forward(req))
 
     def _jump_forward(self, req: Req) -> bool:
         """Splice a grammar-forced string into the output. The request then leaves the running

@@ -1,0 +1,36 @@
+"""Speculative decoding: drafts, one verify forward, exact acceptance.
+
+The scheduler's decode step calls `speculator.step(sched)` (worker.py) instead of its plain
+decode when `--speculative-algorithm` is set; everything else (admission, chunked and mixed
+prefill, retraction, jump-forward, finishing) is the scheduler's own code.
+
+  spec_config.py     the SGLang flags, resolved and checked (refusals name the flag)
+  ngram.py           drafts: the request's own n-gram index and the finished requests' table
+  adaptive.py        per step, how many draft tokens each request verifies (0: plain decode)
+  grammar_drafts.py  drafts cut by the grammar, per-row grammar masks
+  verify.py          the verify batch (an extend of [last + drafts] per request) and acceptance
+  rejection.py       per row: greedy argmax or rejection sampling on the sampler's distribution
+  worker.py          the step: draft -> verify -> append through the plain per-token code -> free
+
+Invariants (tested in tests/unit/test_speculative*.py): greedy output equals plain decoding's
+(fp32); sampled tokens follow the target distribution; after every step free + tree + owned ==
+capacity (the rejected drafts' slots are freed in the step that computed them); grammar, stop
+strings/regex, logprobs and abort see exactly the tokens kept.
+Not yet: draft models (STANDALONE), EAGLE-3 heads, draft trees (top-k > 1), CUDA graphs for
+the verify forward, overlap with speculation (the scheduler runs it non-overlapped).
+
+`create(args, sched)` returns the scheduler's speculator, or None when speculation is off.
+"""
+
+from __future__ import annotations
+
+from radixlm.runtime.speculative.spec_config import SpecConfig, resolve
+
+
+def create(args, sched):
+    cfg: SpecConfig = resolve(args)
+    if cfg is None:
+        return None
+    from radixlm.runtime.speculative.worker import NgramSpeculator
+
+    return NgramSpeculator(cfg, sched)

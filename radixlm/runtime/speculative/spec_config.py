@@ -1,0 +1,81 @@
+"""The speculative-decoding flags (SGLang's names) resolved and checked once, at start-up.
+
+SGLang's meaning of the numbers, kept here:
+- `speculative_num_draft_tokens`: tokens one verify forward computes per request. With a chain
+  (top-k 1) that is the request's last token plus `num_draft_tokens - 1` drafts.
+- `speculative_num_steps`: the chain's depth, `num_draft_tokens - 1` with top-k 1. Given both and
+  inconsistent, SGLang sets num_draft_tokens = num_steps + 1 and warns; so does this.
+- `speculative_eagle_topk`: the draft tree's branching. Only 1 (a chain) is built: a tree needs
+  the tree attention mask in every backend (ForwardBatch would carry it; see verify.py).
+A flag that cannot take effect is refused with a ValueError naming it, never ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_DRAFT_TOKENS = 8  # a verify row block of 8: one pass of the GGUF kernel's 8-row tile
+MAX_NUM_DRAFT_TOKENS = 64
+NOT_BUILT = {"STANDALONE": "a draft model (STANDALONE)", "EAGLE": "EAGLE heads",
+             "EAGLE3": "EAGLE-3 heads"}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str  # "NGRAM"
+    max_draft: int  # draft tokens per request per verify (num_draft_tokens - 1)
+    adaptive: bool
+    min_match: int  # suffix n-gram lengths looked up, longest first
+    max_match: int
+    capacity: int  # n-grams kept from finished requests' text
+
+
+def resolve(args) -> Optional[SpecConfig]:
+    """SpecConfig from ServerArgs, or None when speculation is off. Raises ValueError naming the
+    flag for anything that cannot run as asked."""
+    algo = args.speculative_algorithm
+    if algo is None:
+        for name in ("speculative_num_steps", "speculative_num_draft_tokens",
+                     "speculative_eagle_topk", "speculative_draft_model_path"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{name}: set without speculative_algorithm")
+        return None
+    algo = str(algo).upper()
+    if algo in NOT_BUILT:
+        raise ValueError(f"speculative_algorithm={algo}: {NOT_BUILT[algo]} not built yet in "
+                         "radixlm; NGRAM is (drafts from the request's own text and from "
+                         "finished requests' text)")
+    if algo != "NGRAM":
+        raise ValueError(f"speculative_algorithm: unknown algorithm {algo!r} (NGRAM; STANDALONE, "
+                         "EAGLE3 later)")
+    if args.speculative_draft_model_path is not None:
+        raise ValueError("speculative_draft_model_path: NGRAM drafts without a model")
+    if args.speculative_eagle_topk not in (None, 1):
+        raise ValueError(f"speculative_eagle_topk={args.speculative_eagle_topk}: only 1 (a draft "
+                         "chain) is built; draft trees need a tree attention mask")
+    steps, tokens = args.speculative_num_steps, args.speculative_num_draft_tokens
+    for name, v in (("speculative_num_steps", steps), ("speculative_num_draft_tokens", tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}: must be a positive integer (got {v!r})")
+    if tokens is None:
+        tokens = DEFAULT_NUM_DRAFT_TOKENS if steps is None else steps + 1
+    elif steps is not None and tokens != steps + 1:
+        logger.warning("speculative_num_draft_tokens=%d with a chain (top-k 1) of %d steps: "
+                       "using %d, as SGLang does", tokens, steps, steps + 1)
+        tokens = steps + 1
+    if not 2 <= tokens <= MAX_NUM_DRAFT_TOKENS:
+        raise ValueError(f"speculative_num_draft_tokens: must be in [2, {MAX_NUM_DRAFT_TOKENS}] "
+                         f"(the last token + at least one draft; got {tokens})")
+    lo, hi = (args.speculative_ngram_min_match_window_size,
+              args.speculative_ngram_max_match_window_size)
+    if not 1 <= lo <= hi <= 32:
+        raise ValueError("speculative_ngram_min/max_match_window_size: need 1 <= min <= max <= 32 "
+                         f"(got {lo}, {hi})")
+    if args.speculative_ngram_capacity < 0:
+        raise ValueError("speculative_ngram_capacity: must be >= 0")
+    return SpecConfig("NGRAM", tokens - 1, bool(args.speculative_adaptive), lo, hi,
+                      int(args.speculative_ngram_capacity))

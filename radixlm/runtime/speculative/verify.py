@@ -1,0 +1,149 @@
+"""The verify forward: each request's last token and its draft chain, as one extend batch.
+
+Request b (kv_len L_b, draft d_1..d_k) computes the k + 1 tokens [last, d_1, ..., d_k] at
+positions L_b .. L_b + k over its paged history: the extend path with causal attention inside
+the request, which is exactly a chain's mask. (A draft tree, top-k > 1, would add a per-request
+tree mask to the ForwardBatch that the backends apply instead of the causal one; the rows and
+`VerifyPlan` below stay as they are, with `parent` links replacing "the row before".)
+Every row is a logits row: row (b, j) gives the target's distribution for the token after d_j
+(d_0 = last). Requests without a draft (k = 0) come last as the batch's decode tail, so a
+backend runs them as a batched decode.
+
+KV slots: R = sum(k_b + 1) new slots, taken without eviction (the caller checked they are
+free), written at req_to_token[row_b, L_b : L_b + k_b + 1]. After acceptance the caller keeps
+the first m_b (the tokens the request kept) and frees the others in the same step.
+
+Host -> device: everything the forward and the acceptance read is packed into one int64 tensor
+and copied once, before the forward; device -> host: one copy of the tokens after it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.request import Req
+from radixlm.runtime.sampling.logprobs import token_logprobs
+from radixlm.runtime.sampling.sampler import SampleOutput
+from radixlm.runtime.scheduler.output import LogprobRows
+from radixlm.runtime.speculative.rejection import accept_rows
+
+
+@dataclass
+class VerifyPlan:
+    reqs: list[Req]  # batch order: requests with a draft first, then the plain decodes
+    running_rows: list[int]  # each one's row in the running batch (its sampling row)
+    drafts: list[list[int]]
+    offsets: list[int]  # first logits row of each request; request b has len(drafts[b]) + 1
+    kv_lens: list[int]  # kv_len of each before the step
+    slots: torch.Tensor  # (R,) the step's new KV slots, in row order
+    row_b: list[int]  # (R,) host: each row's request
+    dev: dict  # device views: row_b, row_j, draft, info_row (R,); offsets, ext (B,);
+    #            grid (B, K + 1)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_b)
+
+
+@dataclass
+class VerifyResult:
+    accepted: list[int]  # per request: draft tokens accepted (n_b <= k_b)
+    tokens: list[list[int]]  # per request: the n_b + 1 tokens to append (drafts, then one more)
+    logprobs: Optional[LogprobRows]  # row offsets[b] + j: the logprob of tokens[b][j]
+
+
+def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int]], req_pool,
+                 allocator, device: torch.device) -> tuple[ForwardBatch, VerifyPlan]:
+    B = len(reqs)
+    ext = [len(d) + 1 for d in drafts]
+    offsets = [0, *itertools.accumulate(ext)][:-1]
+    R, K = offsets[-1] + ext[-1], max(ext) - 1
+    slots = allocator.alloc(R)
+    assert slots is not None, "the caller checked the free slots"
+    kv_lens = [r.kv_len for r in reqs]
+    ids, row_b, row_j, nxt = [], [], [], []
+    for b, (req, d) in enumerate(zip(reqs, drafts)):
+        ids.append(req.output_ids[-1])
+        ids.extend(d)
+        row_b.extend([b] * len(d) + [b])
+        row_j.extend(range(len(d) + 1))
+        nxt.extend(d)
+        nxt.append(-1)  # the last row proposes nothing: its token is the bonus
+    grid = [d + [-1] * (K + 1 - len(d)) for d in drafts]  # (B, K + 1) drafts, -1 padded
+    pool = [r.req_pool_idx for r in reqs]
+    positions = [kv_lens[b] + j for b, j in zip(row_b, row_j)]
+    # rows (7, R): input id, position, pool row, request, j, next draft, sampling row;
+    # requests (4, B): pool row, seq len, first row, rows; then the (B, K + 1) grid
+    host = torch.tensor(ids + positions + [pool[b] for b in row_b] + row_b + row_j + nxt
+                        + [running_rows[b] for b in row_b] + pool
+                        + [n + e for n, e in zip(kv_lens, ext)] + offsets + ext
+                        + list(itertools.chain.from_iterable(grid)), dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    rows, reqs_part = flat[: 7 * R].view(7, R), flat[7 * R : 7 * R + 4 * B].view(4, B)
+    dev = {"row_b": rows[3], "row_j": rows[4], "draft": rows[5], "info_row": rows[6],
+           "offsets": reqs_part[2], "ext": reqs_part[3],
+           "grid": flat[7 * R + 4 * B :].view(B, K + 1)}
+    req_pool.req_to_token[rows[2], rows[1]] = slots
+    seq_lens = [n + e for n, e in zip(kv_lens, ext)]
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=rows[0],
+        positions=rows[1],
+        out_cache_loc=slots,
+        req_pool_indices=reqs_part[0],
+        seq_lens=reqs_part[1],
+        logits_indices=torch.arange(R, device=device),
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=kv_lens,
+        extend_lens_cpu=ext,
+        num_decode_tail=sum(1 for d in drafts if not d),
+    )
+    return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
+
+
+def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_grammar,
+           want_logprob: bool, top_logprobs_num: int) -> VerifyResult:
+    """Accept the drafts of every request at once. logits (R, V) float32, row order of `plan`;
+    `apply_grammar(logits)` masks the constrained rows (before logprobs, as plain decoding
+    does)."""
+    B, R = len(plan.reqs), plan.num_rows
+    dev = plan.dev
+    row_b, row_j, grid = dev["row_b"], dev["row_j"], dev["grid"]
+    K = grid.shape[1] - 1
+    # row r's sampling parameters: its request's, with the drafts before it counted as output
+    info = running_info.take([plan.running_rows[b] for b in plan.row_b], index=dev["info_row"])
+    if info.output_counts is not None and K:
+        before = grid[row_b, :K].clamp(min=0)  # (R, K) request's drafts; those at >= j unseen
+        seen = (torch.arange(K, device=grid.device).view(1, -1) < row_j.view(-1, 1)).float()
+        info.output_counts.scatter_add_(1, before, seen)
+    if info.min_tokens_left is not None:
+        info.min_tokens_left = (info.min_tokens_left - row_j).clamp_(min=0)
+    apply_grammar(logits)
+    raw = logits.clone() if want_logprob else None
+    accept, token = accept_rows(logits, info, [plan.reqs[b] for b in plan.row_b], dev["draft"],
+                                sampler)
+
+    offsets = dev["offsets"]
+    cols = torch.arange(K, device=grid.device).view(1, -1)
+    in_draft = cols < dev["ext"].view(-1, 1) - 1  # (B, K): j < k_b
+    acc = accept[(offsets.view(-1, 1) + cols).clamp(max=R - 1)] & in_draft  # (B, K)
+    n = acc.to(torch.int64).cumprod(dim=1).sum(dim=1)  # (B,) leading accepted drafts
+    last = token[offsets + n]  # (B,) the correction, or the bonus after a fully accepted draft
+    emitted = grid.scatter(1, n.view(-1, 1), last.view(-1, 1))  # (B, K + 1)
+    lp = None
+    if want_logprob:
+        # (R,) the token each row emits if it is kept (rows past a rejection: unused, >= 0)
+        chosen = emitted[row_b, row_j].clamp(min=0)
+        vals, top_vals, top_ids = token_logprobs(raw, chosen, top_logprobs_num)
+        lp = LogprobRows(SampleOutput(chosen, vals, top_vals, top_ids, raw_logits=raw))
+    flat = torch.cat([n, emitted.view(-1)]).tolist()  # the step's one sync
+    accepted = flat[:B]
+    rows = [flat[B + b * (K + 1) : B + b * (K + 1) + accepted[b] + 1] for b in range(B)]
+    return VerifyResult(accepted, rows, lp)

@@ -1,0 +1,150 @@
+"""The speculative decode step the scheduler runs instead of a plain decode step.
+
+  draft    each running request looks up an n-gram draft (ngram.py), cut by its grammar and by
+           its length limits; the adaptive policy picks how much of it to verify (0: none)
+  verify   no draft anywhere: the plain decode step (the scheduler's own code, unchanged).
+           Otherwise one extend forward over [last token + drafts] of every request
+           (verify.py) and one acceptance pass over all rows (rejection.py)
+  append   per request, the kept tokens go through the same per-token code as plain decoding
+           (grammar, stop tokens / strings / regex, lengths, jump-forward, logprobs); the first
+           finish or splice ends the request's list, and what follows is dropped
+  free     KV slots of the tokens not kept go back to the allocator in the same step: request
+           b keeps the slots of the m_b tokens it appended (its kv_len grows by m_b), so the
+           accounting free + tree + owned == capacity holds after every step
+One device -> host sync per step (tokens and accept counts together).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from radixlm.runtime.request import Req
+from radixlm.runtime.speculative import grammar_drafts
+from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
+from radixlm.runtime.speculative.ngram import OwnIndex, SharedIndex, propose
+from radixlm.runtime.speculative.spec_config import SpecConfig
+from radixlm.runtime.speculative.verify import build_verify, verify
+
+STAT_KEYS = ("spec_verify_steps", "spec_verify_reqs", "spec_verify_tokens", "spec_draft_tokens",
+             "spec_accepted_tokens")
+
+
+class DraftState:
+    """A request's drafting state (`Req.spec_draft`): its n-gram index and acceptance record."""
+
+    __slots__ = ("own", "record", "match")
+
+    def __init__(self, req: Req, cfg: SpecConfig):
+        self.own = OwnIndex(req.vocab_input_ids(), cfg.min_match, cfg.max_match)
+        self.record = Acceptance()
+        self.match = 0  # suffix length of the current draft's match
+
+
+class NgramSpeculator:
+    def __init__(self, cfg: SpecConfig, sched):
+        self.cfg = cfg
+        self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
+        self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type)
+        for key in STAT_KEYS:
+            sched.stats[key] = 0
+
+    def step(self, sched) -> list[Req]:
+        """One decode step of sched.running (which ensure_decode_memory gave a slot each)."""
+        t0 = time.perf_counter()
+        reqs = list(sched.running)
+        ks = [0] * len(reqs)
+        if not self.policy.hopeless([r.spec_draft and r.spec_draft.record for r in reqs]):
+            drafts = [self._draft(req, sched.context_len) for req in reqs]
+            ks = self.policy.choose([r.spec_draft.record for r in reqs],
+                                    [len(d) for d in drafts], [r.spec_draft.match for r in reqs])
+        tokens = len(reqs) + sum(ks)
+        if tokens > len(reqs) and sched.allocator.available_size() < tokens:
+            ks, tokens = [0] * len(reqs), len(reqs)  # never evict cached prefixes for guesses
+        if tokens == len(reqs):
+            done = sched._complete_decode(sched._launch_decode(reqs))
+        else:
+            done = self._verify(sched, reqs, [d[:k] for d, k in zip(drafts, ks)])
+        self.policy.observe_step(tokens, time.perf_counter() - t0)
+        return done
+
+    def on_finish(self, req: Req) -> None:
+        """A request is done: its output's n-grams join the shared table; its index goes."""
+        state = req.spec_draft
+        if state is None:
+            return
+        state.own.sync(req.output_ids, req.jumps)
+        self.shared.add(state.own.tokens, state.own.n_prompt)
+        req.spec_draft = None
+
+    # --- internals ------------------------------------------------------------------------------
+    def _draft(self, req: Req, context_len: int) -> list[int]:
+        state = req.spec_draft
+        if state is None:
+            state = req.spec_draft = DraftState(req, self.cfg)
+        state.own.sync(req.output_ids, req.jumps)
+        # a verify appends up to k + 1 tokens: within max_new_tokens and the context
+        room = min(self.cfg.max_draft, req.remaining_new_tokens() - 1,
+                   context_len - req.seqlen - 1)
+        draft, state.match = propose(state.own, self.shared, room)
+        return grammar_drafts.truncate(req, draft)
+
+    def _verify(self, sched, reqs: list[Req], drafts: list[list[int]]) -> list[Req]:
+        order = sorted(range(len(reqs)), key=lambda i: not drafts[i])  # drafts first (stable)
+        breqs = [reqs[i] for i in order]
+        bdrafts = [drafts[i] for i in order]
+        fb, plan = build_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
+                                sched.device)
+        logits = sched.runner.forward(fb)  # (R, V) float32
+        sched.stats["forward_steps"] += 1
+        mask = grammar_drafts.masker(breqs, bdrafts, plan.offsets, plan.num_rows, sched.masks)
+        lp_reqs = [r for r in reqs if r.return_logprob]
+        res = verify(logits, plan, sched.running_info, sched.sampler, mask, bool(lp_reqs),
+                     max((r.top_logprobs_num for r in lp_reqs), default=0))
+
+        free: list[int] = []  # rows of plan.slots whose tokens were not kept
+        keep: set[int] = set()
+        kept_rows, kept_toks, counts = [], [], [0] * len(reqs)
+        stats = sched.stats
+        stats["spec_verify_steps"] += 1
+        for b, req in enumerate(breqs):
+            k, off = len(bdrafts[b]), plan.offsets[b]
+            state = req.spec_draft  # (a finish below hands it to on_finish)
+            m, alive = _append(sched, req, res.tokens[b], plan.kv_lens[b], res.logprobs, off)
+            free.extend(range(off + m, off + k + 1))
+            i = order[b]
+            counts[i] = m
+            kept_rows += [i] * m
+            kept_toks += res.tokens[b][:m]
+            if alive:
+                keep.add(i)
+            if k:
+                self.policy.record(state.record, state.match, k, res.accepted[b])
+                req.spec_verify_steps += 1
+                req.spec_verify_tokens += m
+                stats["spec_verify_reqs"] += 1
+                stats["spec_verify_tokens"] += m
+                stats["spec_draft_tokens"] += k
+                stats["spec_accepted_tokens"] += res.accepted[b]
+        if free:
+            sched.allocator.free(plan.slots[torch.tensor(free, device=plan.slots.device)])
+        dev = sched.device
+        sched.running_info.advance(torch.tensor(kept_rows, device=dev),
+                                   torch.tensor(kept_toks, device=dev), counts)
+        sched._retire(reqs, keep)
+        return reqs
+
+
+def _append(sched, req: Req, tokens: list[int], kv_len: int, logprobs, first_row: int):
+    """Append a verify's tokens to `req` one by one through the plain decoding code; the first
+    that finishes the request (or splices a jump-forward) is the last. Returns (tokens kept m,
+    still running). Before token j, kv_len covers [.., last, d_1..d_j]: a finish or splice hands
+    exactly that KV to the tree, and the step's slots from row m on are the caller's to free."""
+    for j, tok in enumerate(tokens):
+        req.kv_len = kv_len + 1 + j
+        if logprobs is not None:
+            logprobs.append(req, first_row + j)
+        if not sched._append_token(req, tok):
+            return j + 1, False
+    return len(tokens), True

@@ -1,0 +1,147 @@
+"""Speculative decoding (NGRAM) through the Engine, fp32 on the CPU: the same greedy tokens,
+logprobs, finishes and grammar output as without it, on prompts whose answers copy their input
+(so drafts are accepted: every test asserts some were), and the KV accounting after each test.
+
+A dropped bonus token, a wrong accepted prefix or a penalty that missed the drafts changes the
+tokens; a rejected slot not freed (or an accepted one freed) fails the integrity check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LIST = ("Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape, "
+        "honeydew, kiwi, lemon, mango. Repeat:")
+CODE = ("Copy the following code:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+        "    return a - b\nCopy:\n")
+DOC = ('Return this JSON exactly: {"name": "Ada Lovelace", "born": 1815, "field": "mathematics", '
+       '"known_for": "the first program"}\nJSON: ')
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                           "field": {"type": "string"}},
+          "required": ["name", "born", "field"]}
+
+
+@pytest.fixture(scope="module")
+def spec_engine(make_engine):
+    # adaptive off: every draft found is verified, the most acceptance and rejection paths;
+    # 3 drafts: a verify of <= 4 requests stays within the GGUF kernel's direct (<= 16 rows) path
+    return make_engine(speculative_algorithm="NGRAM", speculative_adaptive=False,
+                       speculative_num_draft_tokens=4)
+
+
+def _params(**kw):
+    return {"temperature": 0, "max_new_tokens": 32, **kw}
+
+
+def _same(a: dict, b: dict, lp_tol: float = 2e-4) -> None:
+    assert a["output_ids"] == b["output_ids"]
+    assert a["text"] == b["text"]
+    assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key not in a["meta_info"]:
+            continue
+        for x, y in zip(a["meta_info"][key], b["meta_info"][key]):
+            if key == "output_token_logprobs":
+                assert x[1] == y[1] and abs(x[0] - y[0]) < lp_tol, (x, y)
+            else:
+                assert [t for _, t, _ in x] == [t for _, t, _ in y]
+                assert max(abs(u[0] - v[0]) for u, v in zip(x, y)) < lp_tol
+
+
+def test_greedy_logprobs_penalties_and_stops_match_plain_decoding(engine, spec_engine, integrity):
+    prompts = [LIST, CODE, LIST, LIST]
+    params = [_params(),
+              _params(frequency_penalty=0.4, presence_penalty=0.2, logit_bias={"28": -2.0}),
+              _params(stop=["grape"]),  # the stop string ends inside an accepted draft
+              _params(stop_regex=[r"kiwi,?"], min_new_tokens=4, repetition_penalty=1.1)]
+    kw = dict(return_logprob=[True, True, True, False], top_logprobs_num=3)
+    off = engine.generate(prompts, params, **kw)
+    on = spec_engine.generate(prompts, params, **kw)
+    for a, b in zip(off, on):
+        _same(a, b)
+    metas = [o["meta_info"] for o in on]
+    assert all(m["spec_verify_steps"] > 0 for m in metas)
+    assert metas[0]["spec_accept_length"] > 2 and metas[1]["spec_accept_length"] > 1.5
+    assert metas[2]["finish_reason"] == {"type": "stop", "matched": "grape"}
+    assert metas[2]["spec_accept_length"] > 1.5
+    assert "spec_verify_steps" not in off[0]["meta_info"]
+    integrity(engine)
+    integrity(spec_engine)
+
+
+def test_grammar_constrained_drafts_match_plain_decoding(engine, spec_engine, integrity):
+    params = [_params(json_schema=SCHEMA, max_new_tokens=40), _params(regex=r"[a-z, ]{20,60}\.")]
+    prompts = [DOC, LIST]
+    off = engine.generate(prompts, params)
+    on = spec_engine.generate(prompts, params)
+    for a, b in zip(off, on):
+        _same(a, b)
+    assert on[1]["meta_info"]["spec_accept_length"] > 1.5  # drafts passed the grammar check
+    integrity(spec_engine)
+
+
+def test_streaming_n_sampling_and_abort(spec_engine, integrity):
+    before = spec_engine.get_stats()
+    chunks = list(spec_engine.generate(LIST, _params(ignore_eos=True), stream=True))
+    after = spec_engine.get_stats()
+    final = spec_engine.generate(LIST, _params(ignore_eos=True))
+    assert chunks[-1]["output_ids"] == final["output_ids"]
+    assert len(chunks) < len(final["output_ids"])  # several tokens per verify step
+    # every verify appends its accepted drafts + exactly one more token (none cut by a finish)
+    delta = {k: after[k] - before[k] for k in ("spec_verify_tokens", "spec_accepted_tokens",
+                                               "spec_verify_reqs")}
+    assert delta["spec_accepted_tokens"] > 0
+    assert delta["spec_verify_tokens"] == delta["spec_accepted_tokens"] + delta["spec_verify_reqs"]
+    outs = spec_engine.generate([CODE], {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 24,
+                                         "n": 3, "seed": 3})
+    assert len(outs) == 3 and all(len(o["output_ids"]) > 0 for o in outs)
+    stream = spec_engine.generate(CODE, _params(max_new_tokens=200), stream=True, rid="to-abort")
+    next(stream)
+    spec_engine.abort_request("to-abort")
+    last = list(stream)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    integrity(spec_engine)
+
+
+def test_retraction_and_chunked_prefill(engine, make_engine, integrity):
+    # admitted optimistically into a pool too small for all outputs (retraction); the longest
+    # prompt is computed in 32-token chunks while the others decode with drafts
+    eng = make_engine(speculative_algorithm="NGRAM", max_total_tokens=200,
+                      chunked_prefill_size=32, schedule_conservativeness=0.05)
+    prompts = [LIST, CODE, "Please. " + LIST, "Now. " + CODE, LIST + " " + LIST]
+    params = _params(max_new_tokens=24)
+    on = eng.generate(prompts, params)
+    off = engine.generate(prompts, params)
+    for a, b in zip(off, on):
+        assert a["output_ids"] == b["output_ids"]
+    stats = eng.get_stats()
+    assert stats["retractions"] > 0 and stats["spec_accepted_tokens"] > 0
+    integrity(eng)
+
+
+def test_other_family_gemma2_windows_and_softcaps(tmp_path, integrity):
+    """Gemma 2 (its own model file: sliding windows of 8, attention and final soft-caps) on a
+    tiny random checkpoint: the verify forward's extend attention with a cached prefix, both
+    backends, against plain decoding. Random weights fall into repetitions: drafts accepted."""
+    import arch_parity as ap
+    from test_model_parity_gemma import CASES
+
+    cls, config = CASES["gemma2"]
+    ap.save_tiny(cls, config(), tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() * 4 for n in (6, 9, 13)]
+    prompts += ap.prompts(256)[:3]
+    engines = [ap.make_engine(str(tmp_path), **kw) for kw in (
+        {}, dict(speculative_algorithm="NGRAM", speculative_adaptive=False),
+        dict(speculative_algorithm="NGRAM", speculative_adaptive=False,
+             attention_backend="torch_native"))]
+    try:
+        off, *ons = [ap.generate(e, prompts, max_new=24) for e in engines]
+        for on in ons:
+            assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+            assert sum(o["meta_info"]["spec_accept_length"] > 1 for o in on) >= 4
+        for e in engines:
+            integrity(e)
+    finally:
+        for e in engines:
+            e.shutdown()

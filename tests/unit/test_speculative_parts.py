@@ -1,0 +1,194 @@
+"""Speculative decoding's parts without a model: the rejection sampler keeps the target's
+distribution (chi-square on a tiny vocabulary, every sampling parameter on), the n-gram indexes,
+the adaptive policy and the flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from radixlm.runtime.config import ServerArgs
+from radixlm.runtime.request import Req
+from radixlm.runtime.sampling.sampler import Sampler
+from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.speculative import spec_config
+from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy, CostModel
+from radixlm.runtime.speculative.ngram import OwnIndex, SharedIndex, propose, suffix_hashes
+from radixlm.runtime.speculative.rejection import accept_rows
+from radixlm.server.cli_args import add_server_args
+
+V = 8
+# chi-square 0.9999 quantiles by degrees of freedom: a correct sampler fails 1 in 10^4 seeds
+CHI2_9999 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.75, 6: 27.86, 7: 29.88}
+
+
+def _req(output_ids, **params) -> Req:
+    sp = SamplingParams(**params)
+    sp.verify(V)
+    req = Req("r", [1, 2, 3], sp)
+    req.output_ids = list(output_ids)
+    return req
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, 2.6])
+    # penalties on the output so far, a bias, temperature and all three cuts
+    req = _req([7, 7, 0], temperature=0.8, top_k=4, top_p=0.97, min_p=0.03,
+               frequency_penalty=0.5, presence_penalty=0.1, logit_bias={"3": 1.0})
+    base = SamplingBatchInfo.from_reqs([req], V, "cpu")
+    ref = logits.view(1, -1).clone()
+    base.take([0]).apply_penalties_and_masks(ref)
+    p = Sampler().filtered_probs(ref, base)[0]
+    p = p / p.sum()  # the plain sampler's distribution
+    support = p > 0
+    assert 3 <= int(support.sum()) < V  # the cuts removed something, several tokens remain
+
+    per_draft = 4000
+    drafts = torch.arange(-1, V).repeat_interleave(per_draft)  # -1: no draft (the bonus row)
+    info = base.take([0] * drafts.numel())
+    accept, token = accept_rows(logits.expand(drafts.numel(), V).clone(), info,
+                                [req] * drafts.numel(), drafts, Sampler())
+    emitted = torch.where(accept, drafts, token)
+    assert not accept[drafts < 0].any()
+    for d in range(-1, V):
+        counts = torch.bincount(emitted[drafts == d], minlength=V).double()
+        assert counts[~support].sum() == 0, f"draft {d}: a token outside top-k/top-p/min-p"
+        expected = p[support].double() * per_draft
+        chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+        assert chi2 < CHI2_9999[int(support.sum()) - 1], (d, chi2, counts.tolist())
+
+
+def test_greedy_rows_accept_exactly_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.0, 0, 0, 0, 0]] * 3
+                          + [[5.0, 0.0, 1.0, 0.0, 0, 0, 0, 0]])
+    reqs = [_req([], temperature=0.0)] * 3 + [_req([], temperature=1.0, top_k=1)]
+    info = SamplingBatchInfo.from_reqs(reqs, V, "cpu")
+    accept, token = accept_rows(logits, info, reqs, torch.tensor([1, 2, -1, 0]), Sampler())
+    assert accept.tolist() == [True, False, False, True]
+    assert token[:3].tolist() == [1, 1, 1]
+
+
+def test_own_index_drafts_what_followed_the_suffix_and_survives_a_rewrite():
+    own = OwnIndex([5, 6, 7, 8, 9, 5, 6], min_n=1, max_n=3)
+    shared = SharedIndex(1, 3, 4, capacity=100)
+    assert propose(own, shared, 4) == ([7, 8, 9, 5], 2)  # (5, 6) -> 7 8 9 ...
+    own.sync([7], jumps=0)  # the output: 7 -> suffix (5, 6, 7) seen before
+    assert propose(own, shared, 2) == ([8, 9], 3)
+    own.sync([7, 1], jumps=0)
+    assert propose(own, shared, 3) == ([], 0)  # 1 never occurred before
+    own.sync([3, 4], jumps=1)  # a jump-forward rewrote the whole output
+    assert own.tokens == [5, 6, 7, 8, 9, 5, 6, 3, 4] and own.n_out == 2
+
+
+def test_shared_index_drafts_another_requests_answer_within_its_capacity():
+    shared = SharedIndex(1, 2, 3, capacity=6)
+    shared.add([1, 2, 3, 4, 5, 6], start=3)  # prompt 1 2 3, output 4 5 6
+    assert len(shared.table) <= 6
+    own = OwnIndex([9, 2, 3], min_n=1, max_n=2)
+    assert propose(own, shared, 3) == ([4, 5, 6], 2)  # (2, 3) continued by the output
+    shared.add([7, 8, 9, 10, 11, 12, 13, 14], start=1)
+    assert len(shared.table) == 6  # the oldest n-grams went first
+    assert suffix_hashes([2, 3], 2)[1] not in shared.table
+    assert propose(own, shared, 3) == ([], 0)
+
+
+def test_cost_model_recovers_the_per_token_cost():
+    cm = CostModel(prior_ratio=0.5)
+    assert cm.ratio() == 0.5  # no data: the prior
+    for i in range(60):
+        T = 1 + i % 8
+        cm.observe(T, 0.020 + 0.002 * T)
+    assert abs(cm.ratio() - 0.1) < 0.01
+    # then many plain steps of a large batch whose few tokens of spread happen to slope the
+    # wrong way (the machine's load drifting while requests finish): the slope learned over the
+    # whole range holds (a fit forgetting by time gave 0.04 here)
+    for i in range(200):
+        T = 28 + i % 5
+        cm.observe(T, (0.020 + 0.002 * T) * (1.2 - 0.05 * (T - 28)))
+    assert 0.07 < cm.ratio() < 0.14
+    flat = CostModel(prior_ratio=0.05)
+    for _ in range(60):  # T never varies: the prior keeps deciding the split
+        flat.observe(4, 0.030)
+    assert abs(flat.ratio() - 0.05) < 0.01
+
+
+def _records(succ: float, trials: float, n: int) -> list:
+    recs = [Acceptance() for _ in range(n)]
+    for r in recs:
+        r.succ, r.trials = succ, trials
+    return recs
+
+
+def test_adaptive_drafts_where_it_pays():
+    pol = AdaptivePolicy(adaptive=True, device_type="cpu")
+    for _ in range(40):  # a token costs a tenth of the fixed cost: c1 / c0 = 0.1
+        for T in (1, 4, 8):
+            pol.observe_step(T, 0.05 * (1 + 0.1 * T))
+    assert pol.choose(_records(40, 42, 1), [7], [4]) == [7]  # good drafts, batch 1: all
+    assert pol.choose(_records(0, 40, 1), [7], [4]) == [0]  # failing drafts: plain decode
+    assert pol.choose(_records(40, 42, 1), [0], [0]) == [0]  # nothing found
+    # a batch of 64 where a token costs 0.5 of the fixed cost: only near-certain tokens
+    busy = AdaptivePolicy(adaptive=True, device_type="cpu")
+    for _ in range(40):
+        for T in (64, 70, 80):
+            busy.observe_step(T, 0.05 * (1 + 0.5 * T))
+    ks = busy.choose(_records(6, 10, 64), [7] * 64, [4] * 64)
+    assert sum(ks) == 0
+    assert busy.hopeless([None] * 64) and not busy.hopeless(_records(60, 61, 64))
+    assert not pol.hopeless([None])  # (the step then skips even the lookups)
+    assert AdaptivePolicy(False, "cpu").choose(_records(0, 40, 2), [3, 5], [1, 1]) == [3, 5]
+
+
+def test_flags_resolve_as_sglang_and_refuse_what_is_not_built():
+    cfg = spec_config.resolve(ServerArgs(speculative_algorithm="ngram"))
+    assert (cfg.algorithm, cfg.max_draft, cfg.adaptive) == ("NGRAM", 7, True)
+    cfg = spec_config.resolve(ServerArgs(speculative_algorithm="NGRAM", speculative_num_steps=3,
+                                         speculative_num_draft_tokens=8))
+    assert cfg.max_draft == 3  # a chain of 3 steps verifies 4 tokens (SGLang adjusts too)
+    assert spec_config.resolve(ServerArgs()) is None
+    refused = [(dict(speculative_algorithm="EAGLE3"), "speculative_algorithm=EAGLE3"),
+               (dict(speculative_algorithm="STANDALONE"), "STANDALONE"),
+               (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=4),
+                "speculative_eagle_topk"),
+               (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="x"),
+                "speculative_draft_model_path"),
+               (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1),
+                "speculative_num_draft_tokens"),
+               (dict(speculative_num_steps=3), "speculative_num_steps")]
+    for kw, name in refused:
+        with pytest.raises(ValueError, match=name):
+            spec_config.resolve(ServerArgs(**kw))
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    ns = parser.parse_args(["--speculative-algorithm", "NGRAM", "--no-speculative-adaptive",
+                            "--speculative-num-draft-tokens", "5"])
+    assert (ns.speculative_algorithm, ns.speculative_adaptive,
+            ns.speculative_num_draft_tokens) == ("NGRAM", False, 5)
+    assert parser.parse_args(["--speculative-adaptive"]).speculative_adaptive is True
+
+
+def test_server_reports_spec_meta_and_metrics():
+    """The server path: a scheduler update's verify counts reach meta_info, the scheduler's
+    stats reach /metrics."""
+    from radixlm.server.io_struct import GenerateReqInput, ReqUpdate, TextUpdate
+    from radixlm.server.metrics import ServerMetrics
+    from radixlm.server.tokenizer_manager import ReqState, TokenizerManager
+
+    tm = TokenizerManager.__new__(TokenizerManager)  # only its result bookkeeping is used
+    tm.weight_version, tm.tokenizer, tm.metrics = "default", None, None
+    state = ReqState(GenerateReqInput(text="x"), prompt_len=3)
+    up = ReqUpdate("r", [5, 6, 7, 8], 4, {"type": "length", "length": 4}, 3, 0,
+                   spec_verify_steps=2, spec_verify_tokens=3)
+    tm._apply(state, TextUpdate("r", "", up), 0.0)
+    meta = tm.result("r", state)["meta_info"]
+    assert meta["spec_verify_steps"] == 2 and meta["spec_accept_length"] == 1.5
+    off = ReqState(GenerateReqInput(text="x"), prompt_len=3)
+    tm._apply(off, TextUpdate("r", "", ReqUpdate("r", [5], 1, None, 3, 0)), 0.0)
+    assert "spec_verify_steps" not in tm.result("r", off)["meta_info"]
+    text = ServerMetrics().render({"spec_verify_steps": 10, "spec_verify_reqs": 16,
+                                   "spec_verify_tokens": 40}).decode()
+    assert "radixlm:spec_accept_length 2.5" in text and "radixlm:spec_verify_steps 10.0" in text
