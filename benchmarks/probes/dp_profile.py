@@ -31,6 +31,7 @@ def main() -> None:
     from benchmarks import dp_load
     from benchmarks import dp_router as dr
     from benchmarks.pyspy_stacks import record, summarize
+    from radixlm.net import free_port
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--out-dir", default=".")
@@ -42,7 +43,7 @@ def main() -> None:
     log_dir = tempfile.mkdtemp(prefix="dp_profile-")
     vocab = dr.prepare_model(args, log_dir)
     kv = int(args.max_total_tokens * args.single_kv_factor)
-    port = dr._free_port()
+    port = free_port()
     server = dr.Proc("S", dr.server_cmd(args, port, 0, kv), log_dir, port)
     raw = os.path.join(out_dir, "dp_profile.txt")
     try:

@@ -28,12 +28,12 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from contextlib import asynccontextmanager
 
+from radixlm.net import free_port
 from radixlm.runtime.config import ServerArgs
 from radixlm.router.args import ARGS_ENV, PARENT_ENV, RouterArgs
 
@@ -43,10 +43,6 @@ READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def visible_gpus(device: str) -> list[str]:
@@ -114,7 +110,7 @@ def start_replicas(args: ServerArgs) -> list[Replica]:
     threads = cpu_threads(args.dp_size)
     replicas = []
     for i in range(args.dp_size):
-        rargs = args.replace(dp_size=1, base_gpu_id=0, host="127.0.0.1", port=_free_port(),
+        rargs = args.replace(dp_size=1, base_gpu_id=0, host="127.0.0.1", port=free_port(),
                              dist_init_addr=None, device=device)
         env = {**os.environ, ARGS_ENV: json.dumps(dataclasses.asdict(rargs)),
                PARENT_ENV: str(os.getpid()), "OMP_NUM_THREADS": str(threads)}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from typing import Any, Iterator, Optional
 
 import httpx
 import psutil
+
+from radixlm.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 240.0  # generous: CI machines are shared and torch imports are slow there
@@ -40,10 +41,6 @@ MAIN_ARGS = ["--dtype", "float32", "--enable-metrics", "--context-length", str(M
              "--timeout-graceful-shutdown", "10", "--enable-cache-report"]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group_members(pgid: int) -> list[psutil.Process]:
@@ -221,14 +218,22 @@ def _safe_running(p: psutil.Process) -> bool:
 def start_server(args: list[str], api_key: Optional[str] = None, name: str = "server",
                  wait: bool = True, module: str = "radixlm.launch_server") -> ServerProcess:
     """`module`: what `python -m` runs (radixlm.router for the standalone router)."""
-    srv = ServerProcess(args, api_key=api_key, name=name, module=module)
-    if wait:
+    for attempt in range(3):
+        srv = ServerProcess(args, api_key=api_key, name=name, module=module)
+        if not wait:
+            return srv
         try:
-            srv.wait_ready()
+            return srv.wait_ready()
+        except RuntimeError as e:
+            srv.kill()
+            # another process (a server of the other pytest worker) bound the port between
+            # free_port() and the server's bind: a new port, not a failed test
+            if "address already in use" not in str(e) or attempt == 2:
+                raise
         except BaseException:
             srv.kill()
             raise
-    return srv
+    raise AssertionError("unreachable")
 
 
 def stop_and_check(srv: ServerProcess) -> None:

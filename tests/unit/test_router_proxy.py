@@ -17,21 +17,18 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from radixlm.net import free_port
 from radixlm.router.app import Router, build_app
 from radixlm.router.args import RouterArgs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadServer:
     """An ASGI app served by uvicorn from a thread."""
 
     def __init__(self, app):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="error", loop="asyncio"))
@@ -230,7 +227,7 @@ def test_non_streamed_request_is_dropped_when_its_client_leaves(two_workers):
 
 def test_refused_worker_is_removed_and_the_request_retried(two_workers):
     apps, servers = two_workers
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     front, router = start_router([dead, servers[0].url], policy="round_robin")
     try:
         for i in range(4):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,11 @@ from typing import Optional
 import httpx
 
 from radixlm.lang.backend.runtime_endpoint import RuntimeEndpoint
+from radixlm.net import free_port
 
 START_TIMEOUT_S = 300.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Runtime(RuntimeEndpoint):

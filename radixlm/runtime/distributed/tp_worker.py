@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import traceback
 from typing import Optional
 
 import torch
 
+from radixlm.net import free_port
 from radixlm.runtime.config import ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state
 
@@ -27,10 +27,6 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_args(args: ServerArgs) -> int:
@@ -115,7 +111,7 @@ def prepare_args(args: ServerArgs) -> ServerArgs:
     """The TP flags checked; without dist_init_addr (one node) a free local port to meet on."""
     check_args(args)
     if args.tp_size > 1 and not args.dist_init_addr:
-        args = args.replace(dist_init_addr=f"127.0.0.1:{_free_port()}")
+        args = args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
     return args
 
 
