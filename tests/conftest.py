@@ -67,6 +67,15 @@ def hf_smol(smol_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_path(tmp_path_factory) -> str:
+    """A random tiny Llama on SmolLM2's tokenizer (tests/tiny_models.py), for checks that hold
+    for any model: routing, TP plumbing, life cycle."""
+    from tiny_models import write_tiny_chat_model
+
+    return write_tiny_chat_model(str(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="session")
 def make_engine(smol_path):
     """Factory for fp32 engines on SmolLM2; every engine made is shut down (and checked) at the end."""
     import radixlm

@@ -1,6 +1,8 @@
 """`launch_server --tp-size 2` on the CPU (gloo): the scheduler is rank 0, the launcher starts rank
-1 as a worker process; greedy output equals the tp_size=1 engine's (fp32, bundled SmolLM2), the KV
-integrity check passes, and SIGTERM leaves no process behind (worker included)."""
+1 as a worker process; greedy output equals the tp_size=1 engine's (fp32), the KV integrity check
+passes, and SIGTERM leaves no process behind (worker included). The model is a tiny random Llama
+on SmolLM2's tokenizer with SmolLM2's 3 KV heads (split 2 + 1): the server's TP plumbing is under
+test here; SmolLM2's own numerics under TP are tests/unit/test_tensor_parallel*.py's."""
 
 from __future__ import annotations
 
@@ -15,26 +17,17 @@ SP = {"max_new_tokens": 16, "temperature": 0}
 COMMON = dict(dtype="float32", max_total_tokens=4096, context_length=1024)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _dense_gguf():
-    """TP splits dense weights only (a GGUF model keeps its quantized blocks at tp_size=1 when
-    the quantized CPU GEMM is available): both sides of every comparison run dense."""
-    with pytest.MonkeyPatch.context() as mp_:
-        mp_.setenv("RADIXLM_GGUF_KEEP_QUANTIZED", "off")
-        yield
-
-
 @pytest.fixture(scope="module")
-def tp1_texts(_dense_gguf):
-    eng = Engine(device="cpu", **COMMON)
+def tp1_texts(tiny_chat_path):
+    eng = Engine(device="cpu", model_path=tiny_chat_path, **COMMON)
     try:
         return [r["text"] for r in eng.generate(PROMPTS, SP)]
     finally:
         eng.shutdown()
 
 
-def test_server_tp2_matches_engine_tp1(tp1_texts):
-    args = ["--tp-size", "2"]
+def test_server_tp2_matches_engine_tp1(tp1_texts, tiny_chat_path):
+    args = ["--tp-size", "2", "--model-path", tiny_chat_path]
     for k, v in COMMON.items():
         args += ["--" + k.replace("_", "-"), str(v)]
     srv = start_server(args, name="tp2")

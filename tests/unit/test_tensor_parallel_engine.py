@@ -1,17 +1,18 @@
 """Engine(tp_size=2) on the CPU (gloo): rank 0 schedules in this process, rank 1 runs in a spawned
 worker that receives every batch; greedy output must equal tp_size=1 in fp32 (bundled SmolLM2:
-its 3 KV heads split 2 + 1). Also: the multi-node flags (a second "node" on this machine), the
-KV integrity check, refusals, and that no worker process outlives the engine."""
+its 3 KV heads split 2 + 1). Also: the multi-node flags (a second "node" on this machine, on a
+tiny random model), the KV integrity check, refusals, and that no worker process outlives the
+engine."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import psutil
 import pytest
 
 import tp_harness as th
+from radixlm.net import free_port
 from radixlm.runtime.config import ServerArgs
 from radixlm.runtime.distributed import tp_worker
 from radixlm.runtime.engine import Engine
@@ -80,12 +81,13 @@ def test_engine_tp2_matches_tp1(tp1_outputs, before):
     assert [c for c in mp.active_children() if c.pid not in before] == []
 
 
-def test_engine_tp2_two_nodes(tp1_outputs, before):
-    """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
-    node = dict(tp_size=2, nnodes=2, dist_init_addr=addr, **ARGS)
+def test_engine_tp2_two_nodes(tiny_chat_path, before):
+    """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does). The
+    multi-node plumbing on a tiny random Llama with SmolLM2's tokenizer and 3 KV heads (the
+    numerics of SmolLM2 under TP are the test above's)."""
+    tp1_outputs = _run(Engine(model_path=tiny_chat_path, **ARGS))
+    addr = f"127.0.0.1:{free_port()}"
+    node = dict(tp_size=2, nnodes=2, dist_init_addr=addr, model_path=tiny_chat_path, **ARGS)
     ctx = mp.get_context("spawn")
     other = ctx.Process(target=tp_worker.run_node, args=(ServerArgs(node_rank=1, **node),))
     other.start()

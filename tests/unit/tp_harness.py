@@ -13,7 +13,6 @@ TP=N change every later step's inputs (the greedy-token comparison is end to end
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -23,60 +22,11 @@ import torch
 import torch.distributed
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from tiny_models import write_tiny_llama  # noqa: F401  (th.write_tiny_llama)
 
 TIMEOUT_S = 240.0  # one rank's whole run; a hung collective never blocks the test run longer
 
 
-def write_tiny_llama(path: str, *, vocab: int, heads: int, kv_heads: int, tied: bool,
-                     bias: bool = False, hidden: int = 64, inter: int = 96, layers: int = 2,
-                     seed: int = 0, arch: str = "llama") -> str:
-    """config.json + model.safetensors of a random Llama (std 0.08: peaked logits, no ties).
-    arch "qwen3": per-head q/k norms; "phi3": fused qkv / gate_up tensors in the file, rotary on
-    half of each head, an 8-token sliding window."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    d = hidden // heads
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
-           "tie_word_embeddings": tied, "attention_bias": bias}
-    if arch == "qwen3":
-        cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
-    elif arch == "phi3":
-        cfg.update(architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=8,
-                   partial_rotary_factor=0.5, original_max_position_embeddings=512)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *shape: torch.randn(*shape, generator=g) * 0.08  # noqa: E731
-    w = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": 1 + rnd(hidden)}
-    if not tied:
-        w["lm_head.weight"] = rnd(vocab, hidden)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (heads * d, hidden), "self_attn.k_proj": (kv_heads * d, hidden),
-                  "self_attn.v_proj": (kv_heads * d, hidden), "self_attn.o_proj": (hidden, heads * d),
-                  "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
-                  "mlp.down_proj": (hidden, inter)}
-        for name, shape in shapes.items():
-            w[p + name + ".weight"] = rnd(*shape)
-            if bias and name.startswith("self_attn"):
-                w[p + name + ".bias"] = rnd(shape[0])
-        if arch == "qwen3":
-            w[p + "self_attn.q_norm.weight"] = 1 + rnd(d)
-            w[p + "self_attn.k_norm.weight"] = 1 + rnd(d)
-        if arch == "phi3":  # Phi-3 checkpoints hold the fused tensors
-            for fused, parts in (("self_attn.qkv_proj", ("q", "k", "v")),
-                                 ("mlp.gate_up_proj", ("gate", "up"))):
-                prefix = fused.split(".")[0]
-                w[p + fused + ".weight"] = torch.cat(
-                    [w.pop(f"{p}{prefix}.{x}_proj.weight") for x in parts])
-        w[p + "input_layernorm.weight"] = 1 + rnd(hidden)
-        w[p + "post_attention_layernorm.weight"] = 1 + rnd(hidden)
-    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
-    return path
 
 
 def _batch(runner, mode, reqs, num_decode_tail=0) -> ForwardBatch:
