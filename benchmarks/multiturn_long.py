@@ -1,6 +1,14 @@
 """Long multi-turn chats whose KV outgrows the device pool: the hierarchical cache on vs off.
 
     python benchmarks/multiturn_long.py --save        # CPU: bundled SmolLM2, defaults below
+    # GPU, Llama-3.1-8B shape, dummy weights: conversations sampled here, carried there
+    python benchmarks/multiturn_long.py --dump-conversations .carry/convs.json \
+        --tokenizer-path .carry/smollm2-tokenizer --num-conversations 64 --turns 5 \
+        --first-turn-len 4096 --question-len 256 --output-len 64
+    python benchmarks/multiturn_long.py --conversations .carry/convs.json \
+        --model-path benchmarks/configs/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+        --tokenizer-path .carry/smollm2-tokenizer --num-conversations 64 --turns 5 \
+        --first-turn-len 4096 --question-len 256 --output-len 64 --concurrency 32 --save
 
 N ShareGPT conversations, turns interleaved round-robin (turn t of every conversation, then turn
 t + 1), each turn = the whole history + a new question, answered with `--output-len` greedy
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -74,6 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", action="store_true",
                    help="append the line to benchmarks/results/multiturn_long-<device>.jsonl")
     p.add_argument("--note", default=None, help="free text stored with the result")
+    # the GPU machine has neither the ShareGPT package nor a tokenizer for a dummy-weight config:
+    # sample the conversations here (--dump-conversations) and carry the file (--conversations)
+    p.add_argument("--tokenizer-path", default=None, help="for sampling; default: --model-path")
+    p.add_argument("--dump-conversations", default=None, metavar="FILE",
+                   help="write the sampled conversations (token ids) to FILE and exit")
+    p.add_argument("--conversations", default=None, metavar="FILE",
+                   help="read conversations written by --dump-conversations instead of sampling")
     return p.parse_args(argv)
 
 
@@ -157,14 +173,32 @@ def _pct(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
 
 
+def _conversations(args) -> list:
+    if args.conversations:
+        with open(args.conversations) as f:
+            convs = [ds.Conversation(**c) for c in json.load(f)]
+        if (len(convs) < args.num_conversations
+                or any(len(c.question_ids) < args.turns - 1 for c in convs)):
+            raise SystemExit(f"{args.conversations}: fewer conversations or turns than asked")
+        return [ds.Conversation(**dict(dataclasses.asdict(c),
+                                       question_ids=c.question_ids[:args.turns - 1]))
+                for c in convs[:args.num_conversations]]
+    tok = ds.load_tokenizer(args.tokenizer_path or args.model_path)
+    return ds.sample_sharegpt_conversations(tok, args.num_conversations, args.turns,
+                                            args.first_turn_len, args.question_len, args.seed)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.turns < 2:
         raise SystemExit("--turns must be >= 2 (the last turn is the restart phase's)")
     args.model_path = args.model_path or default_model_path()
-    tok = ds.load_tokenizer(args.model_path)
-    convs = ds.sample_sharegpt_conversations(tok, args.num_conversations, args.turns,
-                                             args.first_turn_len, args.question_len, args.seed)
+    convs = _conversations(args)
+    if args.dump_conversations:
+        with open(args.dump_conversations, "w") as f:
+            json.dump([dataclasses.asdict(c) for c in convs], f, separators=(",", ":"))
+        print(json.dumps({"conversations": len(convs), "out": args.dump_conversations}))
+        return {}
     per_conv = (args.first_turn_len + (args.turns - 1) * args.question_len
                 + args.turns * args.output_len)
     working_set = per_conv * len(convs)
@@ -175,7 +209,7 @@ def main(argv=None) -> dict:
     ratio = args.hicache_ratio or math.ceil(125 * working_set / device_pool) / 100
     base = dict(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype,
                 device=args.device, max_total_tokens=device_pool,
-                context_length=per_conv + 64)
+                context_length=per_conv + 64, tokenizer_path=args.tokenizer_path)
     store = args.storage_dir or tempfile.mkdtemp(prefix="multiturn-store-")
     empty = tempfile.mkdtemp(prefix="multiturn-empty-")
 
