@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hicache-ratio", type=float, default=None,
                    help="default: a host pool 1.25x the working set")
     p.add_argument("--hicache-write-policy", default="write_through")
+    p.add_argument("--no-storage", action="store_true",
+                   help="`on` with the host pool only (no file store, no restart phase)")
     p.add_argument("--storage-dir", default=None, help="default: a fresh temporary folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", action="store_true",
@@ -214,9 +216,11 @@ def main(argv=None) -> dict:
     empty = tempfile.mkdtemp(prefix="multiturn-empty-")
 
     def tiered(folder: str) -> dict:
-        return dict(base, enable_hierarchical_cache=True, hicache_ratio=ratio,
-                    hicache_write_policy=args.hicache_write_policy,
-                    hicache_storage_backend="file",
+        kw = dict(base, enable_hierarchical_cache=True, hicache_ratio=ratio,
+                  hicache_write_policy=args.hicache_write_policy)
+        if args.no_storage:
+            return kw
+        return dict(kw, hicache_storage_backend="file",
                     hicache_storage_backend_extra_config=json.dumps({"file_storage_path": folder}))
 
     main_turns = range(args.turns - 1)
@@ -239,10 +243,11 @@ def main(argv=None) -> dict:
         res["tokens_identical"] = ({key(r): r["output_ids"] for r in rec_off}
                                    == {key(r): r["output_ids"] for r in rec_on})
         last, conc = range(args.turns - 1, args.turns), args.restart_concurrency
-        res["restart_warm"], _ = _run(tiered(store), convs, [list(h) for h in hist_on], last,
-                                      args, conc)
-        res["restart_cold"], _ = _run(tiered(empty), convs, [list(h) for h in hist_on], last,
-                                      args, conc)
+        if not args.no_storage:
+            res["restart_warm"], _ = _run(tiered(store), convs, [list(h) for h in hist_on], last,
+                                          args, conc)
+            res["restart_cold"], _ = _run(tiered(empty), convs, [list(h) for h in hist_on], last,
+                                          args, conc)
     finally:
         shutil.rmtree(empty, ignore_errors=True)
         if args.storage_dir is None:
@@ -250,8 +255,10 @@ def main(argv=None) -> dict:
     res["throughput_ratio_on_off"] = round(res["on"]["requests_per_s"]
                                            / res["off"]["requests_per_s"], 3)
     res["ttft_p50_ratio_off_on"] = round(res["off"]["ttft_p50_s"] / res["on"]["ttft_p50_s"], 3)
-    res["restart_ttft_p50_ratio_cold_warm"] = round(res["restart_cold"]["ttft_p50_s"]
-                                                    / res["restart_warm"]["ttft_p50_s"], 3)
+    if not args.no_storage:
+        res["restart_ttft_p50_ratio_cold_warm"] = round(res["restart_cold"]["ttft_p50_s"]
+                                                        / res["restart_warm"]["ttft_p50_s"], 3)
+    res["storage"] = None if args.no_storage else "file"
     res["load_avg_start"] = [round(x, 2) for x in load_start]
     res["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     if args.note:
