@@ -16,20 +16,6 @@ PAGE = 16
 SP = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_path(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, initializer_range=0.08,
-                      bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama-hicache")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
-
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(3, 512, (120,), generator=gen).tolist() for _ in range(6)]

@@ -13,20 +13,6 @@ pytestmark = pytest.mark.gpu
 V = 8
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_path(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, initializer_range=0.08,
-                      bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama-spec")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
-
 def _generate(path, **kw):
     import radixlm
 
