@@ -78,8 +78,6 @@ TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vo
                "tie_word_embeddings": False}
 
 
-
-
 class Proc:
     """A server or router subprocess in its own process group, logging to a file."""
 

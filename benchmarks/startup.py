@@ -54,8 +54,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-
-
 def time_engine(env: dict, timeout: float) -> dict:
     """Seconds from launch to `Engine()` returned, and the part spent in the child's Python."""
     t0 = time.perf_counter()

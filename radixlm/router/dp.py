@@ -43,8 +43,6 @@ READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
 
 
-
-
 def visible_gpus(device: str) -> list[str]:
     """The GPUs this process may hand out (CUDA_VISIBLE_DEVICES order); [] on the CPU."""
     if device == "cpu":

@@ -41,8 +41,6 @@ MAIN_ARGS = ["--dtype", "float32", "--enable-metrics", "--context-length", str(M
              "--timeout-graceful-shutdown", "10", "--enable-cache-report"]
 
 
-
-
 def _group_members(pgid: int) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter():

@@ -22,8 +22,6 @@ from radixlm.router.app import Router, build_app
 from radixlm.router.args import RouterArgs
 
 
-
-
 class ThreadServer:
     """An ASGI app served by uvicorn from a thread."""
 

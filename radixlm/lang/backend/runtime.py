@@ -17,8 +17,6 @@ from radixlm.net import free_port
 START_TIMEOUT_S = 300.0
 
 
-
-
 class Runtime(RuntimeEndpoint):
     """SGLang's `Runtime(model_path=..., log_level=..., launch_timeout=..., **server_args)`: the
     keyword arguments are the server's flags (`max_total_tokens=...` -> `--max-total-tokens`).

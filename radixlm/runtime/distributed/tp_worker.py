@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
 
 
-
-
 def check_args(args: ServerArgs) -> int:
     """Ranks per node, after checking the TP flags."""
     tp, nnodes = args.tp_size, args.nnodes
