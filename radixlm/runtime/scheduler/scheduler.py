@@ -27,6 +27,7 @@ from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
 from radixlm.runtime.scheduler import decode
 from radixlm.runtime.scheduler.batch_builder import build_decode, build_extend
+from radixlm.runtime.scheduler.maintenance import Maintenance
 from radixlm.runtime.scheduler.output import record_embeddings
 from radixlm.runtime.scheduler.overlap import (InFlightDecode, chained_input_ids,
                                                start_host_copy, surely_finishes)
@@ -37,7 +38,7 @@ from radixlm.runtime.scheduler.token_processing import TokenProcessing
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(TokenProcessing):
+class Scheduler(TokenProcessing, Maintenance):
     def __init__(self, args, runner, tokenizer=None):
         self.args = args
         self.runner = runner
@@ -373,45 +374,6 @@ class Scheduler(TokenProcessing):
             self.tree_cache.cache_finished_req(req, req.fill_ids[: req.kv_len])
             req.req_pool_idx = None
             req.last_node = None
-
-    # --- maintenance ----------------------------------------------------------------------------
-    def flush_cache(self, storage: bool = False) -> bool:
-        """Drop the whole radix cache (device and host tiers; with `storage`, the store's pages
-        too); only allowed when no request holds KV."""
-        self._settle()
-        if not self.is_idle():
-            return False
-        self.tree_cache.reset()
-        self.allocator.clear()
-        self.req_pool.clear()
-        if storage and self.tiered:
-            self.tree_cache.clear_storage()
-        return True
-
-    def stats_snapshot(self) -> dict:
-        """The stats the engine and the server report (get_stats, /metrics, /get_server_info)."""
-        s = dict(self.stats, num_running=len(self.running), num_waiting=len(self.waiting),
-                 kv_capacity=self.allocator.capacity, kv_free=self.allocator.available_size(),
-                 kv_cached=self.tree_cache.total_size())
-        if self.tiered:
-            s["hicache"] = self.tree_cache.tier_stats()
-        return s
-
-    def check_integrity(self) -> None:
-        self._settle()
-        self.tree_cache.check_integrity()
-        owned = 0
-        holders = self.running + ([self.chunked] if self.chunked else [])
-        for req in holders:
-            owned += req.kv_len - self.tree_cache.tree_owned_len(req)
-        free = self.allocator.available_size()
-        tree = self.tree_cache.total_size()
-        cap = self.allocator.capacity
-        assert free + tree + owned == cap, (
-            f"KV leak: free {free} + tree {tree} + owned by requests {owned} != capacity {cap}")
-        if self.is_idle():
-            assert self.tree_cache.protected_size() == 0, "idle scheduler but locked tree nodes"
-            assert self.req_pool.available_size() == self.req_pool.max_reqs, "req_pool rows leaked"
 
 
 def _take_rows(out, rows: list[int]):
