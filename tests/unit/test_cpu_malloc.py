@@ -1,10 +1,13 @@
-"""executor/cpu_malloc: the glibc settings apply once on glibc (and are skipped when switched off),
-and a big freed block then stays in malloc's heap and is handed out again, where glibc's defaults
-give it a mapping of its own and unmap it on free (so its pages are faulted in anew each time).
+"""executor/cpu_malloc: the glibc settings apply once on glibc (and are skipped when switched off);
+a big block then comes from malloc's heap and stays there when freed, where glibc's defaults give
+it a mapping of its own and unmap it on free (so its pages are faulted in anew each time).
 
-What is checked is malloc's own bookkeeping (mallinfo2) and the block's address, not page-fault
-counts: these VMs run DAMON's proactive pageout, which takes retained pages back at its own pace,
-so fault counts of the tuned heap ranged from 0 to 60% of the default's."""
+Checked through malloc's own bookkeeping (mallinfo2), not page-fault counts: how much of the kept
+heap a later block reuses depends on the allocation sequence. torch allocates with
+posix_memalign(64), which asks malloc for the size plus the alignment; a freed block of the same
+size is then a little too small for the next such request, so a loop of equal 40 MiB blocks still
+grew the heap in 4-6 of 10 rounds (measured here, 2026-11-27; plain malloc reused the block every
+time), and the fault counts of such a test varied from 0 to 60% of the default's."""
 
 from __future__ import annotations
 
@@ -30,14 +33,11 @@ SCRIPT = textwrap.dedent("""
     big = 40 << 20  # above glibc's largest adaptive mmap threshold (32 MiB)
     for _ in range(3):  # warm up: the heap grows once
         torch.empty(big, dtype=torch.uint8).fill_(1)
-    heap = libc.mallinfo2().arena  # bytes of heap malloc holds (brk)
     t = torch.empty(big, dtype=torch.uint8).fill_(1)
     mapped_live = libc.mallinfo2().hblkhd  # bytes in blocks that have a mapping of their own
     del t
     kept_free = libc.mallinfo2().fordblks  # free bytes malloc keeps in its heap
-    for _ in range(10):  # fresh blocks, touched and freed: served from the kept heap
-        torch.empty(big, dtype=torch.uint8).fill_(1)
-    print(applied, mapped_live >= big, kept_free >= big, libc.mallinfo2().arena == heap)
+    print(applied, mapped_live >= big, kept_free >= big)
 """)
 
 
@@ -53,8 +53,8 @@ def _glibc_version() -> tuple[int, ...]:
 @pytest.mark.skipif(not cpu_malloc._glibc() or _glibc_version() < (2, 33),
                     reason="glibc malloc settings, read back through mallinfo2 (glibc >= 2.33)")
 def test_tune_keeps_big_blocks_in_the_heap():
-    applied, own_mapping, kept, heap_same = run("tune")
-    assert (applied, own_mapping, kept, heap_same) == ("True", "False", "True", "True")
-    applied, own_mapping, kept, _ = run("tune", {cpu_malloc.ENV_VAR: "0"})
+    applied, own_mapping, kept = run("tune")
+    assert (applied, own_mapping, kept) == ("True", "False", "True")
+    applied, own_mapping, kept = run("tune", {cpu_malloc.ENV_VAR: "0"})
     # glibc's defaults: the block is a mapping of its own, unmapped (not kept) on free
     assert (applied, own_mapping, kept) == ("False", "True", "False")
