@@ -1,12 +1,15 @@
-"""Tool calling end to end: the real `openai` and `anthropic` SDKs against the real server on the
-bundled SmolLM2 (whose template has no tool support, so radixlm renders the tools itself).
+"""Tool calling end to end: the real `openai` and `anthropic` SDKs against the real server, on a
+random tiny Llama with SmolLM2's tokenizer and chat template (no tool support in the template, so
+radixlm renders the tools itself). What is checked holds for any model: forced calls are decoded
+under a grammar, and a random model explores the schemas' corners more than SmolLM2 does (it
+found xgrammar's raw control characters in bounded strings: constrained/json_schema_strings.py).
 
 The 150 forced calls (50 `required`, 50 named, 50 Anthropic `any`) at temperature 1.0 run as one
 concurrent batch in a module fixture; the tests then check their share. Every call must come
 back as a call (finish_reason "tool_calls" / stop_reason "tool_use") whose arguments validate
-against the tool's schema. Strings and arrays in the schemas are bounded so that a call always
-fits in max_tokens: a reply cut off by max_tokens is the one way a forced call can be incomplete
-(it then ends with finish_reason "length").
+against the tool's schema. Strings, arrays and integers in the schemas are bounded so that a call
+always fits in max_tokens: a reply cut off by max_tokens is the one way a forced call can be
+incomplete (it then ends with finish_reason "length").
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ TRIP = {  # array of objects + enum + bounded integers
     "required": ["stops", "travel_class"]}
 ADD = {  # array of integers
     "type": "object",
-    "properties": {"numbers": {"type": "array", "items": {"type": "integer"},
+    "properties": {"numbers": {"type": "array", "items": {"type": "integer", "minimum": -9999,
+                                                          "maximum": 9999},
                                "minItems": 1, "maxItems": 5}},
     "required": ["numbers"]}
 SCHEMAS = {"get_weather": WEATHER, "plan_trip": TRIP, "add_numbers": ADD}
@@ -75,8 +79,8 @@ def _no_markup(text) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server(["--dtype", "float32", "--context-length", "2048", "--max-total-tokens", "65536",
+def server(tiny_chat_path):
+    srv = start_server(["--model-path", tiny_chat_path, "--dtype", "float32", "--context-length", "2048", "--max-total-tokens", "65536",
                         "--timeout-graceful-shutdown", "10"], name="tools")
     try:
         yield srv

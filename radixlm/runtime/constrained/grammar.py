@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.constrained.json_schema_strings import json_schema_grammar
 
 
 def _xgr():
@@ -124,7 +125,7 @@ class GrammarCompilerPool:
             return self.compiler.compile_regex(spec)
         if kind == "json":
             # strict separators: longer forced strings for jump-forward, still valid JSON
-            return self.compiler.compile_json_schema(spec, any_whitespace=False)
+            return self.compiler.compile_grammar(json_schema_grammar(spec))
         if kind == "structural_tag":
             return self.compiler.compile_structural_tag(structural_tag_arg(spec))
         return self.compiler.compile_grammar(spec)

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from radixlm.runtime.constrained.json_schema_strings import json_schema_grammar
 from radixlm.server.tool_calls.parsers import ToolCallFormat
 
 MAX_PARALLEL_CALLS = 4  # a bound, so a sampled reply cannot repeat calls until max_tokens
@@ -117,7 +118,7 @@ def _call_grammar(fmt: ToolCallFormat, tools: list[Tool]):
     xgr = _xgr()
     alts = []
     for t in tools:
-        args = xgr.Grammar.from_json_schema(json.dumps(t.arguments_schema()), any_whitespace=False)
+        args = json_schema_grammar(t.arguments_schema())
         head = "{" + f'"name": {json.dumps(t.name)}, "{fmt.args_key}": '
         alts.append(xgr.Grammar.concat(_lit(head), args, _lit("}")))
     return alts[0] if len(alts) == 1 else xgr.Grammar.union(*alts)
