@@ -14,8 +14,10 @@ Routes of the router itself:
 Everything else (/generate, /v1/chat/completions, /v1/completions, /v1/messages,
 /v1/embeddings, /v1/models, /get_model_info, /tokenize, ...) is forwarded to the policy's choice
 by proxy.py, streamed when the body says `"stream": true`.
-/metrics merges the workers' (each sample labelled with its worker). Not routed: stored
-/v1/responses retrieval by id (the response lives on one worker, sent to whichever is picked).
+/metrics merges the workers' (each sample labelled with its worker).
+/v1/responses: a continuation (previous_response_id) and GET / DELETE /v1/responses/{id} go to
+the worker that created the response (affinity.py); an id the router does not know is asked of
+every worker, and the first answer other than 404 is returned.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from radixlm.router.affinity import stored_response_id
 from radixlm.router.args import RouterArgs
 from radixlm.router.client_shards import ClientShards
 from radixlm.router.keys import routing_key
@@ -231,6 +234,20 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
             return error_response("", status, _describe(w, r) if w else "no live worker")
         return PlainTextResponse(merge_metrics(texts), media_type="text/plain; version=0.0.4")
 
+    async def stored_response(request: Request, rid: str):
+        """GET / DELETE of a stored response the router has no owner for: every worker is
+        asked; the first answer that is not a 404 wins (at most one worker holds it)."""
+        results = await proxy.to_all(request.method, request.url.path,
+                                     forward_headers(request), timeout=60.0)
+        answers = [r for _, r in results if isinstance(r, httpx.Response)]
+        found = next((r for r in answers if r.status_code != 404), None)
+        if found is None and not answers:
+            return error_response("", 503, "no live worker")
+        r = found if found is not None else answers[0]
+        if request.method == "DELETE" and r.status_code == 200:
+            proxy.owners.forget(rid)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def routed(request: Request, path: str):
         body = await request.body()
@@ -241,8 +258,13 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
             except orjson.JSONDecodeError:
                 parsed = None  # the worker answers the 400, in its own words
         path = "/" + path
+        rid = stored_response_id(request.method, path, parsed)
+        owner = proxy.owners.owner(rid)
+        if rid is not None and owner is None and request.method != "POST":
+            return await stored_response(request, rid)
         stream = isinstance(parsed, dict) and bool(parsed.get("stream"))
-        return await proxy.forward(request, path, body, routing_key(path, parsed), stream)
+        return await proxy.forward(request, path, body, routing_key(path, parsed), stream,
+                                   prefer=owner)
 
     return app
 

@@ -10,7 +10,8 @@ sharing a prefix of about the same relative length. So:
                               SEP role SEP content, so a conversation's next turn extends the key
                               of its previous turn, as its chat-templated prompt does
   /v1/messages (Anthropic)    `system`, then the messages, the same way
-  /v1/responses               `instructions`, then `input`
+  /v1/responses               the tools, `instructions`, then `input` (a string as one user
+                              message; items as chat messages, calls and outputs by their JSON)
   /v1/embeddings              `input`
 Anything else has no key (None): the policy picks by load.
 """
@@ -83,6 +84,23 @@ def _messages_text(messages: Any) -> str:
     return "".join(out)
 
 
+def _items_text(items: Any) -> str:
+    """Responses API input items: messages as in chat; function calls and their outputs by
+    their type and JSON, so a call's round trip extends the key of the turn that made it."""
+    if not isinstance(items, list):
+        return ""
+    out = []
+    for it in items:
+        if not isinstance(it, dict):
+            continue
+        if it.get("type", "message") == "message":
+            out.append(_messages_text([it]))
+        else:
+            rest = {k: v for k, v in it.items() if k not in ("id", "status")}
+            out.append(_SEP + str(it.get("type")) + _SEP + json.dumps(rest, sort_keys=True))
+    return "".join(out)
+
+
 def routing_key(path: str, body: Any) -> Optional[str]:
     """The key of a request to `path` with JSON `body`; None when it has no prompt."""
     if not isinstance(body, dict):
@@ -102,8 +120,9 @@ def routing_key(path: str, body: Any) -> Optional[str]:
         return tools + system + _messages_text(body.get("messages"))
     if path == "/v1/responses":
         inp = body.get("input")
-        text = inp if isinstance(inp, str) else _messages_text(inp)
-        return (_content_text(body.get("instructions")) + _SEP + text) or None
+        text = _SEP + "user" + _SEP + inp if isinstance(inp, str) else _items_text(inp)
+        tools = json.dumps(body["tools"], sort_keys=True) if body.get("tools") else ""
+        return tools + _SEP + "system" + _SEP + _content_text(body.get("instructions")) + text
     if path == "/v1/embeddings":
         return _prompt_key(body.get("input"))
     return None

@@ -29,6 +29,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from radixlm.router.affinity import ResponseOwners
 from radixlm.router.client_shards import ClientShards
 from radixlm.router.keys import key_units
 from radixlm.router.workers import Worker, WorkerPool
@@ -94,10 +95,12 @@ class Proxy:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, clients: ClientShards,
                  retries: int = 2):
         self.pool, self.client, self.clients, self.retries = pool, client, clients, retries
+        self.owners = ResponseOwners()  # stored /v1/responses -> the worker holding each
 
     async def forward(self, request: Request, path: str, body: bytes, key: Optional[str],
-                      stream: bool) -> Response:
-        """Send to the policy's choice; on a broken worker, to another (see module doc)."""
+                      stream: bool, prefer: Optional[str] = None) -> Response:
+        """Send to the policy's choice (`prefer`, a worker URL, first when it is live); on a
+        broken worker, to another (see module doc)."""
         tried: set[str] = set()
         last_problem, status = "no live worker", 503
         units = key_units(key)
@@ -105,7 +108,7 @@ class Proxy:
         query = request.url.query
         url_path = path + ("?" + query if query else "")
         for _ in range(1 + self.retries):
-            w = self.pool.pick(key, exclude=tried)
+            w = self.pool.pick(key, exclude=tried, prefer=prefer)
             if w is None:
                 break
             tried.add(w.url)
@@ -119,6 +122,7 @@ class Proxy:
                                                           self._exchange(client, req, stream))
                 if not done:  # the client left: nobody to answer (the worker saw us go)
                     return Response(status_code=499)
+                self.owners.learn((result if stream else result[0]).headers, w.url)
                 if stream:
                     ended = True  # the stream's finally ends it from now on
                     return StreamingResponse(self._relay(result, w, units, client),

@@ -95,8 +95,13 @@ class WorkerPool:
     def live(self, exclude=()) -> list[Worker]:
         return [w for w in self.workers.values() if w.url not in exclude]
 
-    def pick(self, key: Optional[str], exclude=()) -> Optional[Worker]:
-        """The policy's choice among live workers not in `exclude`; None when there is none."""
+    def pick(self, key: Optional[str], exclude=(), prefer: Optional[str] = None
+             ) -> Optional[Worker]:
+        """The policy's choice among live workers not in `exclude`; None when there is none.
+        `prefer`: a worker that must serve the request when it is live (it holds what the
+        request needs): the policy still sees it chosen (a cache-aware policy records the key)."""
+        if prefer is not None and prefer in self.workers and prefer not in exclude:
+            return self.policy.select([self.workers[prefer]], key)
         cands = self.live(exclude)
         return self.policy.select(cands, key) if cands else None
 

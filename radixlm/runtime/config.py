@@ -157,6 +157,10 @@ class ServerArgs:
     enable_cache_report: bool = False  # OpenAI usage carries prompt_tokens_details.cached_tokens
     reasoning_parser: Optional[str] = None  # deepseek-r1 | qwen3 | ...: split <think> output
     embedding_pooling: str = "last"  # /v1/embeddings and /encode: last | mean (L2-normalized)
+    # /v1/responses kept for GET and previous_response_id (least recently used out; 0: none)
+    max_stored_responses: int = 1024
+    # /metrics names: sglang (SGLang's names and model_name label) | radixlm (the former names)
+    metrics_names: str = "sglang"
     # --- speculative decoding (runtime/speculative): SGLang's flags ---
     speculative_algorithm: Optional[str] = None  # NGRAM (STANDALONE, EAGLE3: not built yet)
     # chain depth (draft tokens per verify, top-k 1); None: num_draft_tokens - 1

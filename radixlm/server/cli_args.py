@@ -34,6 +34,11 @@ _HELP = {
                            "(prompt_tokens_details.cached_tokens)",
     "reasoning_parser": "split <think> reasoning into reasoning_content (chat API): "
                         + " | ".join(REASONING_PARSERS),
+    "max_stored_responses": "responses /v1/responses keeps for GET /v1/responses/{id} and "
+                            "previous_response_id (with the token ids a continuation reuses); "
+                            "least recently used out first, 0 keeps none",
+    "metrics_names": "/metrics names: sglang (SGLang's names and model_name label, for "
+                     "SGLang's dashboards) | radixlm (the names before, radixlm:*, unlabelled)",
     "embedding_pooling": "/v1/embeddings and /encode: last (token) | mean, L2-normalized",
     "cpu_fp32_gemm": "bf16/fp16 on a CPU: run linear layers as fp32 GEMMs on fp32 copies of the "
                      "weights (same values, same fp32 accumulation; 2x weight memory). auto: on "
@@ -81,7 +86,8 @@ _HELP = {
 
 _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSERS,
             "fp8_linear": ("auto", "scaled_mm", "dequant"),
-            "embedding_pooling": ("last", "mean"), "cpu_fp32_gemm": ("auto", "on", "off"),
+            "embedding_pooling": ("last", "mean"), "metrics_names": ("sglang", "radixlm"),
+            "cpu_fp32_gemm": ("auto", "on", "off"),
             "gguf_keep_quantized": ("auto", "on", "off"), "load_balance_method": POLICIES,
             "hicache_write_policy": ("write_through", "write_through_selective", "write_back"),
             "hicache_storage_backend": ("file",),

@@ -1,4 +1,13 @@
-"""Prometheus metrics (`--enable-metrics`, served at GET /metrics), named like SGLang's.
+"""Prometheus metrics (`--enable-metrics`, served at GET /metrics).
+
+Names (`--metrics-names`): by default SGLang's, for what both servers measure, with SGLang's
+documented label set (`model_name`, the served name), so dashboards written for SGLang
+(`sglang:num_running_reqs`, `sglang:time_to_first_token_seconds`, ...) read this server as they
+are. One name per quantity rather than both side by side: two names for one series would double
+every sum a dashboard takes over a name pattern. `--metrics-names radixlm` gives the names this
+server had before (`radixlm:*`, unlabelled) for dashboards built on those. What SGLang has no
+metric of the same meaning for (the hierarchical cache's tiers, speculative verify steps) keeps
+a `radixlm:` name either way: an `sglang:` name would promise a meaning it does not have.
 
 Latencies are observed in the TokenizerManager as updates arrive; gauges that live in the
 scheduler (running/queued requests, token usage, cache hit rate) are fetched when scraped.
@@ -9,41 +18,50 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+NAME_STYLES = ("sglang", "radixlm")
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "default", names: str = "sglang"):
+        if names not in NAME_STYLES:
+            raise ValueError(f"--metrics-names {names!r}: choose from {NAME_STYLES}")
         r = self.registry = CollectorRegistry()
-        p = "radixlm:"
-        self.requests = Counter(p + "num_requests", "Requests received", registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output updates",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.num_running = Gauge(p + "num_running_reqs", "Requests decoding", registry=r)
-        self.num_queued = Gauge(p + "num_queue_reqs", "Requests waiting", registry=r)
-        self.token_usage = Gauge(p + "token_usage", "Fraction of KV slots in use or cached", registry=r)
-        self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Cached prompt tokens / prompt tokens",
-                                    registry=r)
-        # --enable-hierarchical-cache only (labelled gauges have no samples until set)
-        self.tier_tokens = Gauge(p + "hicache_cached_tokens", "Tokens whose KV a tier holds "
+        p, labels = ("sglang:", {"model_name": model_name}) if names == "sglang" else \
+            ("radixlm:", {})
+
+        def shared(kind, name: str, doc: str, **kw):
+            """One of SGLang's metrics, in the chosen naming; returns the labelled series."""
+            m = kind(p + name, doc, list(labels), registry=r, **kw)
+            return m.labels(**labels) if labels else m
+
+        self.requests = shared(Counter, "num_requests", "Requests received")
+        self.prompt_tokens = shared(Counter, "prompt_tokens", "Prompt tokens received")
+        self.generation_tokens = shared(Counter, "generation_tokens", "Tokens generated")
+        self.ttft = shared(Histogram, "time_to_first_token_seconds", "Time to first token",
+                           buckets=_LATENCY_BUCKETS)
+        self.itl = shared(Histogram, "inter_token_latency_seconds",
+                          "Time between output updates", buckets=_LATENCY_BUCKETS)
+        self.e2e = shared(Histogram, "e2e_request_latency_seconds", "End-to-end request latency",
+                          buckets=_LATENCY_BUCKETS)
+        self.num_running = shared(Gauge, "num_running_reqs", "Requests decoding")
+        self.num_queued = shared(Gauge, "num_queue_reqs", "Requests waiting")
+        self.token_usage = shared(Gauge, "token_usage", "Fraction of KV slots in use or cached")
+        self.cache_hit_rate = shared(Gauge, "cache_hit_rate",
+                                     "Cached prompt tokens / prompt tokens")
+        self.spec_accept_length = shared(Gauge, "spec_accept_length", "Mean tokens a request "
+                                         "appended per verify it drafted in (0: no speculation)")
+        # radixlm's own (see the module doc); labelled gauges have no samples until set
+        q = "radixlm:"
+        self.tier_tokens = Gauge(q + "hicache_cached_tokens", "Tokens whose KV a tier holds "
                                  "(storage: the tree's index of stored tokens)", ["tier"],
                                  registry=r)
-        self.tier_capacity = Gauge(p + "hicache_capacity_tokens", "Tokens a tier's pool holds",
+        self.tier_capacity = Gauge(q + "hicache_capacity_tokens", "Tokens a tier's pool holds",
                                    ["tier"], registry=r)
-        self.tier_hits = Gauge(p + "hicache_hit_tokens", "Prompt tokens served from a tier",
+        self.tier_hits = Gauge(q + "hicache_hit_tokens", "Prompt tokens served from a tier",
                                ["tier"], registry=r)
-        self.tier_bytes = Gauge(p + "hicache_bytes_moved", "KV bytes copied between tiers",
+        self.tier_bytes = Gauge(q + "hicache_bytes_moved", "KV bytes copied between tiers",
                                 ["direction"], registry=r)
-        # speculative decoding (0 when off): per request and verify, tokens appended / verifies
-        self.spec_accept_length = Gauge(p + "spec_accept_length",
-                                        "Mean tokens a request appended per verify it drafted in",
-                                        registry=r)
-        self.spec_verify_steps = Gauge(p + "spec_verify_steps", "Verify forwards run",
+        self.spec_verify_steps = Gauge(q + "spec_verify_steps", "Verify forwards run",
                                        registry=r)
 
     def on_request(self, prompt_tokens: int) -> None:

@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: /v1/models here; /v1/completions (openai_completions.py),
-/v1/chat/completions (openai_chat.py), /v1/embeddings and /v1/rerank (openai_embeddings.py).
+/v1/chat/completions (openai_chat.py), /v1/embeddings and /v1/rerank (openai_embeddings.py),
+/v1/responses (responses_api.py).
 
 Each choice is one generate call (n choices per prompt, run concurrently). Before any byte of a
 response is sent, every call's first update is awaited (openai_common.start_generations): input
@@ -22,6 +23,7 @@ from radixlm.server.openai_common import close_all, start_generations
 from radixlm.server.openai_completions import register_completion_route
 from radixlm.server.openai_embeddings import register_embedding_routes
 from radixlm.server.reasoning import get_format
+from radixlm.server.responses_api import register_responses_routes
 
 
 def register_openai_routes(app: FastAPI, tm) -> None:
@@ -59,3 +61,4 @@ def register_openai_routes(app: FastAPI, tm) -> None:
     register_completion_route(app, tm, run)
     register_chat_route(app, tm, run)
     register_embedding_routes(app, tm)
+    register_responses_routes(app, tm)

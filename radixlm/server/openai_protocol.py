@@ -3,7 +3,7 @@
 Requests are validated here, before anything reaches the TokenizerManager, so a bad field is a
 400 that names it. Unknown request fields are ignored (not rejected): clients written for other
 servers send vendor extras (`user`, `metadata`, `store`, ...) and must keep working.
-The response models live in openai_responses.py (re-exported here).
+The response models live in openai_response_models.py (re-exported here).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from radixlm.server.chat_images import ImageURLPart, check_local_url
 from radixlm.server.errors import APIError
-from radixlm.server.openai_responses import (  # noqa: F401  (re-exported: P.<Response model>)
+from radixlm.server.openai_response_models import (  # noqa: F401  (re-exported: P.<Response model>)
     PromptTokensDetails,
     UsageInfo,
     CompletionLogprobs,

@@ -80,7 +80,8 @@ class TokenizerManager:
         self.states: dict[str, ReqState] = {}
         self.control_waiters: dict[int, asyncio.Future] = {}
         self.control_ids = itertools.count()
-        self.metrics = ServerMetrics() if args.enable_metrics else None
+        self.metrics = ServerMetrics(self.model_name, getattr(args, "metrics_names", "sglang")) \
+            if args.enable_metrics else None
         self._loop_task: Optional[asyncio.Task] = None
         self._resumed: Optional[asyncio.Event] = None  # cleared while weights are swapped
         self.request_log = _request_logger() if getattr(args, "log_requests", False) else None

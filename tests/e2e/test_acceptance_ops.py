@@ -119,25 +119,32 @@ def test_abort_request(main_server):
 
 
 def _scrape(main_server) -> dict[str, float]:
+    """Every sample by name; each must carry SGLang's label set (model_name, the served name)."""
     r = main_server.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    served = main_server.get("/get_model_info").json()["served_model_name"]
     values = {}
     for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
-            if not s.labels or set(s.labels) == {"le"} and s.labels["le"] == "+Inf":
+            if not s.name.startswith("sglang:"):
+                continue
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None) == served, s
+            if not labels or labels == {"le": "+Inf"}:
                 values[s.name] = s.value
     return values
 
 
 def test_metrics(main_server):
+    """SGLang's names (what SGLang dashboards read) for what both servers measure."""
     before = _scrape(main_server)
-    for name in ("radixlm:num_running_reqs", "radixlm:num_queue_reqs", "radixlm:token_usage",
-                 "radixlm:cache_hit_rate", "radixlm:num_requests_total",
-                 "radixlm:prompt_tokens_total", "radixlm:generation_tokens_total",
-                 "radixlm:time_to_first_token_seconds_count",
-                 "radixlm:inter_token_latency_seconds_count",
-                 "radixlm:e2e_request_latency_seconds_count",
-                 "radixlm:e2e_request_latency_seconds_bucket"):
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+                 "sglang:cache_hit_rate", "sglang:num_requests_total",
+                 "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
+                 "sglang:time_to_first_token_seconds_count",
+                 "sglang:inter_token_latency_seconds_count",
+                 "sglang:e2e_request_latency_seconds_count",
+                 "sglang:e2e_request_latency_seconds_bucket", "sglang:spec_accept_length"):
         assert name in before, f"{name} missing from /metrics"
 
     out = main_server.post("/generate", {"text": "Metrics move when", "stream": True,
@@ -146,16 +153,16 @@ def test_metrics(main_server):
     assert out.status_code == 200
     after = _scrape(main_server)
     d = {k: after[k] - before.get(k, 0) for k in after}
-    assert d["radixlm:num_requests_total"] >= 1
-    assert d["radixlm:generation_tokens_total"] >= 8
-    assert d["radixlm:prompt_tokens_total"] >= 3
-    assert d["radixlm:time_to_first_token_seconds_count"] >= 1
-    assert d["radixlm:inter_token_latency_seconds_count"] >= 1
-    assert d["radixlm:e2e_request_latency_seconds_count"] >= 1
-    assert d["radixlm:e2e_request_latency_seconds_sum"] > 0
-    assert after["radixlm:e2e_request_latency_seconds_bucket"] == \
-        after["radixlm:e2e_request_latency_seconds_count"]  # +Inf bucket holds every request
-    assert 0 <= after["radixlm:token_usage"] <= 1 and 0 <= after["radixlm:cache_hit_rate"] <= 1
+    assert d["sglang:num_requests_total"] >= 1
+    assert d["sglang:generation_tokens_total"] >= 8
+    assert d["sglang:prompt_tokens_total"] >= 3
+    assert d["sglang:time_to_first_token_seconds_count"] >= 1
+    assert d["sglang:inter_token_latency_seconds_count"] >= 1
+    assert d["sglang:e2e_request_latency_seconds_count"] >= 1
+    assert d["sglang:e2e_request_latency_seconds_sum"] > 0
+    assert after["sglang:e2e_request_latency_seconds_bucket"] == \
+        after["sglang:e2e_request_latency_seconds_count"]  # +Inf bucket holds every request
+    assert 0 <= after["sglang:token_usage"] <= 1 and 0 <= after["sglang:cache_hit_rate"] <= 1
     main_server.check_integrity()
 
 

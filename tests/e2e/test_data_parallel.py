@@ -4,7 +4,8 @@ and its forwards cost ~1/10 of SmolLM2's:
 
 - `launch_server --dp-size 2`: a 256-request burst through the router loses nothing and every
   answer is the greedy text a single replica gives; streams pass through; requests sharing a long
-  prefix land on one replica (its cached-token count shows it); SIGKILL of one replica: it leaves
+  prefix land on one replica (its cached-token count shows it); /v1/responses continuations
+  reach the replica holding the previous response; SIGKILL of one replica: it leaves
   the pool, the requests it held are retried on the other, later requests all succeed, its
   children exit, and SIGTERM of the server leaves no process behind. KV integrity on each replica.
 - `python -m radixlm.router` in front of two separately launched servers: both serve through it;
@@ -153,6 +154,27 @@ def test_shared_prefix_goes_to_one_replica(dp):
     assert len(hit) == 1, gained
     assert gained[hit[0]] >= 4 * 80, gained
     assert sum(u["prompt_tokens_details"]["cached_tokens"] for u in outs) == gained[hit[0]]
+
+
+def test_responses_continue_on_the_replica_holding_them(dp):
+    """/v1/responses through the router with the openai SDK: each conversation's turns go to
+    the replica that stored the previous one (another would answer 404), where the radix cache
+    serves the whole history; retrieval by id finds it too."""
+    import openai
+
+    client = openai.OpenAI(base_url=dp.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    for conv in range(2):
+        prev, history = None, 0
+        for turn in range(3):
+            r = client.responses.create(model="default", input=f"Conversation {conv}, turn {turn}",
+                                        instructions=f"You are assistant number {conv}. " * 8,
+                                        previous_response_id=prev, max_output_tokens=4)
+            assert r.usage.input_tokens_details.cached_tokens >= history - 1
+            history, prev = r.usage.input_tokens + r.usage.output_tokens, r.id
+        assert client.responses.retrieve(prev).previous_response_id is not None
+    for w in _workers(dp):
+        _check_replica_integrity(w["url"])
 
 
 def test_killed_replica_is_removed_and_requests_go_on(dp):

@@ -81,6 +81,32 @@ def fake_worker(name: str) -> FastAPI:
         app.state.seen.append(("/flush_cache", None))
         return Response("Cache flushed.\n")
 
+    app.state.responses = {}
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        """Like a radixlm worker's store: a continuation of a response held elsewhere is a 404."""
+        body = await request.json()
+        prev = body.get("previous_response_id")
+        if prev is not None and prev not in app.state.responses:
+            return JSONResponse({"error": {"message": f"{prev} not found"}}, status_code=404)
+        rid = f"resp_{name}_{len(app.state.responses)}"
+        app.state.responses[rid] = {"id": rid, "worker": name, "previous": prev}
+        headers = {"x-radixlm-response-id": rid}
+        if body.get("stream"):
+            async def events():
+                yield f"data: {json.dumps({'type': 'response.created', 'id': rid})}\n\n".encode()
+            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return JSONResponse(app.state.responses[rid], headers=headers)
+
+    @app.api_route("/v1/responses/{rid}", methods=["GET", "DELETE"])
+    async def stored_response(request: Request, rid: str):
+        if rid not in app.state.responses:
+            return JSONResponse({"error": {"message": "not found"}}, status_code=404)
+        if request.method == "DELETE":
+            return {"id": rid, "deleted": True, "worker": app.state.responses.pop(rid)["worker"]}
+        return app.state.responses[rid]
+
     @app.post("/bad")
     async def bad():
         return JSONResponse({"error": {"message": "nope"}}, status_code=400)
@@ -328,3 +354,43 @@ def test_merge_metrics_labels_each_worker_and_groups_families():
         "# HELP lat Latency.", "# TYPE lat histogram",
         'lat_bucket{worker="http://a",le="0.1"} 1.0', 'lat_count{worker="http://a"} 1.0',
         'lat_bucket{worker="http://b",le="0.1"} 1.0', 'lat_count{worker="http://b"} 1.0']
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+def test_stored_responses_go_to_the_worker_holding_them(two_workers, policy):
+    """previous_response_id and GET / DELETE /v1/responses/{id} reach the response's owner,
+    whatever the policy would pick (round robin would alternate); conversations with their own
+    long instructions still spread by the cache-aware policy. A router that never saw the
+    response (restarted) finds it by asking every worker."""
+    apps, servers = two_workers
+    front, router = start_router([s.url for s in servers], policy=policy)
+    try:
+        owners = set()
+        for conv in range(2):
+            rules = f"Conversation {conv}: answer as a pirate would, briefly. " * 6
+            r = httpx.post(front.url + "/v1/responses", json={"instructions": rules, "input": "hi"})
+            assert r.status_code == 200, r.text
+            first = r.json()
+            owners.add(first["worker"])
+            prev = first["id"]
+            for turn in range(3):
+                body = {"instructions": rules, "input": f"turn {turn}",
+                        "previous_response_id": prev, "stream": turn == 1}
+                r = httpx.post(front.url + "/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                prev = r.headers["x-radixlm-response-id"]
+                assert prev.startswith(f"resp_{first['worker']}_")
+            r = httpx.get(front.url + f"/v1/responses/{prev}")
+            assert r.status_code == 200 and r.json()["worker"] == first["worker"]
+        if policy == "cache_aware":
+            assert owners == {"A", "B"}  # the two conversations went to different workers
+        fresh, _ = start_router([s.url for s in servers], policy=policy)
+        try:
+            r = httpx.get(fresh.url + f"/v1/responses/{prev}")
+            assert r.status_code == 200 and r.json()["id"] == prev
+            assert httpx.delete(fresh.url + f"/v1/responses/{prev}").status_code == 200
+            assert httpx.get(fresh.url + f"/v1/responses/{prev}").status_code == 404
+        finally:
+            fresh.stop()
+    finally:
+        front.stop()

@@ -191,4 +191,8 @@ def test_server_reports_spec_meta_and_metrics():
     assert "spec_verify_steps" not in tm.result("r", off)["meta_info"]
     text = ServerMetrics().render({"spec_verify_steps": 10, "spec_verify_reqs": 16,
                                    "spec_verify_tokens": 40}).decode()
-    assert "radixlm:spec_accept_length 2.5" in text and "radixlm:spec_verify_steps 10.0" in text
+    assert 'sglang:spec_accept_length{model_name="default"} 2.5' in text
+    assert "radixlm:spec_verify_steps 10.0" in text
+    legacy = ServerMetrics(names="radixlm").render({"spec_verify_steps": 10, "spec_verify_reqs":
+                                                    16, "spec_verify_tokens": 40}).decode()
+    assert "radixlm:spec_accept_length 2.5" in legacy and "sglang:" not in legacy

@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI-compatible responses (non-streamed and streamed chunks), so the
+"""Pydantic models of what /v1/completions and /v1/chat/completions answer (whole and streamed
+chunks; the Responses API, /v1/responses, is responses_*.py), so the
 wire format is written down in one place. Requests are in openai_protocol.py.
 """
 
