@@ -59,11 +59,9 @@ def smol_path() -> str:
 @pytest.fixture(scope="session")
 def hf_smol(smol_path):
     """HF transformers' own model from the same GGUF file, fp32: the correctness reference."""
-    from transformers import AutoModelForCausalLM
+    from hf_gguf import hf_model
 
-    d, f = os.path.split(smol_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    return model.eval()
+    return hf_model(smol_path, torch.float32)
 
 
 @pytest.fixture(scope="session")
