@@ -37,7 +37,10 @@ class TierTransfers:
             "bytes_host_to_storage": 0, "bytes_storage_to_host": 0,
             "pages_stored": 0, "pages_write_dropped": 0, "pages_loaded": 0,
             "storage_load_failures": 0, "storage_loads_skipped": 0, "device_evicted_tokens": 0, "host_evicted_tokens": 0,
-            "dropped_tokens": 0}
+            "dropped_tokens": 0,
+            # seconds the scheduler's thread spent on page writes (queueing, or writing them
+            # itself with write_queue_pages 0) and on applying their completions
+            "storage_write_scheduler_s": 0.0}
         self._prefill_tps: Optional[float] = None  # tokens/s the forward computes (EMA)
         self._read_bps: Optional[float] = None  # bytes/s the store reads (EMA)
         self._key_memo: dict = {}  # tokens tuple -> its page keys so far (match re-runs each step)

@@ -19,6 +19,8 @@ Host slots leave the tree through `_free_host`: slots a pending write still read
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from radixlm.runtime.mem_cache.page_writer import PageWriteJob, PageWriter
@@ -58,7 +60,9 @@ class TierWrites:
         self._sync(node)
         self._sync(node.parent)
         if self.storage is not None:
+            t0 = time.perf_counter()
             self._write_pages(node)
+            self.counters["storage_write_scheduler_s"] += time.perf_counter() - t0
         return True
 
     def _free_host(self, slots: torch.Tensor) -> None:
@@ -121,7 +125,7 @@ class TierWrites:
             rows_ready = True
         writer.submit(job, rows_ready)
         if writer.synchronous:
-            self.apply_write_completions()
+            self._apply_done()  # (timed by the caller)
 
     @staticmethod
     def _mark_stored(path: list, stored_to: int) -> None:
@@ -136,6 +140,11 @@ class TierWrites:
         and record the accepted pages on the nodes of their paths that still exist."""
         if self.writer is None:
             return
+        t0 = time.perf_counter()
+        self._apply_done()
+        self.counters["storage_write_scheduler_s"] += time.perf_counter() - t0
+
+    def _apply_done(self) -> None:
         done, freed = self.writer.take_done()
         if freed.numel():
             self.host.allocator.free(freed)
