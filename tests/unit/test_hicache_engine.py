@@ -26,16 +26,29 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-@pytest.fixture
-def make_engine(tiny_chat_path):
-    """Engines on the tiny model (a forward costs microseconds); each is shut down at the end."""
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    """A random 2-layer Llama without a tokenizer (the prompts are token ids)."""
+    from tiny_models import write_tiny_llama
+
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), vocab=20480, heads=4,
+                            kv_heads=2, tied=True)
+
+
+def _engine(path, **kwargs):
     import radixlm
 
+    return radixlm.Engine(model_path=path, dtype="float32", context_length=512,
+                          skip_tokenizer_init=True, **kwargs)
+
+
+@pytest.fixture
+def make_engine(tiny_path):
+    """Engines on the tiny model (a forward costs microseconds); each is shut down at the end."""
     made = []
 
     def factory(**kwargs):
-        made.append(radixlm.Engine(model_path=tiny_chat_path, dtype="float32",
-                                   context_length=512, **kwargs))
+        made.append(_engine(tiny_path, **kwargs))
         return made[-1]
 
     yield factory
@@ -44,11 +57,8 @@ def make_engine(tiny_chat_path):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_chat_path):
-    import radixlm
-
-    engine = radixlm.Engine(model_path=tiny_chat_path, dtype="float32", context_length=512,
-                            max_total_tokens=2000)
+def reference(tiny_path):
+    engine = _engine(tiny_path, max_total_tokens=2000)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=SP)
     engine.shutdown()
     assert "cached_tokens_details" not in outs[0]["meta_info"]  # tiers off: as before
