@@ -23,7 +23,9 @@ def kv_value(prefix) -> float:
 
 
 def make_tiered(capacity=16, host_capacity=24, policy="write_through", storage_dir=None,
-                page=2, seed=b"test-seed"):
+                page=2, seed=b"test-seed", write_queue_pages=0):
+    """write_queue_pages 0: page writes land inside the backup (tests that look at the store
+    right after an insert); > 0: on the writer thread, as in the engine."""
     pool = KVPool(capacity, 1, 1, 1, torch.float32, CPU)
     alloc = TokenSlotAllocator(capacity)
     host = HostKVPool(host_capacity, pool, CPU)
@@ -31,7 +33,7 @@ def make_tiered(capacity=16, host_capacity=24, policy="write_through", storage_d
     if storage_dir is not None:
         storage = FileStorage(storage_dir, "ns", page * host.token_bytes)
     cache = HiRadixCache(alloc, ReqToTokenPool(4, 32), host, KVMover(pool, host, CPU), policy,
-                         storage, seed, page)
+                         storage, seed, page, write_queue_pages=write_queue_pages)
     return cache, pool, alloc
 
 

@@ -1,7 +1,10 @@
-"""The hierarchical cache end to end on the CPU (fp32 SmolLM2): greedy tokens equal the plain
-engine's when prefixes come back from the host pool and from the file store, after a restart on
-the same store, and after its pages are spoiled; reporting (meta_info, get_stats, /metrics,
-/get_server_info, /flush_cache?storage=true). KV integrity is checked after every engine run."""
+"""The hierarchical cache end to end on the CPU (fp32, the tiny random Llama of tests/tiny_models.py:
+every check here holds for any deterministic model): greedy tokens equal the plain engine's when
+prefixes come back from the host pool and from the file store, with page writes on the writer
+thread, on the scheduler's thread, or held in flight; after a shutdown with writes pending and a
+restart on the same store; after its pages are spoiled; reporting (meta_info, get_stats,
+/metrics, /get_server_info, /flush_cache?storage=true). KV integrity is checked after every
+engine run."""
 
 from __future__ import annotations
 
@@ -24,8 +27,40 @@ PROMPTS = _prompts()
 
 
 @pytest.fixture(scope="module")
-def reference(engine):
+def tiny_path(tmp_path_factory) -> str:
+    """A random 2-layer Llama without a tokenizer (the prompts are token ids)."""
+    from tiny_models import write_tiny_llama
+
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), vocab=20480, heads=4,
+                            kv_heads=2, tied=True)
+
+
+def _engine(path, **kwargs):
+    import radixlm
+
+    return radixlm.Engine(model_path=path, dtype="float32", context_length=512,
+                          skip_tokenizer_init=True, **kwargs)
+
+
+@pytest.fixture
+def make_engine(tiny_path):
+    """Engines on the tiny model (a forward costs microseconds); each is shut down at the end."""
+    made = []
+
+    def factory(**kwargs):
+        made.append(_engine(tiny_path, **kwargs))
+        return made[-1]
+
+    yield factory
+    for eng in made:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_path):
+    engine = _engine(tiny_path, max_total_tokens=2000)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+    engine.shutdown()
     assert "cached_tokens_details" not in outs[0]["meta_info"]  # tiers off: as before
     return [o["output_ids"] for o in outs]
 
@@ -35,15 +70,20 @@ def store(tmp_path_factory):
     return str(tmp_path_factory.mktemp("hicache-store"))
 
 
-def _tiered(make_engine, folder):
+def _tiered(make_engine, folder, ratio=1.5, **extra):
     # device pool of 110 tokens: two 50-token conversations; host pool 1.5x: three
-    return make_engine(max_total_tokens=110, enable_hicache=True, hicache_ratio=1.5,
+    return make_engine(max_total_tokens=110, enable_hicache=True, hicache_ratio=ratio,
                        hicache_storage_backend="file",
                        hicache_storage_backend_extra_config=json.dumps(
-                           {"file_storage_path": folder, "page_tokens": PAGE}))
+                           dict(file_storage_path=folder, page_tokens=PAGE, **extra)))
 
 
-def _run_each(eng, integrity, reference, order=(0, 1, 2, 3)) -> list[dict]:
+def _landed(eng) -> None:
+    """Let the writer finish (the counts below are exact only once a request's pages are in)."""
+    eng._call_in_loop(eng.scheduler.tree_cache.finish_writes)
+
+
+def _run_each(eng, integrity, reference, order=(0, 1, 2, 3), land=True) -> list[dict]:
     details = []
     for i in order:
         out = eng.generate(input_ids=PROMPTS[i], sampling_params=SP)
@@ -52,11 +92,15 @@ def _run_each(eng, integrity, reference, order=(0, 1, 2, 3)) -> list[dict]:
         assert sum(meta["cached_tokens_details"].values()) == meta["cached_tokens"]
         details.append(meta["cached_tokens_details"])
         integrity(eng)
+        if land:
+            _landed(eng)
     return details
 
 
-def test_prefixes_back_from_host_and_storage(make_engine, integrity, reference, store):
-    eng = _tiered(make_engine, store)
+@pytest.mark.parametrize("queue", [None, 0], ids=["writer-thread", "scheduler-thread"])
+def test_prefixes_back_from_host_and_storage(make_engine, integrity, reference, tmp_path, queue):
+    extra = {} if queue is None else {"write_queue_pages": queue}
+    eng = _tiered(make_engine, str(tmp_path), **extra)
     first = _run_each(eng, integrity, reference)
     assert all(d == {"device": 0, "host": 0, "storage": 0} for d in first)
     # newest first: the device holds the last, the host the two before, the store the first
@@ -66,7 +110,24 @@ def test_prefixes_back_from_host_and_storage(make_engine, integrity, reference, 
     tiers = eng.get_stats()["hicache"]
     assert tiers["hit_tokens_storage"] == sum(d["storage"] for d in again)
     assert tiers["bytes_host_to_device"] > 0 and tiers["storage"]["pages_written"] > 0
-    eng.shutdown()  # queued pages reach the folder
+    # the default queue here is 5 pages (a quarter of the 165-token host pool): a 6-page backup
+    # drops its last page; written synchronously, nothing is bounded
+    assert (tiers["pages_write_dropped"] > 0) == (queue is None)
+
+
+def test_shutdown_with_writes_pending(make_engine, integrity, reference, store):
+    # a host pool for all four conversations and a queue for all their pages: every page waits
+    eng = _tiered(make_engine, store, ratio=3, write_queue_pages=64)
+    cache = eng.scheduler.tree_cache
+    cache.writer.pause()  # every page write stays in flight while the requests run
+    _run_each(eng, integrity, reference, land=False)  # integrity holds with writes in flight
+    stats = eng.get_stats()["hicache"]
+    assert stats["pages_stored"] == 0 and stats["storage"]["write_queue"]["pending_pages"] == 24
+    thread = cache.writer._thread
+    eng.shutdown()  # the pending writes reach the folder; nothing is left held or running
+    assert not thread.is_alive() and cache.writer.pending_pages == 0
+    cache.check_integrity()
+    assert cache.counters["pages_stored"] == 4 * 6  # each prompt's 48 tokens: 6 pages
 
 
 def test_restart_on_the_same_store(make_engine, integrity, reference, store):
@@ -101,6 +162,7 @@ def test_reporting_routes(make_engine, integrity, reference, tmp_path):
     eng = _tiered(make_engine, str(tmp_path))
     _run_each(eng, integrity, reference)  # fills the store
     eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    _landed(eng)
     eng.scheduler.tree_cache.storage.flush()
     assert list(tmp_path.rglob("*.kv"))
 

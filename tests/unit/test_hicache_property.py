@@ -2,7 +2,8 @@
 host), evict_host (host -> storage or gone), load (host / storage -> device), corrupt a stored
 page, flush; after every step the tiered invariants (check_integrity: shape, locks, per-tier
 accounting) hold, every device and host copy holds its path's KV, and a load serves only
-correct KV (a corrupt page is recomputed, never served)."""
+correct KV (a corrupt page is recomputed, never served). Three machines: writes to the store
+inside the backup, on the writer thread (held in flight across rules), and no store at all."""
 
 from __future__ import annotations
 
@@ -25,20 +26,23 @@ PICK = st.integers(0, 1000)
 
 class TieredMachine(RuleBasedStateMachine):
     STORED = True  # with a file store (page of 2 tokens) under the host pool
+    WRITE_QUEUE = 0  # page writes land inside the backup
 
     @initialize(policy=st.sampled_from(["write_through", "write_through_selective",
                                         "write_back"]))
     def setup(self, policy):
         self.dir = tempfile.mkdtemp(prefix="hicache-prop-")
         self.cache, self.pool, self.alloc = make_tiered(
-            CAP, HOST_CAP, policy, self.dir if self.STORED else None, page=2)
+            CAP, HOST_CAP, policy, self.dir if self.STORED else None, page=2,
+            write_queue_pages=self.WRITE_QUEUE)
+        self._hold_writes()
         self.locks = []  # (node, its device slots, its path tokens)
         self.seen = []  # inserted sequences: loads of them hit every tier
         self.corrupted = 0
 
     def teardown(self):
-        if getattr(self, "cache", None) is not None and self.cache.storage is not None:
-            self.cache.storage.close()
+        if getattr(self, "cache", None) is not None:
+            self.cache.close()
         shutil.rmtree(getattr(self, "dir", ""), ignore_errors=True)
 
     @rule(tokens=TOKENS)
@@ -127,6 +131,13 @@ class TieredMachine(RuleBasedStateMachine):
         self.alloc.clear()
         if storage:
             self.cache.clear_storage()
+        self._hold_writes()  # (reset finished the pending writes, which resumes the writer)
+
+    def _hold_writes(self):
+        """With a writer thread: it writes nothing until `writes_land`, so a run does not
+        depend on thread timing (hypothesis replays it) and writes stay in flight across rules."""
+        if self.cache.writer is not None and not self.cache.writer.synchronous:
+            self.cache.writer.pause()
 
     @invariant()
     def consistent(self):
@@ -151,6 +162,36 @@ class TieredMachine(RuleBasedStateMachine):
                 node = node.parent
 
 
+class AsyncWritesMachine(TieredMachine):
+    """Page writes queued (at most 3 pages; more are dropped) and held in flight while the other
+    rules evict, split, drop and reload their nodes; they land only in `writes_land`."""
+    WRITE_QUEUE = 3
+
+    @rule()
+    def writes_land(self):
+        self.cache.finish_writes()
+        if self.cache.counters["pages_write_dropped"]:
+            event("a full write queue dropped pages")
+        self._hold_writes()
+
+    @precondition(lambda self: self.seen)
+    @rule(i=PICK, other=TOKENS, extra=TOKENS)
+    def lands_after_churn(self, i, other, extra):
+        """The case pins exist for: nodes leave the host while their writes are in flight, other
+        KV is backed up into host slots, then the writes land and a load reads their pages."""
+        self.cache.evict(CAP)
+        self.cache.evict_host(HOST_CAP)
+        for k in range(3):  # enough new KV to go through every free host slot
+            self.insert([k] + other)
+            self.cache.evict(CAP)
+        self.writes_land()
+        self.comes_back(i, extra, None)
+
+    @rule()
+    def step_starts(self):
+        self.cache.settle_page_writes(release=True)
+
+
 class HostOnlyMachine(TieredMachine):
     STORED = False  # host eviction drops nodes
 
@@ -158,5 +199,8 @@ class HostOnlyMachine(TieredMachine):
 TieredMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 HostOnlyMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30,
                                              deadline=None)
+AsyncWritesMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
+                                                deadline=None)
 test_tiered_cache_invariants = TieredMachine.TestCase
 test_host_only_cache_invariants = HostOnlyMachine.TestCase
+test_async_page_writes_invariants = AsyncWritesMachine.TestCase

@@ -5,8 +5,12 @@
     --hicache-size GB        host pool in GB (1e9 bytes), overrides the ratio when > 0
     --hicache-write-policy   write_through (default) | write_through_selective | write_back
     --hicache-storage-backend file
-    --hicache-storage-backend-extra-config '{"file_storage_path": DIR, "page_tokens": 64}'
-        DIR defaults to $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, then /tmp/hicache (SGLang's)
+    --hicache-storage-backend-extra-config '{"file_storage_path": DIR, "page_tokens": 64,
+                                             "write_queue_pages": N}'
+        DIR defaults to $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, then /tmp/hicache (SGLang's);
+        N bounds the pages queued for the writer thread (default: 1 GiB of pages, at most a
+        quarter of the host pool; past it pages are dropped, not waited for); 0 writes them on
+        the scheduler's thread
 A bad value raises ValueError naming the field, before any pool is allocated.
 """
 
@@ -26,7 +30,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_FILE_DIR = "/tmp/hicache"
 DEFAULT_PAGE_TOKENS = 64
-EXTRA_KEYS = ("file_storage_path", "page_tokens")
+EXTRA_KEYS = ("file_storage_path", "page_tokens", "write_queue_pages")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class HiCacheConfig:
     storage_backend: Optional[str]
     storage_dir: Optional[str]
     page_tokens: int
+    write_queue_pages: Optional[int] = None  # None: tier_writes.default_write_queue_pages
 
     @staticmethod
     def from_args(args, device_capacity: int, token_bytes: int) -> "HiCacheConfig":
@@ -65,6 +70,11 @@ class HiCacheConfig:
         if isinstance(page, bool) or not isinstance(page, int) or page < 1:
             raise ValueError(f"hicache_storage_backend_extra_config: page_tokens must be a "
                              f"positive integer (got {page!r})")
+        queue = extra.get("write_queue_pages")
+        if queue is not None and (isinstance(queue, bool) or not isinstance(queue, int)
+                                  or queue < 0):
+            raise ValueError(f"hicache_storage_backend_extra_config: write_queue_pages must be "
+                             f"an integer >= 0 (got {queue!r})")
         folder = None
         if backend == "file":
             folder = (extra.get("file_storage_path") or os.environ.get(FILE_DIR_ENV)
@@ -72,7 +82,7 @@ class HiCacheConfig:
             if not isinstance(folder, str):
                 raise ValueError("hicache_storage_backend_extra_config: file_storage_path must "
                                  f"be a string (got {folder!r})")
-        return HiCacheConfig(host, args.hicache_write_policy, backend, folder, page)
+        return HiCacheConfig(host, args.hicache_write_policy, backend, folder, page, queue)
 
 
 def _extra_config(args) -> dict:
@@ -127,7 +137,8 @@ def make_tree_cache(args, runner) -> RadixCache:
     mover = KVMover(pool, host, runner.device)
     seed, storage = open_storage(cfg, runner)
     cache = HiRadixCache(runner.allocator, runner.req_to_token_pool, host, mover,
-                         cfg.write_policy, storage, seed, cfg.page_tokens)
+                         cfg.write_policy, storage, seed, cfg.page_tokens,
+                         write_queue_pages=cfg.write_queue_pages)
     cache.config = cfg
     return cache
 
@@ -150,6 +161,7 @@ def rekey_storage(cache, runner) -> None:
     disk, under the old model's folder)."""
     if getattr(cache, "storage", None) is None:
         return
+    cache.finish_writes(cancel=True)  # no page of the old weights lands after the switch
     cache.storage.close()
     cache.seed, cache.storage = open_storage(cache.config, runner)
     cache._key_memo.clear()

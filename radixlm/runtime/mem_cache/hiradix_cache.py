@@ -20,7 +20,8 @@ Shape invariants (check_integrity asserts each):
   (a transfer in progress) pins a node's host copy. Neither kind is evicted.
 Accounting per tier, each slot in exactly one place:
     device: allocator free + device tokens in the tree + request-owned == device capacity
-    host:   host allocator free + host tokens in the tree == host capacity
+    host:   host allocator free + host tokens in the tree + held back == host capacity
+            (held back: slots the tree let go of while a pending page write still reads them)
 
 Eviction moves KV down a tier, LRU first (one clock; a separate candidate set per tier):
 - `evict` (device): device leaves -> their host copy stays (a node without one is backed up first:
@@ -31,7 +32,8 @@ Eviction moves KV down a tier, LRU first (one clock; a separate candidate set pe
   later match finds them again by key.
 Write policy (SGLang's): write_through backs every inserted node up to the host at once,
 write_through_selective once a node is hit a second time, write_back only when evicted. Every
-host backup writes the path's completed pages to the store (when one is configured).
+host backup queues the path's completed pages for the store (when one is configured); a node
+records them (storage_len) once the store has confirmed them (tier_writes.py, page_writer.py).
 Loads (host/storage -> device) are in tier_transfers.py.
 """
 
@@ -45,6 +47,7 @@ import torch
 from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode
 from radixlm.runtime.mem_cache.tier_integrity import check_tiered_tree
 from radixlm.runtime.mem_cache.tier_transfers import TierTransfers
+from radixlm.runtime.mem_cache.tier_writes import TierWrites
 
 WRITE_THRESHOLDS = {"write_through": 1, "write_through_selective": 2, "write_back": None}
 # the scheduler's cache-aware order counts a host or storage hit as a fraction of a device hit:
@@ -104,10 +107,13 @@ class TierMatch(tuple):
         return HOST_HIT_WEIGHT * self.host_len + STORAGE_HIT_WEIGHT * self.storage_len
 
 
-class HiRadixCache(TierTransfers, RadixCache):
+class HiRadixCache(TierTransfers, TierWrites, RadixCache):
     def __init__(self, allocator, req_to_token_pool, host, mover, write_policy="write_through",
                  storage=None, seed: bytes = b"", page_tokens: int = 64,
-                 store_index_tokens: Optional[int] = None):
+                 store_index_tokens: Optional[int] = None,
+                 write_queue_pages: Optional[int] = None):
+        """write_queue_pages: bound of the page-write queue (None: tier_writes' default; 0: write
+        on the scheduler's thread)."""
         self.host, self.mover = host, mover  # before RadixCache.__init__, whose reset() uses host
         self.write_threshold = WRITE_THRESHOLDS[write_policy]
         self.write_policy = write_policy
@@ -116,10 +122,13 @@ class HiRadixCache(TierTransfers, RadixCache):
         self.store_index_tokens = store_index_tokens or 4 * (allocator.capacity + host.capacity)
         self.tiered = True
         self._init_transfers()
+        self._init_writes(write_queue_pages)
         super().__init__(allocator, req_to_token_pool)
 
     def reset(self) -> None:
-        """Drop the tree and every host copy (the caller clears the device allocator)."""
+        """Drop the tree and every host copy (the caller clears the device allocator); pending
+        page writes finish first (their pages stay in the store)."""
+        self.finish_writes()
         self.mover.complete()
         self.root = TierNode(value=self._empty())
         self.root.host_value = torch.empty(0, dtype=torch.int64)
@@ -269,7 +278,7 @@ class HiRadixCache(TierTransfers, RadixCache):
             if parent in self._host_leaves and parent.host_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         if slots:
-            self.host.allocator.free(torch.cat(slots))
+            self._free_host(torch.cat(slots))
         self.counters["host_evicted_tokens"] += freed
         return freed
 
@@ -312,7 +321,7 @@ class HiRadixCache(TierTransfers, RadixCache):
             self.mover.guard_device_reuse()
             self.allocator.free(torch.cat(dev))
         if host:
-            self.host.allocator.free(torch.cat(host))
+            self._free_host(torch.cat(host))
 
     # --- tree surgery ----------------------------------------------------------------------------
     def _sync(self, node: TierNode) -> None:

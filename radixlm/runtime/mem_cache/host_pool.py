@@ -121,6 +121,11 @@ class KVMover:
         self._backups.append((staging, host_idx, event))
         self._last_backup = event
 
+    def backups_in_flight(self) -> bool:
+        """Whether a backup may not have landed in its host rows yet (CUDA until `complete()`;
+        never on the CPU, where to_host copies at once)."""
+        return bool(self._backups)
+
     def guard_device_reuse(self) -> None:
         """Before freeing device slots: later compute-stream writes wait for backups reading them."""
         if self.cuda and self._last_backup is not None:

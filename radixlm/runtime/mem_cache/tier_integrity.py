@@ -1,5 +1,6 @@
 """HiRadixCache.check_integrity: walk the whole tree and assert the invariants of
-hiradix_cache.py's docstring (shape per path, locks, per-tier sizes and slot ownership)."""
+hiradix_cache.py's docstring (shape per path, locks, per-tier sizes and slot ownership). Holds
+with page writes in flight: the host slots they hold back count as neither free nor in the tree."""
 
 from __future__ import annotations
 
@@ -88,8 +89,9 @@ def check_tiered_tree(cache) -> None:
     if leaves != (cache._dev_leaves, cache._host_leaves, cache._store_leaves):
         _fail("a tracked leaf set differs from the tree's")
     _check_slots("device", dev_slots, cache.allocator)
-    _check_slots("host", host_slots, cache.host.allocator)
+    held = cache.host_slots_held()  # out of the tree, pinned by pending page writes
+    _check_slots("host", host_slots + [held], cache.host.allocator)
     host_free = cache.host.allocator.available_size()
-    if host_free + host_tokens != cache.host.capacity:
-        _fail(f"host KV leak: free {host_free} + tree {host_tokens} != capacity "
-              f"{cache.host.capacity}")
+    if host_free + host_tokens + held.numel() != cache.host.capacity:
+        _fail(f"host KV leak: free {host_free} + tree {host_tokens} + held for writes "
+              f"{held.numel()} != capacity {cache.host.capacity}")

@@ -1,5 +1,6 @@
-"""HiRadixCache's moves between tiers: loads (host / storage -> device) for a scheduled request,
-backups (device -> host) and page writes (host -> storage). A mixin: the state is HiRadixCache's.
+"""HiRadixCache's moves up the tiers: loads (host / storage -> device) for a scheduled request,
+and the counters and rates of every tier. (Backups, device -> host, and page writes, host ->
+storage, are in tier_writes.py.) A mixin: the state is HiRadixCache's.
 
 Load of a match (`load_back`), for the request the scheduler is admitting, whose device prefix it
 has locked:
@@ -12,10 +13,6 @@ has locked:
      stream with an event per layer that the forward's layers wait on).
   The path's nodes are pinned (host_ref) throughout, so the evictions a load causes cannot take
   the copies it is moving.
-Page writes: when a node gets a host copy, the path's pages completed up to its end (full pages,
-aligned to absolute positions) are assembled from the host (or device) copies and handed to the
-store under their chained keys (storage/keys.py); the nodes they cover then record it
-(storage_len), but only for pages the store accepted.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.mem_cache.storage.keys import extend_chain, page_keys
+from radixlm.runtime.mem_cache.storage.keys import extend_chain
 
 EMA = 0.2  # weight of the newest sample in the rate estimates
 MIN_PREFILL_SAMPLE = 32  # extends shorter than this measure overhead more than compute
@@ -38,9 +35,12 @@ class TierTransfers:
             "hit_tokens_device": 0, "hit_tokens_host": 0, "hit_tokens_storage": 0,
             "bytes_device_to_host": 0, "bytes_host_to_device": 0,
             "bytes_host_to_storage": 0, "bytes_storage_to_host": 0,
-            "pages_stored": 0, "pages_loaded": 0, "storage_load_failures": 0,
-            "storage_loads_skipped": 0, "device_evicted_tokens": 0, "host_evicted_tokens": 0,
-            "dropped_tokens": 0}
+            "pages_stored": 0, "pages_write_dropped": 0, "pages_loaded": 0,
+            "storage_load_failures": 0, "storage_loads_skipped": 0, "device_evicted_tokens": 0, "host_evicted_tokens": 0,
+            "dropped_tokens": 0,
+            # seconds the scheduler's thread spent on page writes (queueing, or writing them
+            # itself with write_queue_pages 0) and on applying their completions
+            "storage_write_scheduler_s": 0.0}
         self._prefill_tps: Optional[float] = None  # tokens/s the forward computes (EMA)
         self._read_bps: Optional[float] = None  # bytes/s the store reads (EMA)
         self._key_memo: dict = {}  # tokens tuple -> its page keys so far (match re-runs each step)
@@ -61,6 +61,9 @@ class TierTransfers:
         return self.host.token_bytes / self._read_bps < 1.0 / self._prefill_tps
 
     def tier_stats(self) -> dict:
+        """Each tier's use and the counters (finished page writes applied first: scheduler
+        thread)."""
+        self.apply_write_completions()
         host = self.host
         out = {"write_policy": self.write_policy,
                "device": {"capacity": self.allocator.capacity,
@@ -71,6 +74,7 @@ class TierTransfers:
                "prefill_tokens_per_s": self._prefill_tps, "storage_read_bytes_per_s": self._read_bps}
         if self.storage is not None:
             out["storage"].update(self.storage.stats())
+            out["storage"]["write_queue"] = self.write_queue_stats()
         out.update(self.counters)
         return out
 
@@ -215,85 +219,6 @@ class TierTransfers:
     def take_load_events(self) -> Optional[list]:
         """CUDA: the per-layer events of this round's loads, for the next forward to wait on."""
         return self.mover.take_layer_events()
-
-    # --- backups and page writes -----------------------------------------------------------------
-    def _backup(self, node) -> bool:
-        """Give a device node a host copy (and write its completed pages). False: no host room."""
-        n = len(node.key)
-        host_slots = self._alloc_host(n)
-        if host_slots is None:
-            return False
-        self.mover.to_host(node.value, host_slots)
-        node.host_value = host_slots
-        self._host_tokens += n
-        self.counters["bytes_device_to_host"] += n * self.host.token_bytes
-        self._sync(node)
-        self._sync(node.parent)
-        if self.storage is not None:
-            self._write_pages(node)
-        return True
-
-    def _write_pages(self, node) -> None:
-        if not getattr(self.storage, "writes_enabled", True):
-            return
-        page = self.page
-        end = (node.start + len(node.key)) // page * page
-        if end == 0:
-            return
-        path = []
-        x = node
-        while x is not self.root:
-            path.append(x)
-            x = x.parent
-        path.reverse()
-        tokens = tuple(t for x in path for t in x.key)
-        keys = page_keys(self.seed, tokens, page, end // page)
-        # The path's stored pages: ask the store, not the nodes. A node's storage_len can come
-        # from another path through it (its last page, when it ends mid-page, is a different page
-        # on each branch), and another process may have written this path's pages.
-        first = self.storage.batch_exists(keys)
-        covered, keys = first * page, keys[first:]
-        if keys:
-            block = self._gather(path, covered, end)  # (L, 2, end - covered, H, D)
-            pages = block.unflatten(2, (len(keys), page)).permute(2, 0, 1, 3, 4, 5).contiguous()
-            payloads = [p.view(torch.uint8).numpy().tobytes() for p in pages]
-            accepted = self.storage.batch_put(keys, payloads)
-            self.counters["pages_stored"] += accepted
-            self.counters["bytes_host_to_storage"] += accepted * self.storage.page_bytes
-            covered += accepted * page
-        self._mark_stored(path, covered)
-
-    @staticmethod
-    def _mark_stored(path: list, stored_to: int) -> None:
-        """The path's tokens before stored_to lie in stored pages."""
-        for x in path:
-            if x.start >= stored_to:
-                break
-            x.storage_len = max(x.storage_len, min(len(x.key), stored_to - x.start))
-
-    def _gather(self, path: list, lo: int, hi: int) -> torch.Tensor:
-        """The KV of absolute positions [lo, hi) along path, from host copies where present."""
-        parts = []
-        for x in path:
-            a, b = max(lo, x.start), min(hi, x.start + len(x.key))
-            if a >= b:
-                continue
-            if x.host_value is not None:
-                parts.append(self.mover.read_host(x.host_value[a - x.start:b - x.start]))
-            else:
-                parts.append(self.mover.read_device(x.value[a - x.start:b - x.start]))
-        return torch.cat(parts, dim=2)
-
-    # --- maintenance -----------------------------------------------------------------------------
-    def clear_storage(self) -> None:
-        """Delete every page of this model's namespace (flush_cache?storage=true)."""
-        if self.storage is not None:
-            self.storage.clear()
-            self._key_memo.clear()
-
-    def close(self) -> None:
-        if self.storage is not None:
-            self.storage.close()
 
 
 def _ema(old: Optional[float], new: float) -> float:

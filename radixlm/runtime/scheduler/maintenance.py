@@ -12,11 +12,11 @@ class Maintenance:
         self._settle()
         if not self.is_idle():
             return False
+        if storage and self.tiered:  # first: pending page writes are cancelled, not waited for
+            self.tree_cache.clear_storage()
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_pool.clear()
-        if storage and self.tiered:
-            self.tree_cache.clear_storage()
         return True
 
     def stats_snapshot(self) -> dict:

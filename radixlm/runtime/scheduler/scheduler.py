@@ -143,6 +143,8 @@ class Scheduler(TokenProcessing, Maintenance):
 
     def _step_or_chain(self) -> list[Req]:
         done, self._deferred = self._deferred, []
+        if self.tiered:  # page writes that landed since the last step: recorded on the tree now
+            self.tree_cache.settle_page_writes(release=False)
         if self.inflight is not None:
             prev, self.inflight = self.inflight, None
             chain = self._chainable()
@@ -185,6 +187,8 @@ class Scheduler(TokenProcessing, Maintenance):
         return not any(r.grammar is not None or r.token_ids_logprob for r in self.running)
 
     def _step(self) -> list[Req]:
+        if self.tiered:  # no forward in flight: CUDA backups land, their page writes can start
+            self.tree_cache.settle_page_writes(release=True)
         mixed = bool(self.running) and not self.args.disable_mixed_batch
         aborted = []
         if mixed:  # the running requests decode in this step whatever it admits: room first

@@ -11,7 +11,9 @@ same way, by implementing these methods and registering a name in `storage/__ini
 - `get(key)` returns the page's payload, verified (length and checksum, stored key == key), or
   None when the page is missing, truncated, corrupt or foreign. It never raises for a bad page and
   never returns one: the caller then recomputes those tokens.
-- `put(key, payload)` stores a page, possibly asynchronously (a later `get` of a queued page must
+- `put(key, payload)` stores a page (payload: bytes-like, `page_bytes` long; called from the
+  cache's page-writer thread, while the scheduler's thread may call `exists` / `get`), possibly
+  asynchronously (a later `get` of a queued page must
   return it). Returns False when the page was not accepted (writes off, queue full); the caller
   then does not count the page as stored.
 - The batch forms act on a list of keys that chain (page j+1 extends page j): `batch_exists`

@@ -6,8 +6,8 @@ A read checks all four against what it asked for; a file that fails (truncated b
 flipped, a page of another key copied or renamed into place, another format) is reported missing,
 deleted, and its tokens are recomputed: a bad page is never served.
 
-Writes run on one background thread (the scheduler only copies the page's bytes out of the host
-pool): each page goes to a temporary file in the same folder and is renamed into place, so a
+Writes run on one background thread of the store's own (pages come from the cache's page writer
+thread, mem_cache/page_writer.py): each page goes to a temporary file in the same folder and is renamed into place, so a
 reader never sees half a page. No fsync: a crash can leave a truncated or empty page, which the
 checks above catch. A full disk (ENOSPC, EDQUOT) turns writes off for this process with one
 warning; reads go on. Queued pages are served from memory until they are on disk.
