@@ -148,6 +148,20 @@ class ServerArgs:
     api_key: Optional[str] = None  # never reported by /get_server_info
     max_queued_requests: Optional[int] = None  # beyond max_running_requests + this: 503
     max_payload_size: int = 32 * 1024 * 1024  # bytes of request body; larger: 413
+    # --- bounds on one request (runtime/request_limits.py): over one -> 400 naming the field ---
+    max_n: int = 128  # sampling_params.n
+    max_stop_strings: int = 32  # entries of stop, and of stop_regex
+    max_stop_str_len: int = 1024  # bytes of one stop string
+    max_stop_regex_len: int = 256  # bytes of one stop_regex pattern
+    stop_regex_timeout: float = 0.05  # seconds one stop_regex search may take; over: abort
+    max_top_logprobs_num: int = 64
+    max_token_ids_logprob: int = 1024
+    max_request_tokens: int = 1 << 20  # (prompt + max_new_tokens) * n, summed over a call
+    max_images_per_request: int = 16
+    max_image_pixels: int = 4096 * 4096  # width x height of one image (from its header)
+    # constrained decoding: a grammar not compiled in this many seconds aborts its request
+    grammar_compile_timeout: float = 30.0
+    grammar_cache_size: int = 256  # compiled grammars kept (least recently used out)
     enable_metrics: bool = False
     timeout_graceful_shutdown: float = 30.0  # SIGTERM: seconds to let running requests finish
     # --- SGLang drop-in (server API) ---

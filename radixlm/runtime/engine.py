@@ -22,6 +22,7 @@ from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.multimodal import image_processor_for
 from radixlm.runtime.models import loader
 from radixlm.runtime.request import Req
+from radixlm.runtime.request_limits import RequestLimits
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.speculative import spec_config
 
@@ -101,7 +102,8 @@ class Engine:
         images = image_processor_for(self.runner.model_path, self.runner.hf_config,
                                      self.runner.model_config.vocab_size)
         self.builder = RequestBuilder(self.tokenizer, self.runner.model_config.vocab_size,
-                                      self.runner.context_len, self.runner.capacity, eos, images)
+                                      self.runner.context_len, self.runner.capacity, eos, images,
+                                      RequestLimits.from_args(self.server_args))
         self.scheduler = Scheduler(self.server_args, self.runner, self.tokenizer)
 
     # --- scheduler thread -----------------------------------------------------------------------
@@ -296,16 +298,32 @@ class Engine:
         return self._call_in_loop(self.scheduler.stats_snapshot)
 
     def shutdown(self) -> None:
+        """Stop the scheduler thread and release what the engine holds: the weights, the KV
+        pool, the radix tree, the grammar compile thread. The object stays (its calls then raise
+        "the engine is shut down"); the memory goes back, so engines created and shut down one
+        after another in one process end where they started (tests/unit/test_engine_lifecycle.py).
+        Calling it again does nothing."""
+        if getattr(self, "_released", False):
+            return
         self._stopped = True
         self._thread.join(timeout=10)
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.tiered:
             scheduler.tree_cache.close()  # queued pages reach the store before we go
+        if scheduler is not None and scheduler.grammars is not None:
+            scheduler.grammars.shutdown()
         if self._tp is not None:  # the stop broadcast only when no forward can be in flight
             graceful = not self._thread.is_alive()
             if graceful:
                 self.runner.release_cuda_graphs()
             self._tp.stop(graceful=graceful)
+        if self._thread.is_alive():  # a step still runs on them: leave them to it
+            return
+        self._released = True
+        for sink in list(self._sinks.values()):  # nobody waits on a request that cannot finish
+            sink.notify(len(sink.req.output_ids), True)
+        self._sinks.clear()
+        self.scheduler = self.runner = None
 
     def __enter__(self):
         return self

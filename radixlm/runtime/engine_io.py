@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from radixlm.runtime.constrained.grammar import constraint_of, validate_constraint
 from radixlm.runtime.request import FinishReason, Req
+from radixlm.runtime.request_limits import DEFAULT_LIMITS, RequestLimits
 from radixlm.runtime.sampling_params import SamplingParams
 
 
@@ -25,8 +26,10 @@ def _per_item(value, n: int, name: str) -> list:
 
 class RequestBuilder:
     def __init__(self, tokenizer, vocab_size: int, context_len: int, kv_capacity: int,
-                 eos_token_ids: tuple[int, ...], image_processor=None):
+                 eos_token_ids: tuple[int, ...], image_processor=None,
+                 limits: RequestLimits = DEFAULT_LIMITS):
         self.tokenizer = tokenizer
+        self.limits = limits  # bounds on one call (flags; runtime/request_limits.py)
         # multimodal.ImageProcessor of a vision-language model (None: text-only)
         self.image_processor = image_processor
         self.vocab_size = vocab_size
@@ -94,7 +97,7 @@ class RequestBuilder:
             raise ValueError("rid: a batch needs a list of rids")
         mms = self.expand_images(all_ids, image_data, single)
 
-        reqs = []
+        reqs, requested = [], 0
         for ids, p, lp, start, top, r, tid, mm in zip(all_ids, params, lps, starts, tops, rids,
                                                       tids, mms):
             if mm is None:
@@ -104,7 +107,8 @@ class RequestBuilder:
             sp = p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
             if sp.max_new_tokens is None:  # SGLang: no limit but the context
                 sp.max_new_tokens = max(self.context_len - len(ids), 0)
-            sp.verify(self.vocab_size)
+            sp.verify(self.vocab_size, self.limits)
+            self.limits.check_logprobs(top, tid)
             self.check_token_ids_logprob(tid)
             if constraint_of(sp) is not None:
                 if self.tokenizer is None:
@@ -118,6 +122,8 @@ class RequestBuilder:
                 raise ValueError(f"sampling_params.max_new_tokens: the prompt ({len(ids)} tokens) "
                                  f"plus max_new_tokens ({sp.max_new_tokens}) exceeds the context "
                                  f"length ({self.context_len})")
+            requested += (len(ids) + sp.max_new_tokens) * sp.n
+            self.limits.check_request_tokens(requested)
             start = -1 if start is None else start
             if lp and not -1 <= start < len(ids):
                 raise ValueError(f"logprob_start_len: must be in [-1, {len(ids)}) (got {start})")
@@ -151,12 +157,14 @@ class RequestBuilder:
                                  "with one entry (an image, a list of them or null) per prompt")
             per_prompt = [[] if d is None else d if isinstance(d, list) else [d]
                           for d in image_data]
+        self.limits.check_image_count(sum(len(images) for images in per_prompt))
         out = []
         for i, images in enumerate(per_prompt):
             if not images:
                 out.append(None)
                 continue
-            all_ids[i], mm = self.image_processor.process(all_ids[i], images)
+            all_ids[i], mm = self.image_processor.process(all_ids[i], images,
+                                                          self.limits.max_image_pixels)
             out.append(mm)
         return out
 

@@ -51,7 +51,7 @@ class MultimodalInputs:
         return [tok if t >= v else t for t in ids]
 
 
-def load_image(data: Any):
+def load_image(data: Any, max_pixels: Optional[int] = None):
     """A PIL image from a PIL image, bytes, a file path, a file:// URL, a data: URL or a base64
     string. No network: http(s) URLs are refused."""
     from PIL import Image
@@ -79,7 +79,13 @@ def load_image(data: Any):
         raise ValueError(f"image_data: expected an image, bytes or a string, got "
                          f"{type(data).__name__}")
     try:
-        img = Image.open(io.BytesIO(raw))
+        img = Image.open(io.BytesIO(raw))  # reads the header only
+    except Exception as e:
+        raise ValueError(f"image_data: not a readable image ({e})") from None
+    if max_pixels is not None and img.width * img.height > max_pixels:  # before decoding it
+        raise ValueError(f"image_data: a {img.width}x{img.height} image has more than "
+                         f"{max_pixels} pixels (see --max-image-pixels)")
+    try:
         img.load()
     except Exception as e:
         raise ValueError(f"image_data: not a readable image ({e})") from None
@@ -119,8 +125,8 @@ class ImageProcessor:
         self.image_size = vc["image_size"]
         self.vocab_size = vocab_size
 
-    def _pixels(self, image) -> torch.Tensor:
-        img = load_image(image)
+    def _pixels(self, image, max_pixels: Optional[int] = None) -> torch.Tensor:
+        img = load_image(image, max_pixels)
         if img.mode != "RGB":
             img = img.convert("RGB")
         out = self.processor(images=[img], return_tensors="pt")["pixel_values"]
@@ -130,7 +136,8 @@ class ImageProcessor:
                              "(processor and model configs disagree)")
         return out[0].float()  # (3, H, W)
 
-    def process(self, ids: list[int], images: list) -> tuple[list[int], MultimodalInputs]:
+    def process(self, ids: list[int], images: list, max_pixels: Optional[int] = None
+                ) -> tuple[list[int], MultimodalInputs]:
         """Expand the prompt's image tokens: each run of image tokens (one token, or an already
         expanded run of tokens_per_image) is one image, in order. Returns (ids, inputs)."""
         tok, n = self.image_token_id, self.tokens_per_image
@@ -152,7 +159,7 @@ class ImageProcessor:
                              f"token(s) in the prompt (token id {tok})")
         out, items, prev = [], [], 0
         for (a, b), image in zip(runs, images):
-            pixels = self._pixels(image)
+            pixels = self._pixels(image, max_pixels)
             digest = hashlib.sha256(pixels.numpy().tobytes()).digest()
             pad = self.vocab_size + int.from_bytes(digest[:8], "little") % PAD_ID_RANGE
             out.extend(ids[prev:a])

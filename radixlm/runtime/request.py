@@ -104,6 +104,7 @@ class Req:
         self.generator: Optional[torch.Generator] = None  # per-request RNG when a seed is given
         self.grammar: Any = None  # xgrammar GrammarMatcher once the grammar is compiled
         self.grammar_future: Any = None  # compilation in flight (the request waits for it)
+        self.grammar_deadline = 0.0  # time.monotonic() by which it must be compiled
         self.retractions = 0
         self.jumps = 0  # jump-forward splices
         # lowest output index rewritten by a jump-forward since the last streamed update

@@ -16,12 +16,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from radixlm.runtime.request_limits import DEFAULT_LIMITS, RequestLimits
+
 # Below this temperature a request is sampled greedily (argmax); SGLang uses the same cut-off.
 GREEDY_TEMPERATURE = 1e-6
-MAX_N = 128  # samples per prompt; each is a full request
-MAX_STOP_COUNT = 32  # SGLang's limits on stop strings and stop_regex patterns
-MAX_STOP_REGEX_COUNT = 32
-MAX_STOP_REGEX_LEN = 256  # bytes of one pattern
 
 # field -> what this server does with it (the unit test walks SGLang's list against this)
 FIELDS: dict[str, str] = {
@@ -110,7 +108,7 @@ class SamplingParams:
                 d[k] = getattr(defaults, k)
         return SamplingParams(**d)
 
-    def verify(self, vocab_size: int) -> None:
+    def verify(self, vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         def bad(name, why):
             raise ValueError(f"sampling_params.{name}: {why} (got {getattr(self, name)!r})")
 
@@ -152,12 +150,12 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not 0 < self.repetition_penalty <= 2:
             bad("repetition_penalty", "must be in (0, 2]")
-        if not 1 <= self.n <= MAX_N:
-            bad("n", f"must be in [1, {MAX_N}]")
+        limits.check_n(self.n)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**63):
             raise ValueError(f"sampling_params.sampling_seed: must be a 64-bit integer "
                              f"(got {self.seed!r})")
+        limits.check_stops(self.stop_strs, self.stop_regex_strs)  # before compiling any
         self._verify_stops(vocab_size)
         self._verify_extras(vocab_size)
         n_constraints = sum(x is not None for x in (self.regex, self.json_schema, self.ebnf,
@@ -170,8 +168,6 @@ class SamplingParams:
         if not isinstance(self.stop_strs, list):
             raise ValueError(f"sampling_params.stop: must be a string or a list of strings "
                              f"(got {self.stop!r})")
-        if len(self.stop_strs) > MAX_STOP_COUNT:
-            raise ValueError(f"sampling_params.stop: at most {MAX_STOP_COUNT} stop strings")
         for s in self.stop_strs:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"sampling_params.stop: must be a non-empty string or a list "
@@ -186,15 +182,10 @@ class SamplingParams:
         if not isinstance(pats, list):
             raise ValueError(f"sampling_params.stop_regex: must be a pattern or a list of "
                              f"patterns (got {self.stop_regex!r})")
-        if len(pats) > MAX_STOP_REGEX_COUNT:
-            raise ValueError(f"sampling_params.stop_regex: at most {MAX_STOP_REGEX_COUNT} patterns")
         for p in pats:
             if not isinstance(p, str) or not p:
                 raise ValueError(f"sampling_params.stop_regex: must be a non-empty pattern or a "
                                  f"list of them (got {p!r})")
-            if len(p.encode("utf-8")) > MAX_STOP_REGEX_LEN:
-                raise ValueError(f"sampling_params.stop_regex: a pattern is over "
-                                 f"{MAX_STOP_REGEX_LEN} bytes")
             try:
                 re.compile(p)
             except (re.error, RecursionError, OverflowError) as e:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from radixlm.runtime.sampling_params import MAX_N
+from radixlm.runtime.request_limits import DEFAULT_LIMITS, RequestLimits
 from radixlm.server.io_struct import GenerateReqInput
 
 HONOURED, IGNORED, DEFAULT_ONLY = "honoured", "ignored", "default_only"
@@ -178,15 +178,14 @@ def parse_generate_body(body: Any) -> list[GenerateReqInput] | GenerateReqInput:
     return out
 
 
-def expand_n(parsed):
+def expand_n(parsed, limits: RequestLimits = DEFAULT_LIMITS):
     """`sampling_params.n` > 1: n requests per prompt, prompt-major, as a batch (SGLang's shape)."""
     items = parsed if isinstance(parsed, list) else [parsed]
     ns = []
     for p in items:
         n = p.sampling_params.get("n", 1) if isinstance(p.sampling_params, dict) else 1
         n = 1 if n is None else n
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise ValueError(f"sampling_params.n: must be an integer in [1, {MAX_N}] (got {n!r})")
+        limits.check_n(n)
         ns.append(n)
     if len(set(ns)) > 1:
         raise ValueError("sampling_params.n: must be the same for every prompt of a batch")

@@ -129,11 +129,14 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         try:
-            parsed = expand_n(parse_generate_body(await json_body(request)))
+            parsed = expand_n(parse_generate_body(await json_body(request)), tm.builder.limits)
             batch = isinstance(parsed, list)
             objs = parsed if batch else [parsed]
+            requested = 0
             for p in objs:  # validate the whole batch before queueing any of it
-                tm.tokenize_request(p)
+                for t in tm.tokenize_request(p):
+                    requested += len(t.input_ids) + t.sampling_params.max_new_tokens
+                tm.builder.limits.check_request_tokens(requested)
             if any(p.stream for p in objs):
                 return StreamingResponse(_stream(tm, objs, request, batch, incremental),
                                          media_type="text/event-stream")

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from radixlm.runtime.engine_io import RequestBuilder, spec_meta
 from radixlm.runtime.multimodal import image_processor_for
+from radixlm.runtime.request_limits import RequestLimits
 from radixlm.server.errors import QueueFullError
 from radixlm.server.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq,
                                       GenerateReqInput, TokenizedGenerateReq)
@@ -70,7 +71,8 @@ class TokenizerManager:
         self.builder = RequestBuilder(tokenizer, info["vocab_size"], self.context_len,
                                       info["max_total_tokens"], tuple(info["eos_token_ids"]),
                                       image_processor_for(self.model_path, info["hf_config"],
-                                                          info["vocab_size"]))
+                                                          info["vocab_size"]),
+                                      RequestLimits.from_args(args))
         self.chat_template = _load_chat_template(args.chat_template, tokenizer)
         ctx = zmq.asyncio.Context(1)
         self.to_scheduler = ctx.socket(zmq.PUSH)

@@ -3,7 +3,9 @@
 - `validate_constraint` parses a request's regex / JSON schema / EBNF in the caller's thread
   (cheap, tokenizer-independent), so a bad one is a 400 before anything is queued.
 - `GrammarCompilerPool` compiles against the tokenizer on a worker thread, off the scheduler loop,
-  deduplicating by (kind, spec); xgrammar's own cache makes a repeated spec nearly free.
+  deduplicating by (kind, spec). Its cache of compiled grammars keeps at most `cache_size` of
+  them, least recently used out (xgrammar's own, unbounded, cache is off); a request whose
+  grammar is not ready by --grammar-compile-timeout is aborted by the scheduler.
 - `apply_grammar_masks` fills one bitmask row per constrained request and applies all of them to
   the batch's logits in one call.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
@@ -98,7 +101,7 @@ def validate_constraint(sp: SamplingParams) -> None:
 
 class GrammarCompilerPool:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...] = (),
-                 workers: int = 1):
+                 workers: int = 1, cache_size: int = 256):
         from radixlm.runtime.tokenizer_light import LightTokenizer
 
         xgr = _xgr()  # imports transformers anyway: the light tokenizer's HF twin costs ~0.4 s more
@@ -106,10 +109,11 @@ class GrammarCompilerPool:
             tokenizer = tokenizer.hf
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self.vocab_size = vocab_size
-        self._futures: dict[tuple[str, str], Future] = {}
+        self.cache_size = max(1, cache_size)
+        self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()  # LRU last
         self._lock = threading.Lock()
 
     def submit(self, kind: str, spec: str) -> Future:
@@ -118,6 +122,9 @@ class GrammarCompilerPool:
             fut = self._futures.get(key)
             if fut is None or (fut.done() and fut.exception() is not None):
                 fut = self._futures[key] = self.pool.submit(self._compile, kind, spec)
+            self._futures.move_to_end(key)
+            while len(self._futures) > self.cache_size:  # in-flight ones finish for their owner
+                self._futures.popitem(last=False)
             return fut
 
     def _compile(self, kind: str, spec: str):

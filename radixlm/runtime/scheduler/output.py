@@ -9,7 +9,9 @@ first token after which a pattern matches ends the request, `finish_reason` is
 `{"type": "stop", "matched": <the pattern>}`, and the text keeps what matched (no trimming).
 SGLang searches only a tail window of tokens when the pattern's match length is bounded; here a
 bounded pattern searches the same tail of the text, through `Pattern.search(text, pos)` so that
-`^` and look-behinds still see the real start of the output.
+`^` and look-behinds still see the real start of the output. The patterns run on the `regex`
+package (re's syntax and semantics, plus a timeout): a search that backtracks for longer than
+--stop-regex-timeout aborts its request instead of stalling the scheduler for everyone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+import regex
 import torch
 
 from radixlm.runtime.detokenize import IncrementalDetokenizer, StopStringChecker
@@ -43,12 +46,13 @@ def max_match_len(pattern: str) -> Optional[int]:
 class StopStringState:
     """Incremental text of one request's output, for stop-string and stop_regex matching."""
 
-    def __init__(self, tokenizer, req: Req):
+    def __init__(self, tokenizer, req: Req, regex_timeout: Optional[float] = None):
         sp = req.sampling_params
+        self.regex_timeout = regex_timeout
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=sp.skip_special_tokens,
                                             spaces_between_special_tokens=sp.spaces_between_special_tokens)
         self.checker = StopStringChecker(sp.stop_strs, no_stop_trim=sp.no_stop_trim)
-        self.regexes = [(p, re.compile(p), max_match_len(p)) for p in sp.stop_regex_strs]
+        self.regexes = [(p, regex.compile(p), max_match_len(p)) for p in sp.stop_regex_strs]
         self.text = ""  # the output text so far (kept only when there are stop_regex patterns)
 
     def feed(self, token_id: int) -> Optional[Finish]:
@@ -61,19 +65,26 @@ class StopStringState:
             self.text += delta
             for src, pat, width in self.regexes:
                 pos = 0 if width is None else max(0, len(self.text) - width - len(delta))
-                if pat.search(self.text, pos) is not None:
+                try:
+                    found = pat.search(self.text, pos, timeout=self.regex_timeout)
+                except TimeoutError:
+                    return Finish(FinishReason.ABORT, message=f"sampling_params.stop_regex: "
+                                  f"{src!r} searched for over {self.regex_timeout} s "
+                                  f"(see --stop-regex-timeout)")
+                if found is not None:
                     return Finish(FinishReason.STOP, matched=src, regex=True)
         return None
 
 
-def check_finish(req: Req, token_id: int, context_len: int, tokenizer) -> Optional[Finish]:
+def check_finish(req: Req, token_id: int, context_len: int, tokenizer,
+                 regex_timeout: Optional[float] = None) -> Optional[Finish]:
     sp = req.sampling_params
     n_out = len(req.output_ids)
     if token_id in req.stop_token_ids and n_out >= sp.min_new_tokens:
         return Finish(FinishReason.STOP, matched=token_id)
     if (sp.stop_strs or sp.stop_regex_strs) and tokenizer is not None:
         if req.stop_str_checker is None:
-            req.stop_str_checker = StopStringState(tokenizer, req)
+            req.stop_str_checker = StopStringState(tokenizer, req, regex_timeout)
             for t in req.output_ids[:-1]:  # re-admitted after retraction: catch up
                 req.stop_str_checker.feed(t)
         finish = req.stop_str_checker.feed(token_id)

@@ -86,8 +86,10 @@ class Scheduler(TokenProcessing, Maintenance):
         if c is not None and req.grammar is None:
             if self.grammars is None:
                 self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size,
-                                                    tuple(req.stop_token_ids))
+                                                    tuple(req.stop_token_ids),
+                                                    cache_size=self.args.grammar_cache_size)
             req.grammar_future = self.grammars.submit(*c)
+            req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> Optional[Req]:
@@ -112,16 +114,23 @@ class Scheduler(TokenProcessing, Maintenance):
                     or self._deferred)
 
     def has_runnable_work(self) -> bool:
-        """False when idle or when every waiting request still waits for its grammar."""
+        """False when idle or when every waiting request still waits for its grammar (and
+        none has waited past --grammar-compile-timeout)."""
         if self.running or self.chunked or self.inflight or self._deferred:
             return True
-        return any(r.grammar_future is None or r.grammar_future.done() for r in self.waiting)
+        now = time.monotonic()
+        return any(r.grammar_future is None or r.grammar_future.done()
+                   or now > r.grammar_deadline for r in self.waiting)
 
     def _grammar_ready(self, req: Req) -> bool:
         fut = req.grammar_future
         if fut is None:
             return True
         if not fut.done():
+            if time.monotonic() > req.grammar_deadline:  # the compile goes on; the request not
+                req.finish = Finish(FinishReason.ABORT, message=(
+                    f"grammar compilation took over {self.args.grammar_compile_timeout} s "
+                    f"(see --grammar-compile-timeout)"))
             return False
         if fut.exception() is not None:  # validated before queueing, so this is a bug or OOM
             req.finish = Finish(FinishReason.ABORT, message=f"grammar compilation failed: "

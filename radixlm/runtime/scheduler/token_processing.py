@@ -53,7 +53,8 @@ class TokenProcessing:
                 finish = Finish(FinishReason.ABORT, message=f"grammar rejected token {tok}")
             elif req.grammar.is_terminated():
                 finish = Finish(FinishReason.STOP, matched=tok if tok in req.stop_token_ids else None)
-        finish = finish or check_finish(req, tok, self.context_len, self.tokenizer)
+        finish = finish or check_finish(req, tok, self.context_len, self.tokenizer,
+                                         self.args.stop_regex_timeout)
         if finish is not None:
             self._finish(req, finish)
             return False
