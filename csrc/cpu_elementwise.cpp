@@ -12,7 +12,8 @@
 // Registered as torch.ops.radixlm_cpu.{rmsnorm, silu_and_mul, rotary_inplace, argmax_rows}; the
 // Python side is radixlm/runtime/layers/cpu_fused.py (reshapes, output allocation, the switch and
 // the fallback).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -14,7 +14,8 @@
 // M, on the row's position or on the thread count, so a token's projections are bit-identical
 // in a prefill, a chunk or a decode batch (prefix caching relies on that). oneDNN sums in another
 // order: ~4e-5 of the outputs differ from F.linear's by one bf16 rounding.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <omp.h>

@@ -24,7 +24,12 @@
 // GEMM's epilogue); -2 (gate_up only) an unpaired pack, then silu_and_mul; fmt >= 0 a GGUF
 // QuantizedLinear's blocks of that ggml type at <= 16 rows: radixlm_quant::gemm in fp32, the
 // bias added in fp32, rounded to bf16 (QuantizedLinear.forward), the SiLU by silu_and_mul.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
