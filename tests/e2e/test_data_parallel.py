@@ -8,8 +8,8 @@ and its forwards cost ~1/10 of SmolLM2's:
   reach the replica holding the previous response; SIGKILL of one replica: it leaves
   the pool, the requests it held are retried on the other, later requests all succeed, its
   children exit, and SIGTERM of the server leaves no process behind. KV integrity on each replica.
-- `python -m radixlm.router` in front of two separately launched servers: both serve through it;
-  one stopped -> removed, the other carries on.
+- `python -m radixlm.router` in front of the same two replicas (each a full server): round robin
+  serves the same text; when one is killed it is removed and the other carries on.
 """
 
 from __future__ import annotations
@@ -46,6 +46,19 @@ def dp(common):
     srv = start_server(["--dp-size", "2", *common], name="dp2")
     yield srv
     stop_and_check(srv)
+
+
+@pytest.fixture(scope="module")
+def standalone(dp):
+    """`python -m radixlm.router` in front of the DP server's two replicas (full servers of their
+    own; starting two more would double this module's cost): round robin, health checks every
+    second. The killed-replica test then checks that it, too, drops the dead one."""
+    urls = [w["url"] for w in _workers(dp)]
+    router = start_server(["--worker-urls", *urls, "--policy", "round_robin",
+                           "--health-check-interval-secs", "1"], name="router",
+                          module="radixlm.router")
+    yield router
+    stop_and_check(router)
 
 
 def _workers(srv) -> list[dict]:
@@ -177,7 +190,20 @@ def test_responses_continue_on_the_replica_holding_them(dp):
         _check_replica_integrity(w["url"])
 
 
-def test_killed_replica_is_removed_and_requests_go_on(dp):
+def test_standalone_router_serves_round_robin(dp, standalone):
+    first = _workers(dp)[0]["url"]
+    r = httpx.post(first + "/generate", json={"text": PROMPTS[8], "sampling_params": SP},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    texts = [standalone.generate(PROMPTS[8], **SP)["text"] for _ in range(4)]
+    assert texts == [r.json()["text"]] * 4
+    listed = standalone.get("/list_workers").json()
+    assert [w["routed"] for w in listed["workers"]] == [2, 2]  # round robin
+    info = standalone.get("/get_server_info").json()
+    assert info["dp_size"] == 2 and info["load_balance_method"] == "round_robin"
+
+
+def test_killed_replica_is_removed_and_requests_go_on(dp, standalone):
     sp = {**SP, "max_new_tokens": 160}  # long enough that the kill lands mid-generation
     box = {}
 
@@ -211,36 +237,10 @@ def test_killed_replica_is_removed_and_requests_go_on(dp):
         assert out["meta_info"]["completion_tokens"] == 6
     alive = psutil.wait_procs(victim_children, timeout=15)[1]
     assert not alive, f"the killed replica's children outlived it: {alive}"
+    # the standalone router in front of the same two replicas: requests go on, the dead one leaves
+    for i in range(6):
+        assert standalone.generate(PROMPTS[i], **SP)["meta_info"]["completion_tokens"] == 6
+    listed = standalone.get("/list_workers").json()
+    assert listed["urls"] == [survivor]
+    assert listed["removed"][0]["url"] == victim["url"]
     _check_replica_integrity(survivor)
-
-
-def test_standalone_router_removes_a_dead_worker(common):
-    servers = [start_server(common, name=f"w{i}", wait=False) for i in range(2)]
-    router = None
-    try:
-        for s in servers:
-            s.wait_ready()
-        router = start_server(["--worker-urls", *[s.url for s in servers], "--policy",
-                               "round_robin", "--health-check-interval-secs", "1"],
-                              name="router", module="radixlm.router")
-        direct = servers[0].generate(PROMPTS[8], **SP)["text"]
-        texts = [router.generate(PROMPTS[8], **SP)["text"] for _ in range(4)]
-        assert texts == [direct] * 4
-        listed = router.get("/list_workers").json()
-        assert [w["routed"] for w in listed["workers"]] == [2, 2]  # round robin
-        info = router.get("/get_server_info").json()
-        assert info["dp_size"] == 2 and info["load_balance_method"] == "round_robin"
-
-        stop_and_check(servers[1])  # a worker goes away
-        for i in range(6):
-            assert router.generate(PROMPTS[i], **SP)["meta_info"]["completion_tokens"] == 6
-        listed = router.get("/list_workers").json()
-        assert listed["urls"] == [servers[0].url]
-        assert listed["removed"][0]["url"] == servers[1].url
-        servers[0].check_integrity()
-    finally:
-        if router is not None:
-            stop_and_check(router)
-        for s in servers:
-            if not s.stopped:
-                stop_and_check(s)
