@@ -1,7 +1,9 @@
 """Engine(tp_size=2) on the CPU (gloo): rank 0 schedules in this process, rank 1 runs in a spawned
-worker that receives every batch; greedy output must equal tp_size=1 in fp32 (bundled SmolLM2:
-its 3 KV heads split 2 + 1). Also: the multi-node flags (a second "node" on this machine, on a
-tiny random model), the KV integrity check, refusals, and that no worker process outlives the
+worker that receives every batch; greedy output must equal tp_size=1 in fp32. On a tiny random
+Llama with SmolLM2's tokenizer and, like SmolLM2, 3 KV heads (split 2 + 1): what is checked here
+is the engine's TP plumbing (batches broadcast, chunked prefill, radix-cache hits); SmolLM2's own
+numerics under TP are test_tensor_parallel.py's. Also: the multi-node flags (a second "node" on
+this machine), the KV integrity check, refusals, and that no worker process outlives the
 engine."""
 
 from __future__ import annotations
@@ -23,15 +25,6 @@ SP = {"max_new_tokens": 20, "temperature": 0}
 SHARED = "You are a helpful assistant. Answer briefly and precisely. Question: "
 PROMPTS = ["The capital of France is", "def fib(n):", SHARED + "What is 2 + 2?",
            SHARED + "Name a primary color.", "List three animals: " * 12]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _dense_gguf():
-    """TP splits dense weights only (a GGUF model keeps its quantized blocks at tp_size=1 when
-    the quantized CPU GEMM is available): both sides of every comparison run dense."""
-    with pytest.MonkeyPatch.context() as mp_:
-        mp_.setenv("RADIXLM_GGUF_KEEP_QUANTIZED", "off")
-        yield
 
 
 @pytest.fixture
@@ -69,23 +62,20 @@ def _run(engine: Engine) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tp1_outputs(_dense_gguf):
-    return _run(Engine(**ARGS))
+def tp1_outputs(tiny_chat_path):
+    return _run(Engine(model_path=tiny_chat_path, **ARGS))
 
 
-def test_engine_tp2_matches_tp1(tp1_outputs, before):
-    engine = Engine(tp_size=2, **ARGS)
-    assert engine.runner.num_kv_heads == 2  # rank 0 holds 2 of SmolLM2's 3 KV heads
+def test_engine_tp2_matches_tp1(tiny_chat_path, tp1_outputs, before):
+    engine = Engine(tp_size=2, model_path=tiny_chat_path, **ARGS)
+    assert engine.runner.num_kv_heads == 2  # rank 0 holds 2 of the 3 KV heads
     assert _run(engine) == tp1_outputs
     assert _tp_children(before) == []
     assert [c for c in mp.active_children() if c.pid not in before] == []
 
 
-def test_engine_tp2_two_nodes(tiny_chat_path, before):
-    """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does). The
-    multi-node plumbing on a tiny random Llama with SmolLM2's tokenizer and 3 KV heads (the
-    numerics of SmolLM2 under TP are the test above's)."""
-    tp1_outputs = _run(Engine(model_path=tiny_chat_path, **ARGS))
+def test_engine_tp2_two_nodes(tiny_chat_path, tp1_outputs, before):
+    """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does)."""
     addr = f"127.0.0.1:{free_port()}"
     node = dict(tp_size=2, nnodes=2, dist_init_addr=addr, model_path=tiny_chat_path, **ARGS)
     ctx = mp.get_context("spawn")
