@@ -181,9 +181,10 @@ class GGUFCache:
         `light`: a LightTokenizer (no transformers import, ~1 s less start-up) when the MANIFEST
         records that it was checked against this HF tokenizer and agreed; else HF's class.
         Entries written before that check existed get it on their first HF load."""
-        from radixlm.runtime.tokenizer_light import LightTokenizer, tokenizer_from_dir
+        from radixlm.runtime.tokenizer_light import LightTokenizer, light_enabled, tokenizer_from_dir
 
         d = os.path.dirname(self.gguf_path)
+        light = light and light_enabled()
 
         def load():
             manifest = self._tokenizer_manifest()
