@@ -20,7 +20,9 @@ The key is a sha256 over everything that decides what either class builds:
   - the versions of transformers, tokenizers and jinja2, and the source of the light modules,
     so an upgrade or a code change is checked again instead of trusted.
 Hashing reads the files (contents, not mtimes: a copy of a folder shares the verdict, an edit in
-place never does): ~2 ms for SmolLM2's 3.5 MB tokenizer.json, ~10 ms for a 17 MB one.
+place never does): measured ~3 ms for SmolLM2's 3.5 MB tokenizer.json, ~17 ms per 17 MB (a
+Llama-3-size tokenizer.json), plus ~17 ms once per process for the versions (importlib.metadata).
+The check itself (~0.5 CPU-s) runs once per key, in a process that has paid for HF's class.
 
 Off: `RADIXLM_DISABLE_LIGHT_TOKENIZER=1` (HF's class, no verdicts) or `RADIXLM_DISABLE_CACHE=1`
 (no verdicts, so HF's class). An unwritable cache only logs.
