@@ -14,6 +14,8 @@ Layout under `$RADIXLM_CACHE_DIR` (default `~/.cache/radixlm`):
         tokenizer/                       save_pretrained output + MANIFEST.json (file sizes, and
                                          whether tokenizer_light.py may stand in for HF's class)
         weights-<dtype>.safetensors      HF-named tensors in the runtime dtype
+    tokenizer-verdicts/<key>.json        whether the light tokenizer stands in for HF's on a
+                                         model folder's tokenizer files (folder_tokenizer.py)
 
 Keying: hashing the whole file (98 MB: ~0.1 s, more for big models) on every launch is wasted
 work, so the content hash is computed once and memoized by (path, size, mtime). An edited file
