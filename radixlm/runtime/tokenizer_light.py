@@ -34,6 +34,25 @@ VERY_LARGE_INTEGER = int(1e30)  # transformers' model_max_length when the config
 # settings transformers would apply and we would not).
 _FILES = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 _IGNORED_FILES = {"MANIFEST.json", ".lock"}
+# In a model folder (config.json, weights, README, ... beside the tokenizer) the names that
+# transformers may read for the tokenizer: anything starting like its tokenizer files, the
+# slow tokenizers' vocabularies, the extra chat templates. Any of them outside _FILES is refused,
+# as any file outside _FILES is in a saved tokenizer folder.
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens", "added_tokens", "chat_template",
+                           "additional_chat_templates", "vocab", "merges", "spiece",
+                           "sentencepiece")
+TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken", ".vocab", ".bpe")
+
+
+def light_enabled() -> bool:
+    """False under `RADIXLM_DISABLE_LIGHT_TOKENIZER=1`: every load then builds HF's class."""
+    return os.environ.get("RADIXLM_DISABLE_LIGHT_TOKENIZER", "") in ("", "0")
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """Whether transformers may read this file of a model folder when it loads the tokenizer."""
+    low = name.lower()
+    return low.startswith(TOKENIZER_FILE_PREFIXES) or low.endswith(TOKENIZER_FILE_SUFFIXES)
 # tokenizer_config keys understood here; any other one means "let transformers load it".
 _CONFIG_KEYS = {"backend", "tokenizer_class", "is_local", "local_files_only", "name_or_path",
                 "model_max_length", "clean_up_tokenization_spaces", "split_special_tokens",
@@ -93,8 +112,11 @@ class LightTokenizer:
     # What HF's tokenizer returns from __call__ (its model_input_names default).
     model_input_names = ["input_ids", "attention_mask"]
 
-    def __init__(self, path: str, backend, cfg: dict, chat_template):
+    def __init__(self, path: str, backend, cfg: dict, chat_template, model_folder: bool = False):
         self.path = path
+        # a model folder's HF twin is whatever AutoTokenizer picks there (config.json's model_type
+        # may choose the class); a saved folder's is TokenizersBackend, as cache.py built it
+        self._model_folder = model_folder
         self.name_or_path = path
         self._tok = backend
         self._special = {a: cfg.get(a) for a in SPECIAL_TOKENS_ATTRIBUTES}
@@ -111,11 +133,16 @@ class LightTokenizer:
         self._hf_lock = threading.Lock()
 
     @classmethod
-    def from_dir(cls, path: str) -> Optional["LightTokenizer"]:
+    def from_dir(cls, path: str, model_folder: bool = False) -> Optional["LightTokenizer"]:
         """The light tokenizer of a saved HF tokenizer folder, or None when it would not behave
-        exactly like the HF one (the caller then loads HF's)."""
+        exactly like the HF one (the caller then loads HF's).
+
+        `model_folder`: `path` is a model folder (config.json, weights, ...): only its tokenizer
+        files (is_tokenizer_file) count, with the same refusals as a saved folder's files."""
         try:
             names = set(os.listdir(path)) - _IGNORED_FILES
+            if model_folder:
+                names = {n for n in names if is_tokenizer_file(n)}
             if not {"tokenizer.json", "tokenizer_config.json"} <= names or names - _FILES:
                 logger.debug("%s: files %s: not a light tokenizer", path, sorted(names))
                 return None
@@ -139,7 +166,7 @@ class LightTokenizer:
         if os.path.isfile(jinja):  # the file wins over the config key, as in transformers
             with open(jinja, encoding="utf-8") as f:
                 template = f.read()
-        return cls(path, backend, cfg, template)
+        return cls(path, backend, cfg, template, model_folder)
 
     # --- the HF tokenizer, for whatever is not reproduced here ------------------------------------
     @property
@@ -148,7 +175,12 @@ class LightTokenizer:
         with self._hf_lock:
             if self._hf is None:
                 logger.info("loading the transformers tokenizer from %s", self.path)
-                self._hf = tokenizer_from_dir(self.path)
+                if self._model_folder:
+                    from transformers import AutoTokenizer
+
+                    self._hf = AutoTokenizer.from_pretrained(self.path)
+                else:
+                    self._hf = tokenizer_from_dir(self.path)
                 self._hf.name_or_path = self.name_or_path
             return self._hf
 

@@ -99,12 +99,13 @@ def mismatch(light, hf) -> Optional[str]:
     return None
 
 
-def check_dir(path: str, hf) -> bool:
-    """Whether the light tokenizer of `path` (saved from `hf`) stands in for `hf`."""
+def check_dir(path: str, hf, model_folder: bool = False) -> bool:
+    """Whether the light tokenizer of `path` (saved from `hf`, or the model folder `hf` was
+    loaded from) stands in for `hf`."""
     from radixlm.runtime.tokenizer_light import LightTokenizer
 
     try:
-        light = LightTokenizer.from_dir(path)
+        light = LightTokenizer.from_dir(path, model_folder=model_folder)
         why = "refused by LightTokenizer.from_dir" if light is None else mismatch(light, hf)
     except Exception as e:  # noqa: BLE001 -- any failure means: keep using transformers
         why = f"{type(e).__name__}: {e}"

@@ -14,6 +14,8 @@ Layout under `$RADIXLM_CACHE_DIR` (default `~/.cache/radixlm`):
         tokenizer/                       save_pretrained output + MANIFEST.json (file sizes, and
                                          whether tokenizer_light.py may stand in for HF's class)
         weights-<dtype>.safetensors      HF-named tensors in the runtime dtype
+    tokenizer-verdicts/<key>.json        whether the light tokenizer stands in for HF's on a
+                                         model folder's tokenizer files (folder_tokenizer.py)
 
 Keying: hashing the whole file (98 MB: ~0.1 s, more for big models) on every launch is wasted
 work, so the content hash is computed once and memoized by (path, size, mtime). An edited file
@@ -181,9 +183,10 @@ class GGUFCache:
         `light`: a LightTokenizer (no transformers import, ~1 s less start-up) when the MANIFEST
         records that it was checked against this HF tokenizer and agreed; else HF's class.
         Entries written before that check existed get it on their first HF load."""
-        from radixlm.runtime.tokenizer_light import LightTokenizer, tokenizer_from_dir
+        from radixlm.runtime.tokenizer_light import LightTokenizer, light_enabled, tokenizer_from_dir
 
         d = os.path.dirname(self.gguf_path)
+        light = light and light_enabled()
 
         def load():
             manifest = self._tokenizer_manifest()

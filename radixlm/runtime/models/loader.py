@@ -25,7 +25,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from radixlm.runtime.models import cache, gguf_loader
+from radixlm.runtime.models import cache, folder_tokenizer, gguf_loader
 
 if TYPE_CHECKING:
     import torch
@@ -174,7 +174,8 @@ def iter_weights(
 def load_tokenizer(model_path: Optional[str], load_format: str = "auto"):
     """The HF tokenizer, chat template included. For GGUF, transformers rebuilds it from the
     file's metadata (~5 s for SmolLM2's 49k vocab) once; later loads read the cached
-    `tokenizer.json` (cache.py)."""
+    `tokenizer.json` (cache.py). For a folder, AutoTokenizer's; from the second load on, the
+    light class where it was checked against that one (folder_tokenizer.py)."""
     path = _expand(model_path)
     # a folder holding only tokenizer files (--tokenizer-path) has no weights to resolve
     only_tokenizer = os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json"))
@@ -183,10 +184,8 @@ def load_tokenizer(model_path: Optional[str], load_format: str = "auto"):
         file = _gguf_path(path)
         c = cache.try_cache(file)
         tok = c.get_tokenizer() if c is not None else cache.tokenizer_from_gguf(file)
-    else:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path)
+    else:  # a model folder or a tokenizer-only one: the light class where checked
+        tok = folder_tokenizer.load_folder_tokenizer(path)
     if getattr(tok, "chat_template", None) is None:
         # Not fatal (base models have none), but the chat API will need --chat-template.
         logging.getLogger(__name__).warning("%s: tokenizer has no chat template", path)
