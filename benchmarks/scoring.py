@@ -1,0 +1,121 @@
+"""Scoring over a cached context: what prompt logprobs cost once the tree holds them.
+
+    python benchmarks/scoring.py --save        # CPU: bundled SmolLM2, fp32, defaults below
+
+A context of `--context-len` tokens is scored once (warm-up, untimed: its KV, and for the
+logprob runs its prompt logprobs, land in the radix tree). Then each round scores
+`--num-continuations` prompts `context + continuation` (`--continuation-len` fresh tokens per
+round, the same for every configuration), one batch, `max_new_tokens=0`:
+  plain        no logprobs (the baseline: the tree gives the context's KV)
+  cont         logprobs of the continuation tokens (logprob_start_len = context length)
+  echo         logprobs of every prompt token (logprob_start_len = 0, the OpenAI `echo` path),
+               the context's served from the tree (scheduler/cached_logprobs.py)
+  echo_recompute  the same with serving switched off in-process: the match stops at position 0,
+               as before this change, so the whole context is recomputed every round
+Each configuration runs on the same engine after a cache flush and its own warm-up; the time is
+the median round. Prints one JSON line with the ratios to `plain`; --save appends it to
+benchmarks/results/scoring-<device>.jsonl with the date, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.offline_throughput import default_model_path, emit_result, git_commit  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default=None, help="default: the bundled SmolLM2 GGUF")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--context-len", type=int, default=1024)
+    p.add_argument("--num-continuations", type=int, default=8)
+    p.add_argument("--continuation-len", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", action="store_true")
+    return p.parse_args(argv)
+
+
+def _round(eng, ctx, conts, mode: str) -> float:
+    prompts = [ctx + c for c in conts]
+    n = len(prompts)
+    kw = {}
+    if mode != "plain":
+        start = len(ctx) if mode == "cont" else 0
+        kw = dict(return_logprob=[True] * n, logprob_start_len=[start] * n)
+    t0 = time.perf_counter()
+    outs = eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": 0}] * n, **kw)
+    dt = time.perf_counter() - t0
+    if mode != "plain":  # every asked position came back
+        want = len(prompts[0]) - (len(ctx) if mode == "cont" else 0)
+        assert all(len(o["meta_info"]["input_token_logprobs"]) == want for o in outs)
+    return dt
+
+
+def run(args) -> dict:
+    import torch
+
+    import radixlm
+    from radixlm.runtime.scheduler import cached_logprobs
+
+    rng = random.Random(args.seed)
+    eng = radixlm.Engine(model_path=args.model_path or default_model_path(), dtype=args.dtype,
+                         context_length=args.context_len + args.continuation_len + 64,
+                         max_total_tokens=4 * (args.context_len + args.num_continuations
+                                               * args.continuation_len))
+    vocab = eng.tokenizer.vocab_size if eng.tokenizer is not None else 32000
+    ctx = [rng.randrange(100, vocab) for _ in range(args.context_len)]
+    rounds = [[[rng.randrange(100, vocab) for _ in range(args.continuation_len)]
+               for _ in range(args.num_continuations)] for _ in range(args.rounds)]
+    serves = cached_logprobs.serves_cached_logprobs
+    res = {"benchmark": "scoring", "model": os.path.basename(args.model_path or default_model_path()),
+           "dtype": args.dtype, "context_len": args.context_len,
+           "num_continuations": args.num_continuations, "continuation_len": args.continuation_len,
+           "rounds": args.rounds, "threads": torch.get_num_threads(),
+           "device": f"cpu: {os.cpu_count()} cores", "commit": git_commit(), "median_s": {}}
+    try:
+        for mode in ("plain", "cont", "echo", "echo_recompute"):
+            if mode == "echo_recompute":  # the behaviour before this change
+                cached_logprobs.serves_cached_logprobs = lambda req, tree: False
+            eng.flush_cache()
+            warm = {} if mode == "plain" else dict(return_logprob=True, logprob_start_len=0)
+            eng.generate(input_ids=ctx, sampling_params={"max_new_tokens": 0}, **warm)
+            before = eng.get_stats()
+            times = [_round(eng, ctx, conts, mode) for conts in rounds]
+            res["median_s"][mode] = round(statistics.median(times), 4)
+            after = eng.get_stats()
+            # of the timed rounds' prompt tokens, the share the tree gave (not computed)
+            res.setdefault("cached_share", {})[mode] = round(
+                (after["cached_tokens"] - before["cached_tokens"])
+                / max(after["prompt_tokens"] - before["prompt_tokens"], 1), 3)
+        eng.wait_idle()
+        eng.check_integrity()
+    finally:
+        cached_logprobs.serves_cached_logprobs = serves
+        eng.shutdown()
+    base = res["median_s"]["plain"]
+    res["ratio_to_plain"] = {m: round(t / base, 3) for m, t in res["median_s"].items()}
+    return res
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    res = run(args)
+    path = os.path.join(_HERE, "results", "scoring-cpu.jsonl") if args.save else None
+    emit_result(res, path, __file__)
+
+
+if __name__ == "__main__":
+    main()
