@@ -80,7 +80,8 @@ def run(args) -> dict:
     rounds = [[[rng.randrange(100, vocab) for _ in range(args.continuation_len)]
                for _ in range(args.num_continuations)] for _ in range(args.rounds)]
     serves = cached_logprobs.serves_cached_logprobs
-    res = {"benchmark": "scoring", "model": os.path.basename(args.model_path or default_model_path()),
+    model = os.path.basename(args.model_path or default_model_path())
+    res = {"benchmark": "scoring", "model": model,
            "dtype": args.dtype, "context_len": args.context_len,
            "num_continuations": args.num_continuations, "continuation_len": args.continuation_len,
            "rounds": args.rounds, "threads": torch.get_num_threads(),

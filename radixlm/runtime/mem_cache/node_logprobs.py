@@ -77,4 +77,5 @@ def path_logprobs(root, token_ids: list[int], common_len) -> torch.Tensor:
 def check_node_logprobs(node) -> None:
     lp = node.logprobs
     if lp is not None and (lp.dtype != torch.float32 or lp.shape != (len(node.key),)):
-        raise AssertionError(f"{node}: logprobs {tuple(lp.shape)} {lp.dtype} for {len(node.key)} tokens")
+        raise AssertionError(
+            f"{node}: logprobs {tuple(lp.shape)} {lp.dtype} for {len(node.key)} tokens")
