@@ -6,6 +6,9 @@ the batch-composition noise a recompute alone already has, per dtype.
 On one engine per setting, a context is scored (logprob_start_len=0), then prompts
 context + continuation are scored again. Printed (max |difference| over all scored positions):
   served_vs_recompute   cache on (context served from the tree) vs cache off
+  served_vs_recompute_chunked  the same, both engines with chunked_prefill_size=16
+  decode_served_vs_recompute   output tokens' logprobs stored by decode steps (a greedy
+                        generation with return_logprob), served to prompt + output, vs cache off
   noise_batch           cache off: each prompt alone vs all prompts in one batch
   noise_chunked         cache off: unchunked vs chunked_prefill_size=16
   noise_prefix_reuse    cache on, serving off (the old path: the context's KV from the tree,
@@ -29,7 +32,8 @@ from benchmarks.offline_throughput import default_model_path  # noqa: E402
 
 
 def _lps(outs) -> list[list[float]]:
-    return [[v for v, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
+    return [[v for v, _, _ in o["meta_info"]["input_token_logprobs"] if v is not None]
+            for o in outs]
 
 
 def _diff(a, b) -> float:
@@ -71,13 +75,29 @@ def main() -> None:
     chunked = engine(disable_radix_cache=True, chunked_prefill_size=16)
     ref_chunked = scored(chunked, False)
     chunked.shutdown()
+    chunked_on = engine(chunked_prefill_size=16)
+    served_chunked = scored(chunked_on, True)
+    chunked_on.shutdown()
     on = engine()
     served = scored(on, True)
+    on.flush_cache()
+    gen = on.generate(input_ids=ctx, return_logprob=True,
+                      sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    full = ctx + gen["output_ids"]
+    one = dict(sampling_params={"max_new_tokens": 0}, return_logprob=True,
+               logprob_start_len=len(ctx))
+    from_decode = _lps([on.generate(input_ids=full, **one)])
+    assert on.get_stats()["cached_tokens"] >= len(full) - 2  # really served
     on.flush_cache()
     cached_logprobs.serves_cached_logprobs = lambda req, tree: False
     old_path = scored(on, True)
     on.shutdown()
+    off = engine(disable_radix_cache=True)
+    decode_ref = _lps([off.generate(input_ids=full, **one)])
+    off.shutdown()
     res.update(served_vs_recompute=_diff(served, ref_batch),
+               served_vs_recompute_chunked=_diff(served_chunked, ref_chunked),
+               decode_served_vs_recompute=_diff(from_decode, decode_ref),
                noise_batch=_diff(ref_alone, ref_batch),
                noise_chunked=_diff(ref_chunked, ref_batch),
                noise_prefix_reuse=_diff(old_path, ref_batch))

@@ -19,6 +19,13 @@ it; when the request's tokens are inserted (cache_unfinished_req / cache_finishe
 values fill the unknown (NaN) entries along the inserted path. A known entry is never overwritten,
 so a value a request was served never changes under it.
 
+Exactness: a served value is the value the forward that computed it returned, so it equals a
+recompute wherever the recompute's own numerics do (same batch split, same chunking). Measured on
+SmolLM2-135M, 2026-11-27 (benchmarks/probes/cached_logprobs_noise.py), max |served - recompute|:
+prefill-stored values 0.0 in fp32 and bf16 (unchunked and chunk 16 alike); decode-stored values
+9.5e-6 fp32, 0.12 bf16 (a decode row vs a prefill row), inside the batch-composition noise a
+recompute alone has: chunked (16) vs unchunked prefill differ by 1.7e-4 fp32, 0.36 bf16.
+
 How they are read: `path_logprobs` walks the longest cached prefix of a token list without
 splitting or touching the LRU clock, and returns its values (NaN where unknown); the scheduler
 (scheduler/cached_logprobs.py) then matches only up to the first unknown position it needs, so only
