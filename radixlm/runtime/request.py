@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from radixlm.runtime.mem_cache.node_logprobs import TokenLogprobs
 from radixlm.runtime.sampling_params import SamplingParams
 
 
@@ -144,29 +145,22 @@ class Req:
         return ((self.return_logprob or self.embed_pooling == "mean")
                 and 0 <= self.logprob_start_len < len(self.origin_input_ids))
 
-    def known_token_logprobs(self, n: int) -> Optional[torch.Tensor]:
-        """What the radix tree stores with `fill_ids[:n]` (mem_cache/node_logprobs.py): (n,)
-        float32, entry p = log p(fill_ids[p] | fill_ids[:p]) under the raw model distribution
-        where this request computed (or was served) it, NaN elsewhere; None when it has none."""
+    def known_token_logprobs(self, n: int) -> Optional[TokenLogprobs]:
+        """What the radix tree stores with `fill_ids[:n]` (mem_cache/node_logprobs.py): position
+        p's log p(fill_ids[p] | fill_ids[:p]) under the raw model distribution (and its top-k)
+        where this request computed or was served it, unknown elsewhere; None when it has none."""
         if not self.return_logprob or self.mm is not None or self.embed_pooling:
             return None  # image pseudo ids are not vocab tokens; embeddings compute no logprobs
-        prompt = self.input_token_logprobs if self.logprob_start_len >= 0 else []
+        runs = []
+        if self.logprob_start_len >= 0:
+            runs.append((self.logprob_start_len, self.input_token_logprobs,
+                         self.input_top_logprobs))
         # output logprobs come from the sampler's raw logits, which already carry the grammar
         # mask; a jump-forward splices tokens that no forward scored; speculative verify differs
-        raw_out = self.grammar is None and self.jumps == 0 and self.spec_verify_steps is None
-        outputs = self.output_token_logprobs if raw_out else []
-        if not prompt and not outputs:
-            return None
-        vec = torch.full((n,), float("nan"))
-        start, n_prompt = self.logprob_start_len, len(self.origin_input_ids)
-        k = min(len(prompt), n - start)  # positions start .. start + k - 1
-        if k > 0:
-            vec[start : start + k] = torch.tensor([float("nan") if v is None else v
-                                                   for v in prompt[:k]])
-        k = min(len(outputs), n - n_prompt)  # output j sits at position n_prompt + j
-        if k > 0:
-            vec[n_prompt : n_prompt + k] = torch.tensor(outputs[:k])
-        return vec
+        if self.grammar is None and self.jumps == 0 and self.spec_verify_steps is None:
+            runs.append((len(self.origin_input_ids), self.output_token_logprobs,
+                         self.output_top_logprobs))
+        return TokenLogprobs.from_runs(n, runs, self.top_logprobs_num)
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)

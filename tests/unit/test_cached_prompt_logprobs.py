@@ -80,13 +80,67 @@ def _max_diff(got, want) -> float:
 
 
 def _assert_equal(outs, refs) -> None:
+    """Chosen-token logprobs within TOL; top-k lists (when asked) with the same ids, within TOL."""
     for out, ref in zip(outs, refs):
         assert _max_diff(_lps(out), _lps(ref)) <= TOL
+        got, want = (o["meta_info"].get("input_top_logprobs") for o in (out, ref))
+        assert (got is None) == (want is None)
+        for g, w in zip(got or [], want or []):
+            assert (g is None) == (w is None)
+            if g is not None:
+                assert [t for _, t, _ in g] == [t for _, t, _ in w]
+                assert _max_diff([v for v, _, _ in g], [v for v, _, _ in w]) <= TOL
 
 
 def _done(eng) -> None:
     eng.wait_idle()
     eng.check_integrity()
+
+
+def _lp(vals, top=None):
+    from radixlm.runtime.mem_cache.node_logprobs import TOP_K_STORED, TokenLogprobs
+
+    lp = TokenLogprobs(torch.tensor(vals, dtype=torch.float32))
+    if top is not None:  # top[i] = k: position i knows k alternatives, values -i - j
+        lp = TokenLogprobs.unknown(len(vals), with_top=True)
+        lp.chosen = torch.tensor(vals, dtype=torch.float32)
+        for i, k in enumerate(top):
+            lp.top_vals[i, :k] = torch.tensor([-float(i) - j for j in range(k)])
+            lp.top_ids[i, :k] = torch.arange(k) + 100 * i
+            lp.top_n[i] = k
+        assert lp.top_vals.shape[1] == TOP_K_STORED
+    return lp
+
+
+def test_tree_splits_fills_and_evicts_values():
+    """Tree level: a split keeps each position's value, an insert fills only unknown entries (a
+    known one never changes), a longer top-k list replaces a shorter one, eviction drops them."""
+    from radix_cache_helpers import make
+
+    cache, alloc, _ = make(capacity=32)
+    nan = float("nan")
+    slots = alloc.alloc(5)
+    cache.insert([1, 2, 3, 4, 5], slots, _lp([nan, -1.0, nan, -3.0, nan]))
+    cache.match_prefix([1, 2, 9])  # splits after [1, 2]
+    assert torch.equal(cache.cached_logprobs([1, 2, 3, 4, 5]).chosen.isnan(),
+                       torch.tensor([True, False, True, False, True]))
+    more = alloc.alloc(6)
+    cache.insert([1, 2, 3, 4, 5, 6], more,
+                 _lp([nan, -9.0, -2.0, -9.0, -4.0, -5.0], [0, 0, 2, 0, 0, 3]))
+    alloc.free(more[:5])
+    got = cache.cached_logprobs([1, 2, 3, 4, 5, 6, 7])
+    assert got.chosen[1:].tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]  # -9s did not overwrite
+    assert got.top_n.tolist() == [0, 0, 2, 0, 0, 3]
+    again = alloc.alloc(6)
+    cache.insert([1, 2, 3, 4, 5, 6], again, _lp([nan] * 6, [0, 0, 4, 0, 0, 1]))
+    alloc.free(again)
+    got = cache.cached_logprobs([1, 2, 3, 4, 5, 6])
+    assert got.top_n.tolist() == [0, 0, 4, 0, 0, 3]  # 4 > 2 replaced; 1 < 3 kept
+    assert got.top_ids[2, :4].tolist() == [200, 201, 202, 203]
+    cache.check_integrity()
+    cache.evict(32)
+    assert len(cache.cached_logprobs([1, 2, 3])) == 0
+    cache.check_integrity()
 
 
 def test_scoring_over_cached_context_is_served_and_exact(engines, reference):
@@ -146,7 +200,8 @@ def test_chunked_prefill_stores_every_chunk(engines, reference):
 
 
 def test_mixed_batch(engines, reference):
-    """One batch: served, partly served, top-k (recomputed as before), no logprobs, later start."""
+    """One batch: served, partly served, top-k (its context not stored with top-k: recomputed),
+    a context-free prompt, a later start; then the same without logprobs."""
     rng = random.Random(3)
     eng = engines()
     ctx = _ids(rng, 50)
@@ -157,12 +212,23 @@ def test_mixed_batch(engines, reference):
     outs = _score(eng, prompts, starts, tops)
     refs = _score(reference, prompts, starts, tops)
     _assert_equal(outs, refs)
-    top_got = outs[2]["meta_info"]["input_top_logprobs"]
-    top_want = refs[2]["meta_info"]["input_top_logprobs"]
-    ids = [[[t for _, t, _ in e] for e in tops[1:]] for tops in (top_got, top_want)]
-    assert ids[0] == ids[1]
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [49, 19, 0, 0, 49]
     plain = eng.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": 2})
     assert all("input_token_logprobs" not in o["meta_info"] for o in plain)
+    _done(eng)
+
+
+def test_top_k_is_stored_and_served_when_long_enough(engines, reference):
+    """Top-k lists are kept with the chosen values: a later request asking k or fewer is served,
+    one asking more recomputes (and then stores its longer lists)."""
+    rng = random.Random(9)
+    eng = engines()
+    ctx = _ids(rng, 45)
+    for k, cached in ((3, 0), (3, 44), (2, 44), (5, 0), (5, 44), (4, 44), (0, 44)):
+        p = ctx + _ids(rng, 4)
+        out = _score(eng, [p], tops=[k])
+        _assert_equal(out, _score(reference, [p], tops=[k]))
+        assert out[0]["meta_info"]["cached_tokens"] == cached, k
     _done(eng)
 
 
@@ -241,9 +307,10 @@ def test_a_shifted_store_is_caught(engines, reference, monkeypatch):
     real = Req.known_token_logprobs
 
     def shifted(self, n):
-        vec = real(self, n)
-        # the classic off-by-one: the logits at q score token q + 1, stored at q
-        return None if vec is None else torch.cat([vec[1:], torch.full((1,), float("nan"))])
+        lp = real(self, n)
+        if lp is not None:  # the classic off-by-one: the logits at q score token q + 1, stored at q
+            lp.chosen = torch.cat([lp.chosen[1:], torch.full((1,), float("nan"))])
+        return lp
 
     monkeypatch.setattr(Req, "known_token_logprobs", shifted)
     rng = random.Random(8)

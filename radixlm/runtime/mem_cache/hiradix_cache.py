@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode
-from radixlm.runtime.mem_cache.node_logprobs import merge_logprobs, split_logprobs
+from radixlm.runtime.mem_cache.node_logprobs import TokenLogprobs, merge_logprobs, split_logprobs
 from radixlm.runtime.mem_cache.tier_integrity import check_tiered_tree
 from radixlm.runtime.mem_cache.tier_transfers import TierTransfers
 from radixlm.runtime.mem_cache.tier_writes import TierWrites
@@ -173,7 +173,7 @@ class HiRadixCache(TierTransfers, TierWrites, RadixCache):
                          max(storage_end - loadable, 0))
 
     def insert(self, token_ids: list[int], slots: torch.Tensor,
-               logprobs: Optional[torch.Tensor] = None) -> int:
+               logprobs: Optional[TokenLogprobs] = None) -> int:
         """RadixCache.insert's contract: returns the length of the prefix whose device slots the tree
         already had (the caller still owns slots[:returned]); the tree takes slots[returned:]. A node
         on the path that is off the device takes the caller's slots for its tokens (the caller just

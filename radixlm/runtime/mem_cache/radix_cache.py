@@ -33,8 +33,8 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
-from radixlm.runtime.mem_cache.node_logprobs import (check_node_logprobs, merge_logprobs,
-                                                     path_logprobs, split_logprobs)
+from radixlm.runtime.mem_cache.node_logprobs import (TokenLogprobs, check_node_logprobs,
+                                                     merge_logprobs, path_logprobs, split_logprobs)
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 
 _node_ids = itertools.count()
@@ -51,8 +51,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0  # LRU tick (a counter, so tests are deterministic)
         self.id = next(_node_ids)  # heap tie-break
-        # (len(key),) float32 raw-model logprob of each token, NaN unknown (node_logprobs.py)
-        self.logprobs: Optional[torch.Tensor] = None
+        # each token's raw-model logprob (and top-k), or None: all unknown (node_logprobs.py)
+        self.logprobs: Optional[TokenLogprobs] = None
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
@@ -123,11 +123,11 @@ class RadixCache:
         return (torch.cat(values) if values else self._empty()), node
 
     def insert(self, token_ids: list[int], slots: torch.Tensor,
-               logprobs: Optional[torch.Tensor] = None) -> int:
+               logprobs: Optional[TokenLogprobs] = None) -> int:
         """Store token_ids -> slots (int64, shape (len(token_ids),)). Returns how many leading tokens
         were already cached: the tree keeps its own slots for those, so the caller still owns (and
         must free) `slots[:returned]`; the tree takes ownership of `slots[returned:]`.
-        `logprobs` (float32, same shape, NaN unknown) fill the path's unknown entries."""
+        `logprobs` (len(token_ids) tokens' values, NaN unknown) fill the path's unknown entries."""
         if self.disable:
             raise RuntimeError("RadixCache.insert called with the cache disabled")
         assert slots.numel() == len(token_ids), (slots.numel(), len(token_ids))
@@ -146,10 +146,10 @@ class RadixCache:
             node, pos = child, pos + len(child.key)
         return pos
 
-    def cached_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        """Stored logprobs (float32 (m,), NaN unknown) of the longest cached prefix of token_ids."""
+    def cached_logprobs(self, token_ids: list[int]) -> TokenLogprobs:
+        """Stored logprobs (NaN unknown) of the longest cached prefix of token_ids (a copy)."""
         if self.disable or not token_ids:
-            return torch.empty(0)
+            return TokenLogprobs.unknown(0)
         return path_logprobs(self.root, token_ids, _common_len)
 
     # --- locking -------------------------------------------------------------------------------
