@@ -10,6 +10,7 @@ round, the same for every configuration), one batch, `max_new_tokens=0`:
   cont         logprobs of the continuation tokens (logprob_start_len = context length)
   echo         logprobs of every prompt token (logprob_start_len = 0, the OpenAI `echo` path),
                the context's served from the tree (scheduler/cached_logprobs.py)
+  echo_top5    the same with top_logprobs_num=5 (OpenAI `echo` + `logprobs: 5`), served too
   echo_recompute  the same with serving switched off in-process: the match stops at position 0,
                as before this change, so the whole context is recomputed every round
 Each configuration runs on the same engine after a cache flush and its own warm-up; the time is
@@ -54,7 +55,8 @@ def _round(eng, ctx, conts, mode: str) -> float:
     kw = {}
     if mode != "plain":
         start = len(ctx) if mode == "cont" else 0
-        kw = dict(return_logprob=[True] * n, logprob_start_len=[start] * n)
+        kw = dict(return_logprob=[True] * n, logprob_start_len=[start] * n,
+                  top_logprobs_num=[5 if mode == "echo_top5" else 0] * n)
     t0 = time.perf_counter()
     outs = eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": 0}] * n, **kw)
     dt = time.perf_counter() - t0
@@ -87,11 +89,12 @@ def run(args) -> dict:
            "rounds": args.rounds, "threads": torch.get_num_threads(),
            "device": f"cpu: {os.cpu_count()} cores", "commit": git_commit(), "median_s": {}}
     try:
-        for mode in ("plain", "cont", "echo", "echo_recompute"):
+        for mode in ("plain", "cont", "echo", "echo_top5", "echo_recompute"):
             if mode == "echo_recompute":  # the behaviour before this change
                 cached_logprobs.serves_cached_logprobs = lambda req, tree: False
             eng.flush_cache()
-            warm = {} if mode == "plain" else dict(return_logprob=True, logprob_start_len=0)
+            warm = {} if mode == "plain" else dict(return_logprob=True, logprob_start_len=0,
+                                                   top_logprobs_num=5 * (mode == "echo_top5"))
             eng.generate(input_ids=ctx, sampling_params={"max_new_tokens": 0}, **warm)
             before = eng.get_stats()
             times = [_round(eng, ctx, conts, mode) for conts in rounds]
