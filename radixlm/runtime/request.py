@@ -92,9 +92,11 @@ class Req:
         self.is_chunked = False  # mid-way through a chunked prefill
         self.match: Any = None  # (slots, node) from the last prefix match, used at admission
         self.input_logprobs_done = False  # prompt logprobs are computed once, not on re-admission
-        # prompt logprobs the radix tree holds, (p,) float32, stashed by the prefix match for
-        # admission to serve (scheduler/cached_logprobs.py)
-        self.cached_input_lp: Optional[torch.Tensor] = None
+        # prompt logprobs the radix tree holds for positions [0, p), stashed by the prefix match
+        # for admission to serve (scheduler/cached_logprobs.py)
+        self.cached_input_lp: Optional[TokenLogprobs] = None
+        # prompt positions below this were served from nodes this request keeps locked
+        self.input_logprobs_served = 0
 
         # outputs
         self.finish: Optional[Finish] = None
@@ -153,8 +155,10 @@ class Req:
             return None  # image pseudo ids are not vocab tokens; embeddings compute no logprobs
         runs = []
         if self.logprob_start_len >= 0:
-            runs.append((self.logprob_start_len, self.input_token_logprobs,
-                         self.input_top_logprobs))
+            # positions served from nodes this request keeps locked are there already: skip
+            skip = max(self.input_logprobs_served - self.logprob_start_len, 0)
+            runs.append((self.logprob_start_len + skip, self.input_token_logprobs[skip:],
+                         self.input_top_logprobs[skip:]))
         # output logprobs come from the sampler's raw logits, which already carry the grammar
         # mask; a jump-forward splices tokens that no forward scored; speculative verify differs
         if self.grammar is None and self.jumps == 0 and self.spec_verify_steps is None:

@@ -71,5 +71,8 @@ def serve_cached_input_logprobs(req: Req) -> None:
         req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(vals, ids))
     else:
         req.input_top_logprobs.extend([] for _ in range(end - first))
+    # positions < kv_len sit in the nodes the request keeps locked, so its insert need not store
+    # them again; position kv_len's node is not locked (eviction may take it): stored again
+    req.input_logprobs_served = req.kv_len
     if end >= len(req.origin_input_ids):
         req.input_logprobs_done = True  # every prompt position was served: no rows to compute
