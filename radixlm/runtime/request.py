@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from radixlm.runtime.mem_cache.node_logprobs import TokenLogprobs
 from radixlm.runtime.sampling_params import SamplingParams
 
 
@@ -91,6 +92,11 @@ class Req:
         self.is_chunked = False  # mid-way through a chunked prefill
         self.match: Any = None  # (slots, node) from the last prefix match, used at admission
         self.input_logprobs_done = False  # prompt logprobs are computed once, not on re-admission
+        # prompt logprobs the radix tree holds for positions [0, p), stashed by the prefix match
+        # for admission to serve (scheduler/cached_logprobs.py)
+        self.cached_input_lp: Optional[TokenLogprobs] = None
+        # prompt positions below this were served from nodes this request keeps locked
+        self.input_logprobs_served = 0
 
         # outputs
         self.finish: Optional[Finish] = None
@@ -141,6 +147,25 @@ class Req:
         logprobs, or for mean-pooled embeddings (which need every position's hidden state)."""
         return ((self.return_logprob or self.embed_pooling == "mean")
                 and 0 <= self.logprob_start_len < len(self.origin_input_ids))
+
+    def known_token_logprobs(self, n: int) -> Optional[TokenLogprobs]:
+        """What the radix tree stores with `fill_ids[:n]` (mem_cache/node_logprobs.py): position
+        p's log p(fill_ids[p] | fill_ids[:p]) under the raw model distribution (and its top-k)
+        where this request computed or was served it, unknown elsewhere; None when it has none."""
+        if not self.return_logprob or self.mm is not None or self.embed_pooling:
+            return None  # image pseudo ids are not vocab tokens; embeddings compute no logprobs
+        runs = []
+        if self.logprob_start_len >= 0:
+            # positions served from nodes this request keeps locked are there already: skip
+            skip = max(self.input_logprobs_served - self.logprob_start_len, 0)
+            runs.append((self.logprob_start_len + skip, self.input_token_logprobs[skip:],
+                         self.input_top_logprobs[skip:]))
+        # output logprobs come from the sampler's raw logits, which already carry the grammar
+        # mask; a jump-forward splices tokens that no forward scored; speculative verify differs
+        if self.grammar is None and self.jumps == 0 and self.spec_verify_steps is None:
+            runs.append((len(self.origin_input_ids), self.output_token_logprobs,
+                         self.output_top_logprobs))
+        return TokenLogprobs.from_runs(n, runs, self.top_logprobs_num)
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)

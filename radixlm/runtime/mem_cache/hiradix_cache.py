@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode
+from radixlm.runtime.mem_cache.node_logprobs import TokenLogprobs, merge_logprobs, split_logprobs
 from radixlm.runtime.mem_cache.tier_integrity import check_tiered_tree
 from radixlm.runtime.mem_cache.tier_transfers import TierTransfers
 from radixlm.runtime.mem_cache.tier_writes import TierWrites
@@ -171,7 +172,8 @@ class HiRadixCache(TierTransfers, TierWrites, RadixCache):
         return TierMatch(slots, dev_node, lower, tokens, host_len,
                          max(storage_end - loadable, 0))
 
-    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: list[int], slots: torch.Tensor,
+               logprobs: Optional[TokenLogprobs] = None) -> int:
         """RadixCache.insert's contract: returns the length of the prefix whose device slots the tree
         already had (the caller still owns slots[:returned]); the tree takes slots[returned:]. A node
         on the path that is off the device takes the caller's slots for its tokens (the caller just
@@ -185,6 +187,7 @@ class HiRadixCache(TierTransfers, TierWrites, RadixCache):
             if child is None:
                 leaf = TierNode(tokens[pos:], slots[pos:].clone(), node, pos)
                 leaf.last_access, leaf.hit_count = tick, 1
+                merge_logprobs(leaf, None if logprobs is None else logprobs[pos:])
                 node.children[tokens[pos]] = leaf
                 self._evictable += len(leaf.key)
                 self._sync(leaf)
@@ -195,6 +198,8 @@ class HiRadixCache(TierTransfers, TierWrites, RadixCache):
                 break
             n = len(child.key)
             child.hit_count += 1
+            if logprobs is not None:
+                merge_logprobs(child, logprobs[pos:pos + n])
             if child.value is None:
                 kept = pos if kept is None else kept
                 if _store_only(child):
@@ -352,6 +357,7 @@ class HiRadixCache(TierTransfers, TierWrites, RadixCache):
             upper.host_value, node.host_value = node.host_value[:n], node.host_value[n:]
         if node.value is not None:
             node.value = node.value[n:]
+        split_logprobs(upper, node, n)
         upper.storage_len = min(node.storage_len, n)
         node.storage_len = max(node.storage_len - n, 0)
         upper.lock_ref, upper.host_ref = node.lock_ref, node.host_ref

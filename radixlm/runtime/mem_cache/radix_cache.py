@@ -33,13 +33,15 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
+from radixlm.runtime.mem_cache.node_logprobs import (TokenLogprobs, check_node_logprobs,
+                                                     merge_logprobs, path_logprobs, split_logprobs)
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 
 _node_ids = itertools.count()
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "id")
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "id", "logprobs")
 
     def __init__(self, key: tuple = (), value: Optional[torch.Tensor] = None, parent=None):
         self.key: tuple[int, ...] = key
@@ -49,6 +51,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0  # LRU tick (a counter, so tests are deterministic)
         self.id = next(_node_ids)  # heap tie-break
+        # each token's raw-model logprob (and top-k), or None: all unknown (node_logprobs.py)
+        self.logprobs: Optional[TokenLogprobs] = None
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
@@ -118,10 +122,12 @@ class RadixCache:
             node, pos = child, pos + len(child.key)
         return (torch.cat(values) if values else self._empty()), node
 
-    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: list[int], slots: torch.Tensor,
+               logprobs: Optional[TokenLogprobs] = None) -> int:
         """Store token_ids -> slots (int64, shape (len(token_ids),)). Returns how many leading tokens
         were already cached: the tree keeps its own slots for those, so the caller still owns (and
-        must free) `slots[:returned]`; the tree takes ownership of `slots[returned:]`."""
+        must free) `slots[:returned]`; the tree takes ownership of `slots[returned:]`.
+        `logprobs` (len(token_ids) tokens' values, NaN unknown) fill the path's unknown entries."""
         if self.disable:
             raise RuntimeError("RadixCache.insert called with the cache disabled")
         assert slots.numel() == len(token_ids), (slots.numel(), len(token_ids))
@@ -132,10 +138,19 @@ class RadixCache:
             child = self._descend(node, tokens, pos, tick)
             if child is None:
                 # copy: `slots` is often a view of a req_to_token row that will be overwritten
-                self._add_leaf(node, tokens[pos:], slots[pos:].clone(), tick)
+                leaf = self._add_leaf(node, tokens[pos:], slots[pos:].clone(), tick)
+                merge_logprobs(leaf, None if logprobs is None else logprobs[pos:])
                 return pos
+            if logprobs is not None:
+                merge_logprobs(child, logprobs[pos : pos + len(child.key)])
             node, pos = child, pos + len(child.key)
         return pos
+
+    def cached_logprobs(self, token_ids: list[int]) -> TokenLogprobs:
+        """Stored logprobs (NaN unknown) of the longest cached prefix of token_ids (a copy)."""
+        if self.disable or not token_ids:
+            return TokenLogprobs.unknown(0)
+        return path_logprobs(self.root, token_ids, _common_len)
 
     # --- locking -------------------------------------------------------------------------------
     def inc_lock_ref(self, node: Optional[TreeNode]) -> None:
@@ -224,7 +239,7 @@ class RadixCache:
     def _insert_req_slots(self, req, token_ids: list[int], slots: torch.Tensor) -> int:
         """Insert; free the request's own slots that duplicate tree content: positions
         [len(prefix_indices), already) (those before came from the tree and are the tree's)."""
-        already = self.insert(token_ids, slots)
+        already = self.insert(token_ids, slots, req.known_token_logprobs(len(token_ids)))
         own_start = len(req.prefix_indices)
         assert already >= min(own_start, len(token_ids)), "request's locked prefix left the tree"
         if already > own_start:
@@ -244,6 +259,7 @@ class RadixCache:
                     raise AssertionError(f"{node}: key/value length mismatch")
                 if node.lock_ref < 0:
                     raise AssertionError(f"{node}: negative lock_ref")
+                check_node_logprobs(node)
                 if node.parent is not self.root and node.lock_ref > node.parent.lock_ref:
                     raise AssertionError(f"{node}: locked more than its parent")
                 if node.lock_ref:
@@ -308,13 +324,14 @@ class RadixCache:
         child.last_access = tick
         return child
 
-    def _add_leaf(self, parent: TreeNode, key: tuple, value: torch.Tensor, tick: int) -> None:
+    def _add_leaf(self, parent: TreeNode, key: tuple, value: torch.Tensor, tick: int) -> TreeNode:
         leaf = TreeNode(key, value, parent)
         leaf.last_access = tick
         parent.children[key[0]] = leaf
         self._leaves.discard(parent)  # no-op for root, which is never in the set
         self._leaves.add(leaf)
         self._evictable += len(key)  # new nodes start unlocked
+        return leaf
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut `node` after its first n tokens (0 < n < len(key)); return the new upper node.
@@ -325,5 +342,6 @@ class RadixCache:
         upper.last_access = node.last_access
         upper.children[node.key[n]] = node
         node.parent.children[node.key[0]] = upper
+        split_logprobs(upper, node, n)
         node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
         return upper

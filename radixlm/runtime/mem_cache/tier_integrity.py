@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.runtime.mem_cache.node_logprobs import check_node_logprobs
+
 
 def _fail(msg: str) -> None:
     raise AssertionError(msg)
@@ -36,6 +38,7 @@ def _check_node(cache, node, parent) -> None:
         _fail(f"{node}: bad lock_ref {node.lock_ref}")
     if node.host_ref:
         _fail(f"{node}: host_ref {node.host_ref} outlived its transfer")
+    check_node_logprobs(node)
 
 
 def _check_slots(name: str, slots: list, allocator) -> None:

@@ -17,17 +17,19 @@ from __future__ import annotations
 from collections import defaultdict
 
 from radixlm.runtime.request import Req
+from radixlm.runtime.scheduler.cached_logprobs import logprob_match_cap
 
 LPM_FALLBACK_QUEUE_LEN = 128
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 
 
-def match_len_cap(req: Req) -> int:
+def match_len_cap(req: Req, tree_cache) -> int:
     """How many leading tokens may come from the cache: at least one token must be computed (its
-    logits give the next token), and prompt logprobs need the logits before `logprob_start_len`."""
+    logits give the next token), and prompt logprobs need the logits before the first prompt
+    position whose logprob the tree does not hold (scheduler/cached_logprobs.py)."""
     cap = req.seqlen - 1
     if req.wants_input_logprobs and not req.input_logprobs_done:
-        cap = min(cap, max(req.logprob_start_len - 1, 0))
+        cap = min(cap, logprob_match_cap(req, tree_cache))
     return cap
 
 
@@ -38,7 +40,7 @@ def match_score(match) -> float:
 
 def compute_matches(waiting: list[Req], tree_cache) -> None:
     for req in waiting:
-        req.match = tree_cache.match_prefix(req.fill_ids[: match_len_cap(req)])
+        req.match = tree_cache.match_prefix(req.fill_ids[: match_len_cap(req, tree_cache)])
 
 
 def order_waiting(waiting: list[Req], policy: str, tree_cache) -> list[Req]:

@@ -19,6 +19,7 @@ import enum
 import math
 
 from radixlm.runtime.request import Req
+from radixlm.runtime.scheduler.cached_logprobs import serve_cached_input_logprobs
 from radixlm.runtime.scheduler.policy import match_len_cap
 
 CLIP_MAX_NEW_TOKENS = 4096  # reserve at most this many future tokens per request
@@ -78,7 +79,8 @@ class PrefillAdder:
         if self.rem_step <= 0:
             return AddResult.NO_COMPUTE
         if req.match is None or self.tiered:  # tiered: this round's loads may have moved KV
-            req.match = self.tree_cache.match_prefix(req.fill_ids[: match_len_cap(req)])
+            cap = match_len_cap(req, self.tree_cache)
+            req.match = self.tree_cache.match_prefix(req.fill_ids[:cap])
         slots, node = req.match
         lower = getattr(req.match, "lower_len", 0)
         if self._shares_prefix_with_admitted(req, len(slots) + lower):
@@ -93,7 +95,9 @@ class PrefillAdder:
         if result != AddResult.ADDED:
             self._unlock(node)
             req.prefix_indices, req.last_node, req.kv_len = slots[:0], None, 0
-        elif details is not None:
+            return result
+        serve_cached_input_logprobs(req)
+        if details is not None:
             self.tree_cache.record_hits(details)
             if req.retractions == 0 and not req.output_ids:  # what meta_info reports
                 req.cached_tokens_details = details
