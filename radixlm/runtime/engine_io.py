@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from typing import Any, Optional
 
 from radixlm.runtime.constrained.grammar import constraint_of, validate_constraint
@@ -179,23 +180,39 @@ class RequestBuilder:
                                  f"[0, {self.vocab_size}) (got {t!r})")
 
 
-def _lp_triples(vals, ids, tokenizer, with_text: bool):
+# tokenizer -> {id: tokenizer.decode([id])}: logprob responses name the text of every token they
+# list (echo with top-k: ~1e5 entries a request, one Rust call each), and for a given tokenizer
+# the text of an id never changes.
+_TOKEN_TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _token_text(tokenizer):
+    """t -> tokenizer.decode([t]), memoized per tokenizer."""
+    try:
+        memo = _TOKEN_TEXTS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: not memoized
+        memo = {}
+
     def text(t):
-        return tokenizer.decode([t]) if (with_text and tokenizer is not None) else None
+        s = memo.get(t)
+        if s is None:
+            s = memo[t] = tokenizer.decode([t])
+        return s
+    return text
+
+
+def _lp_triples(vals, ids, tokenizer, with_text: bool):
+    if not (with_text and tokenizer is not None):
+        return [(v, t, None) for v, t in zip(vals, ids)]
+    text = _token_text(tokenizer)
     return [(v, t, text(t)) for v, t in zip(vals, ids)]  # v is None for the first prompt token
 
 
 def _top_triples(tops, tokenizer, with_text: bool):
     if not (with_text and tokenizer):  # the common case, one comprehension (echo: ~1e5 entries)
         return [None if e is None else [(v, t, None) for v, t in e] for e in tops]
-    out = []
-    for entry in tops:
-        if entry is None:
-            out.append(None)
-        else:
-            out.append([(v, t, tokenizer.decode([t]) if with_text and tokenizer else None)
-                        for v, t in entry])
-    return out
+    text = _token_text(tokenizer)
+    return [None if e is None else [(v, t, text(t)) for v, t in e] for e in tops]
 
 
 def output_text(req: Req, tokenizer, upto: Optional[int] = None) -> str:
