@@ -1,6 +1,6 @@
 """Frontend programs on the OpenAI backend (chat and completion models) pointed at our own `/v1`,
-and the chat programs on the Anthropic backend pointed at our own `/v1/messages`, against one
-real radixlm server (SmolLM2-135M, fp32) per module. A 135M model's answers are not asserted;
+and the chat programs on the Anthropic backend pointed at our own `/v1/messages`, against the
+session's shared radixlm server (SmolLM2-135M, fp32). A 135M model's answers are not asserted;
 structure, variable flow, constraints, stop conditions and finish reasons are."""
 
 from __future__ import annotations
@@ -20,23 +20,11 @@ pytestmark = pytest.mark.slow
 FINISH_TYPES = {"stop", "length"}
 
 
-def cache_report_args() -> dict:
-    """SGLang's `--enable-cache-report`, where this server has the flag: OpenAI usage reports
-    cached prompt tokens (which these tests assert through the OpenAI backend) only with it."""
-    import dataclasses
-
-    from radixlm.runtime.config import ServerArgs
-    names = {f.name for f in dataclasses.fields(ServerArgs)}
-    return {"enable_cache_report": True} if "enable_cache_report" in names else {}
-
-
 @pytest.fixture(scope="module")
-def runtime():
-    rt = sgl.Runtime(max_total_tokens=20000, dtype="float32", **cache_report_args())
-    try:
-        yield rt
-    finally:
-        rt.shutdown()
+def runtime(main_server):
+    """The session's shared server (tests/e2e/conftest.py: SmolLM2 fp32, --enable-cache-report,
+    which OpenAI usage needs to report cached prompt tokens) as the native backend."""
+    return sgl.RuntimeEndpoint(main_server.url)
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +34,21 @@ def served(runtime):
 
 @pytest.fixture(scope="module")
 def comp(runtime, served):
-    b = OpenAI(served, base_url=runtime.url + "/v1", api_key="x", is_chat_model=False)
+    b = OpenAI(served, base_url=runtime.base_url + "/v1", api_key="x", is_chat_model=False)
     yield b
     b.shutdown()
 
 
 @pytest.fixture(scope="module")
 def chat(runtime):
-    b = OpenAI("default", base_url=runtime.url + "/v1", api_key="x")
+    b = OpenAI("default", base_url=runtime.base_url + "/v1", api_key="x")
     yield b
     b.shutdown()
 
 
 @pytest.fixture(scope="module")
 def anth(runtime):
-    b = Anthropic("default", base_url=runtime.url, api_key="x")
+    b = Anthropic("default", base_url=runtime.base_url, api_key="x")
     yield b
     b.shutdown()
 
