@@ -74,6 +74,21 @@ def tiny_chat_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def main_server():
+    """The shared server (tests/e2e/server_harness.py MAIN_ARGS: SmolLM2 fp32, cache report and
+    metrics on), one per pytest worker, for every module that takes it (e2e and the SGLang
+    compatibility check): a server start costs ~9 CPU-s."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "e2e"))
+    from server_harness import MAIN_ARGS, start_server, stop_and_check
+
+    srv = start_server(MAIN_ARGS, name="main")
+    yield srv
+    stop_and_check(srv)
+
+
+@pytest.fixture(scope="session")
 def make_engine(smol_path):
     """Factory for fp32 engines on SmolLM2; every engine made is shut down (and checked) at the end."""
     import radixlm

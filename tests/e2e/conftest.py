@@ -1,19 +1,9 @@
-"""Fixtures of the end-to-end tests; the harness itself is in server_harness.py."""
+"""Fixtures of the end-to-end tests; the harness itself is in server_harness.py, the shared
+`main_server` in tests/conftest.py (the SGLang compatibility check uses it too)."""
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
-
-from server_harness import MAIN_ARGS, ServerProcess, start_server, stop_and_check
-
-
-@pytest.fixture(scope="session")
-def main_server() -> Iterator[ServerProcess]:
-    srv = start_server(MAIN_ARGS, name="main")
-    yield srv
-    stop_and_check(srv)
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,12 @@ SGLANG_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
-def server():
-    rt = radixlm.Runtime(max_total_tokens=20000, dtype="float32", enable_cache_report=True)
+def server(main_server):
+    """The shared fp32 server with the cache report on (tests/conftest.py)."""
     try:
-        yield rt.url
+        yield main_server.url
     finally:
         radixlm.set_default_backend(None)
-        rt.shutdown()
 
 
 @pytest.fixture(scope="module")
