@@ -48,3 +48,17 @@ def test_unchanged_without_bounded_strings():
     plain = {"type": "object", "properties": {"c": {"type": "string"}}}
     assert str(json_schema_grammar(plain)) == str(
         xgr.Grammar.from_json_schema(json.dumps(plain), any_whitespace=False))
+
+
+def test_no_surrogates_in_bounded_strings():
+    """xgrammar takes the UTF-8 bytes of a surrogate (ED A0 80) for one character; Python decodes
+    them to three U+FFFD, over the length bound. Byte-level tokens, as a BPE vocabulary has."""
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([bytes([i]) for i in range(256)]))
+    compiled = compiler.compile_grammar(json_schema_grammar(SCHEMA))
+
+    def accepts(text: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return all(matcher.accept_token(b) for b in text) and matcher.is_terminated()
+
+    assert accepts('{"a": "\u00e9\u6f22\U0001f999", "b": []}'.encode())  # 2, 3, 4 bytes
+    assert not accepts(b'{"a": "x\xed\xa0\x80", "b": []}')  # U+D800 as UTF-8

@@ -6,8 +6,10 @@ CR/LF (a tab, U+0001, ...) pass there, although JSON forbids them inside strings
 emit text that `json.loads` (strict, the default) rejects. Seen here with a random tiny model on
 forced tool calls ("Invalid control character"), and reported upstream on real models at ~1% of
 calls. `json_schema_grammar` builds xgrammar's grammar, and where that class appears rewrites it
-in the grammar's EBNF text to `[^\0-\x1f"\\]` (what xgrammar's unbounded strings use) and parses
-it back. (Escape sequences stay unemittable inside bounded strings: xgrammar's other half of the
+in the grammar's EBNF text to `[^\0-\x1f"\\\ud800-\udfff]` and parses it back: no control
+character (as xgrammar's unbounded strings), and no UTF-16 surrogate either. xgrammar accepts the
+3-byte UTF-8 form of a surrogate (ED A0 80) as one character, which Python decodes to three
+U+FFFD: seen when a random model filled a maxLength-20 string to 22 characters. (Escape sequences stay unemittable inside bounded strings: xgrammar's other half of the
 issue, unchanged. Schemas inside structural tags reach xgrammar as text and keep the hole.) Rewriting the schema to a `pattern` instead was tried: xgrammar compiles
 `{0,200}` that way with an internal check failure.
 """
@@ -18,7 +20,7 @@ import json
 from typing import Any
 
 _BOUNDED_CHAR = '[^\\"\\\\\\r\\n]'  # as xgrammar prints it
-_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\ud800-\\udfff]'
 
 
 def json_schema_grammar(schema: Any, any_whitespace: bool = False):
