@@ -40,12 +40,16 @@ from radixlm.router.keys import routing_key
 from radixlm.router.policy import make_policy
 from radixlm.router.proxy import Proxy, error_response, forward_headers
 from radixlm.router.workers import WorkerPool, normalize_url
+from radixlm.server.admin_api import ADMIN_DISABLED, ADMIN_PATHS, admin_key, is_loopback
 from radixlm.server.http_server import KEEP_ALIVE_S, _Guard
 
 logger = logging.getLogger("radixlm.router")
 
 BROADCAST = ("/flush_cache", "/abort_request", "/start_profile", "/stop_profile",
              "/update_weights_from_disk", "/debug/kv_integrity")
+
+
+ROUTER_ADMIN_PATHS = ADMIN_PATHS | {"/add_worker", "/remove_worker"}
 
 
 def merge_metrics(texts: list[tuple[str, str]]) -> str:
@@ -145,7 +149,13 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
 
     app = FastAPI(title="radixlm router", lifespan=lifespan)
     app.state.router = router
-    app.add_middleware(_Guard, api_key=args.api_key, max_payload_size=args.max_payload_size)
+    # the workers' admin routes (sent to every worker) and the pool's own: same rule as a server's
+    admin_open = is_loopback(args.host)
+    if not admin_key(args) and not admin_open:
+        logger.warning("%s (--host %s)", ADMIN_DISABLED, args.host)
+    app.add_middleware(_Guard, api_key=args.api_key, max_payload_size=args.max_payload_size,
+                       admin_api_key=admin_key(args), admin_open=admin_open,
+                       admin_paths=ROUTER_ADMIN_PATHS)
 
     @app.get("/health")
     async def health_route():

@@ -42,6 +42,7 @@ class RouterArgs:
     request_timeout_secs: float = 1800.0  # the longest wait for a worker's next bytes
     retry_max_retries: int = 2  # other workers tried when a worker's connection fails
     api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None  # admin routes: this key, else api_key (server's rule)
     max_payload_size: int = 32 * 1024 * 1024
     timeout_graceful_shutdown: float = 30.0
     log_level: str = "warning"
@@ -63,6 +64,9 @@ _HELP = {
                          "back is retried on up to this many other workers",
     "api_key": "require 'Authorization: Bearer KEY' (or x-api-key) except on /health; the "
                "header is forwarded to the workers",
+    "admin_api_key": "the key /add_worker, /remove_worker and the workers' admin routes "
+                     "(/flush_cache, /update_weights_from_disk, ...) require instead of "
+                     "--api-key; with neither key set they answer only on a loopback --host",
 }
 
 

@@ -157,7 +157,8 @@ def router_args(args: ServerArgs) -> RouterArgs:
     settings from the server's flags, and a lenient health-check timeout (a replica busy with a
     burst may answer /health late; a dead one is caught by the process watchdog anyway)."""
     return RouterArgs(host=args.host, port=args.port, policy=args.load_balance_method,
-                      api_key=args.api_key, max_payload_size=args.max_payload_size,
+                      api_key=args.api_key, admin_api_key=args.admin_api_key,
+                      max_payload_size=args.max_payload_size,
                       timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                       health_check_timeout_secs=10.0, log_level=args.log_level)
 

@@ -146,6 +146,15 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None  # never reported by /get_server_info
+    # the admin routes (server/admin_api.py ADMIN_PATHS) take this key when set, else --api-key;
+    # with neither they answer only on a loopback --host. Never reported by /get_server_info
+    admin_api_key: Optional[str] = None
+    # comma-separated folders /update_weights_from_disk may load from (symlinks resolved);
+    # None: the folder of the model served at start-up (a .gguf file's folder)
+    update_weights_allowed_dirs: Optional[str] = None
+    # comma-separated folders /start_profile may write traces to (output_dir); None: the default
+    # trace folder ($SGLANG_TORCH_PROFILER_DIR, else the system's temp folder)
+    profile_allowed_dirs: Optional[str] = None
     max_queued_requests: Optional[int] = None  # beyond max_running_requests + this: 503
     max_payload_size: int = 32 * 1024 * 1024  # bytes of request body; larger: 413
     # --- bounds on one request (runtime/request_limits.py): over one -> 400 naming the field ---

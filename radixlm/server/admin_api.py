@@ -1,10 +1,18 @@
 """SGLang's informational and control routes: /get_model_info (/model_info), /get_server_info
 (/server_info), /start_profile + /stop_profile, /update_weights_from_disk.
+
+The admin routes (ADMIN_PATHS, with /flush_cache and /abort_request of http_server.py) take
+--admin-api-key when it is set, else --api-key (http_server._Guard); with neither key they answer
+only when the server is bound to a loopback host. The paths they accept are confined to the
+folders of --update-weights-allowed-dirs and --profile-allowed-dirs (symlinks resolved).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import os
+import tempfile
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -46,6 +54,53 @@ UPDATE_FIELDS = {
 }
 
 
+ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/start_profile", "/stop_profile",
+                         "/flush_cache", "/abort_request"})
+ADMIN_DISABLED = ("admin routes are disabled: the server listens on a non-loopback host "
+                  "without a key; start it with --admin-api-key (or --api-key) to enable them")
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_key(args):
+    """The key admin routes require (None: no key; then only a loopback bind serves them)."""
+    return getattr(args, "admin_api_key", None) or args.api_key
+
+
+def _dirs(flag, default) -> list[str]:
+    raw = [d.strip() for d in flag.split(",")] if flag else [default] if default else []
+    return [os.path.realpath(d) for d in raw if d]
+
+
+def allowed_dirs(tm, args) -> dict[str, list[str]]:
+    """field -> the resolved folders its path must lie in, fixed at start-up."""
+    model = getattr(tm, "model_path", None)
+    if model and not os.path.isdir(model):
+        model = os.path.dirname(os.path.abspath(model))  # a .gguf file: its folder
+    trace = os.environ.get("SGLANG_TORCH_PROFILER_DIR") or tempfile.gettempdir()
+    return {"model_path": _dirs(getattr(args, "update_weights_allowed_dirs", None), model),
+            "output_dir": _dirs(getattr(args, "profile_allowed_dirs", None), trace)}
+
+
+def check_path(field: str, value, dirs: list[str], flag: str) -> None:
+    """ValueError naming `field` unless `value` (symlinks resolved) lies in one of `dirs`."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{field}: must be a non-empty string (got {value!r})")
+    real = os.path.realpath(value)
+    if not any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in dirs):
+        raise ValueError(f"{field}: {value!r} is outside the allowed folders {dirs} "
+                         f"(set {flag} at start-up)")
+
+
 async def _optional_body(request: Request) -> dict:
     raw = await request.body()
     if not raw.strip():
@@ -59,6 +114,8 @@ async def _optional_body(request: Request) -> dict:
 
 
 def register_admin_routes(app: FastAPI, tm, args) -> None:
+    dirs = allowed_dirs(tm, args)
+
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def model_info():
@@ -77,7 +134,8 @@ def register_admin_routes(app: FastAPI, tm, args) -> None:
     @app.get("/server_info")
     async def server_info():
         info = dataclasses.asdict(args)
-        info.pop("api_key", None)  # secrets never leave the server
+        for secret in ("api_key", "admin_api_key"):  # secrets never leave the server
+            info.pop(secret, None)
         info["internal_states"] = [await tm.control("get_stats")]
         info["max_total_num_tokens"] = tm.info["max_total_tokens"]
         info["device"], info["dtype"] = tm.info["device"], tm.info["dtype"]  # resolved, not "auto"
@@ -92,6 +150,12 @@ def register_admin_routes(app: FastAPI, tm, args) -> None:
                 v = body.get(k)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                     raise ValueError(f"{k}: must be a positive integer (got {v!r})")
+            check_path("output_dir", body.get("output_dir"), dirs["output_dir"],
+                       "--profile-allowed-dirs")
+            for k in ("profile_id", "profile_prefix"):  # parts of the file name, not a path
+                v = body.get(k)
+                if v is not None and ("/" in str(v) or "\\" in str(v)):
+                    raise ValueError(f"{k}: must not contain a path separator (got {v!r})")
             path = await tm.control("start_profile", body)
         except ValueError as e:
             return error(400, str(e))
@@ -110,6 +174,8 @@ def register_admin_routes(app: FastAPI, tm, args) -> None:
     async def update_weights_from_disk(request: Request):
         try:
             body = check_fields(await _optional_body(request), UPDATE_FIELDS)
+            check_path("model_path", body.get("model_path"), dirs["model_path"],
+                       "--update-weights-allowed-dirs")
             result = await tm.update_weights_from_disk(body)
             if body.get("weight_version"):
                 tm.weight_version = str(body["weight_version"])

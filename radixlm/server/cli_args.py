@@ -20,6 +20,13 @@ _HELP = {
     "schedule_policy": "lpm | dfs-weight | fcfs",
     "max_queued_requests": "requests beyond max_running_requests + this get 503",
     "api_key": "require 'Authorization: Bearer KEY' (or x-api-key) on every endpoint but /health",
+    "admin_api_key": "the key the admin routes (/update_weights_from_disk, /start_profile, "
+                     "/stop_profile, /flush_cache, /abort_request) require instead of --api-key; "
+                     "with neither key set they answer only on a loopback --host",
+    "update_weights_allowed_dirs": "comma-separated folders /update_weights_from_disk may load "
+                                   "from (default: the served model's folder)",
+    "profile_allowed_dirs": "comma-separated folders /start_profile may write traces to "
+                            "(default: $SGLANG_TORCH_PROFILER_DIR, else the temp folder)",
     "tool_call_parser": "tool call format: hermes | llama3 | mistral (default: detected from the "
                         "chat template, hermes when it says nothing)",
     "served_model_name": "the model's name in /v1/models and responses (default: the path's "

@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.datastructures import Headers
 
-from radixlm.server.admin_api import register_admin_routes
+from radixlm.server.admin_api import (ADMIN_DISABLED, ADMIN_PATHS, admin_key, is_loopback,
+                                      register_admin_routes)
 from radixlm.server.anthropic_api import register_anthropic_routes
 from radixlm.server.io_struct import GenerateReqInput
 from radixlm.server.native_api import error, json_body, register_native_routes
@@ -40,17 +41,28 @@ class _Guard:
     --max-payload-size and answered 413 beyond it, so no route reads an unbounded body.
     """
 
-    def __init__(self, app, api_key, max_payload_size: int):
+    def __init__(self, app, api_key, max_payload_size: int, admin_api_key=None,
+                 admin_open: bool = True, admin_paths=ADMIN_PATHS):
+        """Admin routes (`admin_paths`) check `admin_api_key` instead of `api_key`; without it
+        they answer 403 unless `admin_open` (a loopback bind)."""
         self.app, self.api_key, self.limit = app, api_key, max_payload_size
+        self.admin_api_key, self.admin_open = admin_api_key, admin_open
+        self.admin_paths = admin_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
-        if self.api_key and scope["path"] != "/health":
+        if scope["path"] in self.admin_paths:
+            need = self.admin_api_key
+            if need is None and not self.admin_open:
+                return await error(403, ADMIN_DISABLED)(scope, receive, send)
+        else:
+            need = self.api_key if scope["path"] != "/health" else None
+        if need:
             auth = headers.get("authorization", "")
             key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key")
-            if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
+            if key is None or not hmac.compare_digest(key.encode(), need.encode()):
                 return await error(401, "invalid or missing API key")(scope, receive, send)
         size = headers.get("content-length")
         if size is not None:
@@ -82,7 +94,11 @@ def build_app(tm, args, health) -> FastAPI:
     app = FastAPI(title="radixlm")
     app.state.tm = tm
 
-    app.add_middleware(_Guard, api_key=args.api_key, max_payload_size=args.max_payload_size)
+    admin_open = is_loopback(args.host)
+    if not admin_key(args) and not admin_open:
+        logger.warning("%s (--host %s)", ADMIN_DISABLED, args.host)
+    app.add_middleware(_Guard, api_key=args.api_key, max_payload_size=args.max_payload_size,
+                       admin_api_key=admin_key(args), admin_open=admin_open)
 
     @app.exception_handler(json.JSONDecodeError)
     async def bad_json(request, exc):
