@@ -206,9 +206,9 @@ def router_client(**kw):
 
 def test_router_guards_admin_and_pool_routes(caplog):
     with caplog.at_level(logging.WARNING, logger="radixlm.router"):
-        c = router_client(host="0.0.0.0")
+        c = router_client(host="0.0.0.0", worker_startup_timeout_secs=1.0)  # unguarded: fails fast
     assert len([r for r in caplog.records if "--admin-api-key" in r.getMessage()]) == 1
-    for path in ("/add_worker?url=http://10.0.0.1:1", "/remove_worker?url=x", "/flush_cache"):
+    for path in ("/add_worker?url=http://127.0.0.1:1", "/remove_worker?url=x", "/flush_cache"):
         r = c.post(path)
         assert r.status_code == 403 and "--admin-api-key" in msg(r), path
     c = router_client(host="0.0.0.0", api_key="user", admin_api_key="admin")
