@@ -15,6 +15,11 @@ of the per-chunk ratios is reported too, and the load average at start and end.
 Workloads (benchmarks/workloads/spec_text.py, chat prompts from ShareGPT text, greedy):
 copy (return a JSON document / code block with one change), extract (quote a passage), chat.
 --batch 1 runs one request at a time (max_running_requests=1); --batch N lets N run together.
+--drafts random replaces the n-gram drafts with random token ids (never accepted): with
+--speculative-adaptive on it measures what drafts that never pay cost; with it off, tok/s off/on is
+the cost of one verify step of k drafts against one plain decode step (each verify appends one
+token). On a GPU, --load-format dummy with --model-path benchmarks/configs/llama-3.1-8b and a
+--tokenizer-path runs the 8B shape on dummy weights.
 Prints one JSON line per workload: output tok/s off and on, their ratio, the on runs'
 mean accept length (tokens a request appended per verify it drafted in) and how often drafts
 ran; --save appends it to benchmarks/results/speculative-<device>.jsonl.
@@ -23,6 +28,8 @@ ran; --save appends it to benchmarks/results/speculative-<device>.jsonl.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -57,7 +64,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gguf-keep-quantized", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     p.add_argument("--no-speculative-adaptive", action="store_true")
+    p.add_argument("--arms", default=None,
+                   help="comma list of NUM_DRAFT_TOKENS[:fixed], each an on arm against off on "
+                        "the same engine (e.g. 8,5:fixed,9:fixed); default: the two flags above")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--drafts", default="ngram", choices=["ngram", "random"],
+                   help="random: drafts of random token ids, never accepted")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--device", default=None, help="default: cuda when available")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="every request's output length (default: the workload's)")
     p.add_argument("--save", action="store_true",
                    help="append to benchmarks/results/speculative-<cpu|gpu>.jsonl")
     return p.parse_args(argv)
@@ -86,6 +103,21 @@ def _run(eng, ids, params, spec_on: bool, make_spec) -> dict:
             "ids": [o["output_ids"] for o in outs]}
 
 
+def _random_drafts(vocab: int, seed: int):
+    """A stand-in for ngram.propose: `max_len` random token ids, claimed as the longest match."""
+    import random
+
+    from radixlm.runtime.speculative import ngram
+
+    rng = random.Random(seed)
+
+    def propose(own, shared, max_len):
+        return [rng.randrange(vocab) for _ in range(max(max_len, 0))], own.max_n
+
+    assert ngram.propose.__code__.co_varnames[:3] == ("own", "shared", "max_len")
+    return propose
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     import radixlm
@@ -94,25 +126,42 @@ def main(argv=None) -> list[dict]:
 
     commit = git_commit()  # the code this process imported (later edits do not count)
     model_path = args.model_path or default_model_path()
-    tok = ds.load_tokenizer(model_path)
+    tok = ds.load_tokenizer(args.tokenizer_path or model_path)
     kw = dict(model_path=model_path, dtype=args.dtype, gguf_keep_quantized=args.gguf_keep_quantized,
               max_running_requests=args.batch, speculative_algorithm="NGRAM",
               speculative_adaptive=not args.no_speculative_adaptive)
     if args.speculative_num_draft_tokens:
         kw["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
+    for name in ("load_format", "tokenizer_path", "device"):
+        if getattr(args, name) not in (None, "auto"):
+            kw[name] = getattr(args, name)
     eng = radixlm.Engine(**kw)
-    make_spec = lambda: speculative.create(eng.server_args, eng.scheduler)  # noqa: E731
+    if args.drafts == "random":
+        from radixlm.runtime.speculative import worker
+
+        worker.propose = _random_drafts(len(tok), args.seed)
+    arms = [(args.speculative_num_draft_tokens, not args.no_speculative_adaptive)]
+    if args.arms:
+        arms = [(int(a.split(":")[0]), not a.endswith(":fixed")) for a in args.arms.split(",")]
+
+    def arm_args(tokens, adaptive):
+        return dataclasses.replace(eng.server_args, speculative_num_draft_tokens=tokens,
+                                   speculative_adaptive=adaptive)
+
+    make_spec = lambda: speculative.create(arm_args(*arms[0]), eng.scheduler)  # noqa: E731
     results = []
     try:
         warm = tok("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
         for on in (False, True):
             _run(eng, [warm], [{"temperature": 0, "max_new_tokens": 16}], on, make_spec)
-        for workload in args.workload or list(spec_text.WORKLOADS):
+        for workload, arm in itertools.product(args.workload or list(spec_text.WORKLOADS), arms):
+            make_spec = lambda a=arm_args(*arm): speculative.create(a, eng.scheduler)  # noqa
             items = spec_text.build(workload, args.num_requests, args.seed)
             texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                      for m, _ in items]
             ids = tok(texts, add_special_tokens=False)["input_ids"]
-            params = [{"temperature": 0, "max_new_tokens": n} for _, n in items]
+            params = [{"temperature": 0, "max_new_tokens": args.max_new_tokens or n,
+                       "ignore_eos": args.max_new_tokens is not None} for _, n in items]
             load_start = _load()
             chunk = args.chunk or (8 if args.batch == 1 else args.batch)
             runs = {False: [], True: []}
@@ -133,11 +182,13 @@ def main(argv=None) -> list[dict]:
                        for a, b in zip(x["ids"], y["ids"]))
             res = {
                 "benchmark": "speculative", "workload": workload, "batch": args.batch,
-                "requests": len(ids), "device": device_name(argparse.Namespace(device="cpu")),
+                "requests": len(ids), "drafts": args.drafts,
+                "device": device_name(argparse.Namespace(device=eng.runner.device.type)),
+                "model": os.path.basename(model_path.rstrip("/")),
                 "dtype": str(eng.runner.dtype).removeprefix("torch."),
                 "gguf_keep_quantized": eng.runner.keep_quantized, "git_commit": commit,
-                "num_draft_tokens": spec_config.resolve(eng.server_args).max_draft + 1,
-                "adaptive": not args.no_speculative_adaptive,
+                "num_draft_tokens": spec_config.resolve(arm_args(*arm)).max_draft + 1,
+                "adaptive": arm[1],
                 "tok_s_off": round(off_med, 2), "tok_s_on": round(on_med, 2),
                 "ratio": round(on_med / off_med, 3),
                 "median_chunk_ratio": round(chunk_ratio, 3),
