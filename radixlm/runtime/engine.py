@@ -312,12 +312,14 @@ class Engine:
             scheduler.tree_cache.close()  # queued pages reach the store before we go
         if scheduler is not None and scheduler.grammars is not None:
             scheduler.grammars.shutdown()
+        graceful = not self._thread.is_alive()  # no forward can be in flight
+        if graceful and getattr(self, "runner", None) is not None:
+            # graphs go now, not whenever a later collection finds the runner's cycle: that
+            # could be during another engine's capture, which it would invalidate
+            self.runner.release_cuda_graphs()
         if self._tp is not None:  # the stop broadcast only when no forward can be in flight
-            graceful = not self._thread.is_alive()
-            if graceful:
-                self.runner.release_cuda_graphs()
             self._tp.stop(graceful=graceful)
-        if self._thread.is_alive():  # a step still runs on them: leave them to it
+        if not graceful:  # a step still runs on them: leave them to it
             return
         self._released = True
         for sink in list(self._sinks.values()):  # nobody waits on a request that cannot finish

@@ -17,6 +17,7 @@ with new values in the same buffers.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -71,6 +72,19 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        # A garbage collection during a capture can free another engine's graphs (a shut-down
+        # Engine's runner <-> graph runner cycle): CUDAGraph.reset is not permitted while a
+        # stream captures and invalidates this capture. Collect first, then hold collections off.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_buckets()
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _capture_buckets(self) -> None:
         t0 = time.perf_counter()
         # largest first: smaller graphs then fit into the memory pool the largest one reserved
         for bs in reversed(self.buckets):
