@@ -122,7 +122,8 @@ def test_retraction_and_chunked_prefill(engine, make_engine, integrity):
 def test_other_family_gemma2_windows_and_softcaps(tmp_path, integrity):
     """Gemma 2 (its own model file: sliding windows of 8, attention and final soft-caps) on a
     tiny random checkpoint: the verify forward's extend attention with a cached prefix, both
-    backends, against plain decoding. Random weights fall into repetitions: drafts accepted."""
+    backends, against plain decoding; and the verify run as a decode batch (verify.py's
+    `as_decode`). Random weights fall into repetitions: drafts accepted."""
     import arch_parity as ap
     from test_model_parity_gemma import CASES
 
@@ -131,10 +132,12 @@ def test_other_family_gemma2_windows_and_softcaps(tmp_path, integrity):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() * 4 for n in (6, 9, 13)]
     prompts += ap.prompts(256)[:3]
+    spec = dict(speculative_algorithm="NGRAM", speculative_adaptive=False)
     engines = [ap.make_engine(str(tmp_path), **kw) for kw in (
-        {}, dict(speculative_algorithm="NGRAM", speculative_adaptive=False),
-        dict(speculative_algorithm="NGRAM", speculative_adaptive=False,
-             attention_backend="torch_native"))]
+        {}, spec, dict(spec, attention_backend="torch_native"),
+        spec, dict(spec, attention_backend="torch_native"))]
+    for e in engines[3:]:  # verifies as decode batches of one row per token (GPU: in a graph)
+        e.runner.replays_decode_graph = lambda rows: True
     try:
         off, *ons = [ap.generate(e, prompts, max_new=24) for e in engines]
         for on in ons:

@@ -25,6 +25,7 @@ from radixlm.runtime.mem_cache.host_pool import LayerWaitingBackend
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 from radixlm.runtime.models import fp8_checkpoint, loader, registry
+from radixlm.runtime.speculative import spec_config
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +117,14 @@ class ModelRunner:
         spec_of = getattr(self.model_cls, "attention_spec", None)
         self.attention_spec = (spec_of(cfg) if spec_of is not None
                                else AttentionSpec(scale=cfg.head_dim ** -0.5))
+        # rows a decode forward may have: a speculative verify runs as a decode batch of
+        # (draft tokens + 1) rows per request (speculative/verify.py); +1 as for the pool rows
+        spec = spec_config.resolve(args)
+        decode_rows = args.max_running_requests * (spec.max_draft + 1 if spec else 1) + 1
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, self.kv_pool, self.req_to_token_pool.req_to_token,
             self.attention_spec, device=self.device,
-            max_batch_size=args.max_running_requests + 1, max_context_len=self.context_len + 1)
+            max_batch_size=decode_rows, max_context_len=self.context_len + 1)
         self.graph_runner = None
         # TP: every rank captures the same buckets in the same order, so the NCCL all-reduces
         # inside the graphs pair up on replay (rank 0 and the workers replay the same bucket for
@@ -127,7 +132,7 @@ class ModelRunner:
         # min_int ran a collective)
         if (self.device.type == "cuda" and not args.disable_cuda_graph
                 and getattr(self.attn_backend, "supports_cuda_graph", False)):
-            max_bs = min(args.cuda_graph_max_bs, args.max_running_requests + 1)
+            max_bs = min(args.cuda_graph_max_bs, decode_rows)
             self.graph_runner = CudaGraphRunner(self, max_bs)
 
     def _load_model(self, cfg: ModelConfig, seed: int) -> torch.nn.Module:

@@ -9,6 +9,14 @@ Every row is a logits row: row (b, j) gives the target's distribution for the to
 (d_0 = last). Requests without a draft (k = 0) come last as the batch's decode tail, so a
 backend runs them as a batched decode.
 
+`as_decode`: the same rows as a DECODE batch instead, one row per token: row (b, j) is request
+b's pool row with seq_len L_b + j + 1. Every row's K/V is in the pool before any attention runs,
+so row (b, j) sees exactly [.., last, d_1..d_j]: the chain's causal mask, with no extend kernel.
+The batch then replays the decode CUDA graph of R rows (an eager verify of 8 drafts cost 3.9x a
+graph-replayed decode step at batch 1 on an H200, Llama-3.1-8B shape), and each row computes
+what a plain decode step at its position computes. Its attention reads request b's history once
+per row, k_b + 1 times in all: the caller uses it where a graph replays the batch.
+
 KV slots: R = sum(k_b + 1) new slots, taken without eviction (the caller checked they are
 free), written at req_to_token[row_b, L_b : L_b + k_b + 1]. After acceptance the caller keeps
 the first m_b (the tokens the request kept) and frees the others in the same step.
@@ -58,7 +66,8 @@ class VerifyResult:
 
 
 def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int]], req_pool,
-                 allocator, device: torch.device) -> tuple[ForwardBatch, VerifyPlan]:
+                 allocator, device: torch.device,
+                 as_decode: bool = False) -> tuple[ForwardBatch, VerifyPlan]:
     B = len(reqs)
     ext = [len(d) + 1 for d in drafts]
     offsets = [0, *itertools.accumulate(ext)][:-1]
@@ -92,6 +101,12 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
            "grid": flat[7 * R + 4 * B :].view(B, K + 1)}
     req_pool.req_to_token[rows[2], rows[1]] = slots
     seq_lens = [n + e for n, e in zip(kv_lens, ext)]
+    if as_decode:
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=rows[0], positions=rows[1], out_cache_loc=slots,
+            req_pool_indices=rows[2], seq_lens=rows[1] + 1,
+            logits_indices=torch.arange(R, device=device), seq_lens_cpu=[p + 1 for p in positions])
+        return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
         input_ids=rows[0],

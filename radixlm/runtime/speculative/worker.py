@@ -94,8 +94,9 @@ class NgramSpeculator:
         order = sorted(range(len(reqs)), key=lambda i: not drafts[i])  # drafts first (stable)
         breqs = [reqs[i] for i in order]
         bdrafts = [drafts[i] for i in order]
+        rows = len(reqs) + sum(map(len, drafts))
         fb, plan = build_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
-                                sched.device)
+                                sched.device, as_decode=sched.runner.replays_decode_graph(rows))
         logits = sched.runner.forward(fb)  # (R, V) float32
         sched.stats["forward_steps"] += 1
         mask = grammar_drafts.masker(breqs, bdrafts, plan.offsets, plan.num_rows, sched.masks)
