@@ -196,3 +196,54 @@ def test_server_reports_spec_meta_and_metrics():
     legacy = ServerMetrics(names="radixlm").render({"spec_verify_steps": 10, "spec_verify_reqs":
                                                     16, "spec_verify_tokens": 40}).decode()
     assert "radixlm:spec_accept_length 2.5" in legacy and "sglang:" not in legacy
+
+
+def _plain_and_verify_steps(pol, plain_s: float, verify_s: float, n: int = 30) -> None:
+    for _ in range(n):  # batch 1: plain steps, and verifies of 3 tokens that cost verify_s
+        pol.observe_step(1, plain_s)
+        pol.observe_step(3, verify_s, batch=1)
+
+
+def test_verify_overhead_is_learned_and_paid_for():
+    # a GPU: the line's prior says 2 more tokens cost 2%; the verifies cost 35% more
+    pol = AdaptivePolicy(adaptive=True, device_type="cuda")
+    _plain_and_verify_steps(pol, 0.004, 0.0054)
+    assert 0.2 < pol.ov < 0.45, pol.ov
+    assert pol.choose(_records(0, 6, 1), [7], [4]) == [0]  # ~20% drafts pay less than that
+    assert pol.choose(_records(40, 42, 1), [7], [4]) == [7]  # a near-certain one pays
+    for _ in range(30):  # drafts that fail: no draft could pay, the lookups stop
+        pol.record(Acceptance(), 4, 2, 0)
+    assert pol.hopeless([None])
+    # where verifies cost what the line says, no overhead is learned
+    flat = AdaptivePolicy(adaptive=True, device_type="cuda")
+    _plain_and_verify_steps(flat, 0.004, 0.004 * 1.03 / 1.01)
+    assert flat.ov < 0.02
+
+
+def test_hopeless_steps_probe_with_a_growing_interval():
+    from radixlm.runtime.speculative import adaptive
+
+    pol = AdaptivePolicy(adaptive=True, device_type="cuda")
+    for _ in range(40):
+        pol.observe_step(64, 0.007)
+        pol.record(Acceptance(), 1, 2, 0)  # match length 1 only: the others take the pool's rate
+    assert pol.hopeless([None] * 64)
+
+    def steps_to_probe():
+        for n in range(1, 2 * adaptive.PROBE_MAX):
+            if pol.wants_verify([None] * 64):
+                assert pol.probing
+                return n
+        raise AssertionError("no probe")
+
+    first = steps_to_probe()
+    assert first == adaptive.PROBE_MIN
+    ks = pol.choose([Acceptance()] * 64, [7] * 64, [4] * 64, max_tokens=100)
+    assert max(ks) == adaptive.PROBE_TOKENS and sum(ks) == 100 - 64  # within the graphs' rows
+    pol.record(Acceptance(), 4, 2, 0)
+    pol.observe_step(100, 0.009, batch=64)  # the probe found nothing: wait twice as long
+    assert steps_to_probe() == 2 * first
+    pol.choose([Acceptance()] * 64, [7] * 64, [4] * 64)
+    pol.record(Acceptance(), 4, 2, 2)  # this one was accepted: probe soon again
+    pol.observe_step(192, 0.009, batch=64)
+    assert pol.probe_interval == adaptive.PROBE_MIN

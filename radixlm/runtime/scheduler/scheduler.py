@@ -73,10 +73,10 @@ class Scheduler(TokenProcessing, Maintenance):
         # speculative decoding (runtime/speculative): drafts verified in one forward per step
         self.spec = speculative.create(args, self)
         # overlap schedule (see overlap.py): on CUDA unless disabled; on the CPU nothing runs
-        # asynchronously, so it would only waste the rows of finishing requests. Not with
-        # speculation: a step's drafts need the previous step's tokens on the host (as SGLang)
-        self.overlap = (not args.disable_overlap_schedule and self.device.type == "cuda"
-                        and self.spec is None)
+        # asynchronously, so it would only waste the rows of finishing requests. With
+        # speculation only for steps that verify nothing: drafts need the previous step's tokens
+        # on the host (the speculator's wants_verify says which steps those are)
+        self.overlap = not args.disable_overlap_schedule and self.device.type == "cuda"
 
     # --- requests in and out --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -176,6 +176,8 @@ class Scheduler(TokenProcessing, Maintenance):
         if not self.overlap or self.waiting or self.chunked:
             return []
         if not self._overlappable():
+            return []
+        if self.spec is not None and self.spec.wants_verify(self):
             return []
         chain = [r for r in self.running if not surely_finishes(r, self.context_len)]
         if not chain:
@@ -300,8 +302,8 @@ class Scheduler(TokenProcessing, Maintenance):
         aborted = [r for r in retracted if r.finished]
         if not self.running:
             return aborted
-        if self.spec is not None:  # drafts verified, or a plain step where none pays
-            return self.spec.step(self) + aborted
+        if self.spec is not None and self.spec.wants_verify(self):
+            return self.spec.step(self) + aborted  # drafts verified, or a plain step
         step = self._launch_decode(list(self.running))
         if self.overlap and self._overlappable():
             self.inflight = step  # completed by the next step(), after it launches its own

@@ -14,6 +14,20 @@ Tokens are taken in decreasing gain while that holds: a compute-bound batch (rho
 drafts only near-certain tokens, a request whose drafts fail drafts nothing (0 = plain decode).
 A request not drafting for a while forgets its record (its estimate drifts back to the global
 one), so a change of text (chat -> quoting) is noticed.
+
+Verify overhead: a verify step also pays a fixed cost no token count explains (the acceptance
+kernels, its host work, and on a GPU the step it cannot overlap): `ov`, the recent verifies' time
+above a plain step of the batch (its recent mean) plus what the line's slope adds for the drafts,
+relative to that plain step. Drafts must then also pay for it:
+a step verifies only if E / (1 + rho T + OV) > B / (1 + rho B), OV = ov (1 + rho B). (On an
+H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held near its
+1% prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
+Hopeless steps and probes: when no draft could pay (`hopeless`), the scheduler runs its plain
+step (overlapped on a GPU) without even looking drafts up; every `probe_interval` such steps one
+step verifies up to two tokens per request anyway, so the estimates see a change of text. The
+interval doubles (up to PROBE_MAX) while probes find nothing and resets when one is accepted.
+Global acceptance is kept per match length and pooled; a match length with little record of its
+own takes the pooled rate (its 0.5 start would otherwise keep every step from being hopeless).
 """
 
 from __future__ import annotations
@@ -28,6 +42,10 @@ IDLE_DECAY = 0.95  # ... per step it had a draft but did not verify it
 COST_BIN_WEIGHT = 16.0  # a step-cost bin averages about its last this many steps
 FIT_BIN_WEIGHT = 4.0  # ... and counts as at most this many in the fit
 _MATCH_BUCKETS = 4  # global acceptance by suffix-match length: 1, 2, 3, 4+
+BUCKET_PRIOR = 2.0  # a match length's record is shrunk toward the pooled rate by this many trials
+OVERHEAD_EMA = 0.2  # weight of the newest verify in the overhead estimate
+PROBE_MIN, PROBE_MAX = 8, 512  # hopeless steps between probes
+PROBE_TOKENS = 2  # draft tokens per request in a probe
 
 
 class Acceptance:
@@ -110,33 +128,71 @@ class AdaptivePolicy:
         # a prior c1 / c0: a 2-core CPU's decode is far from compute-bound only at small batches;
         # a GPU's far further (a token's FLOPs against all the weights' bytes)
         self.cost = CostModel(0.1 if device_type == "cpu" else 0.01)
-        self.glob = [[1.0, 2.0] for _ in range(_MATCH_BUCKETS)]  # (succ, trials) per bucket
+        self.glob = [[0.0, 0.0] for _ in range(_MATCH_BUCKETS)]  # (succ, trials) per bucket
+        self.pooled = [1.0, 2.0]  # (succ, trials) over all buckets; starts at 1/2
+        self.ov = 0.0  # a verify's fixed overhead, in plain steps of its batch
+        self.plain: dict[int, float] = {}  # batch size -> recent plain steps' mean seconds
+        self.probe_interval = PROBE_MIN
+        self.hopeless_steps = 0  # consecutive hopeless steps since the last probe
+        self.probing = False  # this step is a probe (see `wants_verify`)
+        self.probe_found = False
+
+    def _bucket_rate(self, b: int) -> float:
+        s, t = self.glob[b]
+        ps, pt = self.pooled
+        return (s + BUCKET_PRIOR * ps / pt) / (t + BUCKET_PRIOR)
 
     def estimate(self, rec: Acceptance, match_len: int) -> float:
-        gs, gt = self.glob[min(match_len, _MATCH_BUCKETS) - 1]
-        prior = gs / gt
+        prior = self._bucket_rate(min(match_len, _MATCH_BUCKETS) - 1)
         return (rec.succ + PRIOR_WEIGHT * prior) / (rec.trials + PRIOR_WEIGHT)
 
     def hopeless(self, recs: list) -> bool:
-        """True when no draft token could pass this step whatever the lookups find: the first
-        token's threshold rho * B / (1 + rho * B) is above every acceptance estimate's upper
-        bound (an estimate mixes a request's record with a global rate; `recs` holds the
-        records, None for a request that never drafted). The step then skips the lookups."""
+        """True when no draft could pay this step whatever the lookups find: every acceptance
+        estimate's upper bound (`recs`: the running requests' records, None for one that never
+        drafted) is below the first token's threshold rho * B / (1 + rho * B), or so low that
+        even an endless chain (b / (1 - b) expected tokens a request) cannot pay the verify's
+        overhead ov. The step then skips the lookups."""
         if not self.adaptive:
             return False
         rho, B = self.cost.ratio(), len(recs)
-        bound = max(s / t for s, t in self.glob)
+        top = max(self._bucket_rate(b) for b in range(_MATCH_BUCKETS))
+        bound = top
         for rec in recs:
             if rec is not None and rec.trials > 0:
-                bound = max(bound, rec.succ / rec.trials)
-        return bound <= rho * B / (1.0 + rho * B)
+                bound = max(bound, (rec.succ + PRIOR_WEIGHT * top) / (rec.trials + PRIOR_WEIGHT))
+        if bound <= rho * B / (1.0 + rho * B):
+            return True
+        return bound < 1.0 and bound / (1.0 - bound) <= self.ov
 
-    def choose(self, recs: list[Acceptance], lens: list[int], matches: list[int]) -> list[int]:
-        """Draft length per request (<= lens[i], the draft it has); 0: plain decode."""
-        if not self.adaptive:
-            return list(lens)
+    def wants_verify(self, recs: list) -> bool:
+        """Called once per decode step: False runs the plain step without lookups (hopeless);
+        every probe_interval hopeless steps, True with `probing` set."""
+        self.probing = False
+        if not self.hopeless(recs):
+            self.hopeless_steps = 0
+            return True
+        self.hopeless_steps += 1
+        if self.hopeless_steps < self.probe_interval:
+            return False
+        self.hopeless_steps = 0
+        self.probing = True
+        return True
+
+    def choose(self, recs: list[Acceptance], lens: list[int], matches: list[int],
+               max_tokens: Optional[int] = None) -> list[int]:
+        """Draft length per request (<= lens[i], the draft it has); 0: plain decode. The step
+        computes at most `max_tokens` tokens (B + drafts), when given."""
         B = len(lens)
+        room = (max_tokens - B) if max_tokens is not None else sum(lens)
+        if not self.adaptive or self.probing:
+            cap = lens if not self.probing else [min(n, PROBE_TOKENS) for n in lens]
+            ks = []
+            for n in cap:
+                ks.append(min(n, max(room, 0)))
+                room -= ks[-1]
+            return ks
         rho = self.cost.ratio()
+        OV = self.ov * (1.0 + rho * B)
         heap = []  # (-gain, request, j): each request's next draft token to consider
         rates = [0.0] * B
         for i, n in enumerate(lens):
@@ -146,17 +202,20 @@ class AdaptivePolicy:
         heapq.heapify(heap)
         ks = [0] * B
         E = T = float(B)
-        while heap:
+        while heap and room > 0:
             neg, i, j = heap[0]
             g = -neg
-            if g <= rho * E / (1.0 + rho * T):
+            if g <= rho * E / (1.0 + rho * T + OV):
                 break
             heapq.heappop(heap)
             ks[i] = j
             E += g
             T += 1
+            room -= 1
             if j < lens[i]:
                 heapq.heappush(heap, (-g * rates[i], i, j + 1))
+        if T > B and E * (1.0 + rho * B) <= B * (1.0 + rho * T + OV):
+            ks = [0] * B  # the tokens pay for themselves but not for the verify's overhead
         for i, n in enumerate(lens):
             if n and not ks[i]:  # had a draft, skipped it: let its record fade toward the prior
                 recs[i].succ *= IDLE_DECAY
@@ -168,10 +227,31 @@ class AdaptivePolicy:
         trials = accepted + (accepted < drafted)
         rec.succ = rec.succ * RECORD_DECAY + accepted
         rec.trials = rec.trials * RECORD_DECAY + trials
-        g = self.glob[min(match_len, _MATCH_BUCKETS) - 1]
-        g[0] = g[0] * 0.99 + accepted
-        g[1] = g[1] * 0.99 + trials
+        for g in (self.glob[min(match_len, _MATCH_BUCKETS) - 1], self.pooled):
+            g[0] = g[0] * 0.99 + accepted
+            g[1] = g[1] * 0.99 + trials
+        if self.probing and accepted:
+            self.probe_found = True
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        if math.isfinite(seconds) and seconds > 0:
-            self.cost.observe(tokens, seconds)
+    def observe_step(self, tokens: int, seconds: float, batch: Optional[int] = None) -> None:
+        """A step's wall time; `batch` given for a verify step (its B requests, `tokens` >= B).
+        A verify's time above what the line adds to a plain step of its batch updates the
+        overhead estimate (the plain steps' own mean, not the fitted intercept: the verifies
+        outnumber the plain steps' bins and pull the intercept up to themselves)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        if batch is None or tokens <= batch:
+            old = self.plain.get(tokens)
+            self.plain[tokens] = seconds if old is None else old + 0.1 * (seconds - old)
+        else:
+            plain = self.plain.get(batch)
+            if plain is not None:
+                rho = self.cost.ratio()
+                pred = plain * (1.0 + rho * tokens) / (1.0 + rho * batch)
+                extra = (seconds - pred) / plain
+                self.ov += OVERHEAD_EMA * (max(extra, 0.0) - self.ov)
+            if self.probing:  # the probe's outcome sets when the next one runs
+                self.probe_interval = (PROBE_MIN if self.probe_found
+                                       else min(2 * self.probe_interval, PROBE_MAX))
+                self.probe_found = False
+        self.cost.observe(tokens, seconds)

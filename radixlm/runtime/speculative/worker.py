@@ -47,18 +47,32 @@ class NgramSpeculator:
         self.cfg = cfg
         self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
         self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type)
+        self._decided, self._wants = None, True  # wants_verify's decision and its step
         for key in STAT_KEYS:
             sched.stats[key] = 0
+
+    def wants_verify(self, sched) -> bool:
+        """Whether this decode step goes through `step` (lookups, maybe a verify); False: the
+        scheduler runs its plain step, overlapped where it can. Decided once per step (the
+        scheduler may ask twice: before chaining and before its decode)."""
+        key = sched.stats["forward_steps"]
+        if self._decided != key:
+            self._decided = key
+            self._wants = self.policy.wants_verify(
+                [r.spec_draft and r.spec_draft.record for r in sched.running])
+        return self._wants
 
     def step(self, sched) -> list[Req]:
         """One decode step of sched.running (which ensure_decode_memory gave a slot each)."""
         t0 = time.perf_counter()
         reqs = list(sched.running)
         ks = [0] * len(reqs)
-        if not self.policy.hopeless([r.spec_draft and r.spec_draft.record for r in reqs]):
+        if self.wants_verify(sched):
             drafts = [self._draft(req, sched.context_len) for req in reqs]
+            graphs = sched.runner.graph_runner  # a verify past the graphs runs eagerly: 10x
             ks = self.policy.choose([r.spec_draft.record for r in reqs],
-                                    [len(d) for d in drafts], [r.spec_draft.match for r in reqs])
+                                    [len(d) for d in drafts], [r.spec_draft.match for r in reqs],
+                                    graphs.max_bs if graphs is not None else None)
         tokens = len(reqs) + sum(ks)
         if tokens > len(reqs) and sched.allocator.available_size() < tokens:
             ks, tokens = [0] * len(reqs), len(reqs)  # never evict cached prefixes for guesses
@@ -66,7 +80,8 @@ class NgramSpeculator:
             done = sched._complete_decode(sched._launch_decode(reqs))
         else:
             done = self._verify(sched, reqs, [d[:k] for d, k in zip(drafts, ks)])
-        self.policy.observe_step(tokens, time.perf_counter() - t0)
+        self.policy.observe_step(tokens, time.perf_counter() - t0,
+                                 len(reqs) if tokens > len(reqs) else None)
         return done
 
     def on_finish(self, req: Req) -> None:
