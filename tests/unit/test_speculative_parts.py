@@ -247,3 +247,25 @@ def test_hopeless_steps_probe_with_a_growing_interval():
     pol.record(Acceptance(), 4, 2, 2)  # this one was accepted: probe soon again
     pol.observe_step(192, 0.009, batch=64)
     assert pol.probe_interval == adaptive.PROBE_MIN
+
+
+def test_lookups_that_find_nothing_stop_until_a_probe():
+    from radixlm.runtime.speculative import adaptive
+
+    pol = AdaptivePolicy(adaptive=True, device_type="cuda")
+    for _ in range(adaptive.DRY_STEPS):
+        assert pol.wants_verify([None] * 4)
+        assert pol.choose([Acceptance()] * 4, [0] * 4, [0] * 4) == [0] * 4
+    skipped = 0
+    while not pol.wants_verify([None] * 4):
+        skipped += 1
+    assert pol.probing and skipped == adaptive.PROBE_MIN - 1
+    pol.choose([Acceptance()] * 4, [0] * 4, [0] * 4)  # the probe found nothing either
+    assert pol.probe_interval == 2 * adaptive.PROBE_MIN
+    while not pol.wants_verify([None] * 4):
+        pass
+    pol.observe_step(4, 0.005)
+    assert pol.choose([Acceptance()] * 4, [3, 0, 0, 0], [2, 0, 0, 0]) == [2, 0, 0, 0]
+    assert pol.wants_verify([None] * 4) and not pol.probing  # a draft was found: lookups resume
+    fresh = AdaptivePolicy(adaptive=True, device_type="cuda")
+    assert fresh.choose([Acceptance()], [5], [3]) == [0]  # no plain step of batch 1 yet: one first

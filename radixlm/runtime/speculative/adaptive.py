@@ -22,10 +22,12 @@ relative to that plain step. Drafts must then also pay for it:
 a step verifies only if E / (1 + rho T + OV) > B / (1 + rho B), OV = ov (1 + rho B). (On an
 H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held near its
 1% prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
-Hopeless steps and probes: when no draft could pay (`hopeless`), the scheduler runs its plain
-step (overlapped on a GPU) without even looking drafts up; every `probe_interval` such steps one
-step verifies up to two tokens per request anyway, so the estimates see a change of text. The
-interval doubles (up to PROBE_MAX) while probes find nothing and resets when one is accepted.
+Skipped steps and probes: when no draft could pay (`hopeless`), or the last DRY_STEPS lookups
+found no draft at all, the scheduler runs its plain step (overlapped on a GPU) without even
+looking drafts up; every `probe_interval` such steps one step looks up and verifies up to two
+tokens per request anyway, so the estimates see a change of text. The interval doubles (up to
+PROBE_MAX) while probes find nothing and resets when one is accepted. A verify is measured
+against a plain step of its batch size, so a batch size never seen plain takes one first.
 Global acceptance is kept per match length and pooled; a match length with little record of its
 own takes the pooled rate (its 0.5 start would otherwise keep every step from being hopeless).
 """
@@ -46,6 +48,7 @@ BUCKET_PRIOR = 2.0  # a match length's record is shrunk toward the pooled rate b
 OVERHEAD_EMA = 0.2  # weight of the newest verify in the overhead estimate
 PROBE_MIN, PROBE_MAX = 8, 512  # hopeless steps between probes
 PROBE_TOKENS = 2  # draft tokens per request in a probe
+DRY_STEPS = 4  # lookups in a row that found nothing: skip them too, probing as when hopeless
 
 
 class Acceptance:
@@ -133,7 +136,8 @@ class AdaptivePolicy:
         self.ov = 0.0  # a verify's fixed overhead, in plain steps of its batch
         self.plain: dict[int, float] = {}  # batch size -> recent plain steps' mean seconds
         self.probe_interval = PROBE_MIN
-        self.hopeless_steps = 0  # consecutive hopeless steps since the last probe
+        self.skipped_steps = 0  # steps without lookups since the last probe
+        self.dry_steps = 0  # consecutive lookups that found no draft
         self.probing = False  # this step is a probe (see `wants_verify`)
         self.probe_found = False
 
@@ -165,18 +169,25 @@ class AdaptivePolicy:
         return bound < 1.0 and bound / (1.0 - bound) <= self.ov
 
     def wants_verify(self, recs: list) -> bool:
-        """Called once per decode step: False runs the plain step without lookups (hopeless);
-        every probe_interval hopeless steps, True with `probing` set."""
+        """Called once per decode step: False runs the plain step without lookups, when no
+        draft could pay (`hopeless`) or the last DRY_STEPS lookups found nothing; every
+        probe_interval such steps, True with `probing` set."""
         self.probing = False
-        if not self.hopeless(recs):
-            self.hopeless_steps = 0
+        if self.dry_steps < DRY_STEPS and not self.hopeless(recs):
+            self.skipped_steps = 0
             return True
-        self.hopeless_steps += 1
-        if self.hopeless_steps < self.probe_interval:
+        if not self.adaptive:
+            return True
+        self.skipped_steps += 1
+        if self.skipped_steps < self.probe_interval:
             return False
-        self.hopeless_steps = 0
+        self.skipped_steps = 0
         self.probing = True
         return True
+
+    def _end_probe(self, found: bool) -> None:
+        self.probe_interval = PROBE_MIN if found else min(2 * self.probe_interval, PROBE_MAX)
+        self.probing = False
 
     def choose(self, recs: list[Acceptance], lens: list[int], matches: list[int],
                max_tokens: Optional[int] = None) -> list[int]:
@@ -184,6 +195,10 @@ class AdaptivePolicy:
         computes at most `max_tokens` tokens (B + drafts), when given."""
         B = len(lens)
         room = (max_tokens - B) if max_tokens is not None else sum(lens)
+        found = any(lens)
+        self.dry_steps = 0 if found else self.dry_steps + 1
+        if self.probing and not found:
+            self._end_probe(False)
         if not self.adaptive or self.probing:
             cap = lens if not self.probing else [min(n, PROBE_TOKENS) for n in lens]
             ks = []
@@ -191,6 +206,8 @@ class AdaptivePolicy:
                 ks.append(min(n, max(room, 0)))
                 room -= ks[-1]
             return ks
+        if found and self._plain_time(B) is None:
+            return [0] * B  # a plain step of this batch first: verifies are measured against it
         rho = self.cost.ratio()
         OV = self.ov * (1.0 + rho * B)
         heap = []  # (-gain, request, j): each request's next draft token to consider
@@ -244,14 +261,26 @@ class AdaptivePolicy:
             old = self.plain.get(tokens)
             self.plain[tokens] = seconds if old is None else old + 0.1 * (seconds - old)
         else:
-            plain = self.plain.get(batch)
+            plain = self._plain_time(batch)
             if plain is not None:
                 rho = self.cost.ratio()
                 pred = plain * (1.0 + rho * tokens) / (1.0 + rho * batch)
                 extra = (seconds - pred) / plain
                 self.ov += OVERHEAD_EMA * (max(extra, 0.0) - self.ov)
             if self.probing:  # the probe's outcome sets when the next one runs
-                self.probe_interval = (PROBE_MIN if self.probe_found
-                                       else min(2 * self.probe_interval, PROBE_MAX))
+                self._end_probe(self.probe_found)
                 self.probe_found = False
         self.cost.observe(tokens, seconds)
+
+    def _plain_time(self, batch: int) -> Optional[float]:
+        """A plain step's recent mean seconds at this batch size, scaled by the line from the
+        nearest batch size measured within 1/8; None when there is none."""
+        t = self.plain.get(batch)
+        if t is not None:
+            return t
+        near = [b for b in self.plain if abs(b - batch) * 8 <= batch]
+        if not near:
+            return None
+        b = min(near, key=lambda x: abs(x - batch))
+        rho = self.cost.ratio()
+        return self.plain[b] * (1.0 + rho * batch) / (1.0 + rho * b)
