@@ -266,6 +266,22 @@ def test_lookups_that_find_nothing_stop_until_a_probe():
         pass
     pol.observe_step(4, 0.005)
     assert pol.choose([Acceptance()] * 4, [3, 0, 0, 0], [2, 0, 0, 0]) == [2, 0, 0, 0]
-    assert pol.wants_verify([None] * 4) and not pol.probing  # a draft was found: lookups resume
+    pol.record(Acceptance(), 2, 2, 1)
+    pol.observe_step(6, 0.006, batch=4)
+    assert pol.wants_verify([None] * 4) and not pol.probing  # it was accepted: lookups resume
     fresh = AdaptivePolicy(adaptive=True, device_type="cuda")
     assert fresh.choose([Acceptance()], [5], [3]) == [0]  # no plain step of batch 1 yet: one first
+
+
+def test_declined_lookups_skip_only_where_a_skipped_step_overlaps():
+    from radixlm.runtime.speculative import adaptive
+
+    for fast_skips in (True, False):
+        pol = AdaptivePolicy(adaptive=True, device_type="cuda")
+        pol.fast_skips = fast_skips
+        pol.observe_step(1, 0.004)
+        pol.ov = 0.3  # verifies cost 30% more than a plain step
+        for _ in range(adaptive.DRY_STEPS):
+            assert pol.wants_verify([None])
+            assert pol.choose(_records(0, 6, 1), [5], [2]) == [0]  # ~20%: declined
+        assert pol.wants_verify([None]) is not fast_skips

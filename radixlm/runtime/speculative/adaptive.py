@@ -18,12 +18,13 @@ one), so a change of text (chat -> quoting) is noticed.
 Verify overhead: a verify step also pays a fixed cost no token count explains (the acceptance
 kernels, its host work, and on a GPU the step it cannot overlap): `ov`, the recent verifies' time
 above a plain step of the batch (its recent mean) plus what the line's slope adds for the drafts,
-relative to that plain step. Drafts must then also pay for it:
+relative to that plain step; on a GPU the plain step is the overlapped one the scheduler runs
+when it skips the lookups (a lookup step cannot overlap: 4.65 against 4.31 ms at batch 1). Drafts must then also pay for it:
 a step verifies only if E / (1 + rho T + OV) > B / (1 + rho B), OV = ov (1 + rho B). (On an
 H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held near its
 1% prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
 Skipped steps and probes: when no draft could pay (`hopeless`), or the last DRY_STEPS lookups
-found no draft at all, the scheduler runs its plain step (overlapped on a GPU) without even
+found no draft at all (or, where a skipped step overlaps, verified nothing), the scheduler runs its plain step (overlapped on a GPU) without even
 looking drafts up; every `probe_interval` such steps one step looks up and verifies up to two
 tokens per request anyway, so the estimates see a change of text. The interval doubles (up to
 PROBE_MAX) while probes find nothing and resets when one is accepted. A verify is measured
@@ -135,6 +136,10 @@ class AdaptivePolicy:
         self.pooled = [1.0, 2.0]  # (succ, trials) over all buckets; starts at 1/2
         self.ov = 0.0  # a verify's fixed overhead, in plain steps of its batch
         self.plain: dict[int, float] = {}  # batch size -> recent plain steps' mean seconds
+        self.fast: dict[int, float] = {}  # ... of the steps run without lookups (overlapped)
+        # whether a skipped step is cheaper than a lookup that verifies nothing (a GPU's
+        # overlapped step): only then do declined lookups count as dry (the scheduler sets it)
+        self.fast_skips = device_type == "cuda"
         self.probe_interval = PROBE_MIN
         self.skipped_steps = 0  # steps without lookups since the last probe
         self.dry_steps = 0  # consecutive lookups that found no draft
@@ -188,6 +193,8 @@ class AdaptivePolicy:
     def _end_probe(self, found: bool) -> None:
         self.probe_interval = PROBE_MIN if found else min(2 * self.probe_interval, PROBE_MAX)
         self.probing = False
+        if found:
+            self.dry_steps = 0  # accepted drafts: look them up every step again
 
     def choose(self, recs: list[Acceptance], lens: list[int], matches: list[int],
                max_tokens: Optional[int] = None) -> list[int]:
@@ -196,7 +203,8 @@ class AdaptivePolicy:
         B = len(lens)
         room = (max_tokens - B) if max_tokens is not None else sum(lens)
         found = any(lens)
-        self.dry_steps = 0 if found else self.dry_steps + 1
+        if not found:
+            self.dry_steps += 1
         if self.probing and not found:
             self._end_probe(False)
         if not self.adaptive or self.probing:
@@ -233,6 +241,12 @@ class AdaptivePolicy:
                 heapq.heappush(heap, (-g * rates[i], i, j + 1))
         if T > B and E * (1.0 + rho * B) <= B * (1.0 + rho * T + OV):
             ks = [0] * B  # the tokens pay for themselves but not for the verify's overhead
+        if T == B or not any(ks):
+            # a lookup that verifies nothing: where skipping it lets the step overlap, it cost
+            # that overlap (8% of a step at batch 1 on an H200); count it as dry
+            self.dry_steps += found and self.fast_skips
+        else:
+            self.dry_steps = 0
         for i, n in enumerate(lens):
             if n and not ks[i]:  # had a draft, skipped it: let its record fade toward the prior
                 recs[i].succ *= IDLE_DECAY
@@ -258,8 +272,7 @@ class AdaptivePolicy:
         if not (math.isfinite(seconds) and seconds > 0):
             return
         if batch is None or tokens <= batch:
-            old = self.plain.get(tokens)
-            self.plain[tokens] = seconds if old is None else old + 0.1 * (seconds - old)
+            _ema(self.plain, tokens, seconds)
         else:
             plain = self._plain_time(batch)
             if plain is not None:
@@ -272,15 +285,28 @@ class AdaptivePolicy:
                 self.probe_found = False
         self.cost.observe(tokens, seconds)
 
+    def observe_fast(self, batch: int, seconds: float) -> None:
+        """The period of a step the scheduler ran without lookups (overlapped on a GPU): what
+        the speculative steps are measured against where there are such steps."""
+        if math.isfinite(seconds) and seconds > 0:
+            _ema(self.fast, batch, seconds)
+
     def _plain_time(self, batch: int) -> Optional[float]:
-        """A plain step's recent mean seconds at this batch size, scaled by the line from the
-        nearest batch size measured within 1/8; None when there is none."""
-        t = self.plain.get(batch)
-        if t is not None:
-            return t
-        near = [b for b in self.plain if abs(b - batch) * 8 <= batch]
-        if not near:
-            return None
-        b = min(near, key=lambda x: abs(x - batch))
-        rho = self.cost.ratio()
-        return self.plain[b] * (1.0 + rho * batch) / (1.0 + rho * b)
+        """A plain step's recent mean seconds at this batch size (a skipped step's where
+        measured, else a plain step's inside `step`), scaled by the line from the nearest batch
+        size measured within 1/8; None when there is none."""
+        for table in (self.fast, self.plain):
+            t = table.get(batch)
+            if t is not None:
+                return t
+            near = [b for b in table if abs(b - batch) * 8 <= batch]
+            if near:
+                b = min(near, key=lambda x: abs(x - batch))
+                rho = self.cost.ratio()
+                return table[b] * (1.0 + rho * batch) / (1.0 + rho * b)
+        return None
+
+
+def _ema(table: dict, key: int, seconds: float) -> None:
+    old = table.get(key)
+    table[key] = seconds if old is None else old + 0.1 * (seconds - old)

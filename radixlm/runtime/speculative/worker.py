@@ -47,7 +47,10 @@ class NgramSpeculator:
         self.cfg = cfg
         self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
         self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type)
-        self._decided, self._wants = None, True  # wants_verify's decision and its step
+        self.policy.fast_skips = (sched.device.type == "cuda"  # a skipped step overlaps
+                                  and not sched.args.disable_overlap_schedule)
+        # wants_verify's decision, its step, when it was made and for how many requests
+        self._decided, self._wants, self._decided_at, self._batch = None, True, 0.0, 0
         for key in STAT_KEYS:
             sched.stats[key] = 0
 
@@ -57,7 +60,10 @@ class NgramSpeculator:
         scheduler may ask twice: before chaining and before its decode)."""
         key = sched.stats["forward_steps"]
         if self._decided != key:
-            self._decided = key
+            now = time.perf_counter()
+            if self._decided == key - 1 and not self._wants and self._batch == len(sched.running):
+                self.policy.observe_fast(self._batch, now - self._decided_at)  # a skipped step
+            self._decided, self._decided_at, self._batch = key, now, len(sched.running)
             self._wants = self.policy.wants_verify(
                 [r.spec_draft and r.spec_draft.record for r in sched.running])
         return self._wants
