@@ -239,7 +239,9 @@ def test_hopeless_steps_probe_with_a_growing_interval():
     first = steps_to_probe()
     assert first == adaptive.PROBE_MIN
     ks = pol.choose([Acceptance()] * 64, [7] * 64, [4] * 64, max_tokens=100)
-    assert max(ks) == adaptive.PROBE_TOKENS and sum(ks) == 100 - 64  # within the graphs' rows
+    assert max(ks) == adaptive.PROBE_TOKENS and sum(ks) == adaptive.PROBE_ROWS
+    ks = pol.choose([Acceptance()] * 64, [7] * 64, [4] * 64, max_tokens=70)
+    assert sum(ks) == 70 - 64  # within the graphs' rows
     pol.record(Acceptance(), 4, 2, 0)
     pol.observe_step(100, 0.009, batch=64)  # the probe found nothing: wait twice as long
     assert steps_to_probe() == 2 * first

@@ -18,17 +18,18 @@ one), so a change of text (chat -> quoting) is noticed.
 Verify overhead: a verify step also pays a fixed cost no token count explains (the acceptance
 kernels, its host work, and on a GPU the step it cannot overlap): `ov`, the recent verifies' time
 above a plain step of the batch (its recent mean) plus what the line's slope adds for the drafts,
-relative to that plain step; on a GPU the plain step is the overlapped one the scheduler runs
-when it skips the lookups (a lookup step cannot overlap: 4.65 against 4.31 ms at batch 1). Drafts must then also pay for it:
-a step verifies only if E / (1 + rho T + OV) > B / (1 + rho B), OV = ov (1 + rho B). (On an
-H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held near its
-1% prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
-Skipped steps and probes: when no draft could pay (`hopeless`), or the last DRY_STEPS lookups
-found no draft at all (or, where a skipped step overlaps, verified nothing), the scheduler runs its plain step (overlapped on a GPU) without even
-looking drafts up; every `probe_interval` such steps one step looks up and verifies up to two
-tokens per request anyway, so the estimates see a change of text. The interval doubles (up to
-PROBE_MAX) while probes find nothing and resets when one is accepted. A verify is measured
-against a plain step of its batch size, so a batch size never seen plain takes one first.
+relative to that plain step; on a GPU the plain step is the overlapped one the scheduler runs when
+it skips the lookups (a lookup step cannot overlap: 4.65 against 4.31 ms at batch 1). Drafts must
+then also pay for it: a step verifies only if E / (1 + rho T + OV) > B / (1 + rho B), OV = ov (1 +
+rho B). (On an H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held
+near its 1% prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
+Skipped steps and probes: when no draft could pay (`hopeless`), or the last DRY_STEPS lookups found
+no draft at all (or, where a skipped step overlaps, verified nothing), the scheduler runs its plain
+step (overlapped on a GPU) without even looking drafts up; every `probe_interval` such steps one
+step looks up and verifies up to two tokens per request (16 in all) anyway, so the estimates see a
+change of text. The interval doubles (up to PROBE_MAX) while probes find nothing and resets when
+one is accepted. A verify is measured against a plain step of its batch size, so a batch size never
+seen plain takes one first.
 Global acceptance is kept per match length and pooled; a match length with little record of its
 own takes the pooled rate (its 0.5 start would otherwise keep every step from being hopeless).
 """
@@ -49,6 +50,7 @@ BUCKET_PRIOR = 2.0  # a match length's record is shrunk toward the pooled rate b
 OVERHEAD_EMA = 0.2  # weight of the newest verify in the overhead estimate
 PROBE_MIN, PROBE_MAX = 8, 512  # hopeless steps between probes
 PROBE_TOKENS = 2  # draft tokens per request in a probe
+PROBE_ROWS = 16  # ... and in all: at batch 64 a probe of every request cost ~3 plain steps
 DRY_STEPS = 4  # lookups in a row that found nothing: skip them too, probing as when hopeless
 
 
@@ -202,6 +204,8 @@ class AdaptivePolicy:
         computes at most `max_tokens` tokens (B + drafts), when given."""
         B = len(lens)
         room = (max_tokens - B) if max_tokens is not None else sum(lens)
+        if self.probing:
+            room = min(room, PROBE_ROWS)
         found = any(lens)
         if not found:
             self.dry_steps += 1
