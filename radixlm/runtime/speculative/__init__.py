@@ -31,6 +31,10 @@ def create(args, sched):
     cfg: SpecConfig = resolve(args)
     if cfg is None:
         return None
+    if cfg.algorithm == "STANDALONE":
+        from radixlm.runtime.speculative.standalone import StandaloneSpeculator
+
+        return StandaloneSpeculator(cfg, sched)
     from radixlm.runtime.speculative.worker import NgramSpeculator
 
     return NgramSpeculator(cfg, sched)

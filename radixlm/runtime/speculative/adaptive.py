@@ -8,8 +8,12 @@ Model (re-estimated every step):
 - Cost: a step that computes T tokens (T = batch + drafts) takes c0 + c1 * T seconds, fitted
   online from the measured steps (per-T bins of recent steps, a Bayesian line fit around a
   prior ratio c1 / c0; see CostModel).
+- A draft model (STANDALONE) adds cd seconds per draft forward: a chain of depth S costs
+  cd * S on top (S = the longest draft of the step), cd measured as the draft forwards' own
+  running mean (the target's c0 + c1 T is fitted on the step time without them).
 Choice: with E expected tokens and T tokens so far (E = T = B without drafts), a draft token
-of gain g raises the step's rate E / (c0 + c1 T) iff g > rho * E / (1 + rho * T), rho = c1 / c0.
+of gain g raises the step's rate E / (c0 + c1 T + cd S) iff g > E * dc / (1 + rho T + rho_d S),
+rho = c1 / c0, rho_d = cd / c0, dc = rho (+ rho_d when the token deepens the chain).
 Tokens are taken in decreasing gain while that holds: a compute-bound batch (rho * T >> 1)
 drafts only near-certain tokens, a request whose drafts fail drafts nothing (0 = plain decode).
 A request not drafting for a while forgets its record (its estimate drifts back to the global
@@ -54,6 +58,7 @@ class CostModel:
         self.prior = prior_ratio
         self.bins: dict[int, list[float]] = {}  # bin -> [weight, mean T, mean seconds]
         self._ratio: Optional[float] = None  # cached until the next observation
+        self.c0: Optional[float] = None  # the fitted fixed cost (seconds), set by ratio()
 
     def observe(self, tokens: int, seconds: float) -> None:
         key = tokens if tokens <= 16 else 16 + round(math.log(tokens / 16) / math.log(1.125))
@@ -76,6 +81,8 @@ class CostModel:
         1..8 extra tokens at batch 1 (a 2x spread in time) decide it."""
         bins = list(self.bins.values())
         if len(bins) < 2:
+            if bins:  # one batch size: the prior splits its mean time
+                self.c0 = bins[0][2] / (1.0 + self.prior * bins[0][1])
             return self.prior
         # a bin's mean counts as at most FIT_BIN_WEIGHT steps: its scatter shrinks with more
         # steps, but load drifts (correlated with the batch shrinking) do not average away
@@ -99,6 +106,7 @@ class CostModel:
         det = a00 * a11 - a01 * a01
         c0 = (a11 * wt - a01 * wTt) / det
         c1 = (a00 * wTt - a01 * wt) / det
+        self.c0 = c0 if c0 > 0 else t_mean / (1.0 + 10.0 * T_mean)
         if c0 <= 0:
             return 10.0
         return min(max(c1 / c0, 0.1 * p), 10.0)
@@ -111,6 +119,24 @@ class AdaptivePolicy:
         # a GPU's far further (a token's FLOPs against all the weights' bytes)
         self.cost = CostModel(0.1 if device_type == "cpu" else 0.01)
         self.glob = [[1.0, 2.0] for _ in range(_MATCH_BUCKETS)]  # (succ, trials) per bucket
+        self.draft_forward_s: Optional[float] = None  # a draft model's seconds per forward
+
+    def draft_ratio(self) -> float:
+        """rho_d = cd / c0: a draft model's forward against the target step's fixed cost (0
+        without a draft model or before both are measured: the first drafts measure them)."""
+        self.cost.ratio()  # (fits c0 when new steps came in)
+        c0 = self.cost.c0
+        if self.draft_forward_s is None or not c0:
+            return 0.0
+        return self.draft_forward_s / c0
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        """A step's draft chain: `forwards` draft-model forwards took `seconds`."""
+        if forwards <= 0 or not (math.isfinite(seconds) and seconds > 0):
+            return
+        per = seconds / forwards
+        prev = self.draft_forward_s
+        self.draft_forward_s = per if prev is None else prev + (per - prev) / COST_BIN_WEIGHT
 
     def estimate(self, rec: Acceptance, match_len: int) -> float:
         gs, gt = self.glob[min(match_len, _MATCH_BUCKETS) - 1]
@@ -125,18 +151,19 @@ class AdaptivePolicy:
         if not self.adaptive:
             return False
         rho, B = self.cost.ratio(), len(recs)
+        rho_d = self.draft_ratio()  # the first draft token also opens the chain
         bound = max(s / t for s, t in self.glob)
         for rec in recs:
             if rec is not None and rec.trials > 0:
                 bound = max(bound, rec.succ / rec.trials)
-        return bound <= rho * B / (1.0 + rho * B)
+        return bound <= (rho + rho_d) * B / (1.0 + rho * B)
 
     def choose(self, recs: list[Acceptance], lens: list[int], matches: list[int]) -> list[int]:
         """Draft length per request (<= lens[i], the draft it has); 0: plain decode."""
         if not self.adaptive:
             return list(lens)
         B = len(lens)
-        rho = self.cost.ratio()
+        rho, rho_d = self.cost.ratio(), self.draft_ratio()
         heap = []  # (-gain, request, j): each request's next draft token to consider
         rates = [0.0] * B
         for i, n in enumerate(lens):
@@ -146,15 +173,18 @@ class AdaptivePolicy:
         heapq.heapify(heap)
         ks = [0] * B
         E = T = float(B)
+        S = 0  # the chain's depth so far (draft forwards)
         while heap:
             neg, i, j = heap[0]
             g = -neg
-            if g <= rho * E / (1.0 + rho * T):
+            dc = rho + (rho_d if j > S else 0.0)
+            if g <= E * dc / (1.0 + rho * T + rho_d * S):
                 break
             heapq.heappop(heap)
             ks[i] = j
             E += g
             T += 1
+            S = max(S, j)
             if j < lens[i]:
                 heapq.heappush(heap, (-g * rates[i], i, j + 1))
         for i, n in enumerate(lens):

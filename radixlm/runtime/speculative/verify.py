@@ -109,10 +109,12 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
 
 
 def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_grammar,
-           want_logprob: bool, top_logprobs_num: int) -> VerifyResult:
+           want_logprob: bool, top_logprobs_num: int,
+           draft_probs: Optional[torch.Tensor] = None) -> VerifyResult:
     """Accept the drafts of every request at once. logits (R, V) float32, row order of `plan`;
     `apply_grammar(logits)` masks the constrained rows (before logprobs, as plain decoding
-    does)."""
+    does); `draft_probs` (R, V): the draft model's q of each row's draft (None: point masses,
+    see rejection.py)."""
     B, R = len(plan.reqs), plan.num_rows
     dev = plan.dev
     row_b, row_j, grid = dev["row_b"], dev["row_j"], dev["grid"]
@@ -128,7 +130,7 @@ def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_
     apply_grammar(logits)
     raw = logits.clone() if want_logprob else None
     accept, token = accept_rows(logits, info, [plan.reqs[b] for b in plan.row_b], dev["draft"],
-                                sampler)
+                                sampler, draft_probs)
 
     offsets = dev["offsets"]
     cols = torch.arange(K, device=grid.device).view(1, -1)

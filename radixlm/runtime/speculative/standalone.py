@@ -1,0 +1,284 @@
+"""STANDALONE: drafts from a smaller model with the target's vocabulary (`--speculative-draft-
+model-path`), verified by the shared step (worker.Speculator).
+
+One step of the draft chain, batched over the drafting requests (F of them, sorted by their
+draft length k_i, longest first, so the requests still drafting at depth j are a prefix):
+  1. catch-up extend: each request computes, on the draft, the tokens whose draft KV it lacks:
+     its whole prompt after admission (the target's cache hits too: the draft has no tree),
+     the correction / bonus token and the last accepted draft after a verify, what mixed
+     prefill steps decoded. At most `chunked_prefill_size` such tokens per step (a request
+     past that budget catches up over several steps and drafts once it has). Its last row
+     per request gives q_1 and d_1.
+  2. depth j = 2..max k: one decode forward of d_{j-1} for the requests with k_i >= j -> q_j, d_j.
+q_j is the draft's distribution processed with the request's own sampling parameters, the
+drafts before it counted as output (rejection.sample_draft), and masked by its grammar (the
+matcher walks the drafts on the host and is rolled back). The verify accepts d_j with
+min(1, p/q_j) and resamples from max(0, p - q_j) (rejection.py). After it (`settle`), the
+draft keeps the KV of its inputs the verify accepted; the rest is freed in the same step.
+
+Host syncs: one for the drafts (plus one per depth when a drafting request has a grammar),
+then the verify's. The draft forwards are timed apart: the adaptive policy prices a chain.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from radixlm.runtime.constrained.grammar import MaskBuffer, apply_bitmask_rows
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.request import Req
+from radixlm.runtime.speculative.draft_runner import DraftKV, DraftState, build_draft_runner
+from radixlm.runtime.speculative.rejection import sample_draft
+from radixlm.runtime.speculative.spec_config import SpecConfig
+from radixlm.runtime.speculative.worker import Speculator, draft_room
+
+
+class StandaloneSpeculator(Speculator):
+    def __init__(self, cfg: SpecConfig, sched):
+        super().__init__(cfg, sched)
+        self.kv = DraftKV(build_draft_runner(sched.args, sched.runner, cfg.max_draft))
+        self.runner = self.kv.runner
+        self.vocab = sched.vocab_size
+        self.masks = MaskBuffer(sched.vocab_size)
+        size = sched.chunked_prefill_size
+        self.catchup_budget = size if size > 0 else 1 << 62
+        self._q: Optional[torch.Tensor] = None  # (N, V) this step's q rows, all depths
+        self._q_rows: dict[int, list[int]] = {}  # id(req) -> its q rows, depth 1..k
+        sched.stats["spec_draft_forwards"] = 0
+
+    # --- the draft chain --------------------------------------------------------------------------
+    def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
+        t0 = time.perf_counter()
+        self._q, self._q_rows = None, {}
+        states = [self.kv.state(r) for r in reqs]
+        rooms = [draft_room(r, self.cfg.max_draft, sched.context_len) for r in reqs]
+        ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs))
+        if not any(ks) or sched.allocator.available_size() < len(reqs) + sum(ks):
+            return [[] for _ in reqs]  # (the verify's target slots are never evicted for)
+        chain, catch = self._plan(reqs, states, ks)
+        drafts = [[] for _ in reqs]
+        if chain or catch:
+            drafts, forwards = self._run(sched, reqs, states, ks, chain, catch)
+            self.draft_seconds = time.perf_counter() - t0
+            self.policy.observe_draft(forwards, self.draft_seconds)
+        return drafts
+
+    def _plan(self, reqs, states, ks) -> tuple[list[int], dict[int, int]]:
+        """(chain: the requests that draft, longest k first; catch: request -> draft tokens it
+        computes this step), within the catch-up budget and the draft pool's room."""
+        budget = self.catchup_budget
+        chain, catch = [], {}
+        for i in sorted((i for i in range(len(reqs)) if ks[i]), key=lambda i: -ks[i]):
+            lag = reqs[i].seqlen - states[i].kv_len  # >= 1: the last token is never computed
+            if lag <= budget:
+                chain.append(i)
+                catch[i] = lag
+                budget -= lag
+            elif budget > 0:  # a long prompt: part of it now, the draft later
+                catch[i] = budget
+                budget = 0
+        need = lambda: sum(catch.values()) + sum(ks[i] - 1 for i in chain)  # noqa: E731
+        if need() > self.kv.free_size():  # the idle requests' draft KV goes first
+            for i, req in enumerate(reqs):
+                if i not in catch:
+                    self.kv.release(req)
+            states[:] = [self.kv.state(r) for r in reqs]
+        while need() > self.kv.free_size() and catch:  # then the shortest drafts
+            last = chain.pop() if chain else next(reversed(catch))
+            catch.pop(last, None)
+        return chain, catch
+
+    def _run(self, sched, reqs, states, ks, chain, catch) -> list[list[int]]:
+        kv, dev = self.kv, sched.device
+        # extend order: multi-token catch-ups first, one-token ones last (a decode tail)
+        entries = sorted(catch, key=lambda i: catch[i] == 1)
+        n_catch = sum(catch.values())
+        chain_k = [ks[i] for i in chain]
+        F, depth = len(chain), max(chain_k, default=1)
+        slots = kv.allocator.alloc(n_catch + sum(k - 1 for k in chain_k))
+        assert slots is not None, "_plan fitted the draft pool"
+        ids, rows, pos, ends = [], [], [], {}
+        for i in entries:
+            st, req = states[i], reqs[i]
+            start, n = st.kv_len, catch[i]
+            ids += _tokens(req, start, start + n)
+            rows += [st.row] * n
+            pos += range(start, start + n)
+            ends[i] = len(pos) - 1
+        grid = []  # (F, depth - 1) indices into `slots` of each chain's inputs d_1 .. d_{k-1}
+        for i, k in zip(chain, chain_k):
+            base = reqs[i].seqlen
+            grid.append([len(pos) + j for j in range(k - 1)] + [0] * (depth - k))
+            rows += [states[i].row] * (k - 1)
+            pos += range(base, base + k - 1)
+        E = len(entries)
+        host = torch.tensor(ids + rows + pos + [states[i].row for i in entries]
+                            + [states[i].kv_len + catch[i] for i in entries]
+                            + [ends[i] for i in chain + [i for i in entries if i not in chain]]
+                            + [states[i].row for i in chain] + [reqs[i].seqlen for i in chain]
+                            + sum(grid, []), dtype=torch.int64)
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(dev, non_blocking=True)
+        N, T = n_catch, len(pos)
+        parts = torch.split(flat, [N, T, T, E, E, E, F, F, F * (depth - 1)])
+        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows, c_base, c_grid = parts
+        kv.rt[d_rows, d_pos] = slots
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=d_ids, positions=d_pos[:N],
+            out_cache_loc=slots[:N], req_pool_indices=e_rows, seq_lens=e_lens,
+            logits_indices=e_last,
+            seq_lens_cpu=[states[i].kv_len + catch[i] for i in entries],
+            extend_prefix_lens_cpu=[states[i].kv_len for i in entries],
+            extend_lens_cpu=[catch[i] for i in entries],
+            num_decode_tail=sum(1 for i in entries if catch[i] == 1))
+        for i in entries:
+            states[i].kv_len += catch[i]
+        logits = self.runner.forward(fb)[:F]  # (F, V): the chain's q_1 rows
+        forwards = 1
+        if not F:  # catch-ups only (a long prompt's next part)
+            return [[] for _ in reqs], forwards
+        c_grid = c_grid.view(F, depth - 1)
+        creqs = [reqs[i] for i in chain]
+        info = sched.running_info.take(chain)
+        grammar = _ChainGrammar(creqs, self.masks)
+        toks, qs = [], []
+        for j in range(1, depth + 1):
+            active = sum(1 for k in chain_k if k >= j)
+            if j > 1:  # the decode of d_{j-1} at position base + j - 2
+                if active < len(info):
+                    info.filter(list(range(active)))
+                p = c_base[:active] + (j - 2)
+                fb = ForwardBatch(
+                    mode=ForwardMode.DECODE, input_ids=toks[-1][:active], positions=p,
+                    out_cache_loc=slots[c_grid[:active, j - 2]],
+                    req_pool_indices=c_rows[:active], seq_lens=p + 1,
+                    logits_indices=torch.arange(active, device=dev),
+                    seq_lens_cpu=[reqs[i].seqlen + j - 1 for i in chain[:active]])
+                logits = self.runner.forward(fb)
+                forwards += 1
+            grammar.mask(logits, active)
+            tok, q = sample_draft(logits, info, creqs[:active], sched.sampler)
+            info.update(tok)
+            grammar.walk(tok, active)
+            toks.append(tok)
+            qs.append(q)
+        sched.stats["spec_draft_forwards"] += forwards
+        for i, k in zip(chain, chain_k):  # the chain's inputs are held until settle
+            states[i].base, states[i].chain = reqs[i].seqlen, k - 1
+            states[i].kv_len += k - 1
+        return self._collect(reqs, chain, chain_k, toks, qs, grammar), forwards
+
+    def _collect(self, reqs, chain, chain_k, toks, qs, grammar) -> list[list[int]]:
+        """The drafts on the host (the step's draft sync), cut after a grammar's end, and the
+        q rows each request's drafts came from."""
+        if not chain:
+            return [[] for _ in reqs]
+        grammar.rollback()
+        flat = grammar.host if grammar.host is not None else torch.cat(toks).tolist()
+        drafts = [[] for _ in reqs]
+        offs = [0]
+        for t in toks:
+            offs.append(offs[-1] + t.shape[0])
+        for a, (i, k) in enumerate(zip(chain, chain_k)):
+            k = min(k, grammar.cut[a])
+            drafts[i] = [flat[offs[j] + a] for j in range(k)]
+        if any(q is not None for q in qs):
+            dense = [q if q is not None else torch.zeros(t.shape[0], self.vocab, device=t.device)
+                     for q, t in zip(qs, toks)]
+            self._q = torch.cat(dense)  # (sum of active rows per depth, V)
+            for a, i in enumerate(chain):
+                self._q_rows[id(reqs[i])] = [offs[j] + a for j in range(len(drafts[i]))]
+        return drafts
+
+    # --- the verify's view and the aftermath ------------------------------------------------------
+    def draft_probs(self, plan) -> Optional[torch.Tensor]:
+        if self._q is None:
+            return None
+        dst, src = [], []
+        for b, req in enumerate(plan.reqs):
+            rows = self._q_rows.get(id(req), [])[: len(plan.drafts[b])]
+            dst += range(plan.offsets[b], plan.offsets[b] + len(rows))
+            src += rows
+        out = self._q.new_zeros(plan.num_rows, self._q.shape[1])  # (R, V); last rows: none
+        dev = self._q.device
+        out[torch.tensor(dst, device=dev)] = self._q[torch.tensor(src, device=dev)]
+        self._q, self._q_rows = None, {}
+        return out
+
+    def settle(self, reqs: list[Req], accepted: list[int]) -> None:
+        """Keep the draft KV of the inputs the verify accepted (last, d_1..d_n): positions up to
+        base + min(n, k - 1); the correction / bonus token is computed at the next catch-up."""
+        states, lengths = [], []
+        for req, n in zip(reqs, accepted):
+            st = req.spec_draft
+            if st is None or st.base is None:
+                continue
+            states.append(st)
+            lengths.append(st.base + min(n, st.chain))
+            st.base, st.chain = None, 0
+        self.kv.keep(states, lengths)
+
+    def on_finish(self, req: Req) -> None:
+        self.kv.release(req)
+
+    def on_retract(self, req: Req) -> None:
+        self.kv.release(req)
+
+    def check_integrity(self, sched) -> None:
+        self.kv.check_integrity(sched.running)
+
+
+class _ChainGrammar:
+    """Grammar masks along the draft chain: before depth j each constrained request's matcher
+    has walked d_1..d_{j-1} (undone by `rollback`). A draft that ends its grammar
+    ends its chain (`cut`: drafts kept per chain request). Without grammars: nothing, no sync."""
+
+    def __init__(self, creqs: list[Req], masks: MaskBuffer):
+        self.creqs, self.masks = creqs, masks
+        self.rows = [a for a, r in enumerate(creqs) if r.grammar is not None]
+        self.cut = [1 << 30] * len(creqs)
+        self.walked = [0] * len(creqs)
+        self.host: Optional[list[int]] = None if not self.rows else []
+
+    def mask(self, logits: torch.Tensor, active: int) -> None:
+        live = [a for a in self.rows if a < active and self.cut[a] > self.walked[a]]
+        if not live:
+            return
+        bitmask = self.masks.get(active)
+        for a in live:
+            self.creqs[a].grammar.fill_next_token_bitmask(bitmask, a)
+        apply_bitmask_rows(logits, bitmask, live, self.masks.vocab_size)
+
+    def walk(self, tok: torch.Tensor, active: int) -> None:
+        if not self.rows:
+            return
+        toks = tok.tolist()  # the matcher needs this depth's drafts on the host
+        self.host += toks
+        for a in self.rows:
+            if a >= active or self.cut[a] <= self.walked[a]:
+                continue
+            m = self.creqs[a].grammar
+            ok = m.accept_token(toks[a])
+            assert ok, "the draft was sampled under the grammar's mask"
+            self.walked[a] += 1
+            if m.is_terminated():
+                self.cut[a] = self.walked[a]
+
+    def rollback(self) -> None:
+        for a in self.rows:
+            if self.walked[a]:
+                self.creqs[a].grammar.rollback(self.walked[a])
+                self.walked[a] = 0
+
+
+def _tokens(req: Req, start: int, end: int) -> list[int]:
+    """The request's tokens [start, end) as vocab ids (image pseudo ids -> the image token)."""
+    prompt = req.vocab_input_ids()
+    n = len(prompt)
+    if start >= n:
+        return req.output_ids[start - n : end - n]
+    return prompt[start:end] + req.output_ids[: max(0, end - n)]
