@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gguf-keep-quantized", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--speculative-algorithm", default="NGRAM", choices=["NGRAM", "STANDALONE"])
+    p.add_argument("--draft-model-path", default=None,
+                   help="STANDALONE: the draft model (the target's vocabulary)")
     p.add_argument("--no-speculative-adaptive", action="store_true")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--save", action="store_true",
@@ -96,12 +99,21 @@ def main(argv=None) -> list[dict]:
     model_path = args.model_path or default_model_path()
     tok = ds.load_tokenizer(model_path)
     kw = dict(model_path=model_path, dtype=args.dtype, gguf_keep_quantized=args.gguf_keep_quantized,
-              max_running_requests=args.batch, speculative_algorithm="NGRAM",
+              max_running_requests=args.batch, speculative_algorithm=args.speculative_algorithm,
+              speculative_draft_model_path=args.draft_model_path,
               speculative_adaptive=not args.no_speculative_adaptive)
     if args.speculative_num_draft_tokens:
         kw["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
     eng = radixlm.Engine(**kw)
-    make_spec = lambda: speculative.create(eng.server_args, eng.scheduler)  # noqa: E731
+    if args.speculative_algorithm == "STANDALONE":  # one draft runner (weights, pool) for all runs
+        draft_spec = eng.scheduler.spec
+
+        def make_spec():  # a cold cost model and global acceptance each run, as NGRAM's
+            draft_spec.policy = type(draft_spec.policy)(draft_spec.cfg.adaptive,
+                                                        eng.runner.device.type)
+            return draft_spec
+    else:
+        make_spec = lambda: speculative.create(eng.server_args, eng.scheduler)  # noqa: E731
     results = []
     try:
         warm = tok("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
@@ -133,6 +145,7 @@ def main(argv=None) -> list[dict]:
                        for a, b in zip(x["ids"], y["ids"]))
             res = {
                 "benchmark": "speculative", "workload": workload, "batch": args.batch,
+                "algorithm": args.speculative_algorithm, "draft_model": args.draft_model_path,
                 "requests": len(ids), "device": device_name(argparse.Namespace(device="cpu")),
                 "dtype": str(eng.runner.dtype).removeprefix("torch."),
                 "gguf_keep_quantized": eng.runner.keep_quantized, "git_commit": commit,

@@ -133,15 +133,19 @@ def test_sampling_seeds_n_and_abort(engines, integrity):
 
 def test_retraction_and_chunked_prefill_match_plain_decoding(paths, engines, integrity):
     """A target pool too small for every output (retraction) and 16-token prefill chunks: the
-    draft catches a 90-token prompt up in 16-token parts, and its own smaller pool (the
-    target's + a chain per request) runs short too (the idle requests' draft KV goes first)."""
+    draft catches a 90-token prompt up in 16-token parts. Prompts sharing a 60-token prefix
+    (the target's tree holds it once, the draft once per request) overflow the draft's pool
+    (the target's 260 tokens + a chain per request): the idle requests' draft KV goes first."""
     import radixlm
 
     eng = radixlm.Engine(model_path=paths["target"], speculative_draft_model_path=paths["draft"],
                          **SPEC, **dict(KW, max_total_tokens=260), chunked_prefill_size=16,
-                         schedule_conservativeness=0.05)
+                         schedule_conservativeness=0.05, max_running_requests=4)
     try:
-        prompts = _prompts(3) + [_prompts(4)[2] + _prompts(4)[1]]
+        g = torch.Generator().manual_seed(3)
+        ids = lambda n: torch.randint(0, V, (n,), generator=g).tolist()  # noqa: E731
+        shared = ids(60)
+        prompts = [shared + ids(n) for n in (4, 9, 13)] + [ids(90), ids(20)]
         params = _greedy(max_new_tokens=40)
         on = eng.generate(input_ids=prompts, sampling_params=params)
         off = engines["off"].generate(input_ids=prompts, sampling_params=params)
@@ -149,6 +153,7 @@ def test_retraction_and_chunked_prefill_match_plain_decoding(paths, engines, int
             assert a["output_ids"] == b["output_ids"]
         stats = eng.get_stats()
         assert stats["retractions"] > 0 and stats["spec_accepted_tokens"] > 0
+        assert stats["spec_draft_kv_short"] > 0
         integrity(eng)
     finally:
         eng.shutdown()
@@ -177,6 +182,7 @@ def test_stop_strings_and_grammar_match_plain_decoding(tiny_chat_path, tmp_path,
             assert a["text"] == b["text"]
         assert got[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert re.fullmatch(r"[a-z ]{4,30}\.", got[1]["text"])
+        assert all(o["meta_info"]["spec_verify_steps"] > 0 for o in got)
         sampled = on.generate(prompts[1:], [dict(p, temperature=1.0, seed=5)
                                             for p in params[1:]])
         assert re.fullmatch(r"[a-z ]{4,30}\.", sampled[0]["text"])
@@ -258,3 +264,40 @@ def test_rejection_with_a_draft_distribution_keeps_the_target_distribution():
     expected = p[support].double() * n
     chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_9999[int(support.sum()) - 1], (chi2, counts.tolist(), p.tolist())
+
+
+def test_adaptive_prices_the_draft_forwards():
+    """A draft forward's cost counts: at batch 1 with c1 / c0 = 0.1 and a 90% acceptance, a
+    draft costing 5% of a target step drafts its whole chain, one costing as much as the
+    target step drafts nothing (and the step skips drafting: hopeless)."""
+    from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
+
+    def policy(draft_share: float) -> AdaptivePolicy:
+        pol = AdaptivePolicy(adaptive=True, device_type="cpu")
+        for _ in range(40):
+            for t in (1, 4, 8):
+                pol.observe_step(t, 0.05 * (1 + 0.1 * t))
+        pol.observe_draft(3, 3 * 0.05 * draft_share)
+        return pol
+
+    rec = Acceptance()
+    rec.succ, rec.trials = 36.0, 40.0
+    assert policy(0.05).choose([rec], [3], [1]) == [3]
+    assert policy(1.0).choose([rec], [3], [1]) == [0]
+    assert policy(1.0).hopeless([rec]) and not policy(0.05).hopeless([rec])
+
+
+def test_draft_memory_estimate_matches_the_checkpoint(paths):
+    """On a GPU the target's KV budget leaves room for the draft's weights and pool
+    (ModelRunner._draft_share): the weight estimate from the config is the checkpoint's size."""
+    from safetensors.torch import load_file
+
+    from radixlm.runtime.config import ServerArgs
+    from radixlm.runtime.speculative.draft_runner import draft_memory
+
+    args = ServerArgs(speculative_algorithm="STANDALONE",
+                      speculative_draft_model_path=paths["draft"])
+    bpt, weights = draft_memory(args, torch.bfloat16)
+    w = load_file(os.path.join(paths["draft"], "model.safetensors"))
+    assert weights == 2 * sum(t.numel() for k, t in w.items() if "norm" not in k)
+    assert bpt == 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads of 16, bf16

@@ -47,7 +47,9 @@ class StandaloneSpeculator(Speculator):
         self.catchup_budget = size if size > 0 else 1 << 62
         self._q: Optional[torch.Tensor] = None  # (N, V) this step's q rows, all depths
         self._q_rows: dict[int, list[int]] = {}  # id(req) -> its q rows, depth 1..k
-        sched.stats["spec_draft_forwards"] = 0
+        self.stats = sched.stats
+        self.stats["spec_draft_forwards"] = 0
+        self.stats["spec_draft_kv_short"] = 0  # steps the draft pool could not hold every chain
 
     # --- the draft chain --------------------------------------------------------------------------
     def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
@@ -82,6 +84,7 @@ class StandaloneSpeculator(Speculator):
                 budget = 0
         need = lambda: sum(catch.values()) + sum(ks[i] - 1 for i in chain)  # noqa: E731
         if need() > self.kv.free_size():  # the idle requests' draft KV goes first
+            self.stats["spec_draft_kv_short"] += 1
             for i, req in enumerate(reqs):
                 if i not in catch:
                     self.kv.release(req)
@@ -166,7 +169,7 @@ class StandaloneSpeculator(Speculator):
             grammar.walk(tok, active)
             toks.append(tok)
             qs.append(q)
-        sched.stats["spec_draft_forwards"] += forwards
+        self.stats["spec_draft_forwards"] += forwards
         for i, k in zip(chain, chain_k):  # the chain's inputs are held until settle
             states[i].base, states[i].chain = reqs[i].seqlen, k - 1
             states[i].kv_len += k - 1
