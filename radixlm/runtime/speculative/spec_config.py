@@ -75,7 +75,8 @@ def resolve(args) -> Optional[SpecConfig]:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}: must be a positive integer (got {v!r})")
     if tokens is None:
-        default = DEFAULT_STANDALONE_DRAFT_TOKENS if algo == "STANDALONE" else DEFAULT_NUM_DRAFT_TOKENS
+        default = (DEFAULT_STANDALONE_DRAFT_TOKENS if algo == "STANDALONE"
+                   else DEFAULT_NUM_DRAFT_TOKENS)
         tokens = default if steps is None else steps + 1
     elif steps is not None and tokens != steps + 1:
         logger.warning("speculative_num_draft_tokens=%d with a chain (top-k 1) of %d steps: "

@@ -30,7 +30,7 @@ import torch
 from radixlm.runtime.constrained.grammar import MaskBuffer, apply_bitmask_rows
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.request import Req
-from radixlm.runtime.speculative.draft_runner import DraftKV, DraftState, build_draft_runner
+from radixlm.runtime.speculative.draft_runner import DraftKV, build_draft_runner
 from radixlm.runtime.speculative.rejection import sample_draft
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.worker import Speculator, draft_room
@@ -65,7 +65,10 @@ class StandaloneSpeculator(Speculator):
         if chain or catch:
             drafts, forwards = self._run(sched, reqs, states, ks, chain, catch)
             self.draft_seconds = time.perf_counter() - t0
-            self.policy.observe_draft(forwards, self.draft_seconds)
+            # the per-forward price from steady steps only (a token or two of catch-up each): a
+            # prompt's catch-up is a one-off, like its prefill, not the cost of a chain step
+            if sum(catch.values()) <= 2 * len(catch):
+                self.policy.observe_draft(forwards, self.draft_seconds)
         return drafts
 
     def _plan(self, reqs, states, ks) -> tuple[list[int], dict[int, int]]:

@@ -70,7 +70,8 @@ class Speculator:
             drafts = self.draft(sched, reqs)
         tokens = len(reqs) + sum(len(d) for d in drafts)
         if tokens > len(reqs) and sched.allocator.available_size() < tokens:
-            drafts, tokens = [[] for _ in reqs], len(reqs)  # never evict cached prefixes for guesses
+            # never evict cached prefixes for guesses
+            drafts, tokens = [[] for _ in reqs], len(reqs)
         if tokens == len(reqs):
             done = sched._complete_decode(sched._launch_decode(reqs))
             self.settle(reqs, [0] * len(reqs))
