@@ -3,9 +3,10 @@ checkpoints (tests/tiny_models.py): a 2-layer target, the target itself as its o
 draft accepted) and a perturbed copy (weights + N(0, 0.01^2): part of the drafts accepted).
 
 Greedy tokens and logprobs equal plain decoding's, with penalties, cache hits, chunked prefill,
-retraction, stop strings and grammars; sampling keeps the target's distribution with a dense
-draft distribution q (chi-square); both KV pools balance after every test (the integrity
-fixture checks the draft's pool too: scheduler.check_integrity -> speculator)."""
+retraction, stop strings and grammars; for sampled requests each verify row is handed the q its
+draft was drawn from (the rejection math itself: test_speculative_parts.py, chi-square); both KV
+pools balance after every test (the integrity fixture checks the draft's pool too:
+scheduler.check_integrity -> speculator)."""
 
 from __future__ import annotations
 
@@ -131,6 +132,42 @@ def test_sampling_seeds_n_and_abort(engines, integrity):
     integrity(eng)
 
 
+def test_each_verify_row_gets_the_q_its_draft_was_drawn_from(engines, monkeypatch, integrity):
+    """The glue between the chain and the verify, for sampled requests: with the target as its
+    own draft, the q handed to the acceptance for row (request, j) is the target's processed p
+    at that row (same request, same depth; penalties counting the drafts before it, bias,
+    min-tokens, top-k/p, min-p), and gives its draft token positive mass. A q of another row or
+    request, or processed without the drafts before it, differs from p there."""
+    from radixlm.runtime.speculative import verify as verify_mod
+
+    seen = []
+    original = verify_mod.accept_rows
+
+    def spy(logits, info, reqs, draft, sampler, draft_probs=None):
+        x = logits.clone()
+        info.apply_penalties_and_masks(x)
+        p = sampler.filtered_probs(x, info)
+        seen.append((p / p.sum(dim=-1, keepdim=True), draft.clone(), draft_probs))
+        return original(logits, info, reqs, draft, sampler, draft_probs)
+
+    monkeypatch.setattr(verify_mod, "accept_rows", spy)
+    base = {"max_new_tokens": 16, "ignore_eos": True}
+    params = [dict(base, temperature=0.8, frequency_penalty=0.6, presence_penalty=0.2),
+              dict(base, temperature=1.2, top_k=20, top_p=0.9, logit_bias={"9": 2.0}),
+              dict(base, temperature=0.6, min_p=0.05, repetition_penalty=1.2,
+                   min_new_tokens=6, seed=4)]
+    engines["self"].generate(input_ids=_prompts(5)[:3], sampling_params=params)
+    rows = 0
+    for p, draft, q in seen:
+        has = draft >= 0
+        assert q is not None
+        assert torch.allclose(q[has], p[has], atol=1e-5), (q[has] - p[has]).abs().max()
+        assert (q[has].gather(1, draft[has].view(-1, 1)) > 0).all()
+        rows += int(has.sum())
+    assert rows > 20
+    integrity(engines["self"])
+
+
 def test_retraction_and_chunked_prefill_match_plain_decoding(paths, engines, integrity):
     """A target pool too small for every output (retraction) and 16-token prefill chunks: the
     draft catches a 90-token prompt up in 16-token parts. Prompts sharing a 60-token prefix
@@ -214,92 +251,3 @@ def test_refusals_name_the_flag(paths):
     cfg = spec_config.resolve(ServerArgs(speculative_algorithm="standalone",
                                          speculative_draft_model_path="x"))
     assert (cfg.algorithm, cfg.max_draft, cfg.draft_model_path) == ("STANDALONE", 3, "x")
-
-
-# chi-square 0.9999 quantiles by degrees of freedom: a correct sampler fails 1 in 10^4 seeds
-CHI2_9999 = {2: 18.42, 3: 21.11, 4: 23.51, 5: 25.75, 6: 27.86, 7: 29.88}
-
-
-def test_rejection_with_a_draft_distribution_keeps_the_target_distribution():
-    """Drafts drawn from a dense q (sample_draft, the draft's processing), accepted with
-    min(1, p/q), rejections resampled from max(0, p - q): the emitted tokens follow p. q differs
-    from p everywhere and keeps tokens p's cuts removed (a wrong residual, e.g. p itself or
-    p without the draft token, fails the chi-square by hundreds)."""
-    from radixlm.runtime.request import Req
-    from radixlm.runtime.sampling.sampler import Sampler
-    from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
-    from radixlm.runtime.sampling_params import SamplingParams
-    from radixlm.runtime.speculative.rejection import accept_rows, sample_draft
-
-    torch.manual_seed(0)
-    v = 8
-    sp = SamplingParams(temperature=0.8, top_k=6, top_p=0.97, frequency_penalty=0.4,
-                        logit_bias={"3": 0.7})
-    sp.verify(v)
-    req = Req("r", [1, 2], sp)
-    req.output_ids = [7, 0]
-    base = SamplingBatchInfo.from_reqs([req], v, "cpu")
-    target = torch.tensor([2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, 2.6])
-    draft_logits = torch.tensor([0.5, 2.0, 1.8, -0.3, 1.2, 0.9, -2.0, 1.0])
-
-    def processed(logits):
-        x = logits.view(1, -1).clone()
-        info = base.take([0])
-        info.apply_penalties_and_masks(x)
-        probs = Sampler().filtered_probs(x, info)[0]
-        return probs / probs.sum()
-
-    p, q_ref = processed(target), processed(draft_logits)
-    assert ((q_ref > 0) & (p == 0)).any() and ((p > 0) & (q_ref == 0)).any()
-    n = 60000
-    rows = [req] * n
-    draft, q = sample_draft(draft_logits.expand(n, v).clone(), base.take([0] * n), rows, Sampler())
-    assert torch.allclose(q[0], q_ref)
-    accept, token = accept_rows(target.expand(n, v).clone(), base.take([0] * n), rows, draft,
-                                Sampler(), q)
-    emitted = torch.where(accept, draft, token)
-    # acceptance rate: sum_x min(p(x), q(x))
-    assert abs(accept.double().mean() - torch.minimum(p, q_ref).sum()) < 0.01
-    support = p > 0
-    counts = torch.bincount(emitted, minlength=v).double()
-    assert counts[~support].sum() == 0
-    expected = p[support].double() * n
-    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_9999[int(support.sum()) - 1], (chi2, counts.tolist(), p.tolist())
-
-
-def test_adaptive_prices_the_draft_forwards():
-    """A draft forward's cost counts: at batch 1 with c1 / c0 = 0.1 and a 90% acceptance, a
-    draft costing 5% of a target step drafts its whole chain, one costing as much as the
-    target step drafts nothing (and the step skips drafting: hopeless)."""
-    from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
-
-    def policy(draft_share: float) -> AdaptivePolicy:
-        pol = AdaptivePolicy(adaptive=True, device_type="cpu")
-        for _ in range(40):
-            for t in (1, 4, 8):
-                pol.observe_step(t, 0.05 * (1 + 0.1 * t))
-        pol.observe_draft(3, 3 * 0.05 * draft_share)
-        return pol
-
-    rec = Acceptance()
-    rec.succ, rec.trials = 36.0, 40.0
-    assert policy(0.05).choose([rec], [3], [1]) == [3]
-    assert policy(1.0).choose([rec], [3], [1]) == [0]
-    assert policy(1.0).hopeless([rec]) and not policy(0.05).hopeless([rec])
-
-
-def test_draft_memory_estimate_matches_the_checkpoint(paths):
-    """On a GPU the target's KV budget leaves room for the draft's weights and pool
-    (ModelRunner._draft_share): the weight estimate from the config is the checkpoint's size."""
-    from safetensors.torch import load_file
-
-    from radixlm.runtime.config import ServerArgs
-    from radixlm.runtime.speculative.draft_runner import draft_memory
-
-    args = ServerArgs(speculative_algorithm="STANDALONE",
-                      speculative_draft_model_path=paths["draft"])
-    bpt, weights = draft_memory(args, torch.bfloat16)
-    w = load_file(os.path.join(paths["draft"], "model.safetensors"))
-    assert weights == 2 * sum(t.numel() for k, t in w.items() if "norm" not in k)
-    assert bpt == 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads of 16, bf16
