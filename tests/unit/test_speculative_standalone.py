@@ -110,6 +110,14 @@ def test_greedy_tokens_and_logprobs_match_plain_decoding(engines, integrity):
         if round_ == 1:
             assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs)
         integrity(eng)
+    # a stop token inside a chain: the drafts after it are cut, the request ends there
+    tok = ref[0]["output_ids"][12]
+    stop = _greedy(stop_token_ids=[tok])
+    stop_ref = engines["off"].generate(input_ids=prompts[0], sampling_params=stop)
+    assert stop_ref["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+    for name in ("self", "other"):
+        _same(stop_ref, engines[name].generate(input_ids=prompts[0], sampling_params=stop))
+        integrity(engines[name])
 
 
 def test_sampling_seeds_n_and_abort(engines, integrity):

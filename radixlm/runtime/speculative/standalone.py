@@ -179,8 +179,8 @@ class StandaloneSpeculator(Speculator):
         return self._collect(reqs, chain, chain_k, toks, qs, grammar), forwards
 
     def _collect(self, reqs, chain, chain_k, toks, qs, grammar) -> list[list[int]]:
-        """The drafts on the host (the step's draft sync), cut after a grammar's end, and the
-        q rows each request's drafts came from."""
+        """The drafts on the host (the step's draft sync), cut after a grammar's end or a stop
+        token, and the q rows each request's drafts came from."""
         if not chain:
             return [[] for _ in reqs]
         grammar.rollback()
@@ -190,8 +190,10 @@ class StandaloneSpeculator(Speculator):
         for t in toks:
             offs.append(offs[-1] + t.shape[0])
         for a, (i, k) in enumerate(zip(chain, chain_k)):
-            k = min(k, grammar.cut[a])
-            drafts[i] = [flat[offs[j] + a] for j in range(k)]
+            d = [flat[offs[j] + a] for j in range(min(k, grammar.cut[a]))]
+            stops = reqs[i].stop_token_ids  # a stop token ends the request: nothing after counts
+            cut = next((j + 1 for j, t in enumerate(d) if t in stops), len(d))
+            drafts[i] = d[:cut]
         if any(q is not None for q in qs):
             dense = [q if q is not None else torch.zeros(t.shape[0], self.vocab, device=t.device)
                      for q, t in zip(qs, toks)]
