@@ -120,6 +120,24 @@ def test_greedy_tokens_and_logprobs_match_plain_decoding(engines, integrity):
         integrity(engines[name])
 
 
+def test_adaptive_policy_keeps_plain_decodings_tokens(paths, engines, integrity):
+    """Adaptive on (the default): a draft as large as the target soon stops paying; whichever
+    steps draft, the tokens are plain decoding's and both pools balance."""
+    import radixlm
+
+    eng = radixlm.Engine(model_path=paths["target"], speculative_algorithm="STANDALONE",
+                         speculative_draft_model_path=paths["draft"], **KW)
+    try:
+        prompts, params = _prompts(6), _greedy(max_new_tokens=40)
+        ref = engines["off"].generate(input_ids=prompts, sampling_params=params)
+        for a, b in zip(ref, eng.generate(input_ids=prompts, sampling_params=params)):
+            assert a["output_ids"] == b["output_ids"]
+        assert eng.get_stats()["spec_draft_forwards"] > 0  # the first steps measure the draft
+        integrity(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_sampling_seeds_n_and_abort(engines, integrity):
     eng = engines["other"]
     prompts = _prompts(2)[:3]
