@@ -12,7 +12,8 @@ draft length k_i, longest first, so the requests still drafting at depth j are a
   2. depth j = 2..max k: one decode forward of d_{j-1} for the requests with k_i >= j -> q_j, d_j.
 q_j is the draft's distribution processed with the request's own sampling parameters, the
 drafts before it counted as output (rejection.sample_draft), and masked by its grammar (the
-matcher walks the drafts on the host and is rolled back). The verify accepts d_j with
+matcher walks the drafts on the host and is rolled back); a chain is cut after a stop token or
+the grammar's end (nothing after them can be kept). The verify accepts d_j with
 min(1, p/q_j) and resamples from max(0, p - q_j) (rejection.py). After it (`settle`), the
 draft keeps the KV of its inputs the verify accepted; the rest is freed in the same step.
 
