@@ -17,8 +17,10 @@ the grammar's end (nothing after them can be kept). The verify accepts d_j with
 min(1, p/q_j) and resamples from max(0, p - q_j) (rejection.py). After it (`settle`), the
 draft keeps the KV of its inputs the verify accepted; the rest is freed in the same step.
 
-Host syncs: one for the drafts (plus one per depth when a drafting request has a grammar),
-then the verify's. The draft forwards are timed apart: the adaptive policy prices a chain.
+Host syncs: the verify's only; the drafts stay on the device (verify.build_verify reads them
+there), unless a drafting request has a grammar (its matcher walks each depth's drafts on the
+host: one sync per depth). The draft forwards are timed apart: the adaptive policy prices a
+chain (on a GPU that time is their launch, the sync being the verify's).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.constrained.grammar import MaskBuffer, apply_bitmask_rows
+from radixlm.runtime.constrained.grammar import MaskBuffer
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.request import Req
+from radixlm.runtime.speculative import grammar_drafts
 from radixlm.runtime.speculative.draft_runner import DraftKV, build_draft_runner
 from radixlm.runtime.speculative.rejection import sample_draft
 from radixlm.runtime.speculative.spec_config import SpecConfig
@@ -48,6 +51,9 @@ class StandaloneSpeculator(Speculator):
         self.catchup_budget = size if size > 0 else 1 << 62
         self._q: Optional[torch.Tensor] = None  # (N, V) this step's q rows, all depths
         self._q_rows: dict[int, list[int]] = {}  # id(req) -> its q rows, depth 1..k
+        self._grid: Optional[torch.Tensor] = None  # (F + 1, depth) this step's drafts
+        self._grid_row: dict[int, int] = {}  # id(req) -> its row of _grid
+        self._timing: Optional[tuple] = None  # (host s, forwards, steady, CUDA events)
         self.stats = sched.stats
         self.stats["spec_draft_forwards"] = 0
         self.stats["spec_draft_kv_short"] = 0  # steps the draft pool could not hold every chain
@@ -55,7 +61,8 @@ class StandaloneSpeculator(Speculator):
     # --- the draft chain --------------------------------------------------------------------------
     def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
         t0 = time.perf_counter()
-        self._q, self._q_rows = None, {}
+        self._q, self._q_rows, self._grid, self._grid_row = None, {}, None, {}
+        self._timing = None
         states = [self.kv.state(r) for r in reqs]
         rooms = [draft_room(r, self.cfg.max_draft, sched.context_len) for r in reqs]
         ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs))
@@ -64,13 +71,32 @@ class StandaloneSpeculator(Speculator):
         chain, catch = self._plan(reqs, states, ks)
         drafts = [[] for _ in reqs]
         if chain or catch:
+            events = None
+            if sched.device.type == "cuda":  # the chain's device time, read after the sync
+                events = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+                events[0].record()
             drafts, forwards = self._run(sched, reqs, states, ks, chain, catch)
-            self.draft_seconds = time.perf_counter() - t0
+            if events is not None:
+                events[1].record()
             # the per-forward price from steady steps only (a token or two of catch-up each): a
             # prompt's catch-up is a one-off, like its prefill, not the cost of a chain step
-            if sum(catch.values()) <= 2 * len(catch):
-                self.policy.observe_draft(forwards, self.draft_seconds)
+            steady = sum(catch.values()) <= 2 * len(catch)
+            self._timing = (time.perf_counter() - t0, forwards, steady, events)
         return drafts
+
+    def draft_elapsed(self) -> float:
+        """The chain's seconds: host time on the CPU; on CUDA its device time between two
+        events (the drafts are not synced; the verify's sync has passed them by now)."""
+        if self._timing is None:
+            return 0.0
+        seconds, forwards, steady, events = self._timing
+        self._timing = None
+        if events is not None:
+            seconds = max(seconds, events[0].elapsed_time(events[1]) / 1e3)
+        if steady:
+            self.policy.observe_draft(forwards, seconds)
+        return seconds
 
     def _plan(self, reqs, states, ks) -> tuple[list[int], dict[int, int]]:
         """(chain: the requests that draft, longest k first; catch: request -> draft tokens it
@@ -151,7 +177,7 @@ class StandaloneSpeculator(Speculator):
         c_grid = c_grid.view(F, depth - 1)
         creqs = [reqs[i] for i in chain]
         info = sched.running_info.take(chain)
-        grammar = _ChainGrammar(creqs, self.masks)
+        grammar = grammar_drafts.ChainGrammar(creqs, self.masks)
         toks, qs = [], []
         for j in range(1, depth + 1):
             active = sum(1 for k in chain_k if k >= j)
@@ -180,17 +206,26 @@ class StandaloneSpeculator(Speculator):
         return self._collect(reqs, chain, chain_k, toks, qs, grammar), forwards
 
     def _collect(self, reqs, chain, chain_k, toks, qs, grammar) -> list[list[int]]:
-        """The drafts on the host (the step's draft sync), cut after a grammar's end or a stop
-        token, and the q rows each request's drafts came from."""
+        """The drafts: on the device (F, depth) for the verify, no sync; on the host only when
+        a grammar walked them (then also cut after a grammar's end or a stop token), else
+        their lengths (placeholder values). And the q rows each request's drafts came from."""
         if not chain:
             return [[] for _ in reqs]
         grammar.rollback()
-        flat = grammar.host if grammar.host is not None else torch.cat(toks).tolist()
+        F, depth = len(chain), len(toks)
+        grid = toks[0].new_zeros(F + 1, depth)  # (F + 1, depth); row F: for no draft
+        for j, t in enumerate(toks):
+            grid[: t.shape[0], j] = t
+        self._grid, self._grid_row = grid, {id(reqs[i]): a for a, i in enumerate(chain)}
+        flat = grammar.host  # every chain row's drafts, depth by depth (None: no grammar)
         drafts = [[] for _ in reqs]
         offs = [0]
         for t in toks:
             offs.append(offs[-1] + t.shape[0])
         for a, (i, k) in enumerate(zip(chain, chain_k)):
+            if flat is None:
+                drafts[i] = [0] * k
+                continue
             d = [flat[offs[j] + a] for j in range(min(k, grammar.cut[a]))]
             stops = reqs[i].stop_token_ids  # a stop token ends the request: nothing after counts
             cut = next((j + 1 for j, t in enumerate(d) if t in stops), len(d))
@@ -204,6 +239,15 @@ class StandaloneSpeculator(Speculator):
         return drafts
 
     # --- the verify's view and the aftermath ------------------------------------------------------
+    def device_drafts(self, reqs: list[Req]) -> Optional[torch.Tensor]:
+        if self._grid is None:
+            return None
+        F = self._grid.shape[0] - 1
+        index = [self._grid_row.get(id(r), F) for r in reqs]
+        out = self._grid[torch.tensor(index, device=self._grid.device)]  # (B, depth)
+        self._grid, self._grid_row = None, {}
+        return out
+
     def draft_probs(self, plan) -> Optional[torch.Tensor]:
         if self._q is None:
             return None
@@ -239,49 +283,6 @@ class StandaloneSpeculator(Speculator):
 
     def check_integrity(self, sched) -> None:
         self.kv.check_integrity(sched.running)
-
-
-class _ChainGrammar:
-    """Grammar masks along the draft chain: before depth j each constrained request's matcher
-    has walked d_1..d_{j-1} (undone by `rollback`). A draft that ends its grammar
-    ends its chain (`cut`: drafts kept per chain request). Without grammars: nothing, no sync."""
-
-    def __init__(self, creqs: list[Req], masks: MaskBuffer):
-        self.creqs, self.masks = creqs, masks
-        self.rows = [a for a, r in enumerate(creqs) if r.grammar is not None]
-        self.cut = [1 << 30] * len(creqs)
-        self.walked = [0] * len(creqs)
-        self.host: Optional[list[int]] = None if not self.rows else []
-
-    def mask(self, logits: torch.Tensor, active: int) -> None:
-        live = [a for a in self.rows if a < active and self.cut[a] > self.walked[a]]
-        if not live:
-            return
-        bitmask = self.masks.get(active)
-        for a in live:
-            self.creqs[a].grammar.fill_next_token_bitmask(bitmask, a)
-        apply_bitmask_rows(logits, bitmask, live, self.masks.vocab_size)
-
-    def walk(self, tok: torch.Tensor, active: int) -> None:
-        if not self.rows:
-            return
-        toks = tok.tolist()  # the matcher needs this depth's drafts on the host
-        self.host += toks
-        for a in self.rows:
-            if a >= active or self.cut[a] <= self.walked[a]:
-                continue
-            m = self.creqs[a].grammar
-            ok = m.accept_token(toks[a])
-            assert ok, "the draft was sampled under the grammar's mask"
-            self.walked[a] += 1
-            if m.is_terminated():
-                self.cut[a] = self.walked[a]
-
-    def rollback(self) -> None:
-        for a in self.rows:
-            if self.walked[a]:
-                self.creqs[a].grammar.rollback(self.walked[a])
-                self.walked[a] = 0
 
 
 def _tokens(req: Req, start: int, end: int) -> list[int]:

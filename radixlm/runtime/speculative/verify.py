@@ -58,7 +58,11 @@ class VerifyResult:
 
 
 def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int]], req_pool,
-                 allocator, device: torch.device) -> tuple[ForwardBatch, VerifyPlan]:
+                 allocator, device: torch.device,
+                 device_drafts: Optional[torch.Tensor] = None) -> tuple[ForwardBatch, VerifyPlan]:
+    """`device_drafts` (B, >= K) int64 on the device: request b's drafts in row b, read instead
+    of the values in `drafts` (whose lengths still count): a draft model's tokens, used before
+    they reach the host, so the verify is queued behind the draft chain without a sync."""
     B = len(reqs)
     ext = [len(d) + 1 for d in drafts]
     offsets = [0, *itertools.accumulate(ext)][:-1]
@@ -90,6 +94,8 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     dev = {"row_b": rows[3], "row_j": rows[4], "draft": rows[5], "info_row": rows[6],
            "offsets": reqs_part[2], "ext": reqs_part[3],
            "grid": flat[7 * R + 4 * B :].view(B, K + 1)}
+    if device_drafts is not None:
+        _take_device_drafts(device_drafts, rows, dev)
     req_pool.req_to_token[rows[2], rows[1]] = slots
     seq_lens = [n + e for n, e in zip(kv_lens, ext)]
     fb = ForwardBatch(
@@ -106,6 +112,19 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
         num_decode_tail=sum(1 for d in drafts if not d),
     )
     return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
+
+
+def _take_device_drafts(drafts: torch.Tensor, rows: torch.Tensor, dev: dict) -> None:
+    """Fill the grid, the input ids and the next-draft column from device drafts (B, >= K):
+    grid[b, j] = drafts[b, j] for j < k_b, else -1; a row's input is the request's last token
+    (row 0) or the draft before it; its next draft is grid[b, j] (-1 on the bonus row)."""
+    grid = dev["grid"]  # (B, K + 1), host-built: -1 past each k_b
+    K = grid.shape[1] - 1
+    if K:
+        grid[:, :K] = torch.where(grid[:, :K] >= 0, drafts[:, :K], grid[:, :K])
+    row_b, row_j = dev["row_b"], dev["row_j"]
+    rows[0] = torch.where(row_j == 0, rows[0], grid[row_b, (row_j - 1).clamp(min=0)])
+    rows[5] = grid[row_b, row_j]
 
 
 def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_grammar,

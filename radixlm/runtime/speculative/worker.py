@@ -56,14 +56,12 @@ class Speculator:
     def __init__(self, cfg: SpecConfig, sched):
         self.cfg = cfg
         self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type)
-        self.draft_seconds = 0.0  # of the current step, spent in a draft model's forwards
         for key in STAT_KEYS:
             sched.stats[key] = 0
 
     def step(self, sched) -> list[Req]:
         """One decode step of sched.running (which ensure_decode_memory gave a slot each)."""
         t0 = time.perf_counter()
-        self.draft_seconds = 0.0
         reqs = list(sched.running)
         drafts = [[] for _ in reqs]
         if not self.policy.hopeless([r.spec_draft and r.spec_draft.record for r in reqs]):
@@ -78,16 +76,26 @@ class Speculator:
         else:
             done = self._verify(sched, reqs, drafts)
         # the target's part of the step: a draft model's forwards are timed on their own
-        self.policy.observe_step(tokens, time.perf_counter() - t0 - self.draft_seconds)
+        self.policy.observe_step(tokens, time.perf_counter() - t0 - self.draft_elapsed())
         return done
 
     # --- what a drafter provides ------------------------------------------------------------------
     def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
         raise NotImplementedError
 
+    def device_drafts(self, reqs: list[Req]) -> Optional[torch.Tensor]:
+        """(B, >= K) the drafts of `reqs` (the verify's order) on the device, when the host
+        lists from `draft` hold their lengths only (values >= 0, read for grammar rows only:
+        a drafter with a grammar request gives those true values); None: the lists are true."""
+        return None
+
     def draft_probs(self, plan) -> Optional[torch.Tensor]:
         """(R, V) q of each verify row's draft (row order of `plan`), or None: point masses."""
         return None
+
+    def draft_elapsed(self) -> float:
+        """Seconds of this step spent in a draft model (read after the step's sync)."""
+        return 0.0
 
     def settle(self, reqs: list[Req], accepted: list[int]) -> None:
         """After the step: `accepted[i]` drafts of reqs[i] were kept (finished ones included)."""
@@ -107,7 +115,7 @@ class Speculator:
         breqs = [reqs[i] for i in order]
         bdrafts = [drafts[i] for i in order]
         fb, plan = build_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
-                                sched.device)
+                                sched.device, self.device_drafts(breqs))
         logits = sched.runner.forward(fb)  # (R, V) float32
         sched.stats["forward_steps"] += 1
         mask = grammar_drafts.masker(breqs, bdrafts, plan.offsets, plan.num_rows, sched.masks)
