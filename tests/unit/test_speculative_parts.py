@@ -268,7 +268,7 @@ def test_draft_memory_estimate_matches_the_checkpoint(tmp_path):
     from safetensors.torch import load_file
     from tiny_models import write_tiny_llama
 
-    from radixlm.runtime.speculative.draft_runner import draft_memory
+    from radixlm.runtime.speculative.draft_budget import draft_memory
 
     path = write_tiny_llama(str(tmp_path / "draft"), vocab=256, heads=4, kv_heads=2, tied=False)
     args = ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path=path)

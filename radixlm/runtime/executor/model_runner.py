@@ -194,15 +194,15 @@ class ModelRunner:
 
     def _draft_share(self, budget: float, bpt: int) -> tuple[float, int]:
         """With a draft model (--speculative-algorithm STANDALONE), its weights and its pool (as
-        many tokens as this one's, plus a chain per request: speculative/draft_runner.py) come
+        many tokens as this one's, plus a chain per request: speculative/draft_budget.py) come
         out of the same budget: every token of this pool then costs the draft's bytes too."""
         if str(self.args.speculative_algorithm).upper() != "STANDALONE":
             return budget, bpt
-        from radixlm.runtime.speculative import draft_runner, spec_config  # (only here)
+        from radixlm.runtime.speculative import draft_budget, spec_config  # (only here)
 
-        draft_bpt, draft_weights = draft_runner.draft_memory(self.args, self.dtype)
+        draft_bpt, draft_weights = draft_budget.draft_memory(self.args, self.dtype)
         max_draft = spec_config.resolve(self.args).max_draft
-        slack = draft_runner.pool_tokens(0, self.args, max_draft) * draft_bpt
+        slack = draft_budget.pool_tokens(0, self.args, max_draft) * draft_bpt
         return budget - draft_weights - slack, bpt + draft_bpt
 
     def replays_decode_graph(self, batch_size: int) -> bool:

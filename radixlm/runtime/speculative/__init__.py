@@ -12,6 +12,7 @@ prefill, retraction, jump-forward, finishing) is the scheduler's own code.
                      decode per depth), q processed as the target's p, its KV kept / freed
   draft_runner.py    the draft model's ModelRunner (own weights, KV pool, req -> token table)
                      and each request's draft KV (no tree; freed on finish / retract / jump)
+  draft_budget.py    the draft's config, pool tokens and bytes (the GPU budget's share)
   adaptive.py        per step, how many draft tokens each request verifies (0: plain decode),
                      a draft model's forwards priced in
   grammar_drafts.py  drafts cut by the grammar, per-row grammar masks

@@ -22,12 +22,10 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.mem_cache.kv_pool import KVPool
-from radixlm.runtime.models import loader
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.adaptive import Acceptance
+from radixlm.runtime.speculative.draft_budget import draft_config, pool_tokens
 
 
 class DraftState:
@@ -44,34 +42,12 @@ class DraftState:
         self.chain = 0  # this step: draft inputs held past base
 
 
-def _draft_config(path: str) -> ModelConfig:
-    return ModelConfig.from_hf(loader.load_hf_config(path, loader.resolve_load_format(path)))
-
-
-def pool_tokens(target_capacity: int, args, max_draft: int) -> int:
-    """The draft pool's tokens: the target's plus one chain per running request."""
-    return target_capacity + (args.max_running_requests + 1) * (max_draft + 1)
-
-
-def draft_memory(args, dtype: torch.dtype) -> tuple[int, int]:
-    """(KV bytes per token, weight bytes) the draft model will take, from its config: on a GPU
-    the target's KV budget makes room for them (ModelRunner._kv_capacity), as both come out of
-    --mem-fraction-static. Weights: embeddings (and an untied head), attention and MLP."""
-    cfg = _draft_config(args.speculative_draft_model_path)
-    h, layers = cfg.hidden_size, cfg.num_layers
-    attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    params = (cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-              + layers * (attn + 3 * h * cfg.intermediate_size))
-    elem = torch.empty((), dtype=dtype).element_size()
-    return KVPool.bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, dtype), params * elem
-
-
 def build_draft_runner(args, target: ModelRunner, max_draft: int) -> ModelRunner:
     """The draft model's runner. Refuses a draft whose vocabulary differs from the target's (its
     token ids would mean other text). Its pool: the target's tokens plus one chain of drafts per
     running request (see the module docstring)."""
     path = args.speculative_draft_model_path
-    cfg = _draft_config(path)
+    cfg = draft_config(path)
     if cfg.vocab_size != target.model_config.vocab_size:
         raise ValueError(f"speculative_draft_model_path: the draft model's vocabulary "
                          f"({cfg.vocab_size} tokens) differs from the target's "

@@ -37,7 +37,7 @@ from radixlm.runtime.speculative.rejection import accept_rows
 class VerifyPlan:
     reqs: list[Req]  # batch order: requests with a draft first, then the plain decodes
     running_rows: list[int]  # each one's row in the running batch (its sampling row)
-    drafts: list[list[int]]
+    drafts: list[list[int]]  # (their lengths; the tokens: dev["grid"], see build_verify)
     offsets: list[int]  # first logits row of each request; request b has len(drafts[b]) + 1
     kv_lens: list[int]  # kv_len of each before the step
     slots: torch.Tensor  # (R,) the step's new KV slots, in row order
