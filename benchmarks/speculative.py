@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gguf-keep-quantized", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--speculative-algorithm", default="NGRAM", choices=["NGRAM", "STANDALONE"])
+    p.add_argument("--draft-model-path", default=None,
+                   help="STANDALONE: the draft model (the target's vocabulary)")
     p.add_argument("--no-speculative-adaptive", action="store_true")
     p.add_argument("--arms", default=None,
                    help="comma list of NUM_DRAFT_TOKENS[:fixed], each an on arm against off on "
@@ -129,7 +132,8 @@ def main(argv=None) -> list[dict]:
     model_path = args.model_path or default_model_path()
     tok = ds.load_tokenizer(args.tokenizer_path or model_path)
     kw = dict(model_path=model_path, dtype=args.dtype, gguf_keep_quantized=args.gguf_keep_quantized,
-              max_running_requests=args.batch, speculative_algorithm="NGRAM",
+              max_running_requests=args.batch, speculative_algorithm=args.speculative_algorithm,
+              speculative_draft_model_path=args.draft_model_path,
               speculative_adaptive=not args.no_speculative_adaptive)
     if args.speculative_num_draft_tokens:
         kw["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
@@ -144,19 +148,33 @@ def main(argv=None) -> list[dict]:
     arms = [(args.speculative_num_draft_tokens, not args.no_speculative_adaptive)]
     if args.arms:
         arms = [(int(a.split(":")[0]), not a.endswith(":fixed")) for a in args.arms.split(",")]
+    standalone = args.speculative_algorithm == "STANDALONE"
+    if standalone and (args.arms or args.drafts != "ngram"):
+        raise SystemExit("--arms and --drafts are for NGRAM (STANDALONE keeps one draft runner)")
 
     def arm_args(tokens, adaptive):
         return dataclasses.replace(eng.server_args, speculative_num_draft_tokens=tokens,
                                    speculative_adaptive=adaptive)
 
-    make_spec = lambda: speculative.create(arm_args(*arms[0]), eng.scheduler)  # noqa: E731
+    def make_arm(arm):
+        if standalone:  # one draft runner (weights, pool) for all runs
+            draft_spec = eng.scheduler.spec
+
+            def make_spec():  # a cold cost model and global acceptance each run, as NGRAM's
+                draft_spec.policy = type(draft_spec.policy)(draft_spec.cfg.adaptive,
+                                                            eng.runner.device.type)
+                return draft_spec
+            return make_spec
+        return lambda a=arm_args(*arm): speculative.create(a, eng.scheduler)
+
+    make_spec = make_arm(arms[0])
     results = []
     try:
         warm = tok("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"]
         for on in (False, True):
             _run(eng, [warm], [{"temperature": 0, "max_new_tokens": 16}], on, make_spec)
         for workload, arm in itertools.product(args.workload or list(spec_text.WORKLOADS), arms):
-            make_spec = lambda a=arm_args(*arm): speculative.create(a, eng.scheduler)  # noqa
+            make_spec = make_arm(arm)
             items = spec_text.build(workload, args.num_requests, args.seed, args.sharegpt)
             texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                      for m, _ in items]
@@ -183,6 +201,7 @@ def main(argv=None) -> list[dict]:
                        for a, b in zip(x["ids"], y["ids"]))
             res = {
                 "benchmark": "speculative", "workload": workload, "batch": args.batch,
+                "algorithm": args.speculative_algorithm, "draft_model": args.draft_model_path,
                 "requests": len(ids), "drafts": args.drafts,
                 "device": device_name(argparse.Namespace(device=eng.runner.device.type)),
                 "model": os.path.basename(model_path.rstrip("/")),

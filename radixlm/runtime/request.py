@@ -115,7 +115,8 @@ class Req:
         self.jumps = 0  # jump-forward splices
         # lowest output index rewritten by a jump-forward since the last streamed update
         self.output_rollback: Optional[int] = None
-        # speculative decoding: the drafting state (n-gram index; dropped when finished), and
+        # speculative decoding: the drafting state (n-gram index, or a draft model's KV row;
+        # dropped when finished), and
         # the verify steps this request drafted in with the tokens they appended
         self.spec_draft: Any = None
         self.spec_verify_steps: Optional[int] = None  # None: speculation is off

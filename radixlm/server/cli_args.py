@@ -78,10 +78,12 @@ _HELP = {
                   "dequantizes them at load. auto: scaled_mm on CUDA SM89+ without TP, else "
                   "dequant; env RADIXLM_FP8_LINEAR overrides",
     "speculative_algorithm": "speculative decoding: NGRAM (drafts from the request's own text "
-                             "and from finished requests' text); STANDALONE and EAGLE3 are "
-                             "not built yet",
+                             "and from finished requests' text), STANDALONE (a draft model: "
+                             "--speculative-draft-model-path); EAGLE3 is not built yet",
+    "speculative_draft_model_path": "STANDALONE: the draft model, a smaller model with the "
+                                    "target's tokenizer and vocabulary",
     "speculative_num_draft_tokens": "tokens one verify computes per request (the last token + "
-                                    "up to this - 1 drafts; default 8)",
+                                    "up to this - 1 drafts; default 8, STANDALONE 4)",
     "speculative_num_steps": "draft chain depth (default: num_draft_tokens - 1)",
     "speculative_eagle_topk": "draft tree branching; only 1 (a chain) is built",
     "speculative_adaptive": "choose each step's draft lengths from recent acceptance and the "

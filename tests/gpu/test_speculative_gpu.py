@@ -1,7 +1,7 @@
-"""On a CUDA GPU, fp32: speculative decoding (NGRAM) gives plain decoding's greedy tokens with
-the triton backend (plain steps from CUDA graphs), drafts are accepted, the KV accounting holds,
-and the rejection sampler keeps the target distribution on the device. Run with
-`pytest -m gpu tests/gpu`."""
+"""On a CUDA GPU, fp32: speculative decoding (NGRAM, STANDALONE) gives plain decoding's greedy
+tokens with the triton backend (plain steps from CUDA graphs), drafts are accepted, the KV
+accounting holds, and the rejection sampler keeps the target distribution on the device. Run
+with `pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ def test_greedy_matches_plain_decoding(tiny_llama_path):
         assert got == ref
         if not adaptive:
             assert stats["spec_accepted_tokens"] > 0
+
+
+def test_standalone_greedy_matches_plain_decoding(tiny_llama_path):
+    """A draft model (the target itself: every draft accepted) on the device: its chain's
+    decode forwards run through its own runner (CUDA graphs), its pool and table are its own."""
+    ref, _ = _generate(tiny_llama_path)
+    got, stats = _generate(tiny_llama_path, speculative_algorithm="STANDALONE",
+                           speculative_draft_model_path=tiny_llama_path,
+                           speculative_adaptive=False)
+    assert got == ref
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
 
 
 def test_rejection_sampling_on_the_device():

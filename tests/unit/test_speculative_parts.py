@@ -1,10 +1,12 @@
 """Speculative decoding's parts without a model: the rejection sampler keeps the target's
-distribution (chi-square on a tiny vocabulary, every sampling parameter on), the n-gram indexes,
-the adaptive policy and the flags."""
+distribution (chi-square on a tiny vocabulary, every sampling parameter on) for point-mass
+(n-gram) and dense (draft model) drafts, the n-gram indexes, the adaptive policy (a draft
+model's forwards priced in) and the flags."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -287,3 +289,81 @@ def test_declined_lookups_skip_only_where_a_skipped_step_overlaps():
             assert pol.wants_verify([None])
             assert pol.choose(_records(0, 6, 1), [5], [2]) == [0]  # ~20%: declined
         assert pol.wants_verify([None]) is not fast_skips
+
+
+def test_rejection_with_a_draft_distribution_keeps_the_target_distribution():
+    """Drafts drawn from a dense q (sample_draft, the draft's processing), accepted with
+    min(1, p/q), rejections resampled from max(0, p - q): the emitted tokens follow p. q differs
+    from p everywhere and keeps tokens p's cuts removed (a wrong residual, e.g. p itself or
+    p without the draft token, fails the chi-square by hundreds)."""
+    from radixlm.runtime.speculative.rejection import sample_draft
+
+    torch.manual_seed(0)
+    sp = SamplingParams(temperature=0.8, top_k=6, top_p=0.97, frequency_penalty=0.4,
+                        logit_bias={"3": 0.7})
+    sp.verify(V)
+    req = Req("r", [1, 2], sp)
+    req.output_ids = [7, 0]
+    base = SamplingBatchInfo.from_reqs([req], V, "cpu")
+    target = torch.tensor([2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, 2.6])
+    draft_logits = torch.tensor([0.5, 2.0, 1.8, -0.3, 1.2, 0.9, -2.0, 1.0])
+
+    def processed(logits):
+        x = logits.view(1, -1).clone()
+        info = base.take([0])
+        info.apply_penalties_and_masks(x)
+        probs = Sampler().filtered_probs(x, info)[0]
+        return probs / probs.sum()
+
+    p, q_ref = processed(target), processed(draft_logits)
+    assert ((q_ref > 0) & (p == 0)).any() and ((p > 0) & (q_ref == 0)).any()
+    n = 60000
+    rows = [req] * n
+    draft, q = sample_draft(draft_logits.expand(n, V).clone(), base.take([0] * n), rows, Sampler())
+    assert torch.allclose(q[0], q_ref)
+    accept, token = accept_rows(target.expand(n, V).clone(), base.take([0] * n), rows, draft,
+                                Sampler(), q)
+    emitted = torch.where(accept, draft, token)
+    # acceptance rate: sum_x min(p(x), q(x))
+    assert abs(accept.double().mean() - torch.minimum(p, q_ref).sum()) < 0.01
+    support = p > 0
+    counts = torch.bincount(emitted, minlength=V).double()
+    assert counts[~support].sum() == 0
+    expected = p[support].double() * n
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_9999[int(support.sum()) - 1], (chi2, counts.tolist(), p.tolist())
+
+
+def test_adaptive_prices_the_draft_forwards():
+    """A draft forward's cost counts: at batch 1 with c1 / c0 = 0.1 and a 90% acceptance, a
+    draft costing 5% of a target step drafts its whole chain, one costing as much as the
+    target step drafts nothing (and the step skips drafting: hopeless)."""
+    def policy(draft_share: float) -> AdaptivePolicy:
+        pol = AdaptivePolicy(adaptive=True, device_type="cpu")
+        for _ in range(40):
+            for t in (1, 4, 8):
+                pol.observe_step(t, 0.05 * (1 + 0.1 * t))
+        pol.observe_draft(3, 3 * 0.05 * draft_share)
+        return pol
+
+    rec = Acceptance()
+    rec.succ, rec.trials = 36.0, 40.0
+    assert policy(0.05).choose([rec], [3], [1]) == [3]
+    assert policy(1.0).choose([rec], [3], [1]) == [0]
+    assert policy(1.0).hopeless([rec]) and not policy(0.05).hopeless([rec])
+
+
+def test_draft_memory_estimate_matches_the_checkpoint(tmp_path):
+    """On a GPU the target's KV budget leaves room for the draft's weights and pool
+    (ModelRunner._draft_share): the weight estimate from the config is the checkpoint's size."""
+    from safetensors.torch import load_file
+    from tiny_models import write_tiny_llama
+
+    from radixlm.runtime.speculative.draft_budget import draft_memory
+
+    path = write_tiny_llama(str(tmp_path / "draft"), vocab=256, heads=4, kv_heads=2, tied=False)
+    args = ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path=path)
+    bpt, weights = draft_memory(args, torch.bfloat16)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    assert weights == 2 * sum(t.numel() for k, t in w.items() if "norm" not in k)
+    assert bpt == 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads of 16, bf16

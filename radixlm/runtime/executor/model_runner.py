@@ -186,6 +186,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.args.mem_fraction_static)
+            budget, bpt = self._draft_share(budget, bpt)
         else:
             budget = CPU_KV_BUDGET_BYTES
         # ranks' pools must hold the same slots: the smallest budget of the TP group
@@ -195,6 +196,19 @@ class ModelRunner:
                                f"for {bpt} bytes per token); lower the model size or raise "
                                "--mem-fraction-static / set --max-total-tokens")
         return capacity
+
+    def _draft_share(self, budget: float, bpt: int) -> tuple[float, int]:
+        """With a draft model (--speculative-algorithm STANDALONE), its weights and its pool (as
+        many tokens as this one's, plus a chain per request: speculative/draft_budget.py) come
+        out of the same budget: every token of this pool then costs the draft's bytes too."""
+        if str(self.args.speculative_algorithm).upper() != "STANDALONE":
+            return budget, bpt
+        from radixlm.runtime.speculative import draft_budget, spec_config  # (only here)
+
+        draft_bpt, draft_weights = draft_budget.draft_memory(self.args, self.dtype)
+        max_draft = spec_config.resolve(self.args).max_draft
+        slack = draft_budget.pool_tokens(0, self.args, max_draft) * draft_bpt
+        return budget - draft_weights - slack, bpt + draft_bpt
 
     def replays_decode_graph(self, batch_size: int) -> bool:
         """Whether a decode batch of this size (without shared-prefix groups) replays a graph."""

@@ -47,6 +47,8 @@ def ensure_decode_memory(sched) -> list:
         victim = sched.running.pop(victim_idx)
         sched.running_info.filter([i for i in range(len(sched.running) + 1) if i != victim_idx])
         tree.cache_finished_req(victim, victim.fill_ids[: victim.kv_len])
+        if sched.spec is not None:  # a draft model's KV of it goes too
+            sched.spec.on_retract(victim)
         victim.reset_for_retract()
         sched.waiting.insert(0, victim)
         retracted.append(victim)

@@ -40,6 +40,8 @@ class Maintenance:
         cap = self.allocator.capacity
         assert free + tree + owned == cap, (
             f"KV leak: free {free} + tree {tree} + owned by requests {owned} != capacity {cap}")
+        if self.spec is not None:  # a draft model's own pool (speculative/draft_runner.py)
+            self.spec.check_integrity(self)
         if self.is_idle():
             assert self.tree_cache.protected_size() == 0, "idle scheduler but locked tree nodes"
             assert self.req_pool.available_size() == self.req_pool.max_reqs, "req_pool rows leaked"

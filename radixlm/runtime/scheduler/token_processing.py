@@ -70,6 +70,8 @@ class TokenProcessing:
             return False
         self.stats["jump_forward_tokens"] += jump.num_new_tokens
         req.jumps += 1
+        if self.spec is not None:  # a draft model's KV of the rewritten output is stale
+            self.spec.on_retract(req)
         prev = req.output_rollback
         req.output_rollback = jump.first_changed if prev is None else min(prev, jump.first_changed)
         old_kv = self._pre_jump_kv_tokens(req, jump)

@@ -5,19 +5,28 @@ decode when `--speculative-algorithm` is set; everything else (admission, chunke
 prefill, retraction, jump-forward, finishing) is the scheduler's own code.
 
   spec_config.py     the SGLang flags, resolved and checked (refusals name the flag)
-  ngram.py           drafts: the request's own n-gram index and the finished requests' table
-  adaptive.py        per step, how many draft tokens each request verifies (0: plain decode)
+  worker.py          the step every drafter shares (Speculator): draft -> verify -> append
+                     through the plain per-token code -> free; NgramSpeculator (NGRAM)
+  ngram.py           NGRAM drafts: the request's own n-gram index and the finished requests' table
+  standalone.py      STANDALONE drafts: a draft model's batched chain (catch-up extend, then one
+                     decode per depth), q processed as the target's p, its KV kept / freed
+  draft_runner.py    the draft model's ModelRunner (own weights, KV pool, req -> token table)
+                     and each request's draft KV (no tree; freed on finish / retract / jump)
+  draft_budget.py    the draft's config, pool tokens and bytes (the GPU budget's share)
+  adaptive.py        per step, how many draft tokens each request verifies (0: plain decode),
+                     a draft model's forwards priced in
   grammar_drafts.py  drafts cut by the grammar, per-row grammar masks
   verify.py          the verify batch (an extend of [last + drafts] per request) and acceptance
-  rejection.py       per row: greedy argmax or rejection sampling on the sampler's distribution
-  worker.py          the step: draft -> verify -> append through the plain per-token code -> free
+  rejection.py       per row: greedy argmax or rejection sampling, min(1, p/q) and
+                     max(0, p - q), with q a draft model's distribution or an n-gram point mass
 
 Invariants (tested in tests/unit/test_speculative*.py): greedy output equals plain decoding's
 (fp32); sampled tokens follow the target distribution; after every step free + tree + owned ==
-capacity (the rejected drafts' slots are freed in the step that computed them); grammar, stop
-strings/regex, logprobs and abort see exactly the tokens kept.
-Not yet: draft models (STANDALONE), EAGLE-3 heads, draft trees (top-k > 1), CUDA graphs for
-the verify forward, overlap with speculation (the scheduler runs it non-overlapped).
+capacity (the rejected drafts' slots are freed in the step that computed them), and for a draft
+model's own pool free + held by running requests == capacity; grammar, stop strings/regex,
+logprobs and abort see exactly the tokens kept.
+Not yet: EAGLE-3 heads, draft trees (top-k > 1), a draft model under tensor parallelism, CUDA
+graphs for the verify forward, overlap with speculation (the scheduler runs it non-overlapped).
 
 `create(args, sched)` returns the scheduler's speculator, or None when speculation is off.
 """
@@ -31,6 +40,10 @@ def create(args, sched):
     cfg: SpecConfig = resolve(args)
     if cfg is None:
         return None
+    if cfg.algorithm == "STANDALONE":
+        from radixlm.runtime.speculative.standalone import StandaloneSpeculator
+
+        return StandaloneSpeculator(cfg, sched)
     from radixlm.runtime.speculative.worker import NgramSpeculator
 
     return NgramSpeculator(cfg, sched)

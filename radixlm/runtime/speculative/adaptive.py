@@ -8,8 +8,12 @@ Model (re-estimated every step):
 - Cost: a step that computes T tokens (T = batch + drafts) takes c0 + c1 * T seconds, fitted
   online from the measured steps (per-T bins of recent steps, a Bayesian line fit around a
   prior ratio c1 / c0; see CostModel).
+- A draft model (STANDALONE) adds cd seconds per draft forward: a chain of depth S costs
+  cd * S on top (S = the longest draft of the step), cd measured as the draft forwards' own
+  running mean (the target's c0 + c1 T is fitted on the step time without them).
 Choice: with E expected tokens and T tokens so far (E = T = B without drafts), a draft token
-of gain g raises the step's rate E / (c0 + c1 T) iff g > rho * E / (1 + rho * T), rho = c1 / c0.
+of gain g raises the step's rate E / (c0 + c1 T + cd S) iff g > E * dc / (1 + rho T + rho_d S),
+rho = c1 / c0, rho_d = cd / c0, dc = rho (+ rho_d when the token deepens the chain).
 Tokens are taken in decreasing gain while that holds: a compute-bound batch (rho * T >> 1)
 drafts only near-certain tokens, a request whose drafts fail drafts nothing (0 = plain decode).
 A request not drafting for a while forgets its record (its estimate drifts back to the global
@@ -78,6 +82,7 @@ class CostModel:
         self.prior = prior_ratio
         self.bins: dict[int, list[float]] = {}  # bin -> [weight, mean T, mean seconds]
         self._ratio: Optional[float] = None  # cached until the next observation
+        self.c0: Optional[float] = None  # the fitted fixed cost (seconds), set by ratio()
 
     def observe(self, tokens: int, seconds: float) -> None:
         key = tokens if tokens <= 16 else 16 + round(math.log(tokens / 16) / math.log(1.125))
@@ -100,6 +105,8 @@ class CostModel:
         1..8 extra tokens at batch 1 (a 2x spread in time) decide it."""
         bins = list(self.bins.values())
         if len(bins) < 2:
+            if bins:  # one batch size: the prior splits its mean time
+                self.c0 = bins[0][2] / (1.0 + self.prior * bins[0][1])
             return self.prior
         # a bin's mean counts as at most FIT_BIN_WEIGHT steps: its scatter shrinks with more
         # steps, but load drifts (correlated with the batch shrinking) do not average away
@@ -123,6 +130,7 @@ class CostModel:
         det = a00 * a11 - a01 * a01
         c0 = (a11 * wt - a01 * wTt) / det
         c1 = (a00 * wTt - a01 * wt) / det
+        self.c0 = c0 if c0 > 0 else t_mean / (1.0 + 10.0 * T_mean)
         if c0 <= 0:
             return 10.0
         return min(max(c1 / c0, 0.1 * p), 10.0)
@@ -147,11 +155,29 @@ class AdaptivePolicy:
         self.dry_steps = 0  # consecutive lookups that found no draft
         self.probing = False  # this step is a probe (see `wants_verify`)
         self.probe_found = False
+        self.draft_forward_s: Optional[float] = None  # a draft model's seconds per forward
 
     def _bucket_rate(self, b: int) -> float:
         s, t = self.glob[b]
         ps, pt = self.pooled
         return (s + BUCKET_PRIOR * ps / pt) / (t + BUCKET_PRIOR)
+
+    def draft_ratio(self) -> float:
+        """rho_d = cd / c0: a draft model's forward against the target step's fixed cost (0
+        without a draft model or before both are measured: the first drafts measure them)."""
+        self.cost.ratio()  # (fits c0 when new steps came in)
+        c0 = self.cost.c0
+        if self.draft_forward_s is None or not c0:
+            return 0.0
+        return self.draft_forward_s / c0
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        """A step's draft chain: `forwards` draft-model forwards took `seconds`."""
+        if forwards <= 0 or not (math.isfinite(seconds) and seconds > 0):
+            return
+        per = seconds / forwards
+        prev = self.draft_forward_s
+        self.draft_forward_s = per if prev is None else prev + (per - prev) / COST_BIN_WEIGHT
 
     def estimate(self, rec: Acceptance, match_len: int) -> float:
         prior = self._bucket_rate(min(match_len, _MATCH_BUCKETS) - 1)
@@ -171,7 +197,8 @@ class AdaptivePolicy:
         for rec in recs:
             if rec is not None and rec.trials > 0:
                 bound = max(bound, (rec.succ + PRIOR_WEIGHT * top) / (rec.trials + PRIOR_WEIGHT))
-        if bound <= rho * B / (1.0 + rho * B):
+        rho_d = self.draft_ratio()  # the first draft token also opens the chain
+        if bound <= (rho + rho_d) * B / (1.0 + rho * B):
             return True
         return bound < 1.0 and bound / (1.0 - bound) <= self.ov
 
@@ -220,7 +247,7 @@ class AdaptivePolicy:
             return ks
         if found and self._plain_time(B) is None:
             return [0] * B  # a plain step of this batch first: verifies are measured against it
-        rho = self.cost.ratio()
+        rho, rho_d = self.cost.ratio(), self.draft_ratio()
         OV = self.ov * (1.0 + rho * B)
         heap = []  # (-gain, request, j): each request's next draft token to consider
         rates = [0.0] * B
@@ -231,19 +258,22 @@ class AdaptivePolicy:
         heapq.heapify(heap)
         ks = [0] * B
         E = T = float(B)
+        S = 0  # the chain's depth so far (draft forwards)
         while heap and room > 0:
             neg, i, j = heap[0]
             g = -neg
-            if g <= rho * E / (1.0 + rho * T + OV):
+            dc = rho + (rho_d if j > S else 0.0)
+            if g <= E * dc / (1.0 + rho * T + rho_d * S + OV):
                 break
             heapq.heappop(heap)
             ks[i] = j
             E += g
             T += 1
             room -= 1
+            S = max(S, j)
             if j < lens[i]:
                 heapq.heappush(heap, (-g * rates[i], i, j + 1))
-        if T > B and E * (1.0 + rho * B) <= B * (1.0 + rho * T + OV):
+        if T > B and E * (1.0 + rho * B) <= B * (1.0 + rho * T + rho_d * S + OV):
             ks = [0] * B  # the tokens pay for themselves but not for the verify's overhead
         if T == B or not any(ks):
             # a lookup that verifies nothing: where skipping it lets the step overlap, it cost

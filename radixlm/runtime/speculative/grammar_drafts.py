@@ -8,12 +8,13 @@ The simplest exact scheme: walk the matcher through the draft and roll it back.
   walking the matcher again and rolled back, so the matcher is unchanged afterwards; the tokens
   the verify keeps are then accepted one by one as in plain decoding (TokenProcessing).
 Per draft token that is two matcher steps on the host, the same kind of work plain decoding does
-per token; only requests with a grammar pay it.
+per token; only requests with a grammar pay it. A draft model's chain (`ChainGrammar`) masks its
+q the same way, walking each depth's drafts before the next depth.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -60,3 +61,47 @@ def masker(reqs: list, drafts: list[list[int]], offsets: list[int], rows: int,
             m.rollback(walked)
 
     return lambda logits: apply_bitmask_rows(logits, bitmask, constrained, masks.vocab_size)
+
+
+class ChainGrammar:
+    """Grammar masks along a draft model's chain (standalone.py), so its q is masked as the
+    target's p will be: before depth j each constrained request's matcher has walked
+    d_1..d_{j-1} (undone by `rollback`). A draft that ends its grammar ends its chain (`cut`:
+    drafts kept per chain request). Without grammars: nothing, no sync."""
+
+    def __init__(self, creqs: list, masks: MaskBuffer):
+        self.creqs, self.masks = creqs, masks
+        self.rows = [a for a, r in enumerate(creqs) if r.grammar is not None]
+        self.cut = [1 << 30] * len(creqs)
+        self.walked = [0] * len(creqs)
+        self.host: Optional[list[int]] = None if not self.rows else []
+
+    def mask(self, logits: torch.Tensor, active: int) -> None:
+        live = [a for a in self.rows if a < active and self.cut[a] > self.walked[a]]
+        if not live:
+            return
+        bitmask = self.masks.get(active)
+        for a in live:
+            self.creqs[a].grammar.fill_next_token_bitmask(bitmask, a)
+        apply_bitmask_rows(logits, bitmask, live, self.masks.vocab_size)
+
+    def walk(self, tok: torch.Tensor, active: int) -> None:
+        if not self.rows:
+            return
+        toks = tok.tolist()  # the matcher needs this depth's drafts on the host
+        self.host += toks
+        for a in self.rows:
+            if a >= active or self.cut[a] <= self.walked[a]:
+                continue
+            m = self.creqs[a].grammar
+            ok = m.accept_token(toks[a])
+            assert ok, "the draft was sampled under the grammar's mask"
+            self.walked[a] += 1
+            if m.is_terminated():
+                self.cut[a] = self.walked[a]
+
+    def rollback(self) -> None:
+        for a in self.rows:
+            if self.walked[a]:
+                self.creqs[a].grammar.rollback(self.walked[a])
+                self.walked[a] = 0

@@ -7,6 +7,8 @@ SGLang's meaning of the numbers, kept here:
   inconsistent, SGLang sets num_draft_tokens = num_steps + 1 and warns; so does this.
 - `speculative_eagle_topk`: the draft tree's branching. Only 1 (a chain) is built: a tree needs
   the tree attention mask in every backend (ForwardBatch would carry it; see verify.py).
+- `speculative_draft_model_path`: STANDALONE's draft model (its vocabulary must be the
+  target's: checked when the draft loads, standalone.py). Its chain defaults to 3 drafts.
 A flag that cannot take effect is refused with a ValueError naming it, never ignored.
 """
 
@@ -19,19 +21,21 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_DRAFT_TOKENS = 8  # a verify row block of 8: one pass of the GGUF kernel's 8-row tile
+# a draft model pays one forward per drafted token: a shorter chain (3 drafts) by default
+DEFAULT_STANDALONE_DRAFT_TOKENS = 4
 MAX_NUM_DRAFT_TOKENS = 64
-NOT_BUILT = {"STANDALONE": "a draft model (STANDALONE)", "EAGLE": "EAGLE heads",
-             "EAGLE3": "EAGLE-3 heads"}
+NOT_BUILT = {"EAGLE": "EAGLE heads", "EAGLE3": "EAGLE-3 heads"}
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    algorithm: str  # "NGRAM"
+    algorithm: str  # "NGRAM" | "STANDALONE"
     max_draft: int  # draft tokens per request per verify (num_draft_tokens - 1)
     adaptive: bool
-    min_match: int  # suffix n-gram lengths looked up, longest first
+    min_match: int  # NGRAM: suffix n-gram lengths looked up, longest first
     max_match: int
-    capacity: int  # n-grams kept from finished requests' text
+    capacity: int  # NGRAM: n-grams kept from finished requests' text
+    draft_model_path: Optional[str] = None  # STANDALONE: the draft model (same vocabulary)
 
 
 def resolve(args) -> Optional[SpecConfig]:
@@ -48,12 +52,21 @@ def resolve(args) -> Optional[SpecConfig]:
     if algo in NOT_BUILT:
         raise ValueError(f"speculative_algorithm={algo}: {NOT_BUILT[algo]} not built yet in "
                          "radixlm; NGRAM is (drafts from the request's own text and from "
-                         "finished requests' text)")
-    if algo != "NGRAM":
-        raise ValueError(f"speculative_algorithm: unknown algorithm {algo!r} (NGRAM; STANDALONE, "
+                         "finished requests' text) and STANDALONE (a draft model)")
+    if algo not in ("NGRAM", "STANDALONE"):
+        raise ValueError(f"speculative_algorithm: unknown algorithm {algo!r} (NGRAM, STANDALONE; "
                          "EAGLE3 later)")
-    if args.speculative_draft_model_path is not None:
+    draft_path = args.speculative_draft_model_path
+    if algo == "NGRAM" and draft_path is not None:
         raise ValueError("speculative_draft_model_path: NGRAM drafts without a model")
+    if algo == "STANDALONE":
+        if draft_path is None:
+            raise ValueError("speculative_draft_model_path: STANDALONE needs a draft model (a "
+                             "smaller model with the target's tokenizer and vocabulary)")
+        if args.tp_size != 1:
+            raise ValueError(f"tp_size={args.tp_size}: STANDALONE runs its draft model "
+                             "unsharded on one rank; tensor parallelism with a draft model is "
+                             "not built yet")
     if args.speculative_eagle_topk not in (None, 1):
         raise ValueError(f"speculative_eagle_topk={args.speculative_eagle_topk}: only 1 (a draft "
                          "chain) is built; draft trees need a tree attention mask")
@@ -62,7 +75,9 @@ def resolve(args) -> Optional[SpecConfig]:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}: must be a positive integer (got {v!r})")
     if tokens is None:
-        tokens = DEFAULT_NUM_DRAFT_TOKENS if steps is None else steps + 1
+        default = (DEFAULT_STANDALONE_DRAFT_TOKENS if algo == "STANDALONE"
+                   else DEFAULT_NUM_DRAFT_TOKENS)
+        tokens = default if steps is None else steps + 1
     elif steps is not None and tokens != steps + 1:
         logger.warning("speculative_num_draft_tokens=%d with a chain (top-k 1) of %d steps: "
                        "using %d, as SGLang does", tokens, steps, steps + 1)
@@ -77,5 +92,6 @@ def resolve(args) -> Optional[SpecConfig]:
                          f"(got {lo}, {hi})")
     if args.speculative_ngram_capacity < 0:
         raise ValueError("speculative_ngram_capacity: must be >= 0")
-    return SpecConfig("NGRAM", tokens - 1, bool(args.speculative_adaptive), lo, hi,
-                      int(args.speculative_ngram_capacity))
+    return SpecConfig(algo, tokens - 1, bool(args.speculative_adaptive), lo, hi,
+                      int(args.speculative_ngram_capacity),
+                      draft_path if algo == "STANDALONE" else None)

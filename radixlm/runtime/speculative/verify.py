@@ -45,7 +45,7 @@ from radixlm.runtime.speculative.rejection import accept_rows
 class VerifyPlan:
     reqs: list[Req]  # batch order: requests with a draft first, then the plain decodes
     running_rows: list[int]  # each one's row in the running batch (its sampling row)
-    drafts: list[list[int]]
+    drafts: list[list[int]]  # (their lengths; the tokens: dev["grid"], see build_verify)
     offsets: list[int]  # first logits row of each request; request b has len(drafts[b]) + 1
     kv_lens: list[int]  # kv_len of each before the step
     slots: torch.Tensor  # (R,) the step's new KV slots, in row order
@@ -67,7 +67,12 @@ class VerifyResult:
 
 def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int]], req_pool,
                  allocator, device: torch.device,
+                 device_drafts: Optional[torch.Tensor] = None,
                  as_decode: bool = False) -> tuple[ForwardBatch, VerifyPlan]:
+    """`device_drafts` (B, >= K) int64 on the device: request b's drafts in row b, read instead
+    of the values in `drafts` (whose lengths still count): a draft model's tokens, used before
+    they reach the host, so the verify is queued behind the draft chain without a sync.
+    `as_decode`: the verify as a DECODE batch (see the module docstring)."""
     B = len(reqs)
     ext = [len(d) + 1 for d in drafts]
     offsets = [0, *itertools.accumulate(ext)][:-1]
@@ -99,6 +104,8 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     dev = {"row_b": rows[3], "row_j": rows[4], "draft": rows[5], "info_row": rows[6],
            "offsets": reqs_part[2], "ext": reqs_part[3],
            "grid": flat[7 * R + 4 * B :].view(B, K + 1)}
+    if device_drafts is not None:
+        _take_device_drafts(device_drafts, rows, dev)
     req_pool.req_to_token[rows[2], rows[1]] = slots
     seq_lens = [n + e for n, e in zip(kv_lens, ext)]
     if as_decode:
@@ -123,11 +130,26 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
 
 
+def _take_device_drafts(drafts: torch.Tensor, rows: torch.Tensor, dev: dict) -> None:
+    """Fill the grid, the input ids and the next-draft column from device drafts (B, >= K):
+    grid[b, j] = drafts[b, j] for j < k_b, else -1; a row's input is the request's last token
+    (row 0) or the draft before it; its next draft is grid[b, j] (-1 on the bonus row)."""
+    grid = dev["grid"]  # (B, K + 1), host-built: -1 past each k_b
+    K = grid.shape[1] - 1
+    if K:
+        grid[:, :K] = torch.where(grid[:, :K] >= 0, drafts[:, :K], grid[:, :K])
+    row_b, row_j = dev["row_b"], dev["row_j"]
+    rows[0] = torch.where(row_j == 0, rows[0], grid[row_b, (row_j - 1).clamp(min=0)])
+    rows[5] = grid[row_b, row_j]
+
+
 def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_grammar,
-           want_logprob: bool, top_logprobs_num: int) -> VerifyResult:
+           want_logprob: bool, top_logprobs_num: int,
+           draft_probs: Optional[torch.Tensor] = None) -> VerifyResult:
     """Accept the drafts of every request at once. logits (R, V) float32, row order of `plan`;
     `apply_grammar(logits)` masks the constrained rows (before logprobs, as plain decoding
-    does)."""
+    does); `draft_probs` (R, V): the draft model's q of each row's draft (None: point masses,
+    see rejection.py)."""
     B, R = len(plan.reqs), plan.num_rows
     dev = plan.dev
     row_b, row_j, grid = dev["row_b"], dev["row_j"], dev["grid"]
@@ -143,7 +165,7 @@ def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_
     apply_grammar(logits)
     raw = logits.clone() if want_logprob else None
     accept, token = accept_rows(logits, info, [plan.reqs[b] for b in plan.row_b], dev["draft"],
-                                sampler)
+                                sampler, draft_probs)
 
     offsets = dev["offsets"]
     cols = torch.arange(K, device=grid.device).view(1, -1)

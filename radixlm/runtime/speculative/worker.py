@@ -1,7 +1,8 @@
 """The speculative decode step the scheduler runs instead of a plain decode step.
 
-  draft    each running request looks up an n-gram draft (ngram.py), cut by its grammar and by
-           its length limits; the adaptive policy picks how much of it to verify (0: none)
+  draft    the drafter proposes each running request's draft, cut by its grammar and its
+           length limits, its length picked by the adaptive policy (0: none): n-gram lookups
+           (NgramSpeculator here, ngram.py) or a draft model's chain (standalone.py)
   verify   no draft anywhere: the plain decode step (the scheduler's own code, unchanged).
            Otherwise one extend forward over [last token + drafts] of every request
            (verify.py) and one acceptance pass over all rows (rejection.py)
@@ -11,12 +12,14 @@
   free     KV slots of the tokens not kept go back to the allocator in the same step: request
            b keeps the slots of the m_b tokens it appended (its kv_len grows by m_b), so the
            accounting free + tree + owned == capacity holds after every step
-One device -> host sync per step (tokens and accept counts together).
+One device -> host sync per verify (tokens and accept counts together); a draft model adds one
+for its drafts (standalone.py).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
@@ -32,7 +35,7 @@ STAT_KEYS = ("spec_verify_steps", "spec_verify_reqs", "spec_verify_tokens", "spe
 
 
 class DraftState:
-    """A request's drafting state (`Req.spec_draft`): its n-gram index and acceptance record."""
+    """A request's n-gram drafting state (`Req.spec_draft`): its index and acceptance record."""
 
     __slots__ = ("own", "record", "match")
 
@@ -42,10 +45,16 @@ class DraftState:
         self.match = 0  # suffix length of the current draft's match
 
 
-class NgramSpeculator:
+class Speculator:
+    """The step every drafter shares. A subclass proposes the drafts (`draft`: already cut by
+    the adaptive policy, the grammar and the length limits), may give the distributions they
+    were drawn from (`draft_probs`; None: point masses), hears how many of each request's
+    drafts were accepted (`settle`) and when a request stops holding KV (`on_finish`,
+    `on_retract`). A request's drafting state is `req.spec_draft`, with `.record` (its
+    Acceptance) and `.match` (the adaptive policy's bucket)."""
+
     def __init__(self, cfg: SpecConfig, sched):
         self.cfg = cfg
-        self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
         self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type)
         self.policy.fast_skips = (sched.device.type == "cuda"  # a skipped step overlaps
                                   and not sched.args.disable_overlap_schedule)
@@ -72,62 +81,74 @@ class NgramSpeculator:
         """One decode step of sched.running (which ensure_decode_memory gave a slot each)."""
         t0 = time.perf_counter()
         reqs = list(sched.running)
-        ks = [0] * len(reqs)
+        drafts = [[] for _ in reqs]
         if self.wants_verify(sched):
-            drafts = [self._draft(req, sched.context_len) for req in reqs]
-            graphs = sched.runner.graph_runner  # a verify past the graphs runs eagerly: 10x
-            ks = self.policy.choose([r.spec_draft.record for r in reqs],
-                                    [len(d) for d in drafts], [r.spec_draft.match for r in reqs],
-                                    graphs.max_bs if graphs is not None else None)
-        tokens = len(reqs) + sum(ks)
+            drafts = self.draft(sched, reqs)
+        tokens = len(reqs) + sum(len(d) for d in drafts)
         if tokens > len(reqs) and sched.allocator.available_size() < tokens:
-            ks, tokens = [0] * len(reqs), len(reqs)  # never evict cached prefixes for guesses
+            # never evict cached prefixes for guesses
+            drafts, tokens = [[] for _ in reqs], len(reqs)
         if tokens == len(reqs):
             done = sched._complete_decode(sched._launch_decode(reqs))
+            self.settle(reqs, [0] * len(reqs))
         else:
-            done = self._verify(sched, reqs, [d[:k] for d, k in zip(drafts, ks)])
-        self.policy.observe_step(tokens, time.perf_counter() - t0,
+            done = self._verify(sched, reqs, drafts)
+        # the target's part of the step: a draft model's forwards are timed on their own
+        self.policy.observe_step(tokens, time.perf_counter() - t0 - self.draft_elapsed(),
                                  len(reqs) if tokens > len(reqs) else None)
         return done
 
+    # --- what a drafter provides ------------------------------------------------------------------
+    def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def device_drafts(self, reqs: list[Req]) -> Optional[torch.Tensor]:
+        """(B, >= K) the drafts of `reqs` (the verify's order) on the device, when the host
+        lists from `draft` hold their lengths only (values >= 0, read for grammar rows only:
+        a drafter with a grammar request gives those true values); None: the lists are true."""
+        return None
+
+    def draft_probs(self, plan) -> Optional[torch.Tensor]:
+        """(R, V) q of each verify row's draft (row order of `plan`), or None: point masses."""
+        return None
+
+    def draft_elapsed(self) -> float:
+        """Seconds of this step spent in a draft model (read after the step's sync)."""
+        return 0.0
+
+    def settle(self, reqs: list[Req], accepted: list[int]) -> None:
+        """After the step: `accepted[i]` drafts of reqs[i] were kept (finished ones included)."""
+
     def on_finish(self, req: Req) -> None:
-        """A request is done: its output's n-grams join the shared table; its index goes."""
-        state = req.spec_draft
-        if state is None:
-            return
-        state.own.sync(req.output_ids, req.jumps)
-        self.shared.add(state.own.tokens, state.own.n_prompt)
         req.spec_draft = None
 
-    # --- internals ------------------------------------------------------------------------------
-    def _draft(self, req: Req, context_len: int) -> list[int]:
-        state = req.spec_draft
-        if state is None:
-            state = req.spec_draft = DraftState(req, self.cfg)
-        state.own.sync(req.output_ids, req.jumps)
-        # a verify appends up to k + 1 tokens: within max_new_tokens and the context
-        room = min(self.cfg.max_draft, req.remaining_new_tokens() - 1,
-                   context_len - req.seqlen - 1)
-        draft, state.match = propose(state.own, self.shared, room)
-        return grammar_drafts.truncate(req, draft)
+    def on_retract(self, req: Req) -> None:
+        """The request gave its KV back (retraction, or a jump-forward that rewrites it)."""
 
+    def check_integrity(self, sched) -> None:
+        """Assert the drafter's own accounting (a draft model's KV pool)."""
+
+    # --- the verify -------------------------------------------------------------------------------
     def _verify(self, sched, reqs: list[Req], drafts: list[list[int]]) -> list[Req]:
         order = sorted(range(len(reqs)), key=lambda i: not drafts[i])  # drafts first (stable)
         breqs = [reqs[i] for i in order]
         bdrafts = [drafts[i] for i in order]
         rows = len(reqs) + sum(map(len, drafts))
         fb, plan = build_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
-                                sched.device, as_decode=sched.runner.replays_decode_graph(rows))
+                                sched.device, self.device_drafts(breqs),
+                                as_decode=sched.runner.replays_decode_graph(rows))
         logits = sched.runner.forward(fb)  # (R, V) float32
         sched.stats["forward_steps"] += 1
         mask = grammar_drafts.masker(breqs, bdrafts, plan.offsets, plan.num_rows, sched.masks)
         lp_reqs = [r for r in reqs if r.return_logprob]
         res = verify(logits, plan, sched.running_info, sched.sampler, mask, bool(lp_reqs),
-                     max((r.top_logprobs_num for r in lp_reqs), default=0))
+                     max((r.top_logprobs_num for r in lp_reqs), default=0),
+                     self.draft_probs(plan))
 
         free: list[int] = []  # rows of plan.slots whose tokens were not kept
         keep: set[int] = set()
         kept_rows, kept_toks, counts = [], [], [0] * len(reqs)
+        accepted = [0] * len(reqs)
         stats = sched.stats
         stats["spec_verify_steps"] += 1
         for b, req in enumerate(breqs):
@@ -137,6 +158,7 @@ class NgramSpeculator:
             free.extend(range(off + m, off + k + 1))
             i = order[b]
             counts[i] = m
+            accepted[i] = res.accepted[b]
             kept_rows += [i] * m
             kept_toks += res.tokens[b][:m]
             if alive:
@@ -155,7 +177,52 @@ class NgramSpeculator:
         sched.running_info.advance(torch.tensor(kept_rows, device=dev),
                                    torch.tensor(kept_toks, device=dev), counts)
         sched._retire(reqs, keep)
+        self.settle(reqs, accepted)
         return reqs
+
+
+class NgramSpeculator(Speculator):
+    def __init__(self, cfg: SpecConfig, sched):
+        super().__init__(cfg, sched)
+        self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
+
+    def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
+        drafts = [self._lookup(req, sched.context_len) for req in reqs]
+        ks = self.policy.choose([r.spec_draft.record for r in reqs], [len(d) for d in drafts],
+                                [r.spec_draft.match for r in reqs], verify_rows(sched))
+        return [d[:k] for d, k in zip(drafts, ks)]
+
+    def on_finish(self, req: Req) -> None:
+        """A request is done: its output's n-grams join the shared table; its index goes."""
+        state = req.spec_draft
+        if state is None:
+            return
+        state.own.sync(req.output_ids, req.jumps)
+        self.shared.add(state.own.tokens, state.own.n_prompt)
+        req.spec_draft = None
+
+    def _lookup(self, req: Req, context_len: int) -> list[int]:
+        state = req.spec_draft
+        if state is None:
+            state = req.spec_draft = DraftState(req, self.cfg)
+        state.own.sync(req.output_ids, req.jumps)
+        # a verify appends up to k + 1 tokens: within max_new_tokens and the context
+        draft, state.match = propose(state.own, self.shared, draft_room(req, self.cfg.max_draft,
+                                                                        context_len))
+        return grammar_drafts.truncate(req, draft)
+
+
+def draft_room(req: Req, max_draft: int, context_len: int) -> int:
+    """Draft tokens a verify may add: it appends up to k + 1 tokens, within max_new_tokens and
+    the context."""
+    return max(0, min(max_draft, req.remaining_new_tokens() - 1, context_len - req.seqlen - 1))
+
+
+def verify_rows(sched):
+    """The most tokens a verify may compute: the decode graphs' rows where there are graphs (a
+    verify past them runs eagerly: 10x a plain step at batch 64 on an H200), else no limit."""
+    graphs = sched.runner.graph_runner
+    return graphs.max_bs if graphs is not None else None
 
 
 def _append(sched, req: Req, tokens: list[int], kv_len: int, logprobs, first_row: int):
