@@ -216,6 +216,14 @@ def test_verify_overhead_is_learned_and_paid_for():
     for _ in range(30):  # drafts that fail: no draft could pay, the lookups stop
         pol.record(Acceptance(), 4, 2, 0)
     assert pol.hopeless([None])
+    # the first verify at a batch of 64 measures the overhead: it is kept as small as a probe
+    from radixlm.runtime.speculative import adaptive
+
+    big = AdaptivePolicy(adaptive=True, device_type="cuda")
+    big.observe_step(64, 0.007)
+    assert sum(big.choose(_records(40, 42, 64), [7] * 64, [4] * 64)) == adaptive.PROBE_ROWS
+    big.observe_step(64 + adaptive.PROBE_ROWS, 0.009, batch=64)
+    assert big.ov_measured and sum(big.choose(_records(40, 42, 64), [7] * 64, [4] * 64)) > 16
     # where verifies cost what the line says, no overhead is learned
     flat = AdaptivePolicy(adaptive=True, device_type="cuda")
     _plain_and_verify_steps(flat, 0.004, 0.004 * 1.03 / 1.01)

@@ -33,7 +33,8 @@ step (overlapped on a GPU) without even looking drafts up; every `probe_interval
 step looks up and verifies up to two tokens per request (16 in all) anyway, so the estimates see a
 change of text. The interval doubles (up to PROBE_MAX) while probes find nothing and resets when
 one is accepted. A verify is measured against a plain step of its batch size, so a batch size never
-seen plain takes one first.
+seen plain takes one first; on a GPU the first verify is as small as a probe (a first verify of
+every request at batch 64 cost about 3 plain steps).
 Global acceptance is kept per match length and pooled; a match length with little record of its
 own takes the pooled rate (its 0.5 start would otherwise keep every step from being hopeless).
 """
@@ -52,7 +53,7 @@ FIT_BIN_WEIGHT = 4.0  # ... and counts as at most this many in the fit
 _MATCH_BUCKETS = 4  # global acceptance by suffix-match length: 1, 2, 3, 4+
 BUCKET_PRIOR = 2.0  # a match length's record is shrunk toward the pooled rate by this many trials
 OVERHEAD_EMA = 0.2  # weight of the newest verify in the overhead estimate
-PROBE_MIN, PROBE_MAX = 8, 512  # hopeless steps between probes
+PROBE_MIN, PROBE_MAX = 16, 512  # skipped steps between probes
 PROBE_TOKENS = 2  # draft tokens per request in a probe
 PROBE_ROWS = 16  # ... and in all: at batch 64 a probe of every request cost ~3 plain steps
 DRY_STEPS = 4  # lookups in a row that found nothing: skip them too, probing as when hopeless
@@ -145,6 +146,7 @@ class AdaptivePolicy:
         self.glob = [[0.0, 0.0] for _ in range(_MATCH_BUCKETS)]  # (succ, trials) per bucket
         self.pooled = [1.0, 2.0]  # (succ, trials) over all buckets; starts at 1/2
         self.ov = 0.0  # a verify's fixed overhead, in plain steps of its batch
+        self.ov_measured = False
         self.plain: dict[int, float] = {}  # batch size -> recent plain steps' mean seconds
         self.fast: dict[int, float] = {}  # ... of the steps run without lookups (overlapped)
         # whether a skipped step is cheaper than a lookup that verifies nothing (a GPU's
@@ -231,8 +233,8 @@ class AdaptivePolicy:
         computes at most `max_tokens` tokens (B + drafts), when given."""
         B = len(lens)
         room = (max_tokens - B) if max_tokens is not None else sum(lens)
-        if self.probing:
-            room = min(room, PROBE_ROWS)
+        if self.probing or (self.fast_skips and not self.ov_measured):
+            room = min(room, PROBE_ROWS)  # (the first verify measures the overhead: keep it small)
         found = any(lens)
         if not found:
             self.dry_steps += 1
@@ -314,6 +316,8 @@ class AdaptivePolicy:
                 pred = plain * (1.0 + rho * tokens) / (1.0 + rho * batch)
                 extra = (seconds - pred) / plain
                 self.ov += OVERHEAD_EMA * (max(extra, 0.0) - self.ov)
+                if not self.ov_measured:  # the first measurement replaces the start value
+                    self.ov, self.ov_measured = max(extra, 0.0), True
             if self.probing:  # the probe's outcome sets when the next one runs
                 self._end_probe(self.probe_found)
                 self.probe_found = False

@@ -12,8 +12,17 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.models import loader
 
 
-def draft_config(path: str) -> ModelConfig:
-    return ModelConfig.from_hf(loader.load_hf_config(path, loader.resolve_load_format(path)))
+def draft_load_format(args) -> str:
+    """Random weights for the draft too when the target's are (`--load-format dummy`, as SGLang
+    does): a config-only folder then serves as its own draft (the same seed, the same weights)."""
+    if args.load_format == "dummy":
+        return "dummy"
+    return loader.resolve_load_format(args.speculative_draft_model_path)
+
+
+def draft_config(args) -> ModelConfig:
+    path = args.speculative_draft_model_path
+    return ModelConfig.from_hf(loader.load_hf_config(path, draft_load_format(args)))
 
 
 def pool_tokens(target_capacity: int, args, max_draft: int) -> int:
@@ -25,7 +34,7 @@ def draft_memory(args, dtype: torch.dtype) -> tuple[int, int]:
     """(KV bytes per token, weight bytes) the draft model will take, from its config: on a GPU
     the target's KV budget makes room for them (ModelRunner._kv_capacity), as both come out of
     --mem-fraction-static. Weights: embeddings (and an untied head), attention and MLP."""
-    cfg = draft_config(args.speculative_draft_model_path)
+    cfg = draft_config(args)
     h, layers = cfg.hidden_size, cfg.num_layers
     attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     params = (cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)

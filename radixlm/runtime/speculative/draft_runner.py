@@ -25,7 +25,7 @@ import torch
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.adaptive import Acceptance
-from radixlm.runtime.speculative.draft_budget import draft_config, pool_tokens
+from radixlm.runtime.speculative.draft_budget import draft_config, draft_load_format, pool_tokens
 
 
 class DraftState:
@@ -47,14 +47,15 @@ def build_draft_runner(args, target: ModelRunner, max_draft: int) -> ModelRunner
     token ids would mean other text). Its pool: the target's tokens plus one chain of drafts per
     running request (see the module docstring)."""
     path = args.speculative_draft_model_path
-    cfg = draft_config(path)
+    cfg = draft_config(args)
     if cfg.vocab_size != target.model_config.vocab_size:
         raise ValueError(f"speculative_draft_model_path: the draft model's vocabulary "
                          f"({cfg.vocab_size} tokens) differs from the target's "
                          f"({target.model_config.vocab_size}); a draft must share the target's "
                          "tokenizer")
     capacity = pool_tokens(target.capacity, args, max_draft)
-    draft_args = args.replace(model_path=path, load_format="auto", tokenizer_path=None,
+    draft_args = args.replace(model_path=path, load_format=draft_load_format(args),
+                              tokenizer_path=None,
                               max_total_tokens=capacity, context_length=target.context_len,
                               speculative_algorithm=None, speculative_draft_model_path=None,
                               speculative_num_steps=None, speculative_num_draft_tokens=None,
