@@ -375,3 +375,20 @@ def test_draft_memory_estimate_matches_the_checkpoint(tmp_path):
     w = load_file(os.path.join(path, "model.safetensors"))
     assert weights == 2 * sum(t.numel() for k, t in w.items() if "norm" not in k)
     assert bpt == 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads of 16, bf16
+
+
+def test_a_lazily_built_index_equals_the_eager_one():
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 20, (700,), generator=g).tolist()
+    eager = OwnIndex(prompt, 1, 6)
+    lazy = OwnIndex(prompt, 1, 6, lazy=True)
+    shared = SharedIndex(1, 6, 5, 1000)
+    assert not lazy.ready and lazy.build(256) == 256 and not lazy.ready
+    while not lazy.ready:
+        lazy.build(64)
+    assert lazy.build(64) == 0
+    out = torch.randint(0, 20, (40,), generator=g).tolist()
+    for idx in (eager, lazy):
+        idx.sync(out, 0)
+    assert (lazy.tokens, lazy.table, lazy.suffix) == (eager.tokens, eager.table, eager.suffix)
+    assert propose(lazy, shared, 5) == propose(eager, shared, 5)

@@ -161,6 +161,8 @@ class Scheduler(TokenProcessing, Maintenance):
                 self.inflight = self._launch_decode(chain, chained_input_ids(prev, chain))
             done += self._complete_decode(prev)
             if self.inflight is not None:
+                if self.spec is not None:  # the GPU runs the next step: host work is free now
+                    self.spec.idle_work(self)
                 return done
         return done + self._step()
 

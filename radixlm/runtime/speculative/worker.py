@@ -39,8 +39,8 @@ class DraftState:
 
     __slots__ = ("own", "record", "match")
 
-    def __init__(self, req: Req, cfg: SpecConfig):
-        self.own = OwnIndex(req.vocab_input_ids(), cfg.min_match, cfg.max_match)
+    def __init__(self, req: Req, cfg: SpecConfig, lazy: bool = False):
+        self.own = OwnIndex(req.vocab_input_ids(), cfg.min_match, cfg.max_match, lazy)
         self.record = Acceptance()
         self.match = 0  # suffix length of the current draft's match
 
@@ -122,6 +122,10 @@ class Speculator:
     def on_finish(self, req: Req) -> None:
         req.spec_draft = None
 
+    def idle_work(self, sched) -> None:
+        """Host work to do while a step is in flight (the scheduler calls it after completing
+        the step before): nothing by default."""
+
     def on_retract(self, req: Req) -> None:
         """The request gave its KV back (retraction, or a jump-forward that rewrites it)."""
 
@@ -181,10 +185,36 @@ class Speculator:
         return reqs
 
 
+LOOKUP_BUILD = 256  # prompt tokens a lookup indexes (~0.8 ms) before it gives up for the step
+IDLE_BUDGET_S = 0.0015  # host time `idle_work` spends per overlapped step
+MAX_PENDING_FINISHED = 256  # finished outputs waiting for the shared table (oldest dropped)
+
+
 class NgramSpeculator(Speculator):
+    """Where a skipped step overlaps (a GPU), the n-gram tables are built off the critical path:
+    a request's prompt is indexed by `idle_work` while a step is in flight (a lookup indexes
+    at most LOOKUP_BUILD tokens and drafts nothing until its prompt is done), and a finished
+    request's output joins the shared table there too. Elsewhere both happen when needed."""
+
     def __init__(self, cfg: SpecConfig, sched):
         super().__init__(cfg, sched)
         self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
+        self.lazy = self.policy.fast_skips
+        self.finished: list[tuple[list[int], int]] = []  # (prompt + output, prompt length)
+
+    def idle_work(self, sched) -> None:
+        """Index what the next lookups need, for at most IDLE_BUDGET_S (a step is in flight)."""
+        deadline = time.perf_counter() + IDLE_BUDGET_S
+        while self.finished and time.perf_counter() < deadline:
+            self.shared.add(*self.finished.pop(0))
+        for req in sched.running:
+            if time.perf_counter() >= deadline:
+                return
+            if req.spec_draft is None:
+                req.spec_draft = DraftState(req, self.cfg, lazy=True)
+            own = req.spec_draft.own
+            while not own.ready and time.perf_counter() < deadline:
+                own.build(64)
 
     def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
         drafts = [self._lookup(req, sched.context_len) for req in reqs]
@@ -197,14 +227,26 @@ class NgramSpeculator(Speculator):
         state = req.spec_draft
         if state is None:
             return
-        state.own.sync(req.output_ids, req.jumps)
-        self.shared.add(state.own.tokens, state.own.n_prompt)
+        own = state.own
+        prompt = own.prompt if own.prompt is not None else own.tokens[: own.n_prompt]
+        item = (prompt + list(req.output_ids), own.n_prompt)
         req.spec_draft = None
+        if not self.lazy:
+            self.shared.add(*item)
+            return
+        self.finished.append(item)
+        if len(self.finished) > MAX_PENDING_FINISHED:
+            self.finished.pop(0)
 
     def _lookup(self, req: Req, context_len: int) -> list[int]:
         state = req.spec_draft
         if state is None:
-            state = req.spec_draft = DraftState(req, self.cfg)
+            state = req.spec_draft = DraftState(req, self.cfg, self.lazy)
+        if not state.own.ready:
+            state.own.build(LOOKUP_BUILD)
+            if not state.own.ready:  # the rest next step (or in idle_work)
+                state.match = 0
+                return []
         state.own.sync(req.output_ids, req.jumps)
         # a verify appends up to k + 1 tokens: within max_new_tokens and the context
         draft, state.match = propose(state.own, self.shared, draft_room(req, self.cfg.max_draft,
