@@ -8,9 +8,10 @@ token budget (`chunked_prefill_size`, `max_prefill_tokens`), in chunks over seve
 The matched prefix is locked as soon as a request is considered, so evictions made for later
 requests in the same round cannot take it; a request that is not admitted is unlocked again.
 
-With the hierarchical cache, the part of the prefix that sits in the host pool or the store is
-loaded into device slots when the request is considered (`_load_lower`), before its forward reads
-it: the loaded tokens spend the slots their compute would have and none of the step's compute.
+With the hierarchical cache, what the request's storage prefetch has landed joins the tree as
+host nodes first; then the part of the prefix that sits in the host pool is loaded into device
+slots when the request is considered (`_load_lower`), before its forward reads it: the loaded
+tokens spend the slots their compute would have and none of the step's compute.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class PrefillAdder:
     def add(self, req: Req) -> AddResult:
         if self.rem_step <= 0:
             return AddResult.NO_COMPUTE
+        if req.prefetch is not None:  # what landed from the store joins the tree (host nodes)
+            req.prefetch_range = self.tree_cache.take_prefetch(req.prefetch) or req.prefetch_range
+            req.prefetch = None
         if req.match is None or self.tiered:  # tiered: this round's loads may have moved KV
             cap = match_len_cap(req, self.tree_cache)
             req.match = self.tree_cache.match_prefix(req.fill_ids[:cap])
@@ -112,7 +116,7 @@ class PrefillAdder:
         if req.match.lower_len and need <= self.rem_total:
             tree = self.tree_cache
             room = self.allocator.available_size() + tree.evictable_size()
-            slots, new_node, details = tree.load_back(req.match)
+            slots, new_node, details = tree.load_back(req.match, req.prefetch_range)
             if new_node is not node:
                 tree.inc_lock_ref(new_node)
                 tree.dec_lock_ref(node)
