@@ -2,8 +2,10 @@
 host), evict_host (host -> storage or gone), load (host / storage -> device), corrupt a stored
 page, flush; after every step the tiered invariants (check_integrity: shape, locks, per-tier
 accounting) hold, every device and host copy holds its path's KV, and a load serves only
-correct KV (a corrupt page is recomputed, never served). Three machines: writes to the store
-inside the backup, on the writer thread (held in flight across rules), and no store at all."""
+correct KV (a corrupt page is recomputed, never served). Four machines: writes to the store
+inside the backup, on the writer thread (held in flight across rules), no store at all, and
+storage prefetches started, landing page by page, taken at admission or cancelled (abort) across
+the other rules (the reader runs only when a rule says so)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from hicache_helpers import admit, check_contents, expect_kv, make_tiered, put
+import torch
+
+from hicache_helpers import admit, check_contents, expect_kv, kv_value, make_tiered, put
 
 CAP, HOST_CAP = 12, 18
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=8)
@@ -192,6 +196,94 @@ class AsyncWritesMachine(TieredMachine):
         self.cache.settle_page_writes(release=True)
 
 
+class PrefetchMachine(TieredMachine):
+    """Prefetches of queued requests in every state (lookup pending, read part-way, ended,
+    staged) while the other rules evict, split, drop, corrupt and reload around them."""
+
+    @initialize()
+    def no_ops(self):
+        self.ops = []  # (op, the request's tokens), not yet admitted nor aborted
+
+    @precondition(lambda self: self.seen)
+    @rule(i=PICK, extra=TOKENS, push_down=st.booleans())
+    def queued(self, i, extra, push_down):
+        """A request is queued; with `push_down` its sequence was just computed and pushed
+        down every tier (only the store holds it: the case prefetch is for)."""
+        seq = self.seen[i % len(self.seen)]
+        if push_down:
+            self.insert(seq)
+            self.cache.evict(CAP)
+            self.cache.evict_host(HOST_CAP)
+        tokens = seq + extra[:2]
+        op = self.cache.start_prefetch(tokens)
+        if op is not None:
+            self.ops.append((op, tokens))
+
+    @rule(units=st.sampled_from([1, 2, 100]))
+    def reader_works(self, units):
+        self.cache.reader.work(units)
+
+    @rule()
+    def step_starts(self):
+        self.cache.apply_prefetch_news(release=True)
+
+    @precondition(lambda self: self.ops)
+    @rule(units=st.sampled_from([1, 2, 100]))
+    def steps_go_by(self, units):
+        """Lookups answered and read pages landed as steps pass (the common case)."""
+        for _ in range(2):
+            self.cache.reader.work(units)
+            self.cache.apply_prefetch_news(release=True)
+
+    @precondition(lambda self: self.ops)
+    @rule(i=PICK, units=st.sampled_from([0, 1, 2, 100]))
+    def admitted(self, i, units):
+        """Admission after `units` of reader work (0: nothing landed yet; 100: all of it)."""
+        op, tokens = self.ops.pop(i % len(self.ops))
+        for _ in range(2 if units else 0):
+            self.cache.reader.work(units)
+            self.cache.apply_prefetch_news(release=True)
+        stored = self.cache.take_prefetch(op)
+        if stored is not None:
+            event("prefetched pages joined the tree")
+        m = self.cache.match_prefix(tokens)
+        self.cache.inc_lock_ref(m[1])
+        if self.alloc.available_size() + self.cache.evictable_size() < m.lower_len:
+            self.cache.dec_lock_ref(m[1])
+            return
+        slots, node, details = self.cache.load_back(m, stored)
+        if node is not m[1]:
+            self.cache.inc_lock_ref(node)
+            self.cache.dec_lock_ref(m[1])
+        expect_kv(self.pool, tokens, slots)
+        if details["storage"]:
+            event("admitted with prefetched tokens")
+        self.locks.append((node, slots, tuple(tokens[:slots.numel()])))
+
+    @precondition(lambda self: self.ops)
+    @rule(i=PICK, units=st.sampled_from([0, 1, 100]))
+    def aborted(self, i, units):
+        op, _ = self.ops.pop(i % len(self.ops))
+        for _ in range(2 if units else 0):
+            self.cache.reader.work(units)
+            self.cache.apply_prefetch_news(release=True)
+        if op.reading:
+            event("aborted with a read in flight")
+        self.cache.cancel_prefetch(op)
+
+    @invariant()
+    def landed_pages_hold_their_kv(self):
+        page = getattr(self, "cache", None) and self.cache.page
+        for op, tokens in getattr(self, "ops", ()):
+            if op.cancelled or op.slots is None:
+                continue
+            for j in range(op.released, op.landed):
+                a = (op.first + j) * page
+                want = torch.tensor([kv_value(tokens[:p + 1]) for p in range(a, a + page)])
+                got = self.cache.host.kv[0, :, op.slots[j * page:(j + 1) * page], 0, 0]
+                assert torch.equal(got[0], want) and torch.equal(got[1], -want), op
+
+
 class HostOnlyMachine(TieredMachine):
     STORED = False  # host eviction drops nodes
 
@@ -203,4 +295,7 @@ AsyncWritesMachine.TestCase.settings = settings(max_examples=40, stateful_step_c
                                                 deadline=None)
 test_tiered_cache_invariants = TieredMachine.TestCase
 test_host_only_cache_invariants = HostOnlyMachine.TestCase
+PrefetchMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                             deadline=None)
+test_storage_prefetch_invariants = PrefetchMachine.TestCase
 test_async_page_writes_invariants = AsyncWritesMachine.TestCase
