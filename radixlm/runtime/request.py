@@ -183,6 +183,7 @@ class Req:
         self.extend_len = 0
         self.is_chunked = False
         self.stop_str_checker = None  # rebuilt from output_ids on the next token
+        self.prefetch_range = None  # (its prefetch was taken at the first admission)
         self.retractions += int(count)
 
     def __repr__(self) -> str:
