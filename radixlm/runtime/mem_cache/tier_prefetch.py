@@ -14,9 +14,10 @@ A waiting request's life with a store (SGLang's `--hicache-storage-prefetch-poli
                              prefetch_timeout_base + prefetch_timeout_per_ki_token x tokens/1024),
                              or at once when the measured rates say reading a token is slower
                              than computing it (then it is recomputed: `storage_loads_skipped`).
-            `take_prefetch` then puts the landed pages into the tree as host-resident nodes
-            (below the request's device + host path, which may have changed since), cancels the
-            rest, and the normal load (host -> device) follows.
+            `adopt_prefetch` then puts the landed pages into the tree as host-resident nodes
+            (below the request's device + host path, which may have changed since) and the
+            normal load (host -> device) follows; once the request is admitted the rest of its
+            prefetch is cancelled (not admitted after all: the read goes on).
   abort     `cancel_prefetch`: the op stops; its slots go back.
 Accounting: an op's host slots are "held" (out of the tree, out of the free list) from their
 allocation until adopted or freed; slots the reader may still be writing (a cancelled op whose
@@ -203,14 +204,17 @@ class TierPrefetch:
             return True
         return False
 
-    def take_prefetch(self, op: Optional[PrefetchOp]) -> Optional[tuple[int, int]]:
-        """Admission: the landed pages join the tree as host-resident nodes; the op is cancelled.
-        Returns the absolute token range [lo, hi) the tree took, or None."""
-        if op is None or op.cancelled:
+    def adopt_prefetch(self, op: Optional[PrefetchOp]) -> Optional[tuple[int, int]]:
+        """Admission: the pages landed so far join the tree as host-resident nodes; the op goes on
+        (a request that is not admitted after all keeps its read). Returns the absolute token
+        range [lo, hi) the tree took, or None."""
+        if op is None or op.cancelled or op.landed <= op.released or op.storage is not self.storage:
             return None
-        taken = None
-        if op.landed > op.released and op.storage is self.storage:
-            taken = self._adopt(op)
+        return self._adopt(op)
+
+    def take_prefetch(self, op: Optional[PrefetchOp]) -> Optional[tuple[int, int]]:
+        """adopt_prefetch, then cancel the rest (the request is admitted)."""
+        taken = self.adopt_prefetch(op)
         self.cancel_prefetch(op)
         return taken
 

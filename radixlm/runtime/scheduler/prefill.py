@@ -80,8 +80,8 @@ class PrefillAdder:
         if self.rem_step <= 0:
             return AddResult.NO_COMPUTE
         if req.prefetch is not None:  # what landed from the store joins the tree (host nodes)
-            req.prefetch_range = self.tree_cache.take_prefetch(req.prefetch) or req.prefetch_range
-            req.prefetch = None
+            req.prefetch_range = _union(req.prefetch_range,
+                                        self.tree_cache.adopt_prefetch(req.prefetch))
         if req.match is None or self.tiered:  # tiered: this round's loads may have moved KV
             cap = match_len_cap(req, self.tree_cache)
             req.match = self.tree_cache.match_prefix(req.fill_ids[:cap])
@@ -101,6 +101,9 @@ class PrefillAdder:
             req.prefix_indices, req.last_node, req.kv_len = slots[:0], None, 0
             return result
         serve_cached_input_logprobs(req)
+        if req.prefetch is not None:  # admitted: what has not landed is recomputed
+            self.tree_cache.cancel_prefetch(req.prefetch)
+            req.prefetch = None
         if details is not None:
             self.tree_cache.record_hits(details)
             if req.retractions == 0 and not req.output_ids:  # what meta_info reports
@@ -140,3 +143,10 @@ class PrefillAdder:
         self.rem_step -= ext
         self.admitted.append(req)
         return AddResult.ADDED
+
+
+def _union(a, b):
+    """The span of two token ranges [lo, hi) (either may be None)."""
+    if a is None or b is None:
+        return a or b
+    return min(a[0], b[0]), max(a[1], b[1])
