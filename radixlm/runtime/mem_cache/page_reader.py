@@ -68,6 +68,9 @@ class PageReader:
     def __init__(self, host, page_tokens: int, threaded: bool = True):
         self.host, self.page = host, page_tokens
         self.news: collections.deque = collections.deque()  # reader -> scheduler, in order
+        # called (reader thread) after a lookup's or a read's end: an idle scheduler loop that
+        # polls its inbox can wake at once instead of at its next poll (Engine sets it)
+        self.notify = None
         self.read_errors = 0
         self._jobs: queue.Queue = queue.Queue()  # bounded by the cache (lookups, read pages)
         self._current = None  # manual mode: the job `work` is in the middle of
@@ -144,16 +147,19 @@ class PageReader:
                         break
                     n += 1
             self.news.append(("found", op, n))
+            self._wake()
             return True
         j = job.next
         if op.cancelled or j >= op.page_count:
             self.news.append(("read_end", op, job.seconds, job.bytes))
+            self._wake()
             return True
         t0 = time.perf_counter()
         payload = op.storage.get(op.keys[j])
         if payload is None:  # missing or failed its checks: never served, recomputed
             job.seconds += time.perf_counter() - t0
             self.news.append(("read_end", op, job.seconds, job.bytes))
+            self._wake()
             return True
         page = decode_page(payload, self.host.block_shape(self.page), self.host.dtype)
         # (L, 2, P, H, D) into the op's own slots: no other thread reads or writes these rows
@@ -165,6 +171,11 @@ class PageReader:
         return False
 
 
+    def _wake(self) -> None:
+        if self.notify is not None:
+            self.notify()
+
+
 class _Job:
     __slots__ = ("kind", "op", "next", "seconds", "bytes")
 
@@ -173,6 +184,7 @@ class _Job:
 
 
 def decode_page(payload, page_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A page's bytes -> its (L, 2, P, H, D) tensor (a view of a private copy of the bytes)."""
-    buf = bytearray(payload)
+    """A page's bytes -> its (L, 2, P, H, D) tensor: a view of the payload when it is a bytearray
+    (the file store reads into one), else of a private copy (torch views only writable buffers)."""
+    buf = payload if isinstance(payload, bytearray) else bytearray(payload)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(tuple(page_shape))
