@@ -14,9 +14,10 @@ import pytest
 
 from hicache_helpers import make_tiered, prefetch_all, put
 from radixlm.runtime.scheduler.policy import match_score, order_waiting
-from test_hicache_engine import PROMPTS, SP, _tiered, make_engine, reference, tiny_path  # noqa: F401
+from test_hicache_engine import (PROMPTS, SP, _tiered, make_engine, reference,  # noqa: F401
+                                 tiny_path)
 
-STALL_S = 1.0  # one page read of the slow store
+STALL_S = 1.5  # one page read of the slow store
 
 
 @pytest.fixture(scope="module")
