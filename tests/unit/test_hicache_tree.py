@@ -103,6 +103,7 @@ def test_bad_page_is_never_served(tmp_path, damage):
     open(second, "wb").write(data)
     slots, node, details = admit(cache, alloc, SEQ)
     assert details["storage"] == 2  # only the page before the bad one
+    assert cache.store_index_size() == 0  # the tree's index forgot the pages from there on
     expect_kv(pool, SEQ, slots)
     assert cache.storage.counters["pages_corrupt"] == 1 and not os.path.exists(second)
     cache.dec_lock_ref(node)
