@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--write-queue-pages", type=int, default=None,
                    help="the page-write queue's bound (default: the engine's); 0 writes pages on "
                         "the scheduler's thread, as before the writer thread")
+    p.add_argument("--prefetch-policy", default=None,
+                   choices=["best_effort", "wait_complete", "timeout"],
+                   help="--hicache-storage-prefetch-policy (default: the engine's, timeout)")
     p.add_argument("--skip-off", action="store_true",
                    help="no `off` run (no ratios, no tokens_identical): comparing `on` variants")
     p.add_argument("--seed", type=int, default=0)
@@ -167,6 +170,11 @@ def _run(engine_kw: dict, convs, histories, turns, args,
         out["storage_pages"]["pages_write_dropped"] = tiers.get("pages_write_dropped")
         # the scheduler thread's time on page writes (queueing them, or writing them itself)
         out["storage_write_scheduler_s"] = round(tiers.get("storage_write_scheduler_s", 0.0), 3)
+        # reads from the store: prefetches started while requests waited, admissions that did
+        # not wait because recomputing was faster, reads cut short by a missing or bad page
+        out["prefetch"] = {k: tiers.get(k) for k in ("prefetch_started", "prefetch_dropped",
+                                                     "storage_loads_skipped",
+                                                     "storage_load_failures")}
         out["host_capacity_tokens"] = tiers["host"]["capacity"]
     return out, records
 
@@ -231,6 +239,8 @@ def main(argv=None) -> dict:
         extra = {"file_storage_path": folder}
         if args.write_queue_pages is not None:
             extra["write_queue_pages"] = args.write_queue_pages
+        if args.prefetch_policy is not None:
+            kw["hicache_storage_prefetch_policy"] = args.prefetch_policy
         return dict(kw, hicache_storage_backend="file",
                     hicache_storage_backend_extra_config=json.dumps(extra))
 
@@ -245,6 +255,7 @@ def main(argv=None) -> dict:
                  "working_set_tokens": working_set, "device_pool_tokens": device_pool,
                  "hicache_ratio": ratio, "write_policy": args.hicache_write_policy,
                  "write_queue_pages": args.write_queue_pages,
+                 "prefetch_policy": args.prefetch_policy,
                  "torch_threads": _torch_threads()}
     try:
         if not args.skip_off:

@@ -104,6 +104,8 @@ class ServerArgs:
     hicache_size: float = 0.0  # host pool in GB; > 0 overrides hicache_ratio
     hicache_write_policy: str = "write_through"  # write_through | write_through_selective | write_back
     hicache_storage_backend: Optional[str] = None  # file
+    # when a request waits for its pages from the store: timeout | best_effort | wait_complete
+    hicache_storage_prefetch_policy: str = "timeout"
     hicache_storage_backend_extra_config: Optional[str] = None  # JSON: {"file_storage_path": DIR}
     disable_jump_forward: bool = False  # constrained decoding: decode forced text token by token
     # by default a step that admits new requests also decodes the running ones in the same forward

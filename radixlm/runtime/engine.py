@@ -105,6 +105,9 @@ class Engine:
                                       self.runner.context_len, self.runner.capacity, eos, images,
                                       RequestLimits.from_args(self.server_args))
         self.scheduler = Scheduler(self.server_args, self.runner, self.tokenizer)
+        reader = getattr(self.scheduler.tree_cache, "reader", None)
+        if reader is not None:  # a storage prefetch's lookup or read ended: wake the loop
+            reader.notify = lambda: self._inbox.put(("wake", None))
 
     # --- scheduler thread -----------------------------------------------------------------------
     def _loop(self) -> None:

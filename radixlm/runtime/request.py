@@ -88,6 +88,10 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to the user)
         # hierarchical cache: {"device": n, "host": n, "storage": n}, where those tokens came from
         self.cached_tokens_details: Optional[dict] = None
+        # its pages being read from the store while it waits (mem_cache/tier_prefetch.py), and
+        # the token range [lo, hi) that prefetch gave the tree at admission
+        self.prefetch: Any = None
+        self.prefetch_range: Optional[tuple[int, int]] = None
         self.extend_len = 0  # tokens in the current extend step (chunk)
         self.is_chunked = False  # mid-way through a chunked prefill
         self.match: Any = None  # (slots, node) from the last prefix match, used at admission
@@ -180,6 +184,7 @@ class Req:
         self.extend_len = 0
         self.is_chunked = False
         self.stop_str_checker = None  # rebuilt from output_ids on the next token
+        self.prefetch_range = None  # (its prefetch was taken at the first admission)
         self.retractions += int(count)
 
     def __repr__(self) -> str:

@@ -69,6 +69,12 @@ _HELP = {
                             "write_through_selective (on a node's second hit), write_back (at "
                             "eviction)",
     "hicache_storage_backend": "L3 store for KV pages: file (survives restarts)",
+    "hicache_storage_prefetch_policy": "a waiting request's pages are read from the store into "
+                                       "the host pool off the scheduler's thread; at admission "
+                                       "best_effort takes what has landed, wait_complete waits "
+                                       "for all, timeout (default) waits until a deadline "
+                                       "(prefetch_timeout_base + prefetch_timeout_per_ki_token "
+                                       "x tokens / 1024) and never while recomputing is faster",
     "hicache_storage_backend_extra_config": "JSON for the store: {\"file_storage_path\": DIR, "
                                             "\"page_tokens\": 64}; DIR defaults to "
                                             "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, then "
@@ -100,6 +106,7 @@ _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARS
             "gguf_keep_quantized": ("auto", "on", "off"), "load_balance_method": POLICIES,
             "hicache_write_policy": ("write_through", "write_through_selective", "write_back"),
             "hicache_storage_backend": ("file",),
+            "hicache_storage_prefetch_policy": ("best_effort", "wait_complete", "timeout"),
             "speculative_algorithm": ("NGRAM", "STANDALONE", "EAGLE3", "EAGLE")}
 
 

@@ -1,7 +1,8 @@
 """On a CUDA GPU, fp32: the hierarchical cache's device<->host copies (pinned host pool, the
 transfer stream) and file store give the same greedy tokens as the plain engine when prefixes
-come back from the host pool, from the store, and after a restart on the same store; the KV
-accounting holds after each run. Run with `pytest -m gpu tests/gpu`."""
+come back from the host pool, from the store, and after a restart on the same store (through the
+storage prefetch: the reader thread's CPU writes into the pinned pool, then the load's DMA); the
+KV accounting holds after each run. Run with `pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
 
@@ -46,9 +47,14 @@ def test_tiers_on_cuda_match_the_plain_engine(tiny_llama_path, tmp_path):
         ref, _ = _run(plain, prompts, range(6))
     finally:
         plain.shutdown()
-    extra = json.dumps({"file_storage_path": str(tmp_path), "page_tokens": PAGE})
+    # every stored page is worth a prefetch (SGLang's default threshold is 256 tokens), and a
+    # request waits for its pages (on a GPU the tiny model computes faster than the disk reads,
+    # so the default timeout policy would rightly recompute instead)
+    extra = json.dumps({"file_storage_path": str(tmp_path), "page_tokens": PAGE,
+                        "prefetch_threshold": PAGE})
     tiered = dict(max_total_tokens=300, enable_hicache=True, hicache_ratio=2.0,
-                  hicache_storage_backend="file", hicache_storage_backend_extra_config=extra)
+                  hicache_storage_backend="file", hicache_storage_backend_extra_config=extra,
+                  hicache_storage_prefetch_policy="wait_complete")
     eng = _engine(tiny_llama_path, **tiered)
     try:
         first, _ = _run(eng, prompts, range(6))

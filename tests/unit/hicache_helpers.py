@@ -23,9 +23,12 @@ def kv_value(prefix) -> float:
 
 
 def make_tiered(capacity=16, host_capacity=24, policy="write_through", storage_dir=None,
-                page=2, seed=b"test-seed", write_queue_pages=0):
+                page=2, seed=b"test-seed", write_queue_pages=0, **prefetch):
     """write_queue_pages 0: page writes land inside the backup (tests that look at the store
-    right after an insert); > 0: on the writer thread, as in the engine."""
+    right after an insert); > 0: on the writer thread, as in the engine. `prefetch`: the storage
+    prefetch's keywords; by default its reader has no thread (`admit` and the tests run its jobs)
+    and every page counts (threshold 1)."""
+    prefetch = dict(dict(threaded=False, threshold=1), **prefetch)
     pool = KVPool(capacity, 1, 1, 1, torch.float32, CPU)
     alloc = TokenSlotAllocator(capacity)
     host = HostKVPool(host_capacity, pool, CPU)
@@ -33,7 +36,8 @@ def make_tiered(capacity=16, host_capacity=24, policy="write_through", storage_d
     if storage_dir is not None:
         storage = FileStorage(storage_dir, "ns", page * host.token_bytes)
     cache = HiRadixCache(alloc, ReqToTokenPool(4, 32), host, KVMover(pool, host, CPU), policy,
-                         storage, seed, page, write_queue_pages=write_queue_pages)
+                         storage, seed, page, write_queue_pages=write_queue_pages,
+                         prefetch=prefetch)
     return cache, pool, alloc
 
 
@@ -63,15 +67,29 @@ def put(cache, pool, alloc, tokens) -> bool:
     return True
 
 
-def admit(cache, alloc, tokens):
-    """Match, lock and load the way admission does. Returns (slots, node, details) with the
-    request's lock on node, or None when the device has no room for the load."""
+def prefetch_all(cache, tokens):
+    """The storage prefetch of a request queued with `tokens`, run to its end (manual reader):
+    lookup, read, each applied as a step's start does. Returns the op (None: nothing to read)."""
+    op = cache.start_prefetch(list(tokens))
+    while op is not None and not op.done:
+        cache.reader.work(1 << 30)
+        cache.apply_prefetch_news(release=True)
+    return op
+
+
+def admit(cache, alloc, tokens, prefetch=True):
+    """Match, lock and load the way admission does (after the request's storage prefetch, run to
+    its end, unless `prefetch` is False). Returns (slots, node, details) with the request's lock
+    on node, or None when the device has no room for the load."""
+    stored = None
+    if prefetch and cache.reader is not None:
+        stored = cache.take_prefetch(prefetch_all(cache, tokens))
     m = cache.match_prefix(list(tokens))
     cache.inc_lock_ref(m[1])
     if room(cache, alloc) < m.lower_len:
         cache.dec_lock_ref(m[1])
         return None
-    slots, node, details = cache.load_back(m)
+    slots, node, details = cache.load_back(m, stored)
     if node is not m[1]:
         cache.inc_lock_ref(node)
         cache.dec_lock_ref(m[1])

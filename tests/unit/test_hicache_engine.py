@@ -70,12 +70,14 @@ def store(tmp_path_factory):
     return str(tmp_path_factory.mktemp("hicache-store"))
 
 
-def _tiered(make_engine, folder, ratio=1.5, **extra):
-    # device pool of 110 tokens: two 50-token conversations; host pool 1.5x: three
+def _tiered(make_engine, folder, ratio=1.5, policy="timeout", **extra):
+    # device pool of 110 tokens: two 50-token conversations; host pool 1.5x: three; every
+    # stored page is worth a prefetch (the prompts are shorter than SGLang's 256-token default)
     return make_engine(max_total_tokens=110, enable_hicache=True, hicache_ratio=ratio,
-                       hicache_storage_backend="file",
+                       hicache_storage_backend="file", hicache_storage_prefetch_policy=policy,
                        hicache_storage_backend_extra_config=json.dumps(
-                           dict(file_storage_path=folder, page_tokens=PAGE, **extra)))
+                           dict(file_storage_path=folder, page_tokens=PAGE,
+                                prefetch_threshold=PAGE, **extra)))
 
 
 def _landed(eng) -> None:

@@ -2,8 +2,10 @@
 host), evict_host (host -> storage or gone), load (host / storage -> device), corrupt a stored
 page, flush; after every step the tiered invariants (check_integrity: shape, locks, per-tier
 accounting) hold, every device and host copy holds its path's KV, and a load serves only
-correct KV (a corrupt page is recomputed, never served). Three machines: writes to the store
-inside the backup, on the writer thread (held in flight across rules), and no store at all."""
+correct KV (a corrupt page is recomputed, never served). Four machines: writes to the store
+inside the backup, on the writer thread (held in flight across rules), no store at all, and
+storage prefetches started, landing page by page, taken at admission or cancelled (abort) across
+the other rules (the reader runs only when a rule says so)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from hicache_helpers import admit, check_contents, expect_kv, make_tiered, put
+import torch
+
+from hicache_helpers import admit, check_contents, expect_kv, kv_value, make_tiered, put
 
 CAP, HOST_CAP = 12, 18
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=8)
@@ -192,6 +196,101 @@ class AsyncWritesMachine(TieredMachine):
         self.cache.settle_page_writes(release=True)
 
 
+class PrefetchMachine(TieredMachine):
+    """Prefetches of queued requests in every state (lookup pending, read part-way, ended, pages
+    adopted while the read goes on) while the other rules evict, split, drop, corrupt and reload
+    around them. (Each rule draws one integer: hypothesis orders rules by their argument count
+    and rarely reaches those with many.)"""
+
+    # random tokens, rarely stored: here they would dilute the rules below (still called)
+    match = None
+
+    def load(self, tokens):
+        TieredMachine.load(self, tokens)
+
+    def load_seen(self, i, extra):
+        TieredMachine.load_seen(self, i, extra)
+
+    @initialize()
+    def no_ops(self):
+        self.ops = []  # (op, the request's tokens), not yet admitted nor aborted
+
+    def _reader_steps(self, units):
+        """`units` of reader work then a step's start, twice (a lookup, then its read)."""
+        for _ in range(2 if units else 0):
+            self.cache.reader.work(units)
+            self.cache.apply_prefetch_news(release=True)
+
+    @precondition(lambda self: self.seen)
+    @rule(i=PICK)
+    def queued(self, i):
+        """A request is queued (its sequence + 0-2 more tokens); for even i its sequence was just
+        computed and pushed down every tier (only the store holds it: what prefetch is for)."""
+        seq = self.seen[i % len(self.seen)]
+        if i % 2 == 0:
+            self.insert(seq)
+            self.cache.evict(CAP)
+            self.cache.evict_host(HOST_CAP)
+        tokens = seq + [i % 3, i % 5 % 3][:i % 3]
+        op = self.cache.start_prefetch(tokens)
+        if op is not None:
+            self.ops.append((op, tokens))
+
+    @precondition(lambda self: self.ops)
+    @rule(units=st.sampled_from([1, 2, 100]))
+    def reader_works(self, units):
+        """The reader runs while a step goes by; its reports apply at the next step's start."""
+        self.cache.reader.work(units)
+        self.cache.apply_prefetch_news(release=True)
+
+    @precondition(lambda self: self.ops)
+    @rule(i=PICK)
+    def served(self, i):
+        """Queued request i % len(ops) reaches admission after some reader work (i // 3 % 4:
+        all of it, none, 1 unit, 2 units), then by i % 3: it is admitted (what landed joins the
+        tree, the rest is cancelled, the load serves only correct KV); admission adopts what
+        landed but finds no room (the read goes on, the request stays queued); it is aborted."""
+        k = i % len(self.ops)
+        op, tokens = self.ops[k]
+        self._reader_steps([100, 0, 1, 2][i // 3 % 4])
+        if i % 3 == 1:
+            if self.cache.adopt_prefetch(op) is not None and not op.done:
+                event("pages adopted, the read goes on")
+            return
+        self.ops.pop(k)
+        if i % 3 == 2:
+            if op.reading:
+                event("aborted with a read in flight")
+            self.cache.cancel_prefetch(op)
+            return
+        stored = self.cache.take_prefetch(op)
+        m = self.cache.match_prefix(tokens)
+        self.cache.inc_lock_ref(m[1])
+        if self.alloc.available_size() + self.cache.evictable_size() < m.lower_len:
+            self.cache.dec_lock_ref(m[1])
+            return
+        slots, node, details = self.cache.load_back(m, stored)
+        if node is not m[1]:
+            self.cache.inc_lock_ref(node)
+            self.cache.dec_lock_ref(m[1])
+        expect_kv(self.pool, tokens, slots)  # never a wrong byte, prefetched or not
+        if details["storage"]:
+            event("admitted with prefetched tokens")
+        self.locks.append((node, slots, tuple(tokens[:slots.numel()])))
+
+    @invariant()
+    def landed_pages_hold_their_kv(self):
+        page = getattr(self, "cache", None) and self.cache.page
+        for op, tokens in getattr(self, "ops", ()):
+            if op.cancelled or op.slots is None:
+                continue
+            for j in range(op.released, op.landed):
+                a = (op.first + j) * page
+                want = torch.tensor([kv_value(tokens[:p + 1]) for p in range(a, a + page)])
+                got = self.cache.host.kv[0, :, op.slots[j * page:(j + 1) * page], 0, 0]
+                assert torch.equal(got[0], want) and torch.equal(got[1], -want), op
+
+
 class HostOnlyMachine(TieredMachine):
     STORED = False  # host eviction drops nodes
 
@@ -203,4 +302,7 @@ AsyncWritesMachine.TestCase.settings = settings(max_examples=40, stateful_step_c
                                                 deadline=None)
 test_tiered_cache_invariants = TieredMachine.TestCase
 test_host_only_cache_invariants = HostOnlyMachine.TestCase
+PrefetchMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40,
+                                             deadline=None)
+test_storage_prefetch_invariants = PrefetchMachine.TestCase
 test_async_page_writes_invariants = AsyncWritesMachine.TestCase

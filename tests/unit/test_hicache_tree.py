@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hicache_helpers import admit, check_contents, expect_kv, make_tiered, put
+from hicache_helpers import admit, check_contents, expect_kv, make_tiered, prefetch_all, put
 from radixlm.runtime.mem_cache.hicache_config import HiCacheConfig
 from radixlm.runtime.mem_cache.storage import file_backend
 from radixlm.runtime.mem_cache.storage.file_backend import FileStorage
@@ -65,14 +65,18 @@ def test_restart_finds_pages_past_the_tree(tmp_path):
     first.close()
     cache, pool, alloc = make_tiered(storage_dir=str(tmp_path))  # a new process, empty tree
     m = cache.match_prefix(SEQ + [1])
-    assert m[0].numel() == 0 and m.storage_len == 6
-    assert cache.match_prefix(SEQ[:5]).storage_len == 4  # a partial page is recomputed
+    assert m[0].numel() == 0 and m.storage_len == 0  # a match does no store I/O
+    op = prefetch_all(cache, SEQ + [1])  # the prefetch's lookup finds them
+    assert op.found == 3 and op.landed == 3
+    assert m.prefetch_score(op) == 0.5 * 6  # landed: scored as host hits
+    assert prefetch_all(cache, SEQ[:5]).found == 2  # a partial page is recomputed
+    cache.drain_prefetch()
     slots, node, details = admit(cache, alloc, SEQ + [1])
     assert details["storage"] == 6
     expect_kv(pool, SEQ, slots)
     cache.dec_lock_ref(node)
     other, _, _ = make_tiered(storage_dir=str(tmp_path), seed=b"another model")
-    assert other.match_prefix(SEQ + [1]).storage_len == 0  # keys name the model too
+    assert prefetch_all(other, SEQ + [1]).found == 0  # keys name the model too
     cache.check_integrity()
 
 
@@ -99,6 +103,7 @@ def test_bad_page_is_never_served(tmp_path, damage):
     open(second, "wb").write(data)
     slots, node, details = admit(cache, alloc, SEQ)
     assert details["storage"] == 2  # only the page before the bad one
+    assert cache.store_index_size() == 0  # the tree's index forgot the pages from there on
     expect_kv(pool, SEQ, slots)
     assert cache.storage.counters["pages_corrupt"] == 1 and not os.path.exists(second)
     cache.dec_lock_ref(node)
@@ -128,17 +133,37 @@ def test_full_disk_turns_writes_off_once(tmp_path, monkeypatch, caplog):
     store.close()
 
 
-def test_slow_storage_is_recomputed(tmp_path):
+def test_prefetch_policies_wait_or_not(tmp_path):
     cache, pool, alloc = make_tiered(storage_dir=str(tmp_path))
     put(cache, pool, alloc, SEQ)
     _down_to_storage(cache)
+    for policy, ready_in_flight in (("best_effort", True), ("wait_complete", False),
+                                    ("timeout", False)):
+        cache.prefetch_policy = policy
+        op = cache.start_prefetch(SEQ)
+        assert cache.prefetch_ready(op) == ready_in_flight  # its lookup has not run yet
+        cache.reader.work(1 << 30)
+        cache.apply_prefetch_news(release=True)
+        cache.reader.work(1)  # one of its three pages has landed
+        cache.apply_prefetch_news(release=True)
+        assert op.landed == 1 and cache.prefetch_ready(op) == ready_in_flight
+        cache.check_integrity()  # the landed page and the two in flight are held
+        cache.reader.work(1 << 30)
+        cache.apply_prefetch_news(release=True)
+        assert op.done and cache.prefetch_ready(op)
+        cache.cancel_prefetch(op)
+    op = cache.start_prefetch(SEQ)
+    op.deadline = 0.0  # timeout: past its deadline it goes with what it has
+    assert cache.prefetch_ready(op)
+    op = cache.start_prefetch(SEQ)
     token_bytes = cache.host.token_bytes
     cache._prefill_tps, cache._read_bps = 1000.0, 100.0 * token_bytes  # reads 10x slower
-    slots, node, details = admit(cache, alloc, SEQ)
-    assert details["storage"] == 0 and cache.counters["storage_loads_skipped"] == 1
-    cache.dec_lock_ref(node)
+    assert cache.prefetch_ready(op) and cache.counters["storage_loads_skipped"] == 1
     cache._read_bps = 1e6 * token_bytes
-    assert admit(cache, alloc, SEQ)[2]["storage"] == 6
+    assert not cache.prefetch_ready(cache.start_prefetch(SEQ))  # reading pays: it waits
+    cache.drain_prefetch()
+    cache.check_integrity()
+    assert cache.host_slots_held().numel() == 0
 
 
 def test_flush_keeps_or_clears_the_store(tmp_path):
@@ -147,9 +172,10 @@ def test_flush_keeps_or_clears_the_store(tmp_path):
     cache.reset()
     alloc.clear()
     assert cache.total_size() == cache.host_size() == 0
-    assert cache.match_prefix(SEQ).storage_len == 6
+    assert prefetch_all(cache, SEQ).found == 3
+    cache.drain_prefetch()
     cache.clear_storage()
-    assert cache.match_prefix(SEQ).storage_len == 0 and not list(tmp_path.rglob("*.kv"))
+    assert prefetch_all(cache, SEQ).found == 0 and not list(tmp_path.rglob("*.kv"))
     cache.check_integrity()
 
 
@@ -172,6 +198,14 @@ def _args(**kw):
     (dict(hicache_storage_backend="file",
           hicache_storage_backend_extra_config='{"page_tokens": 0}'),
      "hicache_storage_backend_extra_config"),
+    (dict(hicache_storage_backend="file", hicache_storage_prefetch_policy="eventually"),
+     "hicache_storage_prefetch_policy"),
+    (dict(hicache_storage_backend="file",
+          hicache_storage_backend_extra_config='{"prefetch_timeout_base": -1}'),
+     "prefetch_timeout_base"),
+    (dict(hicache_storage_backend="file",
+          hicache_storage_backend_extra_config='{"prefetch_threshold": 2.5}'),
+     "prefetch_threshold"),
     (dict(disable_radix_cache=True), "enable_hierarchical_cache"),
     (dict(tp_size=2), "enable_hierarchical_cache")])
 def test_bad_flags_name_the_field(kw, field):
@@ -191,6 +225,14 @@ def test_storage_folder_from_config_env_or_default(monkeypatch):
         hicache_storage_backend_extra_config='{"file_storage_path": "/x", "page_tokens": 16}'),
         1000, 1000)
     assert (cfg.storage_dir, cfg.page_tokens, cfg.host_capacity) == ("/x", 16, 10000)
+    assert cfg.prefetch_policy == "timeout" and dict(cfg.prefetch)["threshold"] is None
+    cfg = HiCacheConfig.from_args(_args(
+        hicache_storage_backend="file", hicache_storage_prefetch_policy="best_effort",
+        hicache_storage_backend_extra_config='{"prefetch_threshold": 64, '
+                                             '"prefetch_timeout_per_ki_token": 1}'), 1000, 1000)
+    assert cfg.prefetch_policy == "best_effort"
+    assert dict(cfg.prefetch)["threshold"] == 64
+    assert dict(cfg.prefetch)["timeout_per_ki_token"] == 1.0
 
 
 def test_device_eviction_keeps_locked_paths():

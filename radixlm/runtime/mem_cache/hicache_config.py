@@ -5,12 +5,18 @@
     --hicache-size GB        host pool in GB (1e9 bytes), overrides the ratio when > 0
     --hicache-write-policy   write_through (default) | write_through_selective | write_back
     --hicache-storage-backend file
+    --hicache-storage-prefetch-policy timeout (default) | best_effort | wait_complete
     --hicache-storage-backend-extra-config '{"file_storage_path": DIR, "page_tokens": 64,
-                                             "write_queue_pages": N}'
+                                             "write_queue_pages": N, "prefetch_threshold": 256,
+                                             "prefetch_timeout_base": 1,
+                                             "prefetch_timeout_per_ki_token": 0.25,
+                                             "prefetch_queue_pages": M}'
         DIR defaults to $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, then /tmp/hicache (SGLang's);
         N bounds the pages queued for the writer thread (default: 1 GiB of pages, at most a
         quarter of the host pool; past it pages are dropped, not waited for); 0 writes them on
-        the scheduler's thread
+        the scheduler's thread; the prefetch keys are SGLang's (tokens, seconds, seconds per 1024
+        tokens; see tier_prefetch.py), M bounds the pages being read into the host pool
+        (default: 1 GiB of pages, at most half the host pool)
 A bad value raises ValueError naming the field, before any pool is allocated.
 """
 
@@ -25,12 +31,14 @@ from typing import Optional
 from radixlm.runtime.mem_cache.radix_cache import RadixCache
 from radixlm.runtime.mem_cache.storage import BACKENDS
 from radixlm.runtime.mem_cache.storage.keys import file_fingerprint, namespace_seed
+from radixlm.runtime.mem_cache.tier_prefetch import PREFETCH_POLICIES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_FILE_DIR = "/tmp/hicache"
 DEFAULT_PAGE_TOKENS = 64
-EXTRA_KEYS = ("file_storage_path", "page_tokens", "write_queue_pages")
+EXTRA_KEYS = ("file_storage_path", "page_tokens", "write_queue_pages", "prefetch_threshold",
+              "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_queue_pages")
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,9 @@ class HiCacheConfig:
     storage_dir: Optional[str]
     page_tokens: int
     write_queue_pages: Optional[int] = None  # None: tier_writes.default_write_queue_pages
+    prefetch_policy: str = "timeout"
+    # TierPrefetch._init_prefetch's keywords from the extra config (None: its defaults)
+    prefetch: tuple = ()
 
     @staticmethod
     def from_args(args, device_capacity: int, token_bytes: int) -> "HiCacheConfig":
@@ -75,6 +86,15 @@ class HiCacheConfig:
                                   or queue < 0):
             raise ValueError(f"hicache_storage_backend_extra_config: write_queue_pages must be "
                              f"an integer >= 0 (got {queue!r})")
+        policy = getattr(args, "hicache_storage_prefetch_policy", "timeout")
+        if policy not in PREFETCH_POLICIES:
+            raise ValueError(f"hicache_storage_prefetch_policy: must be one of "
+                             f"{PREFETCH_POLICIES} (got {policy!r})")
+        prefetch = (("threshold", _number(extra, "prefetch_threshold", int)),
+                    ("timeout_base", _number(extra, "prefetch_timeout_base", float)),
+                    ("timeout_per_ki_token", _number(extra, "prefetch_timeout_per_ki_token",
+                                                     float)),
+                    ("queue_pages", _number(extra, "prefetch_queue_pages", int)))
         folder = None
         if backend == "file":
             folder = (extra.get("file_storage_path") or os.environ.get(FILE_DIR_ENV)
@@ -82,7 +102,22 @@ class HiCacheConfig:
             if not isinstance(folder, str):
                 raise ValueError("hicache_storage_backend_extra_config: file_storage_path must "
                                  f"be a string (got {folder!r})")
-        return HiCacheConfig(host, args.hicache_write_policy, backend, folder, page, queue)
+        return HiCacheConfig(host, args.hicache_write_policy, backend, folder, page, queue,
+                             policy, prefetch)
+
+
+def _number(extra: dict, key: str, kind: type):
+    """extra[key] as a number >= 0 of `kind` (int: an integer), or None when absent."""
+    value = extra.get(key)
+    if value is None:
+        return None
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+          and value >= 0)
+    if not ok:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"hicache_storage_backend_extra_config: {key} must be {what} >= 0 "
+                         f"(got {value!r})")
+    return kind(value)
 
 
 def _extra_config(args) -> dict:
@@ -138,7 +173,8 @@ def make_tree_cache(args, runner) -> RadixCache:
     seed, storage = open_storage(cfg, runner)
     cache = HiRadixCache(runner.allocator, runner.req_to_token_pool, host, mover,
                          cfg.write_policy, storage, seed, cfg.page_tokens,
-                         write_queue_pages=cfg.write_queue_pages)
+                         write_queue_pages=cfg.write_queue_pages,
+                         prefetch=dict(cfg.prefetch, policy=cfg.prefetch_policy))
     cache.config = cfg
     return cache
 

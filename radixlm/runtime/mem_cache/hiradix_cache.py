@@ -21,7 +21,8 @@ Shape invariants (check_integrity asserts each):
 Accounting per tier, each slot in exactly one place:
     device: allocator free + device tokens in the tree + request-owned == device capacity
     host:   host allocator free + host tokens in the tree + held back == host capacity
-            (held back: slots the tree let go of while a pending page write still reads them)
+            (held back: slots the tree let go of while a pending page write still reads them,
+             and slots a storage prefetch holds until its request is admitted or cancelled)
 
 Eviction moves KV down a tier, LRU first (one clock; a separate candidate set per tier):
 - `evict` (device): device leaves -> their host copy stays (a node without one is backed up first:
@@ -34,7 +35,9 @@ Write policy (SGLang's): write_through backs every inserted node up to the host 
 write_through_selective once a node is hit a second time, write_back only when evicted. Every
 host backup queues the path's completed pages for the store (when one is configured); a node
 records them (storage_len) once the store has confirmed them (tier_writes.py, page_writer.py).
-Loads (host/storage -> device) are in tier_transfers.py.
+Loads (host -> device) are in tier_transfers.py; storage reaches the host only through the
+prefetch of a waiting request's pages (tier_prefetch.py, page_reader.py), which hands what landed
+to the tree as host nodes when the request is admitted.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch
 from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode
 from radixlm.runtime.mem_cache.node_logprobs import TokenLogprobs, merge_logprobs, split_logprobs
 from radixlm.runtime.mem_cache.tier_integrity import check_tiered_tree
+from radixlm.runtime.mem_cache.tier_prefetch import TierPrefetch
 from radixlm.runtime.mem_cache.tier_transfers import TierTransfers
 from radixlm.runtime.mem_cache.tier_writes import TierWrites
 
@@ -91,7 +95,7 @@ class TierMatch(tuple):
     """What `HiRadixCache.match_prefix` returns: the pair RadixCache returns (the device slots of
     the matched prefix, the deepest device node), plus what lies below the device: `lower`, the
     path's host and storage-only nodes in order; `host_len` tokens loadable from the host, then
-    `storage_len` from the store (tree nodes and pages found past the tree, page-aligned)."""
+    `storage_len` tokens the tree knows to be in the store (storage-only nodes: no I/O here)."""
 
     def __new__(cls, slots, node, lower=(), tokens=(), host_len=0, storage_len=0):
         self = super().__new__(cls, (slots, node))
@@ -101,20 +105,34 @@ class TierMatch(tuple):
 
     @property
     def lower_len(self) -> int:
-        return self.host_len + self.storage_len
+        """Tokens `load_back` brings to the device (storage comes through the prefetch)."""
+        return self.host_len
 
     @property
     def lower_score(self) -> float:
         return HOST_HIT_WEIGHT * self.host_len + STORAGE_HIT_WEIGHT * self.storage_len
 
+    def prefetch_score(self, op) -> float:
+        """What a request's prefetch adds to lower_score: its landed pages past the host part
+        count as host hits, the pages its lookup found past the tree's as storage hits."""
+        if op is None or op.cancelled:
+            return 0.0
+        d = len(self[0])
+        h, s = d + self.host_len, d + self.host_len + self.storage_len
+        host_end = max(h, op.landed_end)
+        store_end = max(s, op.found_end, host_end)
+        return (HOST_HIT_WEIGHT * (host_end - d) + STORAGE_HIT_WEIGHT * (store_end - host_end)
+                - self.lower_score)
 
-class HiRadixCache(TierTransfers, TierWrites, RadixCache):
+
+class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
     def __init__(self, allocator, req_to_token_pool, host, mover, write_policy="write_through",
                  storage=None, seed: bytes = b"", page_tokens: int = 64,
                  store_index_tokens: Optional[int] = None,
-                 write_queue_pages: Optional[int] = None):
+                 write_queue_pages: Optional[int] = None, prefetch: Optional[dict] = None):
         """write_queue_pages: bound of the page-write queue (None: tier_writes' default; 0: write
-        on the scheduler's thread)."""
+        on the scheduler's thread). prefetch: TierPrefetch._init_prefetch's keywords (policy,
+        threshold, timeout_base, timeout_per_ki_token, queue_pages, threaded)."""
         self.host, self.mover = host, mover  # before RadixCache.__init__, whose reset() uses host
         self.write_threshold = WRITE_THRESHOLDS[write_policy]
         self.write_policy = write_policy
@@ -124,12 +142,14 @@ class HiRadixCache(TierTransfers, TierWrites, RadixCache):
         self.tiered = True
         self._init_transfers()
         self._init_writes(write_queue_pages)
+        self._init_prefetch(**(prefetch or {}))
         super().__init__(allocator, req_to_token_pool)
 
     def reset(self) -> None:
         """Drop the tree and every host copy (the caller clears the device allocator); pending
-        page writes finish first (their pages stay in the store)."""
+        page writes finish first (their pages stay in the store), prefetches are cancelled."""
         self.finish_writes()
+        self.drain_prefetch()
         self.mover.complete()
         self.root = TierNode(value=self._empty())
         self.root.host_value = torch.empty(0, dtype=torch.int64)
@@ -167,10 +187,8 @@ class HiRadixCache(TierTransfers, TierWrites, RadixCache):
             node, pos = child, pos + len(child.key)
         slots = torch.cat(values) if values else self._empty()
         host_len = sum(len(c.key) for c in lower if c.host_value is not None)
-        loadable = slots.numel() + host_len
-        storage_end = self._storage_end(tokens, pos, loadable) if self.storage is not None else 0
         return TierMatch(slots, dev_node, lower, tokens, host_len,
-                         max(storage_end - loadable, 0))
+                         sum(len(c.key) for c in lower if c.host_value is None))
 
     def insert(self, token_ids: list[int], slots: torch.Tensor,
                logprobs: Optional[TokenLogprobs] = None) -> int:

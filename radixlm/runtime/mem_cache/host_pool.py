@@ -126,6 +126,10 @@ class KVMover:
         never on the CPU, where to_host copies at once)."""
         return bool(self._backups)
 
+    def loads_in_flight(self) -> bool:
+        """Whether a load's DMA may still be reading host rows (CUDA until `complete()`)."""
+        return bool(self._direct_loads)
+
     def guard_device_reuse(self) -> None:
         """Before freeing device slots: later compute-stream writes wait for backups reading them."""
         if self.cuda and self._last_backup is not None:

@@ -1,6 +1,7 @@
 """HiRadixCache.check_integrity: walk the whole tree and assert the invariants of
 hiradix_cache.py's docstring (shape per path, locks, per-tier sizes and slot ownership). Holds
-with page writes in flight: the host slots they hold back count as neither free nor in the tree."""
+with page writes and storage prefetches in flight: the host slots they hold count as neither free
+nor in the tree."""
 
 from __future__ import annotations
 
@@ -92,9 +93,12 @@ def check_tiered_tree(cache) -> None:
     if leaves != (cache._dev_leaves, cache._host_leaves, cache._store_leaves):
         _fail("a tracked leaf set differs from the tree's")
     _check_slots("device", dev_slots, cache.allocator)
-    held = cache.host_slots_held()  # out of the tree, pinned by pending page writes
+    held = cache.host_slots_held()  # out of the tree: pending page writes, prefetches
     _check_slots("host", host_slots + [held], cache.host.allocator)
+    if cache.prefetch_held_slots().numel() != cache._pages_held * cache.page:
+        _fail(f"prefetch bookkeeping: {cache._pages_held} pages counted held, "
+              f"{cache.prefetch_held_slots().numel()} slots held")
     host_free = cache.host.allocator.available_size()
     if host_free + host_tokens + held.numel() != cache.host.capacity:
-        _fail(f"host KV leak: free {host_free} + tree {host_tokens} + held for writes "
-              f"{held.numel()} != capacity {cache.host.capacity}")
+        _fail(f"host KV leak: free {host_free} + tree {host_tokens} + held (writes, "
+              f"prefetches) {held.numel()} != capacity {cache.host.capacity}")

@@ -72,10 +72,12 @@ class TierWrites:
         self.host.allocator.free(slots)
 
     def host_slots_held(self) -> torch.Tensor:
-        """Host slots out of the tree that a pending page write still reads (int64)."""
+        """Host slots out of the tree and out of the free list (int64): those a pending page
+        write still reads, and those a storage prefetch holds (tier_prefetch.py)."""
+        held = self.prefetch_held_slots()
         if self.writer is None:
-            return torch.empty(0, dtype=torch.int64)
-        return self.writer.held_slots()
+            return held
+        return torch.cat((self.writer.held_slots(), held))
 
     # --- page writes -----------------------------------------------------------------------------
     def _write_pages(self, node) -> None:
@@ -205,7 +207,11 @@ class TierWrites:
             self._key_memo.clear()
 
     def close(self) -> None:
-        """Shutdown: pending writes reach the store, the writer stops, the store flushes."""
+        """Shutdown: prefetches stop, pending writes reach the store, the writer stops, the store
+        flushes."""
+        if self.reader is not None:
+            self.drain_prefetch()
+            self.reader.close()
         if self.writer is not None:
             if self.writer.has_staged():
                 self.mover.complete()

@@ -33,9 +33,13 @@ def match_len_cap(req: Req, tree_cache) -> int:
     return cap
 
 
-def match_score(match) -> float:
-    """Device-cached tokens, plus the tiered cache's weighted host and storage hits."""
-    return len(match[0]) + getattr(match, "lower_score", 0.0)
+def match_score(match, prefetch=None) -> float:
+    """Device-cached tokens, plus the tiered cache's weighted host and storage hits (with what
+    the request's storage prefetch has landed or found)."""
+    score = len(match[0]) + getattr(match, "lower_score", 0.0)
+    if prefetch is not None:
+        score += match.prefetch_score(prefetch)
+    return score
 
 
 def compute_matches(waiting: list[Req], tree_cache) -> None:
@@ -52,7 +56,7 @@ def order_waiting(waiting: list[Req], policy: str, tree_cache) -> list[Req]:
         return list(waiting)
     compute_matches(waiting, tree_cache)
     if policy == "lpm":
-        return sorted(waiting, key=lambda r: -match_score(r.match))  # stable: FCFS among equals
+        return sorted(waiting, key=lambda r: -match_score(r.match, r.prefetch))  # stable: FCFS
     return _dfs_weight_order(waiting, tree_cache)
 
 

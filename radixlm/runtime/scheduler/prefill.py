@@ -8,9 +8,10 @@ token budget (`chunked_prefill_size`, `max_prefill_tokens`), in chunks over seve
 The matched prefix is locked as soon as a request is considered, so evictions made for later
 requests in the same round cannot take it; a request that is not admitted is unlocked again.
 
-With the hierarchical cache, the part of the prefix that sits in the host pool or the store is
-loaded into device slots when the request is considered (`_load_lower`), before its forward reads
-it: the loaded tokens spend the slots their compute would have and none of the step's compute.
+With the hierarchical cache, what the request's storage prefetch has landed joins the tree as
+host nodes first; then the part of the prefix that sits in the host pool is loaded into device
+slots when the request is considered (`_load_lower`), before its forward reads it: the loaded
+tokens spend the slots their compute would have and none of the step's compute.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class PrefillAdder:
     def add(self, req: Req) -> AddResult:
         if self.rem_step <= 0:
             return AddResult.NO_COMPUTE
+        if req.prefetch is not None:  # what landed from the store joins the tree (host nodes)
+            req.prefetch_range = _union(req.prefetch_range,
+                                        self.tree_cache.adopt_prefetch(req.prefetch))
         if req.match is None or self.tiered:  # tiered: this round's loads may have moved KV
             cap = match_len_cap(req, self.tree_cache)
             req.match = self.tree_cache.match_prefix(req.fill_ids[:cap])
@@ -97,6 +101,9 @@ class PrefillAdder:
             req.prefix_indices, req.last_node, req.kv_len = slots[:0], None, 0
             return result
         serve_cached_input_logprobs(req)
+        if req.prefetch is not None:  # admitted: what has not landed is recomputed
+            self.tree_cache.cancel_prefetch(req.prefetch)
+            req.prefetch = None
         if details is not None:
             self.tree_cache.record_hits(details)
             if req.retractions == 0 and not req.output_ids:  # what meta_info reports
@@ -112,7 +119,7 @@ class PrefillAdder:
         if req.match.lower_len and need <= self.rem_total:
             tree = self.tree_cache
             room = self.allocator.available_size() + tree.evictable_size()
-            slots, new_node, details = tree.load_back(req.match)
+            slots, new_node, details = tree.load_back(req.match, req.prefetch_range)
             if new_node is not node:
                 tree.inc_lock_ref(new_node)
                 tree.dec_lock_ref(node)
@@ -136,3 +143,10 @@ class PrefillAdder:
         self.rem_step -= ext
         self.admitted.append(req)
         return AddResult.ADDED
+
+
+def _union(a, b):
+    """The span of two token ranges [lo, hi) (either may be None)."""
+    if a is None or b is None:
+        return a or b
+    return min(a[0], b[0]), max(a[1], b[1])

@@ -31,7 +31,7 @@ from radixlm.runtime.scheduler.maintenance import Maintenance
 from radixlm.runtime.scheduler.output import record_embeddings
 from radixlm.runtime.scheduler.overlap import (InFlightDecode, chained_input_ids,
                                                start_host_copy, surely_finishes)
-from radixlm.runtime.scheduler.policy import order_waiting
+from radixlm.runtime.scheduler.policy import match_len_cap, order_waiting
 from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder
 from radixlm.runtime.scheduler.token_processing import TokenProcessing
 
@@ -90,7 +90,15 @@ class Scheduler(TokenProcessing, Maintenance):
                                                     cache_size=self.args.grammar_cache_size)
             req.grammar_future = self.grammars.submit(*c)
             req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout
+        if self.tiered:  # its pages in the store start coming up to the host now, off this thread
+            req.prefetch = self.tree_cache.start_prefetch(
+                req.fill_ids[:match_len_cap(req, self.tree_cache)])
         self.waiting.append(req)
+
+    def _drop_prefetch(self, req: Req) -> None:
+        if req.prefetch is not None:
+            self.tree_cache.cancel_prefetch(req.prefetch)
+            req.prefetch = None
 
     def abort_request(self, rid: str) -> Optional[Req]:
         """Finish `rid` with reason abort and release its KV. Returns the request if found."""
@@ -99,6 +107,7 @@ class Scheduler(TokenProcessing, Maintenance):
             for i, req in enumerate(queue):
                 if req.rid == rid:
                     queue.pop(i)
+                    self._drop_prefetch(req)
                     if queue is self.running:
                         self._filter_running_info(keep=[r for r in self.running])
                     self._finish(req, Finish(FinishReason.ABORT, message="aborted by request"))
@@ -118,9 +127,17 @@ class Scheduler(TokenProcessing, Maintenance):
         none has waited past --grammar-compile-timeout)."""
         if self.running or self.chunked or self.inflight or self._deferred:
             return True
+        if self.tiered and self.tree_cache.prefetch_news():
+            return True  # a step applies them (a lookup's result starts its read)
         now = time.monotonic()
-        return any(r.grammar_future is None or r.grammar_future.done()
-                   or now > r.grammar_deadline for r in self.waiting)
+        return any((r.grammar_future is None or r.grammar_future.done()
+                    or now > r.grammar_deadline) and self._prefetch_ready(r)
+                   for r in self.waiting)
+
+    def _prefetch_ready(self, req: Req) -> bool:
+        """False while the request waits for pages from the store (--hicache-storage-prefetch-
+        policy); the step goes on with the others."""
+        return req.prefetch is None or self.tree_cache.prefetch_ready(req.prefetch)
 
     def _grammar_ready(self, req: Req) -> bool:
         fut = req.grammar_future
@@ -152,8 +169,9 @@ class Scheduler(TokenProcessing, Maintenance):
 
     def _step_or_chain(self) -> list[Req]:
         done, self._deferred = self._deferred, []
-        if self.tiered:  # page writes that landed since the last step: recorded on the tree now
+        if self.tiered:  # page writes and prefetch reads since the last step: applied now
             self.tree_cache.settle_page_writes(release=False)
+            self.tree_cache.apply_prefetch_news(release=False)
         if self.inflight is not None:
             prev, self.inflight = self.inflight, None
             chain = self._chainable()
@@ -200,8 +218,9 @@ class Scheduler(TokenProcessing, Maintenance):
         return not any(r.grammar is not None or r.token_ids_logprob for r in self.running)
 
     def _step(self) -> list[Req]:
-        if self.tiered:  # no forward in flight: CUDA backups land, their page writes can start
+        if self.tiered:  # no forward in flight: CUDA DMA lands, page writes and reads can start
             self.tree_cache.settle_page_writes(release=True)
+            self.tree_cache.apply_prefetch_news(release=True)
         mixed = bool(self.running) and not self.args.disable_mixed_batch
         aborted = []
         if mixed:  # the running requests decode in this step whatever it admits: room first
@@ -211,6 +230,8 @@ class Scheduler(TokenProcessing, Maintenance):
         failed = [r for r in self.waiting if r.finished]  # e.g. a grammar that failed to compile
         if failed:
             self.waiting = [r for r in self.waiting if not r.finished]
+            for req in failed:
+                self._drop_prefetch(req)
         if admitted:
             return self._run_extend(admitted, mixed) + failed + aborted
         if self.running:
@@ -230,7 +251,7 @@ class Scheduler(TokenProcessing, Maintenance):
             self.chunked = None
         slots_left = min(self.args.max_running_requests - len(self.running),
                          self.req_pool.available_size()) - len(adder.admitted)
-        ready = [r for r in self.waiting if self._grammar_ready(r)]
+        ready = [r for r in self.waiting if self._grammar_ready(r) and self._prefetch_ready(r)]
         for req in order_waiting(ready, self.args.schedule_policy, self.tree_cache):
             if slots_left <= 0:
                 break

@@ -78,7 +78,10 @@ class FileStorage(StorageBackend):
         try:
             with open(path, "rb") as f:
                 header = f.read(_HEADER.size)
-                payload = f.read(self.page_bytes + 1)  # one byte more: a longer file is bad too
+                # one byte more: a longer file is bad too; a bytearray, so a reader can view it
+                # as a tensor without copying it again
+                payload = bytearray(self.page_bytes + 1)
+                del payload[f.readinto(payload):]
         except FileNotFoundError:
             self._known.discard(key)
             return None

@@ -1,0 +1,190 @@
+"""Storage prefetch (storage -> host) on a reader thread, so the scheduler never waits on a store.
+
+A `PrefetchOp` follows one waiting request's prompt: the pages past what the tree holds on the
+device or the host, by content key. It runs in two jobs on the reader thread:
+  1. lookup: how many of the op's leading pages the store has (`exists`, which may be optimistic);
+  2. read: the found pages (`get`, verified by the store) decoded straight into host slots that
+     the scheduler allocated for them between the two jobs (the host allocator is the
+     scheduler's alone). A page that is missing, truncated, corrupt or foreign ends the read.
+The thread reports through `news` (lookup results, each page landed, a read's end); the
+scheduler applies them at the start of a step (tier_prefetch.py) and never blocks on a job.
+
+Host slots of a read belong to its op until the scheduler hands them to the tree or back to the
+allocator ("held": out of the tree, out of the free list). A cancelled op (abort, or the request
+was admitted with part of its pages) stops at the next page; slots the reader may still be
+writing stay held until its read ends.
+
+`threaded=False` (tests): no thread; `work(units)` runs queued jobs on the caller's thread, one
+unit = one lookup or one page read, so a test decides exactly where each read stands.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    storage: object  # the store when started (a rekey swaps the cache's; the op keeps its own)
+    tokens: tuple  # the prompt tokens its pages cover
+    first: int  # absolute page index of keys[0]: page j covers [(first+j)*P, (first+j+1)*P)
+    keys: list
+    page: int  # tokens per page
+    deadline: float  # time.monotonic() past which the `timeout` policy stops waiting
+    found: Optional[int] = None  # leading pages the lookup found (None: lookup pending)
+    slots: Optional[torch.Tensor] = None  # host slots int64 (n*P,), page j at [j*P, (j+1)*P)
+    landed: int = 0  # leading pages verified and written into `slots`
+    released: int = 0  # leading pages whose slots left the op (to the tree or freed)
+    reading: bool = False  # a read job is queued or running
+    staged: bool = False  # slots allocated, read waits for the host rows (CUDA backups)
+    done: bool = False  # nothing more will land
+    cancelled: bool = False  # set by the scheduler; the reader stops at the next page
+
+    @property
+    def page_count(self) -> int:
+        return 0 if self.slots is None else self.slots.numel() // self.page
+
+    @property
+    def landed_end(self) -> int:
+        """Absolute end of the landed pages (first * P when none)."""
+        return (self.first + self.landed) * self.page
+
+    @property
+    def found_end(self) -> int:
+        return (self.first + (self.found or 0)) * self.page
+
+
+class PageReader:
+    def __init__(self, host, page_tokens: int, threaded: bool = True):
+        self.host, self.page = host, page_tokens
+        self.news: collections.deque = collections.deque()  # reader -> scheduler, in order
+        # called (reader thread) after a lookup's or a read's end: an idle scheduler loop that
+        # polls its inbox can wake at once instead of at its next poll (Engine sets it)
+        self.notify = None
+        self.read_errors = 0
+        self._jobs: queue.Queue = queue.Queue()  # bounded by the cache (lookups, read pages)
+        self._current = None  # manual mode: the job `work` is in the middle of
+        self._thread: Optional[threading.Thread] = None
+        if threaded:
+            self._thread = threading.Thread(target=self._loop, name="radixlm-hicache-prefetch",
+                                            daemon=True)
+            self._thread.start()
+
+    # --- scheduler thread ------------------------------------------------------------------------
+    def lookup(self, op: PrefetchOp) -> None:
+        self._jobs.put(_Job("lookup", op))
+
+    def read(self, op: PrefetchOp) -> None:
+        """Read op.slots' pages (op.slots set, op.reading set by the caller)."""
+        self._jobs.put(_Job("read", op))
+
+    def drain(self) -> None:
+        """Wait until every queued job has ended (cancel the ops first to make it quick)."""
+        if self._thread is None:
+            while self.work(1 << 30):
+                pass
+        else:
+            self._jobs.join()
+
+    def close(self) -> None:
+        self.drain()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def work(self, units: int) -> int:
+        """Manual mode: run up to `units` units of queued work here. Returns the units run."""
+        assert self._thread is None, "work() is for a reader without a thread"
+        ran = 0
+        while ran < units:
+            if self._current is None:
+                try:
+                    self._current = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+            ran += 1
+            if self._unit(self._current):
+                self._current = None
+                self._jobs.task_done()
+        return ran
+
+    # --- reader thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                while not self._unit(job):
+                    pass
+            except Exception as e:  # a store's bug must not kill the thread: recomputed instead
+                self.read_errors += 1
+                logger.warning("hicache: prefetch from storage failed: %r", e)
+                self.news.append(("read_end", job.op, 0.0, 0) if job.kind == "read"
+                                 else ("found", job.op, 0))
+            finally:
+                self._jobs.task_done()
+
+    def _unit(self, job: "_Job") -> bool:
+        """One lookup, or one page of a read. True when the job has ended (its news posted)."""
+        op = job.op
+        if job.kind == "lookup":
+            n = 0
+            if not op.cancelled:
+                for key in op.keys:  # exists is cheap (a stat, a set lookup): one unit in all
+                    if not op.storage.exists(key):
+                        break
+                    n += 1
+            self.news.append(("found", op, n))
+            self._wake()
+            return True
+        j = job.next
+        if op.cancelled or j >= op.page_count:
+            self.news.append(("read_end", op, job.seconds, job.bytes))
+            self._wake()
+            return True
+        t0 = time.perf_counter()
+        payload = op.storage.get(op.keys[j])
+        if payload is None:  # missing or failed its checks: never served, recomputed
+            job.seconds += time.perf_counter() - t0
+            self.news.append(("read_end", op, job.seconds, job.bytes))
+            self._wake()
+            return True
+        page = decode_page(payload, self.host.block_shape(self.page), self.host.dtype)
+        # (L, 2, P, H, D) into the op's own slots: no other thread reads or writes these rows
+        self.host.kv.index_copy_(2, op.slots[j * self.page:(j + 1) * self.page], page)
+        job.seconds += time.perf_counter() - t0
+        job.bytes += len(payload)
+        job.next = j + 1
+        self.news.append(("landed", op, j + 1))
+        return False
+
+
+    def _wake(self) -> None:
+        if self.notify is not None:
+            self.notify()
+
+
+class _Job:
+    __slots__ = ("kind", "op", "next", "seconds", "bytes")
+
+    def __init__(self, kind: str, op: PrefetchOp):
+        self.kind, self.op, self.next, self.seconds, self.bytes = kind, op, 0, 0.0, 0
+
+
+def decode_page(payload, page_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A page's bytes -> its (L, 2, P, H, D) tensor: a view of the payload when it is a bytearray
+    (the file store reads into one), else of a private copy (torch views only writable buffers)."""
+    buf = payload if isinstance(payload, bytearray) else bytearray(payload)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(tuple(page_shape))

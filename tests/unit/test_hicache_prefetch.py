@@ -1,0 +1,130 @@
+"""Storage prefetch through the scheduler (fp32, the tiny random Llama of test_hicache_engine.py):
+a store whose reads stall never stalls a step (the request goes on and recomputes, with the same
+greedy tokens); a queued request's abort cancels its prefetch and frees its host slots, with the
+KV accounting exact while the read is still in flight; the cache-aware order ranks storage hits
+below host hits below device hits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from hicache_helpers import make_tiered, prefetch_all, put
+from radixlm.runtime.scheduler.policy import match_score, order_waiting
+from test_hicache_engine import (PROMPTS, SP, _tiered, make_engine, reference,  # noqa: F401
+                                 tiny_path)
+
+STALL_S = 1.5  # one page read of the slow store
+
+
+@pytest.fixture(scope="module")
+def warm_store(tiny_path, tmp_path_factory):  # noqa: F811
+    """A store holding every page of PROMPTS[0] and [1] (6 pages of 8 tokens each; written on the
+    scheduler's thread, so none is dropped)."""
+    import radixlm
+
+    folder = str(tmp_path_factory.mktemp("warm-store"))
+    made = []
+    _tiered(lambda **kw: made.append(radixlm.Engine(
+        model_path=tiny_path, dtype="float32", context_length=512, skip_tokenizer_init=True,
+        **kw)) or made[-1], folder, ratio=3, write_queue_pages=0)
+    made[0].generate(input_ids=PROMPTS[:2], sampling_params=SP)
+    made[0].shutdown()  # pending page writes reach the folder
+    return folder
+
+
+def _slow_reads(eng, seconds: float) -> None:
+    """Every page read of the engine's store first sleeps (a store on a congested network)."""
+    store = eng.scheduler.tree_cache.storage
+    real_get = store.get
+
+    def slow_get(key):
+        time.sleep(seconds)
+        return real_get(key)
+
+    store.get = slow_get
+
+
+def _cache_call(eng, fn):
+    return eng._call_in_loop(lambda: fn(eng.scheduler.tree_cache))
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_slow_store_never_blocks_a_step(make_engine, integrity, reference,  # noqa: F811
+                                        warm_store, policy):
+    # timeout: at most 0.2 s of waiting for a 40-token prefix, whatever the store does
+    eng = _tiered(make_engine, warm_store, policy=policy, prefetch_timeout_base=0.2,
+                  prefetch_timeout_per_ki_token=0.0)
+    _slow_reads(eng, STALL_S)
+    t0 = time.perf_counter()
+    out = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    elapsed = time.perf_counter() - t0
+    assert out["output_ids"] == reference[0]  # recomputed, same greedy tokens
+    assert out["meta_info"]["cached_tokens_details"]["storage"] == 0
+    # a step that waited on the store would take at least one page read
+    assert elapsed < STALL_S * 0.8, elapsed
+    integrity(eng)  # the cancelled read may still be running: its slots are held, counted
+    assert _cache_call(eng, lambda c: c.counters["prefetch_started"]) == 1
+
+
+def test_abort_of_a_queued_request_frees_its_prefetch(make_engine, integrity,  # noqa: F811
+                                                      warm_store):
+    eng = _tiered(make_engine, warm_store, policy="wait_complete")
+    _slow_reads(eng, 0.3)  # 5 pages: 1.5 s unless cancelled
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(eng.generate(
+        input_ids=PROMPTS[1], sampling_params=SP, rid="queued")))
+    thread.start()
+
+    def reading(cache):
+        sched = eng.scheduler
+        req = sched.waiting[0] if sched.waiting else None
+        return req is not None and req.prefetch is not None and req.prefetch.reading
+
+    deadline = time.monotonic() + 5
+    while not _cache_call(eng, reading):
+        assert time.monotonic() < deadline, "the prefetch never started reading"
+        time.sleep(0.01)
+    held = _cache_call(eng, lambda c: (c.check_integrity(), c.host_slots_held().numel())[1])
+    assert held == 40  # its 5 pages' slots (47 matchable tokens): out of the tree and free list
+    eng.abort_request("queued")
+    thread.join(timeout=5)
+    assert done["meta_info"]["finish_reason"]["type"] == "abort"
+    _cache_call(eng, lambda c: c.drain_prefetch())  # the read in flight stops at its next page
+    stats = _cache_call(eng, lambda c: (c.check_integrity(), c.prefetch_stats())[1])
+    assert stats["held_pages"] == 0 and stats["ops"] == 0
+    assert _cache_call(eng, lambda c: c.host_slots_held().numel()) == 0
+    integrity(eng)
+
+
+def _req(tokens, prefetch=None):
+    return SimpleNamespace(fill_ids=list(tokens), seqlen=len(tokens), prefetch=prefetch,
+                           wants_input_logprobs=False, match=None)
+
+
+def test_order_counts_storage_below_host_below_device(tmp_path):
+    cache, pool, alloc = make_tiered(capacity=16, host_capacity=40, storage_dir=str(tmp_path))
+    on_host, on_device = list(range(10, 18)), list(range(20, 28))
+    stored = list(range(30, 38))
+    for seq in (stored, on_host):
+        put(cache, pool, alloc, seq)
+    cache.evict(16)
+    cache.evict_host(8)  # `stored` (least recent) is now in the store only
+    put(cache, pool, alloc, on_device)
+    found = prefetch_all(cache, stored + [1])  # its 4 pages landed: scored as host hits
+    looked_up = cache.start_prefetch(stored + [2])
+    cache.reader.work(1)  # its lookup ran, its read has not: storage hits
+    cache.apply_prefetch_news(release=False)
+    assert looked_up.found == 4 and looked_up.landed == 0
+    reqs = {"cold": _req([1, 2, 3, 4, 5]), "found": _req(stored + [2], looked_up),
+            "host": _req(on_host + [1]), "landed": _req(stored + [1], found),
+            "device": _req(on_device + [1])}
+    order = order_waiting(list(reqs.values()), "lpm", cache)
+    names = {id(r): n for n, r in reqs.items()}
+    assert [names[id(r)] for r in order] == ["device", "host", "landed", "found", "cold"]
+    scores = {n: match_score(r.match, r.prefetch) for n, r in reqs.items()}
+    assert scores == {"device": 8, "host": 4, "landed": 4, "found": 2, "cold": 0}
+    cache.check_integrity()
