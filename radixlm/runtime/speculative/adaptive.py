@@ -27,8 +27,8 @@ it skips the lookups (a lookup step cannot overlap: 4.65 against 4.31 ms at batc
 then also pay for it: a step verifies only if E / (1 + rho T + OV) > B / (1 + rho B), OV = ov (1 +
 rho B). (On an H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held
 near its 1% prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
-Skipped steps and probes: when no draft could pay (`hopeless`), or the last DRY_STEPS lookups found
-no draft at all (or, where a skipped step overlaps, verified nothing), the scheduler runs its plain
+Skipped steps and probes: when no draft could pay (`hopeless`), or, where a skipped step overlaps
+(a GPU), the last DRY_STEPS lookups found or verified nothing, the scheduler runs its plain
 step (overlapped on a GPU) without even looking drafts up; every `probe_interval` such steps one
 step looks up and verifies up to two tokens per request (16 in all) anyway, so the estimates see a
 change of text. The interval doubles (up to PROBE_MAX) while probes find nothing and resets when
@@ -236,7 +236,7 @@ class AdaptivePolicy:
         if self.probing or (self.fast_skips and not self.ov_measured):
             room = min(room, PROBE_ROWS)  # (the first verify measures the overhead: keep it small)
         found = any(lens)
-        if not found:
+        if not found and self.fast_skips:  # (on a CPU a lookup costs microseconds: keep looking)
             self.dry_steps += 1
         if self.probing and not found:
             self._end_probe(False)
