@@ -17,7 +17,8 @@ from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.speculative import spec_config
-from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy, CostModel
+from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
+from radixlm.runtime.speculative.step_cost import CostModel
 from radixlm.runtime.speculative.ngram import OwnIndex, SharedIndex, propose, suffix_hashes
 from radixlm.runtime.speculative.rejection import accept_rows
 from radixlm.server.cli_args import add_server_args

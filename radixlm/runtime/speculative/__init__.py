@@ -1,7 +1,8 @@
 """Speculative decoding: drafts, one verify forward, exact acceptance.
 
 The scheduler's decode step calls `speculator.step(sched)` (worker.py) instead of its plain
-decode when `--speculative-algorithm` is set; everything else (admission, chunked and mixed
+decode when `--speculative-algorithm` is set and `speculator.wants_verify(sched)` (the adaptive
+policy: False runs the scheduler's plain step, overlapped on a GPU); everything else (admission, chunked and mixed
 prefill, retraction, jump-forward, finishing) is the scheduler's own code.
 
   spec_config.py     the SGLang flags, resolved and checked (refusals name the flag)
@@ -13,10 +14,13 @@ prefill, retraction, jump-forward, finishing) is the scheduler's own code.
   draft_runner.py    the draft model's ModelRunner (own weights, KV pool, req -> token table)
                      and each request's draft KV (no tree; freed on finish / retract / jump)
   draft_budget.py    the draft's config, pool tokens and bytes (the GPU budget's share)
-  adaptive.py        per step, how many draft tokens each request verifies (0: plain decode),
-                     a draft model's forwards priced in
+  adaptive.py        per step, whether to look drafts up at all (skipped steps, probes) and
+                     how many draft tokens each request verifies (0: plain decode): the
+                     verify's overhead and a draft model's forwards priced in
+  step_cost.py       the step-cost line c0 + c1 * T it fits online
   grammar_drafts.py  drafts cut by the grammar, per-row grammar masks
-  verify.py          the verify batch (an extend of [last + drafts] per request) and acceptance
+  verify.py          the verify batch (an extend of [last + drafts] per request, or a decode
+                     batch of one row per token where a CUDA graph takes it) and acceptance
   rejection.py       per row: greedy argmax or rejection sampling, min(1, p/q) and
                      max(0, p - q), with q a draft model's distribution or an n-gram point mass
 
@@ -25,8 +29,8 @@ Invariants (tested in tests/unit/test_speculative*.py): greedy output equals pla
 capacity (the rejected drafts' slots are freed in the step that computed them), and for a draft
 model's own pool free + held by running requests == capacity; grammar, stop strings/regex,
 logprobs and abort see exactly the tokens kept.
-Not yet: EAGLE-3 heads, draft trees (top-k > 1), a draft model under tensor parallelism, CUDA
-graphs for the verify forward, overlap with speculation (the scheduler runs it non-overlapped).
+Not yet: EAGLE-3 heads, draft trees (top-k > 1), a draft model under tensor parallelism, overlap
+of a verifying step (only skipped steps overlap).
 
 `create(args, sched)` returns the scheduler's speculator, or None when speculation is off.
 """
