@@ -161,8 +161,9 @@ def main(argv=None) -> list[dict]:
             draft_spec = eng.scheduler.spec
 
             def make_spec():  # a cold cost model and global acceptance each run, as NGRAM's
-                draft_spec.policy = type(draft_spec.policy)(draft_spec.cfg.adaptive,
-                                                            eng.runner.device.type)
+                old = draft_spec.policy
+                draft_spec.policy = type(old)(draft_spec.cfg.adaptive, eng.runner.device.type,
+                                              overlap=old.fast_skips)
                 return draft_spec
             return make_spec
         return lambda a=arm_args(*arm): speculative.create(a, eng.scheduler)

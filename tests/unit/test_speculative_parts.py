@@ -290,8 +290,7 @@ def test_declined_lookups_skip_only_where_a_skipped_step_overlaps():
     from radixlm.runtime.speculative import adaptive
 
     for fast_skips in (True, False):
-        pol = AdaptivePolicy(adaptive=True, device_type="cuda")
-        pol.fast_skips = fast_skips
+        pol = AdaptivePolicy(adaptive=True, device_type="cuda", overlap=fast_skips)
         pol.observe_step(1, 0.004)
         pol.ov = 0.3  # verifies cost 30% more than a plain step
         for _ in range(adaptive.DRY_STEPS):

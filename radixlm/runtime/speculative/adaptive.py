@@ -70,20 +70,26 @@ class Acceptance:
 
 
 class AdaptivePolicy:
-    def __init__(self, adaptive: bool, device_type: str):
+    def __init__(self, adaptive: bool, device_type: str, overlap: Optional[bool] = None):
+        """`overlap`: whether a step without lookups overlaps (a GPU's overlap schedule; default:
+        on CUDA). Only then is there something to gain by not looking drafts up, and only then
+        are the verify's overhead, dry lookups and the pooled prior for untried match lengths
+        used: on a CPU a lookup costs microseconds, the line fit prices the verify (its steps pin
+        the slope), and optimism about a match length not yet tried is what lets a copy that
+        starts after a stretch of failed drafts be drafted (copy-heavy text fell from 2.4x to
+        1.5x without it)."""
         self.adaptive = adaptive
         # a prior c1 / c0: a 2-core CPU's decode is far from compute-bound only at small batches;
         # a GPU's far further (a token's FLOPs against all the weights' bytes)
         self.cost = CostModel(0.1 if device_type == "cpu" else 0.01)
-        self.glob = [[0.0, 0.0] for _ in range(_MATCH_BUCKETS)]  # (succ, trials) per bucket
+        self.fast_skips = device_type == "cuda" if overlap is None else overlap
+        start = [0.0, 0.0] if self.fast_skips else [1.0, 2.0]  # (a GPU: the pooled rate)
+        self.glob = [list(start) for _ in range(_MATCH_BUCKETS)]  # (succ, trials) per bucket
         self.pooled = [1.0, 2.0]  # (succ, trials) over all buckets; starts at 1/2
         self.ov = 0.0  # a verify's fixed overhead, in plain steps of its batch
         self.ov_measured = False
         self.plain: dict[int, float] = {}  # batch size -> recent plain steps' mean seconds
         self.fast: dict[int, float] = {}  # ... of the steps run without lookups (overlapped)
-        # whether a skipped step is cheaper than a lookup that verifies nothing (a GPU's
-        # overlapped step): only then do declined lookups count as dry (the scheduler sets it)
-        self.fast_skips = device_type == "cuda"
         self.probe_interval = PROBE_MIN
         self.skipped_steps = 0  # steps without lookups since the last probe
         self.dry_steps = 0  # consecutive lookups that found no draft
@@ -93,6 +99,8 @@ class AdaptivePolicy:
 
     def _bucket_rate(self, b: int) -> float:
         s, t = self.glob[b]
+        if not self.fast_skips:
+            return s / t
         ps, pt = self.pooled
         return (s + BUCKET_PRIOR * ps / pt) / (t + BUCKET_PRIOR)
 
@@ -179,7 +187,7 @@ class AdaptivePolicy:
                 ks.append(min(n, max(room, 0)))
                 room -= ks[-1]
             return ks
-        if found and self._plain_time(B) is None:
+        if found and self.fast_skips and self._plain_time(B) is None:
             return [0] * B  # a plain step of this batch first: verifies are measured against it
         rho, rho_d = self.cost.ratio(), self.draft_ratio()
         OV = self.ov * (1.0 + rho * B)
@@ -242,7 +250,7 @@ class AdaptivePolicy:
         if batch is None or tokens <= batch:
             _ema(self.plain, tokens, seconds)
         else:
-            plain = self._plain_time(batch)
+            plain = self._plain_time(batch) if self.fast_skips else None
             if plain is not None:
                 rho = self.cost.ratio()
                 pred = plain * (1.0 + rho * tokens) / (1.0 + rho * batch)

@@ -55,9 +55,9 @@ class Speculator:
 
     def __init__(self, cfg: SpecConfig, sched):
         self.cfg = cfg
-        self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type)
-        self.policy.fast_skips = (sched.device.type == "cuda"  # a skipped step overlaps
-                                  and not sched.args.disable_overlap_schedule)
+        self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type,  # a skipped step overlaps:
+                                     overlap=(sched.device.type == "cuda"
+                                              and not sched.args.disable_overlap_schedule))
         # wants_verify's decision, its step, when it was made and for how many requests
         self._decided, self._wants, self._decided_at, self._batch = None, True, 0.0, 0
         for key in STAT_KEYS:
