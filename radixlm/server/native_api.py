@@ -9,6 +9,12 @@ equals the non-streamed result (SGLang's frontend keeps the latest chunk's meta_
 --incremental-streaming-output all of them are deltas: each chunk carries only what is new,
 while `completion_tokens` and `output_token_logprobs_length` count everything. A batch streams
 its requests' chunks interleaved, each with `index`.
+
+A request the server tore down unfinished (a child process died, the server stopped: see
+errors.server_abort) is an error, never a complete-looking answer: non-streamed, a 5xx with the
+message naming the cause; streamed, a `data: {"error": {...}}` chunk in place of its final chunk
+(SGLang's shape of errors after the 200; its frontend and ours raise on it). A plain abort
+(/abort_request) stays a finish_reason of type abort, as in SGLang.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from radixlm.server.errors import QueueFullError
+from radixlm.server.errors import UnavailableError, server_fault
 from radixlm.server.generate_fields import expand_n, parse_generate_body
 from radixlm.server.io_struct import GenerateReqInput
 from radixlm.server.openai_embeddings import embedding_objs, run_embeddings
@@ -85,14 +91,19 @@ async def _stream(tm, objs: list[GenerateReqInput], request, batch: bool, increm
 
     async def pump(i: int) -> None:
         shape = ChunkShaper(incremental)
+        tag = {"index": i} if batch else {}
         try:
             async for out in tm.generate(objs[i], request):
+                fault = server_fault(out["meta_info"]["finish_reason"])
+                if fault is not None:
+                    await queue.put({"error": {"message": fault[1], "code": fault[0]}, **tag})
+                    continue
                 chunk = shape(out)
                 if batch:
                     chunk["index"] = i
                 await queue.put(chunk)
-        except (ValueError, QueueFullError) as e:
-            await queue.put({"error": {"message": str(e)}, **({"index": i} if batch else {})})
+        except (ValueError, UnavailableError) as e:
+            await queue.put({"error": {"message": str(e)}, **tag})
         finally:
             await queue.put(None)
 
@@ -141,10 +152,14 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
                 return StreamingResponse(_stream(tm, objs, request, batch, incremental),
                                          media_type="text/event-stream")
             results = await asyncio.gather(*(_final(tm, p, request) for p in objs))
+            for out in results:
+                fault = out and server_fault(out["meta_info"]["finish_reason"])
+                if fault:
+                    return error(*fault)
             return results if batch else results[0]
         except ValueError as e:
             return error(400, str(e))
-        except QueueFullError as e:
+        except UnavailableError as e:
             return error(503, str(e))
 
     @app.api_route("/encode", methods=["POST", "PUT"])
@@ -172,7 +187,7 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
             return res[0] if single else res
         except ValueError as e:
             return error(400, str(e))
-        except QueueFullError as e:
+        except UnavailableError as e:
             return error(503, str(e))
         except Exception as e:  # e.g. APIError from run_embeddings
             status = getattr(e, "status", 500)
