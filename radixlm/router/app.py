@@ -32,6 +32,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm.router.affinity import stored_response_id
 from radixlm.router.args import RouterArgs
@@ -157,6 +158,12 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
                        admin_api_key=admin_key(args), admin_open=admin_open,
                        admin_paths=ROUTER_ADMIN_PATHS)
 
+    # errors are JSON with a message, as the workers' (a method the catch-all route does not
+    # take, e.g. OPTIONS, is FastAPI's {"detail"} otherwise); success texts stay SGLang's
+    @app.exception_handler(StarletteHTTPException)
+    async def framework_error(request, exc: StarletteHTTPException):
+        return error_response(request.url.path, exc.status_code, str(exc.detail))
+
     @app.get("/health")
     async def health_route():
         problem = health() if health is not None else None
@@ -176,20 +183,20 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
     @app.post("/add_worker")
     async def add_worker(url: Optional[str] = None):
         if not url:
-            return PlainTextResponse("url query parameter is required", status_code=400)
+            return error_response("", 400, "url query parameter is required")
         url = normalize_url(url)
         if url in pool.workers:
-            return PlainTextResponse(f"Worker {url} already exists", status_code=400)
+            return error_response("", 400, f"Worker {url} already exists")
         problem = await pool.wait_healthy(url, args.worker_startup_timeout_secs)
         if problem is not None:
-            return PlainTextResponse(f"Failed to add worker {url}: {problem}", status_code=400)
+            return error_response("", 400, f"Failed to add worker {url}: {problem}")
         pool.add(url)
         return PlainTextResponse(f"Successfully added worker: {url}")
 
     @app.post("/remove_worker")
     async def remove_worker(url: Optional[str] = None):
         if not url or not pool.remove(url, "removed by /remove_worker"):
-            return PlainTextResponse(f"Worker {url} not found", status_code=404)
+            return error_response("", 404, f"Worker {url} not found")
         return PlainTextResponse(f"Successfully removed worker: {normalize_url(url)}")
 
     @app.get("/get_server_info")

@@ -139,6 +139,17 @@ def anthropic_error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=err.status)
 
 
+# --- errors of the framework (no route, wrong method, a bug) ----------------------------------
+
+
+def any_api_error_body(status: int, message: str) -> dict:
+    """For errors raised before any route ran (unknown path, method not allowed) or by a bug:
+    one body both SDKs read, whichever API the caller meant (Anthropic's `type: error` beside
+    OpenAI's `error` object; each reads error.message)."""
+    return {"type": "error", "error": {"message": message, "type": anthropic_error_type(status),
+                                       "code": status}}
+
+
 # --- request bodies ---------------------------------------------------------------------------
 
 

@@ -178,10 +178,19 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
             text, ids = body.get("text"), body.get("input_ids")
             if (text is None) == (ids is None):
                 raise ValueError("exactly one of text and input_ids is required")
+            # the shapes first (fuzzing: input_ids true or {} was a 500)
+            if text is not None and not isinstance(text, (str, list)):
+                raise ValueError("text: a string or a list of strings")
+            if ids is not None and not isinstance(ids, list):
+                raise ValueError("input_ids: a list of token ids or a list of such lists")
             single = isinstance(text, str) or (ids is not None and ids and isinstance(ids[0], int))
             items = [text if text is not None else ids] if single else (text or ids)
             if not isinstance(items, list) or not items:
                 raise ValueError("text/input_ids: the batch is empty")
+            if text is not None and not all(isinstance(x, str) for x in items):
+                raise ValueError("text: a string or a list of strings")  # fuzzing: [1, 2]
+            if ids is not None and not all(_is_id_list(x) for x in items):
+                raise ValueError("input_ids: a list of token ids or a list of such lists")
             outs = await run_embeddings(tm, embedding_objs(tm, items, body.get("rid")), request)
             res = [{"embedding": o["embedding"], "meta_info": o["meta_info"]} for o in outs]
             return res[0] if single else res
@@ -229,6 +238,10 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
             return {"text": texts[0] if single else texts}
         except (ValueError, ValidationError) as e:
             return error(400, _message(e))
+
+
+def _is_id_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def _message(e: Exception) -> str:

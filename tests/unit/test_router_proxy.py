@@ -281,18 +281,26 @@ def test_worker_dying_mid_request_is_retried_elsewhere(two_workers):
         broken.close()
 
 
-def test_broken_stream_ends_with_an_error_event(two_workers):
+@pytest.mark.parametrize("path", ["/generate", "/v1/messages", "/v1/responses"])
+def test_broken_stream_ends_with_an_error_event(two_workers, path):
+    """In the API's own format: Anthropic's and the Responses SDKs act on `event: error` only."""
     head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
     chunk = b'data: {"i": 0}\n\n'
     broken = BrokenWorker(head + hex(len(chunk))[2:].encode() + b"\r\n" + chunk + b"\r\n")
     front, router = start_router([broken.url])
     try:
-        with httpx.stream("POST", front.url + "/generate", json={"text": "x", "stream": True}) as r:
+        with httpx.stream("POST", front.url + path, json={"text": "x", "stream": True}) as r:
             assert r.status_code == 200
-            events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+            lines = [line for line in r.iter_lines() if line]
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
         assert events[0] == {"i": 0}
-        assert "error" in events[-1] and events[-1]["error"]["code"] == 502
+        if path == "/generate":
+            assert "error" in events[-1] and events[-1]["error"]["code"] == 502
+        else:
+            assert lines[-2] == "event: error" and events[-1]["type"] == "error"
+            message = events[-1].get("message") or events[-1]["error"]["message"]
+            assert "failed" in message
     finally:
         front.stop()
         broken.close()
