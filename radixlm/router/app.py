@@ -164,6 +164,11 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
     async def framework_error(request, exc: StarletteHTTPException):
         return error_response(request.url.path, exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc: Exception):  # a bug; Starlette logs the traceback
+        return error_response(request.url.path, 500,
+                              f"internal router error: {type(exc).__name__}: {exc}")
+
     @app.get("/health")
     async def health_route():
         problem = health() if health is not None else None

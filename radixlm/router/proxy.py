@@ -120,7 +120,11 @@ class Proxy:
         units = key_units(key)
         headers = forward_headers(request)
         query = request.url.query
-        url_path = path + ("?" + query if query else "")
+        # the path as the client sent it, percent-encoding kept: decoded, a %13 in it made the
+        # worker URL invalid (httpx.InvalidURL, a 500; found by fuzzing)
+        raw = request.scope.get("raw_path")
+        sent = raw.decode("ascii", "replace") if raw and request.url.path == path else path
+        url_path = sent + ("?" + query if query else "")
         for _ in range(1 + self.retries):
             w = self.pool.pick(key, exclude=tried, prefer=prefer)
             if w is None:

@@ -191,7 +191,11 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
                 raise ValueError("text: a string or a list of strings")  # fuzzing: [1, 2]
             if ids is not None and not all(_is_id_list(x) for x in items):
                 raise ValueError("input_ids: a list of token ids or a list of such lists")
-            outs = await run_embeddings(tm, embedding_objs(tm, items, body.get("rid")), request)
+            rid = body.get("rid")  # fuzzing: a dict rid reached a dict key (unhashable, a 500)
+            if not (rid is None or isinstance(rid, str) or (
+                    isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+                raise ValueError("rid: a string, or a list of strings for a batch")
+            outs = await run_embeddings(tm, embedding_objs(tm, items, rid), request)
             res = [{"embedding": o["embedding"], "meta_info": o["meta_info"]} for o in outs]
             return res[0] if single else res
         except ValueError as e:

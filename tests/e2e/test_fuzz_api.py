@@ -68,6 +68,8 @@ FOUND = [
     ("POST", "/encode", {"text": [174867911, 291]}, 400, "text"),
     ("POST", "/encode", {"input_ids": True}, 400, "input_ids"),
     ("PUT", "/encode", {"input_ids": {"": None}, "rid": ""}, 400, "input_ids"),
+    ("POST", "/encode", {"text": "SM", "rid": {"9": {}}}, 400, "rid"),
+    ("POST", "/generate", {"text": "x", "rid": {"a": 1}}, 400, "rid"),
     ("GET", "/v1/models/%0A0", None, 404, "Not Found"),  # no route: FastAPI's {"detail"}
     ("DELETE", "/generate", None, 405, "Method Not Allowed"),
 ]

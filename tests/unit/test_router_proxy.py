@@ -195,6 +195,22 @@ def test_forwarding_and_cache_aware_stickiness(two_workers):
         front.stop()
 
 
+def test_paths_go_to_the_worker_as_sent_and_errors_are_json(two_workers):
+    """Found by fuzzing the router: a %13 in a path, decoded, made the worker URL invalid (a
+    500 in plain text); FastAPI's own errors were {"detail"} and the pool's plain text."""
+    apps, servers = two_workers
+    front, router = start_router([s.url for s in servers])
+    try:
+        r = httpx.get(front.url + "/v1/models/%13x%0A")
+        assert r.status_code == 404, r.text  # the worker's answer: it has no such route
+        for r in (httpx.options(front.url + "/generate"),
+                  httpx.post(front.url + "/remove_worker", params={"url": "http://nowhere"}),
+                  httpx.post(front.url + "/add_worker")):
+            assert r.status_code in (400, 404, 405) and r.json()["error"]["message"], r.text
+    finally:
+        front.stop()
+
+
 def test_streaming_is_passed_through_unbuffered(two_workers):
     apps, servers = two_workers
     front, router = start_router([s.url for s in servers], policy="round_robin")
