@@ -39,7 +39,7 @@ from radixlm.router.args import RouterArgs
 from radixlm.router.client_shards import ClientShards
 from radixlm.router.keys import routing_key
 from radixlm.router.policy import make_policy
-from radixlm.router.proxy import Proxy, error_response, forward_headers
+from radixlm.router.proxy import Proxy, error_response, forward_headers, sent_path
 from radixlm.router.workers import WorkerPool, normalize_url
 from radixlm.server.admin_api import ADMIN_DISABLED, ADMIN_PATHS, admin_key, is_loopback
 from radixlm.server.http_server import KEEP_ALIVE_S, _Guard
@@ -259,7 +259,7 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
     async def stored_response(request: Request, rid: str):
         """GET / DELETE of a stored response the router has no owner for: every worker is
         asked; the first answer that is not a 404 wins (at most one worker holds it)."""
-        results = await proxy.to_all(request.method, request.url.path,
+        results = await proxy.to_all(request.method, sent_path(request),
                                      forward_headers(request), timeout=60.0)
         answers = [r for _, r in results if isinstance(r, httpx.Response)]
         found = next((r for r in answers if r.status_code != 404), None)

@@ -68,6 +68,13 @@ def stream_error_event(path: str, status: int, message: str) -> bytes:
         b"\n\n"
 
 
+def sent_path(request: Request) -> str:
+    """The path as the client sent it, percent-encoding kept, for the worker's URL: decoded, a
+    %13 in it made that URL invalid (httpx.InvalidURL, a 500; found by fuzzing)."""
+    raw = request.scope.get("raw_path")
+    return raw.decode("ascii", "replace") if raw else request.url.path
+
+
 def forward_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in _REQ_DROP}
 
@@ -120,10 +127,7 @@ class Proxy:
         units = key_units(key)
         headers = forward_headers(request)
         query = request.url.query
-        # the path as the client sent it, percent-encoding kept: decoded, a %13 in it made the
-        # worker URL invalid (httpx.InvalidURL, a 500; found by fuzzing)
-        raw = request.scope.get("raw_path")
-        sent = raw.decode("ascii", "replace") if raw and request.url.path == path else path
+        sent = sent_path(request) if request.url.path == path else path
         url_path = sent + ("?" + query if query else "")
         for _ in range(1 + self.retries):
             w = self.pool.pick(key, exclude=tried, prefer=prefer)

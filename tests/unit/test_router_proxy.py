@@ -203,6 +203,8 @@ def test_paths_go_to_the_worker_as_sent_and_errors_are_json(two_workers):
     try:
         r = httpx.get(front.url + "/v1/models/%13x%0A")
         assert r.status_code == 404, r.text  # the worker's answer: it has no such route
+        r = httpx.delete(front.url + "/v1/responses/%13x")  # asked of every worker
+        assert r.status_code == 404, r.text
         for r in (httpx.options(front.url + "/generate"),
                   httpx.post(front.url + "/remove_worker", params={"url": "http://nowhere"}),
                   httpx.post(front.url + "/add_worker")):
