@@ -3,7 +3,8 @@
 Every operation of /openapi.json (native, OpenAI, Anthropic, Responses, admin; or a router's)
 gets requests generated from its schema: valid ones (positive) and ones that break it (negative:
 wrong types, missing fields, bytes that are not JSON). Each answer is judged:
-- `5xx`: any status >= 500 (a bug: bad input is a 4xx, and a healthy server has no other cause);
+- `5xx`: any status >= 500, or a connection the server dropped (a bug: bad input is a 4xx, and
+  a healthy server has no other cause);
 - `hang`: no complete answer within --deadline seconds (streams are read to the end);
 - `no_message`: an error status whose body is not JSON with an `error.message` (OpenAI, native,
   Anthropic shapes alike) or whose SSE stream carries an error event without a message.
@@ -104,7 +105,7 @@ class Caller:
         model = self.client.get(self.base_url + "/v1/models").json()["data"][0]["id"]
         r = self.client.post(self.base_url + "/v1/responses",
                              json={"model": model, "input": "Hi", "max_output_tokens": 4})
-        self._learn_response_id(r, r.content)
+        self._learn_response_id(r)
 
     def chain(self, case, rnd: random.Random) -> None:
         """Feed ids of earlier answers into the case (the routes' state): half the time."""
@@ -145,7 +146,7 @@ class Caller:
         self.report.add(route, r.status_code, self._problem(r, raw),
                         {"request": request, "answer": _short(raw)})
         if r.status_code == 200 and case.path == "/v1/responses" and case.method == "POST":
-            self._learn_response_id(r, raw)
+            self._learn_response_id(r)
 
     def _problem(self, r: httpx.Response, raw: bytes) -> Optional[str]:
         if r.status_code >= 500:
@@ -160,7 +161,7 @@ class Caller:
             return _sse_problem(raw.decode("utf-8", "replace"))
         return None
 
-    def _learn_response_id(self, r: httpx.Response, raw: bytes) -> None:
+    def _learn_response_id(self, r: httpx.Response) -> None:
         rid = r.headers.get("x-radixlm-response-id")
         if rid and len(self.response_ids) < 64:
             self.response_ids.append(rid)
