@@ -280,13 +280,18 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
             except orjson.JSONDecodeError:
                 parsed = None  # the worker answers the 400, in its own words
         path = "/" + path
+        target = sent_path(request)
+        try:  # the worker's URL is built from it: refuse what cannot be one, not a 500
+            httpx.URL(target)
+        except httpx.InvalidURL as e:
+            return error_response(path, 400, f"invalid request path: {e}")
         rid = stored_response_id(request.method, path, parsed)
         owner = proxy.owners.owner(rid)
         if rid is not None and owner is None and request.method != "POST":
             return await stored_response(request, rid)
         stream = isinstance(parsed, dict) and bool(parsed.get("stream"))
         return await proxy.forward(request, path, body, routing_key(path, parsed), stream,
-                                   prefer=owner)
+                                   prefer=owner, target=target)
 
     return app
 

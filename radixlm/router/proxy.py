@@ -119,16 +119,17 @@ class Proxy:
         self.owners = ResponseOwners()  # stored /v1/responses -> the worker holding each
 
     async def forward(self, request: Request, path: str, body: bytes, key: Optional[str],
-                      stream: bool, prefer: Optional[str] = None) -> Response:
+                      stream: bool, prefer: Optional[str] = None,
+                      target: Optional[str] = None) -> Response:
         """Send to the policy's choice (`prefer`, a worker URL, first when it is live); on a
-        broken worker, to another (see module doc)."""
+        broken worker, to another (see module doc). `target`: the path for the worker's URL as
+        the client sent it (sent_path), where it differs from the decoded `path`."""
         tried: set[str] = set()
         last_problem, status = "no live worker", 503
         units = key_units(key)
         headers = forward_headers(request)
         query = request.url.query
-        sent = sent_path(request) if request.url.path == path else path
-        url_path = sent + ("?" + query if query else "")
+        url_path = (target or path) + ("?" + query if query else "")
         for _ in range(1 + self.retries):
             w = self.pool.pick(key, exclude=tried, prefer=prefer)
             if w is None:

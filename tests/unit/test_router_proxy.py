@@ -201,8 +201,9 @@ def test_paths_go_to_the_worker_as_sent_and_errors_are_json(two_workers):
     apps, servers = two_workers
     front, router = start_router([s.url for s in servers])
     try:
-        r = httpx.get(front.url + "/v1/models/%13x%0A")
-        assert r.status_code == 404, r.text  # the worker's answer: it has no such route
+        for path in ("/v1/models/%13x%0A", "/v1/models/a%09b", "/v1/models/x%1B"):
+            r = httpx.get(front.url + path)
+            assert r.status_code == 404, r.text  # the worker's answer: it has no such route
         r = httpx.delete(front.url + "/v1/responses/%13x")  # asked of every worker
         assert r.status_code == 404, r.text
         for r in (httpx.options(front.url + "/generate"),
