@@ -125,7 +125,7 @@ class Caller:
         headers = {k: v for k, v in kw.get("headers", {}).items()
                    if k.lower() not in ("user-agent", "connection")}
         request = {"method": kw["method"], "url": kw["url"][len(self.base_url):],
-                   "params": kw.get("params"), "body": _short(content)}
+                   "params": kw.get("params"), "body": _short(content, 8000)}  # replayable
         t0 = time.monotonic()
         try:
             with self.client.stream(kw["method"], kw["url"], params=kw.get("params"),

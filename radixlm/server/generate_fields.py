@@ -158,6 +158,8 @@ def parse_generate_body(body: Any) -> list[GenerateReqInput] | GenerateReqInput:
     if not batch:
         if isinstance(fields.get("sampling_params"), list):
             raise ValueError("sampling_params: a list needs a batch of prompts")
+        if isinstance(fields.get("rid"), list):  # fuzzing: a list rid became a dict key (500)
+            raise ValueError("rid: a list needs a batch of prompts")
         return GenerateReqInput(**fields)
     items = text if text is not None else ids
     if not items:

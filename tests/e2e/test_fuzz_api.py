@@ -72,6 +72,7 @@ FOUND = [
     ("POST", "/generate", {"text": "x", "rid": {"a": 1}}, 400, "rid"),
     ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": 1.5}]}]}, 400, "content"),
+    ("POST", "/generate", {"text": "x", "rid": []}, 400, "rid"),
     ("GET", "/v1/models/%0A0", None, 404, "Not Found"),  # no route: FastAPI's {"detail"}
     ("DELETE", "/generate", None, 405, "Method Not Allowed"),
 ]
