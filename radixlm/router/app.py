@@ -32,13 +32,14 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm.router.affinity import stored_response_id
 from radixlm.router.args import RouterArgs
 from radixlm.router.client_shards import ClientShards
 from radixlm.router.keys import routing_key
 from radixlm.router.policy import make_policy
-from radixlm.router.proxy import Proxy, error_response, forward_headers
+from radixlm.router.proxy import Proxy, error_response, forward_headers, sent_path
 from radixlm.router.workers import WorkerPool, normalize_url
 from radixlm.server.admin_api import ADMIN_DISABLED, ADMIN_PATHS, admin_key, is_loopback
 from radixlm.server.http_server import KEEP_ALIVE_S, _Guard
@@ -157,6 +158,17 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
                        admin_api_key=admin_key(args), admin_open=admin_open,
                        admin_paths=ROUTER_ADMIN_PATHS)
 
+    # errors are JSON with a message, as the workers' (a method the catch-all route does not
+    # take, e.g. OPTIONS, is FastAPI's {"detail"} otherwise); success texts stay SGLang's
+    @app.exception_handler(StarletteHTTPException)
+    async def framework_error(request, exc: StarletteHTTPException):
+        return error_response(request.url.path, exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc: Exception):  # a bug; Starlette logs the traceback
+        return error_response(request.url.path, 500,
+                              f"internal router error: {type(exc).__name__}: {exc}")
+
     @app.get("/health")
     async def health_route():
         problem = health() if health is not None else None
@@ -176,20 +188,20 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
     @app.post("/add_worker")
     async def add_worker(url: Optional[str] = None):
         if not url:
-            return PlainTextResponse("url query parameter is required", status_code=400)
+            return error_response("", 400, "url query parameter is required")
         url = normalize_url(url)
         if url in pool.workers:
-            return PlainTextResponse(f"Worker {url} already exists", status_code=400)
+            return error_response("", 400, f"Worker {url} already exists")
         problem = await pool.wait_healthy(url, args.worker_startup_timeout_secs)
         if problem is not None:
-            return PlainTextResponse(f"Failed to add worker {url}: {problem}", status_code=400)
+            return error_response("", 400, f"Failed to add worker {url}: {problem}")
         pool.add(url)
         return PlainTextResponse(f"Successfully added worker: {url}")
 
     @app.post("/remove_worker")
     async def remove_worker(url: Optional[str] = None):
         if not url or not pool.remove(url, "removed by /remove_worker"):
-            return PlainTextResponse(f"Worker {url} not found", status_code=404)
+            return error_response("", 404, f"Worker {url} not found")
         return PlainTextResponse(f"Successfully removed worker: {normalize_url(url)}")
 
     @app.get("/get_server_info")
@@ -247,7 +259,7 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
     async def stored_response(request: Request, rid: str):
         """GET / DELETE of a stored response the router has no owner for: every worker is
         asked; the first answer that is not a 404 wins (at most one worker holds it)."""
-        results = await proxy.to_all(request.method, request.url.path,
+        results = await proxy.to_all(request.method, sent_path(request),
                                      forward_headers(request), timeout=60.0)
         answers = [r for _, r in results if isinstance(r, httpx.Response)]
         found = next((r for r in answers if r.status_code != 404), None)
@@ -268,13 +280,18 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
             except orjson.JSONDecodeError:
                 parsed = None  # the worker answers the 400, in its own words
         path = "/" + path
+        target = sent_path(request)
+        try:  # the worker's URL is built from it: refuse what cannot be one, not a 500
+            httpx.URL(target)
+        except httpx.InvalidURL as e:
+            return error_response(path, 400, f"invalid request path: {e}")
         rid = stored_response_id(request.method, path, parsed)
         owner = proxy.owners.owner(rid)
         if rid is not None and owner is None and request.method != "POST":
             return await stored_response(request, rid)
         stream = isinstance(parsed, dict) and bool(parsed.get("stream"))
         return await proxy.forward(request, path, body, routing_key(path, parsed), stream,
-                                   prefer=owner)
+                                   prefer=owner, target=target)
 
     return app
 

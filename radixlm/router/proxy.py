@@ -13,8 +13,9 @@ refused or reset, the worker died mid-request) is sent again to another live wor
 `retries` more times. That is safe because the client never saw the first attempt's output: a
 generation has no side effect beyond the worker's cache, and a sampled request re-run elsewhere is
 just another sample. A stream that breaks after its first bytes cannot be retried (the client
-already has part of it): it ends with an SSE `data: {"error": ...}` event, and the client sees the
-stream end without `[DONE]`. HTTP errors a worker answers (4xx, 5xx) are passed through as they
+already has part of it): it ends with an error event in the called API's format (OpenAI and
+native: `data: {"error": ...}`; Anthropic and Responses: `event: error`, which their SDKs surface),
+and the client sees the stream end without `[DONE]`. HTTP errors a worker answers (4xx, 5xx) are passed through as they
 are: they are the request's answer, not a broken worker.
 """
 
@@ -52,6 +53,26 @@ def error_response(path: str, status: int, message: str) -> JSONResponse:
                             status_code=status)
     return JSONResponse({"error": {"message": message, "type": "router_error", "code": status}},
                         status_code=status)
+
+
+def stream_error_event(path: str, status: int, message: str) -> bytes:
+    """The SSE error event that ends a broken stream, in the dialect of the API called."""
+    if path.startswith("/v1/messages"):
+        kind = "overloaded_error" if status == 503 else "api_error"
+        body = {"type": "error", "error": {"type": kind, "message": message}}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    if path.startswith("/v1/responses"):
+        body = {"type": "error", "code": "server_error", "message": message, "param": None}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    return b"data: " + json.dumps({"error": {"message": message, "code": status}}).encode() + \
+        b"\n\n"
+
+
+def sent_path(request: Request) -> str:
+    """The path as the client sent it, percent-encoding kept, for the worker's URL: decoded, a
+    %13 in it made that URL invalid (httpx.InvalidURL, a 500; found by fuzzing)."""
+    raw = request.scope.get("raw_path")
+    return raw.decode("ascii", "replace") if raw else request.url.path
 
 
 def forward_headers(request: Request) -> dict[str, str]:
@@ -98,15 +119,17 @@ class Proxy:
         self.owners = ResponseOwners()  # stored /v1/responses -> the worker holding each
 
     async def forward(self, request: Request, path: str, body: bytes, key: Optional[str],
-                      stream: bool, prefer: Optional[str] = None) -> Response:
+                      stream: bool, prefer: Optional[str] = None,
+                      target: Optional[str] = None) -> Response:
         """Send to the policy's choice (`prefer`, a worker URL, first when it is live); on a
-        broken worker, to another (see module doc)."""
+        broken worker, to another (see module doc). `target`: the path for the worker's URL as
+        the client sent it (sent_path), where it differs from the decoded `path`."""
         tried: set[str] = set()
         last_problem, status = "no live worker", 503
         units = key_units(key)
         headers = forward_headers(request)
         query = request.url.query
-        url_path = path + ("?" + query if query else "")
+        url_path = (target or path) + ("?" + query if query else "")
         for _ in range(1 + self.retries):
             w = self.pool.pick(key, exclude=tried, prefer=prefer)
             if w is None:
@@ -125,7 +148,7 @@ class Proxy:
                 self.owners.learn((result if stream else result[0]).headers, w.url)
                 if stream:
                     ended = True  # the stream's finally ends it from now on
-                    return StreamingResponse(self._relay(result, w, units, client),
+                    return StreamingResponse(self._relay(result, w, units, client, path),
                                              result.status_code,
                                              headers=_response_headers(result))
                 resp, content = result
@@ -157,7 +180,7 @@ class Proxy:
             await resp.aclose()
 
     async def _relay(self, resp: httpx.Response, w: Worker, units: int,
-                     client: httpx.AsyncClient) -> AsyncIterator[bytes]:
+                     client: httpx.AsyncClient, path: str) -> AsyncIterator[bytes]:
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         try:
             async for chunk in resp.aiter_raw():
@@ -166,9 +189,8 @@ class Proxy:
             logger.warning("stream from %s broke: %s: %s", w.url, type(e).__name__, e)
             await self.pool.report_failure(w, e)
             if sse:
-                err = {"error": {"message": f"the worker serving this stream failed "
-                                            f"({type(e).__name__})", "code": 502}}
-                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                yield stream_error_event(path, 502, f"the worker serving this stream failed "
+                                                    f"({type(e).__name__})")
         finally:
             w.end(units)
             self.clients.release(client)

@@ -68,6 +68,9 @@ class RequestBuilder:
         if (prompt is None) == (input_ids is None):
             raise ValueError("exactly one of text (prompt) and input_ids must be given")
         if prompt is not None:
+            if not isinstance(prompt, (str, list, tuple)):  # fuzzing: text 112, a 500
+                raise ValueError(f"text: expected a string or a list of strings, got "
+                                 f"{type(prompt).__name__}")
             single = isinstance(prompt, str)
             texts = [prompt] if single else list(prompt)
             for t in texts:
@@ -77,8 +80,14 @@ class RequestBuilder:
                     raise ValueError("text: the prompt is empty")
             all_ids = [self.tokenize(t) for t in texts]
             field = "text"
-        else:
-            single = bool(input_ids) and not isinstance(input_ids[0], list)
+        else:  # the shape is checked here, each id by check_input_ids (found by fuzzing:
+            # input_ids true, or [[1], 2], raised TypeError, a 500)
+            if not isinstance(input_ids, (list, tuple)):
+                raise ValueError(f"input_ids: expected a list of token ids (or a list of such "
+                                 f"lists for a batch), got {type(input_ids).__name__}")
+            single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
+            if not single and not all(isinstance(x, (list, tuple)) for x in input_ids):
+                raise ValueError("input_ids: a batch is a list of lists of token ids")
             all_ids = [list(input_ids)] if single else [list(x) for x in input_ids]
             field = "input_ids"
         if not all_ids:

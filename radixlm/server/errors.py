@@ -8,7 +8,8 @@ Every route turns an exception into an `APIError` (status, message, param, code)
 
 Bad input must come back as a 4xx with a message a person can act on, never as a 500, so the
 classification is explicit: pydantic validation errors and the `ValueError`s the TokenizerManager
-raises before queueing are 400; a full queue is 503; anything else is a bug and is a logged 500.
+raises before queueing are 400; a full queue or a runtime that is gone is 503; anything else is a
+bug and is a logged 500.
 """
 
 from __future__ import annotations
@@ -24,8 +25,35 @@ from fastapi.responses import JSONResponse
 logger = logging.getLogger(__name__)
 
 
-class QueueFullError(Exception):
+class UnavailableError(Exception):
+    """The server cannot serve the request now (503); the message says why."""
+
+
+class QueueFullError(UnavailableError):
     """More requests are waiting than --max-queued-requests allows; the new one is refused (503)."""
+
+
+class RuntimeGoneError(UnavailableError):
+    """A process of the runtime (scheduler, detokenizer, a TP rank) died, or the server is
+    stopping: the message names which. Raised for requests that arrive afterwards; the ones in
+    flight end with `server_abort` (below)."""
+
+
+def server_abort(message: str, status: int = 503) -> dict:
+    """The finish_reason of a request the server tore down before it finished (SGLang's shape of
+    a scheduler-initiated abort: `status_code` >= 500). Every route turns it into an error the
+    client cannot mistake for a complete answer; a plain abort (/abort_request) stays a reason."""
+    return {"type": "abort", "message": message, "status_code": status}
+
+
+def server_fault(finish: Optional[dict]) -> Optional[tuple[int, str]]:
+    """(status, message) when `finish` is a server-side teardown (see server_abort), else None."""
+    if not finish or finish.get("type") != "abort":
+        return None
+    status = finish.get("status_code")
+    if isinstance(status, int) and status >= 500:
+        return status, finish.get("message") or "the request was aborted by the server"
+    return None
 
 
 class APIError(Exception):
@@ -56,8 +84,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, text, param=loc or None)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc) or "invalid request")
-    if isinstance(exc, QueueFullError):
-        return APIError(503, str(exc) or "the server's request queue is full; retry later")
+    if isinstance(exc, UnavailableError):
+        return APIError(503, str(exc) or "the server cannot take requests now; retry later")
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
 
@@ -109,6 +137,17 @@ def anthropic_error_response(exc: BaseException) -> JSONResponse:
     err = to_api_error(exc)
     body = anthropic_error_body(err.message, anthropic_error_type(err.status))
     return JSONResponse(body, status_code=err.status)
+
+
+# --- errors of the framework (no route, wrong method, a bug) ----------------------------------
+
+
+def any_api_error_body(status: int, message: str) -> dict:
+    """For errors raised before any route ran (unknown path, method not allowed) or by a bug:
+    one body both SDKs read, whichever API the caller meant (Anthropic's `type: error` beside
+    OpenAI's `error` object; each reads error.message)."""
+    return {"type": "error", "error": {"message": message, "type": anthropic_error_type(status),
+                                       "code": status}}
 
 
 # --- request bodies ---------------------------------------------------------------------------

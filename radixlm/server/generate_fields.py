@@ -149,11 +149,17 @@ def parse_generate_body(body: Any) -> list[GenerateReqInput] | GenerateReqInput:
                  "return_prompt_token_ids"):
         if not isinstance(fields.get(name, False), bool):
             raise ValueError(f"{name}: must be true or false")
+    rid = fields.get("rid")  # a dict rid became a dict key (unhashable: a 500)
+    if not (rid is None or isinstance(rid, str)
+            or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+        raise ValueError("rid: a string, or a list of strings for a batch")
     batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
     tids = fields.get("token_ids_logprob")
     if not batch:
         if isinstance(fields.get("sampling_params"), list):
             raise ValueError("sampling_params: a list needs a batch of prompts")
+        if isinstance(fields.get("rid"), list):  # fuzzing: a list rid became a dict key (500)
+            raise ValueError("rid: a list needs a batch of prompts")
         return GenerateReqInput(**fields)
     items = text if text is not None else ids
     if not items:

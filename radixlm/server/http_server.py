@@ -13,12 +13,16 @@ import json
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixlm.server import openapi_bodies
 from radixlm.server.admin_api import (ADMIN_DISABLED, ADMIN_PATHS, admin_key, is_loopback,
                                       register_admin_routes)
 from radixlm.server.anthropic_api import register_anthropic_routes
+from radixlm.server.errors import UnavailableError, any_api_error_body
 from radixlm.server.io_struct import GenerateReqInput
 from radixlm.server.native_api import error, json_body, register_native_routes
 from radixlm.server.openai_api import register_openai_routes
@@ -104,6 +108,30 @@ def build_app(tm, args, health) -> FastAPI:
     async def bad_json(request, exc):
         return error(400, f"invalid JSON: {exc}")
 
+    # FastAPI's own errors ({"detail": ...}: no route for the path, a method it does not take)
+    # and any bug get a JSON body whose error.message says what happened, like every route's
+    @app.exception_handler(StarletteHTTPException)
+    async def framework_error(request, exc: StarletteHTTPException):
+        return JSONResponse(any_api_error_body(exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameters(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return JSONResponse(any_api_error_body(400, f"{where}: {first.get('msg', 'invalid')}"),
+                            status_code=400)
+
+    @app.exception_handler(UnavailableError)
+    async def unavailable(request, exc: UnavailableError):  # e.g. a control call, runtime gone
+        return JSONResponse(any_api_error_body(503, str(exc)), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc: Exception):  # Starlette logs the traceback too
+        return JSONResponse(any_api_error_body(500, f"internal server error: "
+                                                    f"{type(exc).__name__}: {exc}"),
+                            status_code=500)
+
     @app.get("/health")
     async def health_route():
         problem = health()
@@ -161,4 +189,5 @@ def build_app(tm, args, health) -> FastAPI:
     register_admin_routes(app, tm, args)
     register_openai_routes(app, tm)
     register_anthropic_routes(app, tm)
+    openapi_bodies.install(app)
     return app

@@ -159,8 +159,10 @@ def launch_server(args: ServerArgs) -> None:
     async def lifespan(app):
         tm.start()
         watchdog = asyncio.create_task(_watch_children(procs, state, server_box, tm))
+        cutter = asyncio.create_task(_fail_before_cut(server_box, tm, args.timeout_graceful_shutdown))
         yield
         watchdog.cancel()
+        cutter.cancel()
 
     tm = TokenizerManager(args, tokenizer, info, ipc)
     app = build_app(tm, args, health)
@@ -183,17 +185,43 @@ def launch_server(args: ServerArgs) -> None:
 
 
 async def _watch_children(procs, state, server_box, tm) -> None:
+    """Every 0.5 s: a dead child fails every request in flight and stops the server (exit code
+    1). All the children found dead are named: a killed TP rank takes the scheduler down with it
+    within milliseconds, and the log must not blame only the scheduler."""
     while True:
         await asyncio.sleep(0.5)
-        for name, p in procs:
-            if not p.is_alive():
-                state["dead"] = f"the {name} process died (exit code {p.exitcode})"
-                logger.error("%s; shutting down", state["dead"])
-                tm.fail_all(state["dead"])
-                server = server_box.get("server")
-                if server is not None:
-                    server.should_exit = True
-                return
+        dead = [f"the {name} process died (exit code {p.exitcode})"
+                for name, p in procs if not p.is_alive()]
+        if dead:
+            state["dead"] = "; ".join(dead)
+            logger.error("%s; shutting down", state["dead"])
+            tm.fail_all(state["dead"])
+            server = server_box.get("server")
+            if server is not None:
+                server.should_exit = True
+            return
+
+
+# How long before uvicorn's graceful-shutdown deadline the requests still running are failed: their
+# handlers need a moment to send the error before uvicorn cancels them mid-response.
+CUT_MARGIN_S = 0.5
+
+
+async def _fail_before_cut(server_box, tm, grace: float) -> None:
+    """After SIGTERM, uvicorn lets running requests finish for `grace` seconds, then cancels them:
+    a stream would just stop (a client reading SSE lines may take it for complete) and a
+    non-streamed request would lose its connection. Shortly before that, fail what still runs
+    with an error that says why (the routes send it in their own format)."""
+    while server_box.get("server") is None or not server_box["server"].should_exit:
+        await asyncio.sleep(0.1)
+    if tm.gone is not None:  # a dead child already failed everything
+        return
+    await asyncio.sleep(max(0.0, grace - CUT_MARGIN_S))
+    if tm.states:
+        message = (f"the server is shutting down: the request did not finish within "
+                   f"--timeout-graceful-shutdown ({grace:g} s)")
+        logger.warning("%s (%d requests)", message, len(tm.states))
+        tm.fail_all(message)
 
 
 def _stop_children(procs) -> None:

@@ -9,6 +9,12 @@ equals the non-streamed result (SGLang's frontend keeps the latest chunk's meta_
 --incremental-streaming-output all of them are deltas: each chunk carries only what is new,
 while `completion_tokens` and `output_token_logprobs_length` count everything. A batch streams
 its requests' chunks interleaved, each with `index`.
+
+A request the server tore down unfinished (a child process died, the server stopped: see
+errors.server_abort) is an error, never a complete-looking answer: non-streamed, a 5xx with the
+message naming the cause; streamed, a `data: {"error": {...}}` chunk in place of its final chunk
+(SGLang's shape of errors after the 200; its frontend and ours raise on it). A plain abort
+(/abort_request) stays a finish_reason of type abort, as in SGLang.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from radixlm.server.errors import QueueFullError
+from radixlm.server.errors import UnavailableError, server_fault
 from radixlm.server.generate_fields import expand_n, parse_generate_body
 from radixlm.server.io_struct import GenerateReqInput
 from radixlm.server.openai_embeddings import embedding_objs, run_embeddings
@@ -85,14 +91,19 @@ async def _stream(tm, objs: list[GenerateReqInput], request, batch: bool, increm
 
     async def pump(i: int) -> None:
         shape = ChunkShaper(incremental)
+        tag = {"index": i} if batch else {}
         try:
             async for out in tm.generate(objs[i], request):
+                fault = server_fault(out["meta_info"]["finish_reason"])
+                if fault is not None:
+                    await queue.put({"error": {"message": fault[1], "code": fault[0]}, **tag})
+                    continue
                 chunk = shape(out)
                 if batch:
                     chunk["index"] = i
                 await queue.put(chunk)
-        except (ValueError, QueueFullError) as e:
-            await queue.put({"error": {"message": str(e)}, **({"index": i} if batch else {})})
+        except (ValueError, UnavailableError) as e:
+            await queue.put({"error": {"message": str(e)}, **tag})
         finally:
             await queue.put(None)
 
@@ -141,10 +152,14 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
                 return StreamingResponse(_stream(tm, objs, request, batch, incremental),
                                          media_type="text/event-stream")
             results = await asyncio.gather(*(_final(tm, p, request) for p in objs))
+            for out in results:
+                fault = out and server_fault(out["meta_info"]["finish_reason"])
+                if fault:
+                    return error(*fault)
             return results if batch else results[0]
         except ValueError as e:
             return error(400, str(e))
-        except QueueFullError as e:
+        except UnavailableError as e:
             return error(503, str(e))
 
     @app.api_route("/encode", methods=["POST", "PUT"])
@@ -163,16 +178,29 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
             text, ids = body.get("text"), body.get("input_ids")
             if (text is None) == (ids is None):
                 raise ValueError("exactly one of text and input_ids is required")
+            # the shapes first (fuzzing: input_ids true or {} was a 500)
+            if text is not None and not isinstance(text, (str, list)):
+                raise ValueError("text: a string or a list of strings")
+            if ids is not None and not isinstance(ids, list):
+                raise ValueError("input_ids: a list of token ids or a list of such lists")
             single = isinstance(text, str) or (ids is not None and ids and isinstance(ids[0], int))
             items = [text if text is not None else ids] if single else (text or ids)
             if not isinstance(items, list) or not items:
                 raise ValueError("text/input_ids: the batch is empty")
-            outs = await run_embeddings(tm, embedding_objs(tm, items, body.get("rid")), request)
+            if text is not None and not all(isinstance(x, str) for x in items):
+                raise ValueError("text: a string or a list of strings")  # fuzzing: [1, 2]
+            if ids is not None and not all(_is_id_list(x) for x in items):
+                raise ValueError("input_ids: a list of token ids or a list of such lists")
+            rid = body.get("rid")  # fuzzing: a dict rid reached a dict key (unhashable, a 500)
+            if not (rid is None or isinstance(rid, str) or (
+                    isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+                raise ValueError("rid: a string, or a list of strings for a batch")
+            outs = await run_embeddings(tm, embedding_objs(tm, items, rid), request)
             res = [{"embedding": o["embedding"], "meta_info": o["meta_info"]} for o in outs]
             return res[0] if single else res
         except ValueError as e:
             return error(400, str(e))
-        except QueueFullError as e:
+        except UnavailableError as e:
             return error(503, str(e))
         except Exception as e:  # e.g. APIError from run_embeddings
             status = getattr(e, "status", 500)
@@ -214,6 +242,10 @@ def register_native_routes(app: FastAPI, tm, args) -> None:
             return {"text": texts[0] if single else texts}
         except (ValueError, ValidationError) as e:
             return error(400, _message(e))
+
+
+def _is_id_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def _message(e: Exception) -> str:

@@ -53,7 +53,9 @@ async def start_generations(tm, objs: list[GenerateReqInput],
         for t in tasks:
             t.cancel()
         raise
-    if pending or any(t.exception() is not None for t in done):
+    # every finished call's exception is retrieved (a list, not any(): the ones after the
+    # first would be logged as "Task exception was never retrieved")
+    if pending or [t.exception() for t in done if t.exception() is not None]:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

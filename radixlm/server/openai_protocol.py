@@ -206,7 +206,8 @@ class ChatMessage(BaseModel):
                 if kind not in ("text", "image_url"):
                     raise ValueError(f"content part of type {kind!r} is not supported "
                                      "(only 'text' and 'image_url' parts)")
-                url = (part.get("image_url") or {}).get("url") if kind == "image_url" else None
+                image = part.get("image_url") if kind == "image_url" else None
+                url = image.get("url") if isinstance(image, dict) else None  # fuzzing: a float
                 if isinstance(url, str):  # said here, not as a union's mismatch
                     check_local_url(url)
         return v

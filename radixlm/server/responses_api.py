@@ -63,14 +63,15 @@ class ResponseRun:
         self.text_len = 0
         self.final: Optional[dict] = None  # the last update, once finished
 
-    def response(self, status: str, usage: Optional[dict] = None) -> dict:
+    def response(self, status: str, usage: Optional[dict] = None,
+                 error: Optional[dict] = None) -> dict:
         req = self.req
         fmt = req.text.format.wire() if req.text is not None else {"type": "text"}
         reasoning = req.reasoning.model_dump() if req.reasoning is not None else None
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "completed_at": time.time() if status in ("completed", "incomplete") else None,
-            "error": None,
+            "error": error,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -197,9 +198,14 @@ async def _events(run: ResponseRun, store: ResponseStore, gens: list, firsts: li
         obj = run.finish(store)
         out.event("response.incomplete" if obj["status"] == "incomplete"
                   else "response.completed", response=obj)
-    except Exception as e:  # after the 200: reported as the stream's error event
+    except Exception as e:  # after the 200: the stream's error event, then the response failed
         err = to_api_error(e)
         out.event("error", code=err.code, message=err.message, param=err.param)
+        # the terminal event a Responses client waits for (in place of response.completed):
+        # a cut stream (a dead scheduler, a stopping server) never looks finished
+        code = err.code or ("server_error" if err.status >= 500 else "invalid_request")
+        out.event("response.failed", response=run.response(
+            "failed", error={"code": code, "message": err.message}))
     finally:
         await rest.aclose()
     for e in out.take_events():

@@ -23,7 +23,7 @@ import zmq.asyncio
 from radixlm.runtime.engine_io import RequestBuilder, spec_meta
 from radixlm.runtime.multimodal import image_processor_for
 from radixlm.runtime.request_limits import RequestLimits
-from radixlm.server.errors import QueueFullError
+from radixlm.server.errors import QueueFullError, RuntimeGoneError, server_abort
 from radixlm.server.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq,
                                       GenerateReqInput, TokenizedGenerateReq)
 from radixlm.server.metrics import ServerMetrics
@@ -85,6 +85,8 @@ class TokenizerManager:
         self.metrics = ServerMetrics(self.model_name, getattr(args, "metrics_names", "sglang")) \
             if args.enable_metrics else None
         self._loop_task: Optional[asyncio.Task] = None
+        # why the runtime can no longer serve (a child died, the server stops); None while it can
+        self.gone: Optional[str] = None
         self._resumed: Optional[asyncio.Event] = None  # cleared while weights are swapped
         self.request_log = _request_logger() if getattr(args, "log_requests", False) else None
 
@@ -172,6 +174,8 @@ class TokenizerManager:
         """Yield SGLang-shaped dicts (cumulative text, ids and logprobs); non-stream: one final
         dict. A stream yields every `stream_interval` tokens (the request's, else the server's)."""
         await self.resumed.wait()  # a weight update is in progress: wait for it
+        if self.gone is not None:  # nobody would ever answer it
+            raise RuntimeGoneError(self.gone)
         tokenized = self.tokenize_request(obj)
         if len(tokenized) != 1:
             raise ValueError("sampling_params.n: use the batch form for n > 1 on /generate")
@@ -262,11 +266,18 @@ class TokenizerManager:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def fail_all(self, message: str) -> None:
-        """The runtime is gone: finish every waiting handler with an abort instead of hanging."""
+        """The runtime is gone (`message` names the dead process) or the server stops: finish every
+        waiting handler with a server-side abort, which each route reports as an error (never as
+        a complete answer), fail the control calls waiting on a reply, and refuse what comes
+        later instead of letting it wait forever."""
+        self.gone = message
         for state in self.states.values():
             if state.finish is None:
-                state.finish = {"type": "abort", "message": message}
+                state.finish = server_abort(message)
                 state.event.set()
+        for fut in self.control_waiters.values():
+            if not fut.done():
+                fut.set_exception(RuntimeGoneError(message))
 
     async def abort_request(self, rid: str) -> None:
         await self.to_scheduler.send(pickle.dumps(AbortReq(rid)))
@@ -281,6 +292,8 @@ class TokenizerManager:
 
     # --- control ----------------------------------------------------------------------------------
     async def control(self, kind: str, payload=None, timeout: float = 30.0):
+        if self.gone is not None:
+            raise RuntimeGoneError(self.gone)
         req_id = next(self.control_ids)
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[req_id] = fut

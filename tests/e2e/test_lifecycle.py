@@ -1,6 +1,7 @@
-"""Stopping and crashing: SIGTERM drains running requests; a dead scheduler is noticed at once.
+"""Stopping: SIGTERM drains running requests; what cannot finish in the grace period gets an error.
 
-Each test stops or breaks a private server; teardown still checks that nothing is left.
+The test stops a private server; teardown still checks that nothing is left. A child process
+killed mid-request: tests/e2e/test_faults.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import time
 from typing import Callable, Iterator
 
 import httpx
-import psutil
 import pytest
 
 from server_harness import ServerProcess, sse_events, start_server
@@ -69,10 +69,11 @@ def test_sigterm_drains_running_requests(private_server):
     jobs = [_background(lambda i=i: srv.post("/generate", {"text": f"Drain me {i}", **short}))
             for i in range(2)]
     jobs.append(_background(lambda: _stream(srv, {"text": "Drain my stream", **short})))
-    # one request that cannot finish within the grace period: it bounds the shutdown
-    long_job = _background(lambda: srv.post("/generate", {
-        "text": "Never ending", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}))
-    _wait_running(srv, 4)
+    # requests that cannot finish within the grace period: they bound the shutdown
+    never = {"sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    long_job = _background(lambda: srv.post("/generate", {"text": "Never ending", **never}))
+    long_stream = _background(lambda: _stream(srv, {"text": "Never ending stream", **never}))
+    _wait_running(srv, 5)
 
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
@@ -93,65 +94,17 @@ def test_sigterm_drains_running_requests(private_server):
     srv.proc.wait(timeout=GRACE_S + 30)
     elapsed = time.monotonic() - t0
     assert elapsed < GRACE_S + 15, f"the server took {elapsed:.1f}s to stop"
-    long_job[0].join(30)
-    assert not long_job[0].is_alive(), "the long request hangs after the server stopped"
-    cut = long_job[1]  # SmolLM2 needs minutes for 4000 tokens: it was cut off, not finished
-    assert "error" in cut or cut["result"].json()["meta_info"]["finish_reason"]["type"] == "abort", cut
-    left = srv.wait_gone(10)
-    assert not left, f"processes left behind: {[p.pid for p in left]}\n{srv.log()}"
-    srv.stop()
-
-
-def _scheduler_of(srv: ServerProcess) -> psutil.Process:
-    """The scheduler child: the one that bound the scheduler's ZMQ socket (ipc://.../scheduler)."""
-    for child in psutil.Process(srv.pid).children():
-        try:
-            socks = [c.laddr for c in child.net_connections(kind="unix")]
-        except psutil.Error:
-            continue
-        if any(isinstance(a, str) and a.endswith("/scheduler") for a in socks):
-            return child
-    raise AssertionError("no child process bound the scheduler socket")
-
-
-def test_scheduler_death_is_noticed(private_server, tiny_chat_path):
-    # any model dies alike: the random tiny one starts in a fraction of SmolLM2's time
-    srv = private_server("--timeout-graceful-shutdown", "10", "--model-path", tiny_chat_path,
-                         name="crash")
-    stream_job = _background(lambda: _stream(srv, {
-        "text": "Stream while the scheduler dies",
-        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}))
-    _wait_running(srv, 1)
-    sched = _scheduler_of(srv)
-    t0 = time.monotonic()
-    sched.kill()
-
-    # within a few seconds /health says 503, or the server has exited cleanly
-    seen = None
-    while time.monotonic() - t0 < 10 and seen is None:
-        try:
-            r = httpx.get(srv.url + "/health", timeout=2)
-            if r.status_code == 503:
-                seen = "503"
-            else:
-                assert r.status_code == 200
-        except httpx.TransportError:
-            seen = "gone"
-        time.sleep(0.05)
-    assert seen is not None, "the server still reports healthy 10s after its scheduler died"
-    assert time.monotonic() - t0 < 5, "the dead scheduler took more than 5s to notice"
-
-    # the request in flight ends (with an error) instead of hanging
-    stream_job[0].join(30)
-    assert not stream_job[0].is_alive(), "the running request hangs after the scheduler died"
-    box = stream_job[1]
-    if "result" in box:
-        last = box["result"][-1]
-        assert "error" in last or last["meta_info"]["finish_reason"]["type"] == "abort", last
-
-    # and the whole server goes away, with an error status, leaving nothing behind
-    srv.proc.wait(timeout=30)
-    assert srv.proc.returncode != 0
+    # SmolLM2 needs minutes for 4000 tokens: both were cut off, and say so (not a lost
+    # connection, not a complete-looking answer)
+    for t, _ in (long_job, long_stream):
+        t.join(30)
+        assert not t.is_alive(), "a long request hangs after the server stopped"
+    assert "error" not in long_job[1], long_job[1]["error"]
+    cut = long_job[1]["result"]
+    assert cut.status_code == 503 and "shutting down" in cut.json()["error"]["message"], cut.text
+    assert "error" not in long_stream[1], long_stream[1]["error"]
+    last = long_stream[1]["result"][-1]
+    assert "shutting down" in last["error"]["message"], last
     left = srv.wait_gone(10)
     assert not left, f"processes left behind: {[p.pid for p in left]}\n{srv.log()}"
     srv.stop()

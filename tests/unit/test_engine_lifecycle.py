@@ -78,3 +78,13 @@ def test_no_model_file_is_unpickled():
                     if not weights_only:
                         bad.append(f"{f.relative_to(root)}:{node.lineno}")
     assert not bad, bad
+
+
+def test_context_longer_than_the_model_is_refused_at_start(tiny):
+    """Past max_position_embeddings (512 here) the rotary tables end: such a server used to
+    crash its scheduler when a request reached that position (found killing processes under
+    load with the tiny model and --context-length 4096)."""
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(tiny, skip_tokenizer_init=True, device="cpu", context_length=1024)
+    with Engine(tiny, skip_tokenizer_init=True, device="cpu", context_length=512) as e:
+        assert e.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["output_ids"]

@@ -195,6 +195,25 @@ def test_forwarding_and_cache_aware_stickiness(two_workers):
         front.stop()
 
 
+def test_paths_go_to_the_worker_as_sent_and_errors_are_json(two_workers):
+    """Found by fuzzing the router: a %13 in a path, decoded, made the worker URL invalid (a
+    500 in plain text); FastAPI's own errors were {"detail"} and the pool's plain text."""
+    apps, servers = two_workers
+    front, router = start_router([s.url for s in servers])
+    try:
+        for path in ("/v1/models/%13x%0A", "/v1/models/a%09b", "/v1/models/x%1B"):
+            r = httpx.get(front.url + path)
+            assert r.status_code == 404, r.text  # the worker's answer: it has no such route
+        r = httpx.delete(front.url + "/v1/responses/%13x")  # asked of every worker
+        assert r.status_code == 404, r.text
+        for r in (httpx.options(front.url + "/generate"),
+                  httpx.post(front.url + "/remove_worker", params={"url": "http://nowhere"}),
+                  httpx.post(front.url + "/add_worker")):
+            assert r.status_code in (400, 404, 405) and r.json()["error"]["message"], r.text
+    finally:
+        front.stop()
+
+
 def test_streaming_is_passed_through_unbuffered(two_workers):
     apps, servers = two_workers
     front, router = start_router([s.url for s in servers], policy="round_robin")
@@ -281,18 +300,26 @@ def test_worker_dying_mid_request_is_retried_elsewhere(two_workers):
         broken.close()
 
 
-def test_broken_stream_ends_with_an_error_event(two_workers):
+@pytest.mark.parametrize("path", ["/generate", "/v1/messages", "/v1/responses"])
+def test_broken_stream_ends_with_an_error_event(two_workers, path):
+    """In the API's own format: Anthropic's and the Responses SDKs act on `event: error` only."""
     head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
     chunk = b'data: {"i": 0}\n\n'
     broken = BrokenWorker(head + hex(len(chunk))[2:].encode() + b"\r\n" + chunk + b"\r\n")
     front, router = start_router([broken.url])
     try:
-        with httpx.stream("POST", front.url + "/generate", json={"text": "x", "stream": True}) as r:
+        with httpx.stream("POST", front.url + path, json={"text": "x", "stream": True}) as r:
             assert r.status_code == 200
-            events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+            lines = [line for line in r.iter_lines() if line]
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
         assert events[0] == {"i": 0}
-        assert "error" in events[-1] and events[-1]["error"]["code"] == 502
+        if path == "/generate":
+            assert "error" in events[-1] and events[-1]["error"]["code"] == 502
+        else:
+            assert lines[-2] == "event: error" and events[-1]["type"] == "error"
+            message = events[-1].get("message") or events[-1]["error"]["message"]
+            assert "failed" in message
     finally:
         front.stop()
         broken.close()

@@ -47,7 +47,14 @@ def try_jump_forward(req, tokenizer) -> Optional[JumpResult]:
     matcher = req.grammar
     if matcher is None or matcher.is_terminated():
         return None
-    forced = matcher.find_jump_forward_string()
+    try:
+        forced = matcher.find_jump_forward_string()
+    except UnicodeDecodeError:
+        # The matcher stands inside a UTF-8 character (a byte-level token ended mid-character):
+        # the forced bytes start with continuation bytes, which xgrammar's binding cannot decode
+        # to str. Found by fuzzing (regex "éé" after the token for byte C3): it crashed the
+        # scheduler. No jump now; the grammar mask still forces those bytes token by token.
+        return None
     if not forced:
         return None
     out = req.output_ids

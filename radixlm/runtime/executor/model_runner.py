@@ -67,6 +67,12 @@ class ModelRunner:
         self.hf_config = loader.load_hf_config(self.model_path, self.load_format)
         self.model_config = cfg = ModelConfig.from_hf(self.hf_config)
         self.context_len = args.context_length or cfg.max_position_embeddings
+        if self.context_len > cfg.max_position_embeddings:
+            # the rotary tables end there: a request reaching that position crashed the
+            # scheduler mid-generation (IndexError in rotary), killing every request in flight.
+            # Refused at start-up instead, as SGLang does.
+            raise ValueError(f"context_length {self.context_len} is longer than the model's "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.model_cls = registry.model_class(cfg, self.context_len)  # refuses what it cannot run
         # tensor parallelism: the caller (a rank's process) joined the group first
         self.tp = parallel_state.get_tp_group()
