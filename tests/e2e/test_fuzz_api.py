@@ -28,10 +28,21 @@ DEADLINE_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_chat_path):
-    srv = start_server(["--model-path", tiny_chat_path, "--context-length", "256",
-                        "--max-total-tokens", "8192", "--enable-metrics",
-                        "--served-model-name", "tiny"], name="fuzz")
+def tiny_server(tiny_chat_path, tmp_path_factory):
+    # /start_profile without an output_dir writes to $SGLANG_TORCH_PROFILER_DIR (else the temp
+    # folder, where every run of this test left its traces): a folder of this session's
+    traces = str(tmp_path_factory.mktemp("fuzz-traces"))
+    old = os.environ.get("SGLANG_TORCH_PROFILER_DIR")
+    os.environ["SGLANG_TORCH_PROFILER_DIR"] = traces  # the server inherits it
+    try:
+        srv = start_server(["--model-path", tiny_chat_path, "--context-length", "256",
+                            "--max-total-tokens", "8192", "--enable-metrics",
+                            "--served-model-name", "tiny"], name="fuzz")
+    finally:
+        if old is None:
+            os.environ.pop("SGLANG_TORCH_PROFILER_DIR")
+        else:
+            os.environ["SGLANG_TORCH_PROFILER_DIR"] = old
     yield srv
     stop_and_check(srv)
 
