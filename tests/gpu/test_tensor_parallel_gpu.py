@@ -71,7 +71,7 @@ def test_engine_tp2_cuda_matches_tp1(tmp_path):
     prompts += [shared + torch.randint(0, vocab, (9,), generator=g).tolist() for _ in range(3)]
     sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     args = dict(model_path=path, dtype="float32", device="cuda", skip_tokenizer_init=True,
-                max_total_tokens=8192, context_length=1024, chunked_prefill_size=128)
+                max_total_tokens=8192, context_length=512, chunked_prefill_size=128)
 
     def run(tp: int) -> list[list[int]]:
         eng = Engine(tp_size=tp, **args)

@@ -102,5 +102,6 @@ def test_tp_flags_refused(tmp_path, before):
     # a model the group cannot split: refused after the workers started, and they are gone
     path = th.write_tiny_llama(str(tmp_path / "m"), vocab=64, heads=4, kv_heads=2, tied=True)
     with pytest.raises(ValueError, match="replicated"):
-        Engine(model_path=path, tp_size=3, skip_tokenizer_init=True, **ARGS)
+        Engine(model_path=path, tp_size=3, skip_tokenizer_init=True,
+               **dict(ARGS, context_length=512))  # (the model's positions)
     assert _tp_children(before) == []
