@@ -20,7 +20,7 @@ import torch
 from radixlm.runtime import speculative
 from radixlm.runtime.attention.shared_prefix import PrefixGrouper
 from radixlm.runtime.config import resolve_chunked_prefill_size
-from radixlm.runtime.constrained.grammar import GrammarCompilerPool, MaskBuffer, constraint_of
+from radixlm.runtime.constrained.grammar import GrammarCompilerPool, MaskBuffer
 from radixlm.runtime.mem_cache.hicache_config import make_tree_cache
 from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.sampling.sampler import Sampler
@@ -31,14 +31,15 @@ from radixlm.runtime.scheduler.maintenance import Maintenance
 from radixlm.runtime.scheduler.output import record_embeddings
 from radixlm.runtime.scheduler.overlap import (InFlightDecode, chained_input_ids,
                                                start_host_copy, surely_finishes)
-from radixlm.runtime.scheduler.policy import match_len_cap, order_waiting
+from radixlm.runtime.scheduler.policy import order_waiting
 from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder
 from radixlm.runtime.scheduler.token_processing import TokenProcessing
+from radixlm.runtime.scheduler.waiting import WaitingQueue
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(TokenProcessing, Maintenance):
+class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
     def __init__(self, args, runner, tokenizer=None):
         self.args = args
         self.runner = runner
@@ -79,27 +80,6 @@ class Scheduler(TokenProcessing, Maintenance):
         self.overlap = not args.disable_overlap_schedule and self.device.type == "cuda"
 
     # --- requests in and out --------------------------------------------------------------------
-    def add_request(self, req: Req) -> None:
-        if self.spec is not None:
-            req.spec_verify_steps = 0  # reported in meta_info (None: speculation off)
-        c = constraint_of(req.sampling_params)
-        if c is not None and req.grammar is None:
-            if self.grammars is None:
-                self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size,
-                                                    tuple(req.stop_token_ids),
-                                                    cache_size=self.args.grammar_cache_size)
-            req.grammar_future = self.grammars.submit(*c)
-            req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout
-        if self.tiered:  # its pages in the store start coming up to the host now, off this thread
-            req.prefetch = self.tree_cache.start_prefetch(
-                req.fill_ids[:match_len_cap(req, self.tree_cache)])
-        self.waiting.append(req)
-
-    def _drop_prefetch(self, req: Req) -> None:
-        if req.prefetch is not None:
-            self.tree_cache.cancel_prefetch(req.prefetch)
-            req.prefetch = None
-
     def abort_request(self, rid: str) -> Optional[Req]:
         """Finish `rid` with reason abort and release its KV. Returns the request if found."""
         self._settle()
@@ -121,41 +101,6 @@ class Scheduler(TokenProcessing, Maintenance):
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked or self.inflight
                     or self._deferred)
-
-    def has_runnable_work(self) -> bool:
-        """False when idle or when every waiting request still waits for its grammar (and
-        none has waited past --grammar-compile-timeout)."""
-        if self.running or self.chunked or self.inflight or self._deferred:
-            return True
-        if self.tiered and self.tree_cache.prefetch_news():
-            return True  # a step applies them (a lookup's result starts its read)
-        now = time.monotonic()
-        return any((r.grammar_future is None or r.grammar_future.done()
-                    or now > r.grammar_deadline) and self._prefetch_ready(r)
-                   for r in self.waiting)
-
-    def _prefetch_ready(self, req: Req) -> bool:
-        """False while the request waits for pages from the store (--hicache-storage-prefetch-
-        policy); the step goes on with the others."""
-        return req.prefetch is None or self.tree_cache.prefetch_ready(req.prefetch)
-
-    def _grammar_ready(self, req: Req) -> bool:
-        fut = req.grammar_future
-        if fut is None:
-            return True
-        if not fut.done():
-            if time.monotonic() > req.grammar_deadline:  # the compile goes on; the request not
-                req.finish = Finish(FinishReason.ABORT, message=(
-                    f"grammar compilation took over {self.args.grammar_compile_timeout} s "
-                    f"(see --grammar-compile-timeout)"))
-            return False
-        if fut.exception() is not None:  # validated before queueing, so this is a bug or OOM
-            req.finish = Finish(FinishReason.ABORT, message=f"grammar compilation failed: "
-                                                            f"{fut.exception()}")
-            return False
-        if req.grammar is None:
-            req.grammar = self.grammars.matcher(fut.result())
-        return True
 
     # --- one step -------------------------------------------------------------------------------
     @torch.inference_mode()

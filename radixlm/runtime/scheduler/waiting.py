@@ -1,0 +1,69 @@
+"""The waiting queue's side of the scheduler (a mixin of Scheduler): a request enters it with its
+grammar compiling and its stored pages coming up from the file store, both off the scheduler
+thread; admission takes it once both are ready (or have given up)."""
+
+from __future__ import annotations
+
+import time
+
+from radixlm.runtime.constrained.grammar import GrammarCompilerPool, constraint_of
+from radixlm.runtime.request import Finish, FinishReason, Req
+from radixlm.runtime.scheduler.policy import match_len_cap
+
+
+class WaitingQueue:
+    def add_request(self, req: Req) -> None:
+        if self.spec is not None:
+            req.spec_verify_steps = 0  # reported in meta_info (None: speculation off)
+        c = constraint_of(req.sampling_params)
+        if c is not None and req.grammar is None:
+            if self.grammars is None:
+                self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size,
+                                                    tuple(req.stop_token_ids),
+                                                    cache_size=self.args.grammar_cache_size)
+            req.grammar_future = self.grammars.submit(*c)
+            req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout
+        if self.tiered:  # its pages in the store start coming up to the host now, off this thread
+            req.prefetch = self.tree_cache.start_prefetch(
+                req.fill_ids[:match_len_cap(req, self.tree_cache)])
+        self.waiting.append(req)
+
+    def _drop_prefetch(self, req: Req) -> None:
+        if req.prefetch is not None:
+            self.tree_cache.cancel_prefetch(req.prefetch)
+            req.prefetch = None
+
+    def has_runnable_work(self) -> bool:
+        """False when idle or when every waiting request still waits for its grammar (and
+        none has waited past --grammar-compile-timeout)."""
+        if self.running or self.chunked or self.inflight or self._deferred:
+            return True
+        if self.tiered and self.tree_cache.prefetch_news():
+            return True  # a step applies them (a lookup's result starts its read)
+        now = time.monotonic()
+        return any((r.grammar_future is None or r.grammar_future.done()
+                    or now > r.grammar_deadline) and self._prefetch_ready(r)
+                   for r in self.waiting)
+
+    def _prefetch_ready(self, req: Req) -> bool:
+        """False while the request waits for pages from the store (--hicache-storage-prefetch-
+        policy); the step goes on with the others."""
+        return req.prefetch is None or self.tree_cache.prefetch_ready(req.prefetch)
+
+    def _grammar_ready(self, req: Req) -> bool:
+        fut = req.grammar_future
+        if fut is None:
+            return True
+        if not fut.done():
+            if time.monotonic() > req.grammar_deadline:  # the compile goes on; the request not
+                req.finish = Finish(FinishReason.ABORT, message=(
+                    f"grammar compilation took over {self.args.grammar_compile_timeout} s "
+                    f"(see --grammar-compile-timeout)"))
+            return False
+        if fut.exception() is not None:  # validated before queueing, so this is a bug or OOM
+            req.finish = Finish(FinishReason.ABORT, message=f"grammar compilation failed: "
+                                                            f"{fut.exception()}")
+            return False
+        if req.grammar is None:
+            req.grammar = self.grammars.matcher(fut.result())
+        return True
