@@ -112,15 +112,18 @@ def test_stream_events_and_final_response(server, client):
     assert stored.output_text == final.output_text and stored.status == final.status
 
     # a forced call streams its arguments; the SDK's helper assembles the final response
+    # the random tiny model can spend many tokens on the whitespace JSON allows (32 ran out
+    # when the module's tests ran in another order; greedy never closes the object)
     with client.responses.stream(model="default", input="Weather?", tools=[WEATHER],
-                                 tool_choice="required", max_output_tokens=32) as stream:
+                                 tool_choice="required", max_output_tokens=256) as stream:
         kinds = [e.type for e in stream]
         done = stream.get_final_response()
     assert "response.function_call_arguments.delta" in kinds
     assert kinds[-3:] == ["response.function_call_arguments.done",
                           "response.output_item.done", "response.completed"]
-    [call] = done.output
-    assert call.type == "function_call" and json.loads(call.arguments)["unit"]
+    assert done.output  # (one call or more: parallel calls are allowed)
+    for call in done.output:
+        assert call.type == "function_call" and json.loads(call.arguments)["unit"]
     server.check_integrity()
 
 
