@@ -153,7 +153,11 @@ def test_spoiled_store_is_recomputed(make_engine, integrity, reference, store, t
     out = eng.generate(input_ids=PROMPTS[1], sampling_params=SP)
     assert out["output_ids"] == reference[1]
     assert out["meta_info"]["cached_tokens_details"]["storage"] == 0
-    assert eng.get_stats()["hicache"]["storage"]["pages_corrupt"] == 1  # the first stops it
+    # the first bad page ends the read; the few read ahead of it (page_reader.READ_AHEAD) are
+    # checked too, and none of them is served
+    from radixlm.runtime.mem_cache.page_reader import READ_AHEAD
+
+    assert 1 <= eng.get_stats()["hicache"]["storage"]["pages_corrupt"] <= READ_AHEAD
     integrity(eng)
 
 

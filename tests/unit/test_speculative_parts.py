@@ -262,6 +262,29 @@ def test_hopeless_steps_probe_with_a_growing_interval():
     assert pol.probe_interval == adaptive.PROBE_MIN
 
 
+def test_probes_wait_long_enough_to_cost_at_most_their_budget():
+    from radixlm.runtime.speculative import adaptive
+
+    pol = AdaptivePolicy(adaptive=True, device_type="cuda")
+    for _ in range(40):
+        pol.observe_step(64, 0.010)
+        pol.record(Acceptance(), 1, 2, 0)
+    pol.ov, pol.ov_measured = 1.5, True  # a verify costs 1.5 plain steps more
+    skipped = 0
+    while not pol.wants_verify([None] * 64):
+        skipped += 1
+    assert pol.probing and skipped + 1 == 150  # 1.5 / PROBE_BUDGET (0.01), not PROBE_MIN
+    cheap = AdaptivePolicy(adaptive=True, device_type="cuda")
+    for _ in range(40):
+        cheap.observe_step(1, 0.004)
+        cheap.record(Acceptance(), 1, 2, 0)
+    cheap.ov, cheap.ov_measured = 0.1, True  # 10 steps' budget: PROBE_MIN holds
+    skipped = 0
+    while not cheap.wants_verify([None]):
+        skipped += 1
+    assert skipped + 1 == adaptive.PROBE_MIN
+
+
 def test_lookups_that_find_nothing_stop_until_a_probe():
     from radixlm.runtime.speculative import adaptive
 

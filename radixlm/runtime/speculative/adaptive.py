@@ -32,7 +32,10 @@ Skipped steps and probes: when no draft could pay (`hopeless`), or, where a skip
 step (overlapped on a GPU) without even looking drafts up; every `probe_interval` such steps one
 step looks up and verifies up to two tokens per request (16 in all) anyway, so the estimates see a
 change of text. The interval doubles (up to PROBE_MAX) while probes find nothing and resets when
-one is accepted. A verify is measured against a plain step of its batch size, so a batch size never
+one is accepted; it is never shorter than the probes' measured overhead allows (ov / PROBE_BUDGET
+steps: a probe that costs two plain steps, as a verify at batch 64 on an H200 can, waits at
+least 200 steps, so hopeless probing costs <= 1%; at batch 1 a verify's ~0.2 steps keeps
+PROBE_MIN). A verify is measured against a plain step of its batch size, so a batch size never
 seen plain takes one first; on a GPU the first verify is as small as a probe (a first verify of
 every request at batch 64 cost about 3 plain steps).
 Global acceptance is kept per match length and pooled; a match length with little record of its
@@ -56,6 +59,7 @@ OVERHEAD_EMA = 0.2  # weight of the newest verify in the overhead estimate
 PROBE_MIN, PROBE_MAX = 16, 512  # skipped steps between probes
 PROBE_TOKENS = 2  # draft tokens per request in a probe
 PROBE_ROWS = 16  # ... and in all: at batch 64 a probe of every request cost ~3 plain steps
+PROBE_BUDGET = 0.01  # share of the plain steps' time that probes may cost where nothing passes
 DRY_STEPS = 4  # lookups in a row that found nothing: skip them too, probing as when hopeless
 
 
@@ -155,11 +159,18 @@ class AdaptivePolicy:
         if not self.adaptive:
             return True
         self.skipped_steps += 1
-        if self.skipped_steps < self.probe_interval:
+        if self.skipped_steps < max(self.probe_interval, self._probe_floor()):
             return False
         self.skipped_steps = 0
         self.probing = True
         return True
+
+    def _probe_floor(self) -> int:
+        """The fewest skipped steps between probes that keeps their measured overhead within
+        PROBE_BUDGET of the plain steps' time (0 before a verify measured it, or on a CPU)."""
+        if not self.ov_measured:
+            return 0
+        return min(math.ceil(self.ov / PROBE_BUDGET), PROBE_MAX)
 
     def _end_probe(self, found: bool) -> None:
         self.probe_interval = PROBE_MIN if found else min(2 * self.probe_interval, PROBE_MAX)
