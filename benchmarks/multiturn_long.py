@@ -160,6 +160,10 @@ def _run(engine_kw: dict, convs, histories, turns, args,
            "cached_tokens": sum(r["cached"] for r in records), "hit_tokens": hits,
            "ttft_p50_s": round(_pct(ttfts, 50), 4), "ttft_p90_s": round(_pct(ttfts, 90), 4),
            "latency_mean_s": round(statistics.mean(r["latency"] for r in records), 3),
+           # turn 1 is a cold prefill with the tiers on or off; later turns show the cache
+           "ttft_p50_by_turn_s": {t + 1: round(statistics.median(
+               r["ttft"] for r in records if r["turn"] == t), 4)
+               for t in sorted({r["turn"] for r in records})},
            "retractions": stats["retractions"], "forward_steps": stats["forward_steps"],
            "extend_steps": stats["extend_steps"], "busy_s": round(stats["busy_s"], 2)}
     tiers = stats.get("hicache")
