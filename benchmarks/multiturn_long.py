@@ -180,6 +180,12 @@ def _run(engine_kw: dict, convs, histories, turns, args,
                                                      "storage_loads_skipped",
                                                      "storage_load_failures")}
         out["host_capacity_tokens"] = tiers["host"]["capacity"]
+        # what a storage read delivered against what a prefill computes, in tokens/s
+        read_bps = tiers.get("storage_read_bytes_per_s")
+        out["storage_read_tokens_per_s"] = (round(read_bps / tiers["host"]["bytes_per_token"])
+                                            if read_bps else None)
+        out["prefill_tokens_per_s"] = (round(tiers["prefill_tokens_per_s"])
+                                       if tiers.get("prefill_tokens_per_s") else None)
     return out, records
 
 
