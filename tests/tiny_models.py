@@ -115,7 +115,8 @@ def write_tiny_eagle3(path: str, *, vocab: int, hidden: int = 64, heads: int = 4
          m + "self_attn.v_proj.weight": rnd(kv_heads * d, 2 * hidden),
          m + "self_attn.o_proj.weight": rnd(hidden, heads * d),
          m + "post_attention_layernorm.weight": 1 + rnd(hidden),
-         m + "mlp.gate_proj.weight": rnd(inter, hidden), m + "mlp.up_proj.weight": rnd(inter, hidden),
+         m + "mlp.gate_proj.weight": rnd(inter, hidden),
+         m + "mlp.up_proj.weight": rnd(inter, hidden),
          m + "mlp.down_proj.weight": rnd(hidden, inter), "norm.weight": 1 + rnd(hidden),
          "lm_head.weight": rnd(dv, hidden)}
     ids = torch.tensor(hot if hot is not None else range(1, 2 * dv, 2)[:dv], dtype=torch.int64)
