@@ -73,7 +73,8 @@ class RefHead:
         return out
 
 
-def test_drafts_equal_a_reference_head(tmp_path, monkeypatch, integrity):
+@pytest.mark.parametrize("backend", ["auto", "torch_native"])
+def test_drafts_equal_a_reference_head(backend, tmp_path, monkeypatch, integrity):
     import radixlm
     from radixlm.runtime.speculative import eagle3
     from safetensors.torch import load_file
@@ -106,19 +107,19 @@ def test_drafts_equal_a_reference_head(tmp_path, monkeypatch, integrity):
                          speculative_draft_model_path=head, speculative_adaptive=False,
                          speculative_num_steps=4, chunked_prefill_size=16,
                          skip_tokenizer_init=True, max_total_tokens=2048, context_length=512,
-                         dtype="float32")
+                         dtype="float32", attention_backend=backend)
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (50, 7)]
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (50, 7, 20)]
     try:
         outs = eng.generate(input_ids=prompts, sampling_params={
-            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}, rid=["a", "b"])
+            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}, rid=["a", "b", "c"])
         integrity(eng)
     finally:
         eng.shutdown()
     hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     ref = RefHead(load_file(os.path.join(head, "model.safetensors")),
                   hf.model.embed_tokens.weight.detach())
-    full = {rid: p + o["output_ids"] for rid, p, o in zip("ab", prompts, outs)}
+    full = {rid: p + o["output_ids"] for rid, p, o in zip("abc", prompts, outs)}
     aux = {}
     with torch.no_grad():
         for rid, seq in full.items():

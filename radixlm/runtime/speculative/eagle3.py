@@ -182,38 +182,40 @@ class Eagle3Speculator(StandaloneSpeculator):
 
     def _run(self, sched, reqs, states, ks, chain, catch):
         dev, V = sched.device, sched.vocab_size
-        entries = chain + sorted((i for i in catch if i not in chain),
-                                 key=lambda i: catch[i] == 1)  # (one-row ones last: a tail)
-        ids, rows, pos, ends, g = [], [], [], [], []
+        # extend order: multi-row catch-ups first, one-row ones last (the backends' decode tail)
+        entries = sorted(catch, key=lambda i: catch[i] == 1)
+        ids, rows, pos, ends, g = [], [], [], {}, []
         for i in entries:
             st, req, n = states[i], reqs[i], catch[i]
             ids += _tokens(req, st.start + 1, st.start + n + 1)  # row p's token: x_{p+1}
             rows += [req.req_pool_idx] * n
             pos += range(st.start, st.start + n)
-            ends.append(len(pos) - 1)
+            ends[i] = len(pos) - 1
         pre_lens = [states[i].start for i in entries]
         for i in entries:
             g.append(states[i].take(catch[i]))
+        F = len(chain)
+        logit_order = chain + [i for i in entries if i not in chain]  # the chain's rows first
         host = torch.tensor(ids + rows + pos + [reqs[i].req_pool_idx for i in entries]
-                            + [p + catch[i] for p, i in zip(pre_lens, entries)] + ends,
-                            dtype=torch.int64)
+                            + [p + catch[i] for p, i in zip(pre_lens, entries)]
+                            + [ends[i] for i in logit_order]
+                            + [reqs[i].req_pool_idx for i in chain], dtype=torch.int64)
         T, E = len(ids), len(entries)
-        d_ids, d_rows, d_pos, e_rows, e_lens, e_last = torch.split(host.to(dev),
-                                                                   [T, T, T, E, E, E])
+        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows = torch.split(
+            host.to(dev), [T, T, T, E, E, E, F])
         fb = ForwardBatch(
             mode=ForwardMode.EXTEND, input_ids=d_ids, positions=d_pos,
             out_cache_loc=self.rt[d_rows, d_pos], req_pool_indices=e_rows, seq_lens=e_lens,
             logits_indices=e_last, seq_lens_cpu=[p + catch[i] for p, i in zip(pre_lens, entries)],
             extend_prefix_lens_cpu=pre_lens, extend_lens_cpu=[catch[i] for i in entries],
             num_decode_tail=sum(1 for i in entries if catch[i] == 1))
-        normed, out = self._forward(fb, torch.cat(g))  # (E, H) each; the chain's rows first
-        forwards, F = 1, len(chain)
+        normed, out = self._forward(fb, torch.cat(g))  # (E, H) each, in logit_order
+        forwards = 1
         if not F:
             return [[] for _ in reqs], forwards
         chain_k = [ks[i] for i in chain]
         depth = max(chain_k)
         creqs = [reqs[i] for i in chain]
-        c_rows = e_rows[:F]
         base = torch.tensor([r.kv_len for r in creqs], device=dev)  # (F,) first draft position
         n_temp = sum(k - 1 for k in chain_k)  # the chain's own K/V, past each kv_len
         temp = sched.allocator.alloc(n_temp) if n_temp else None
