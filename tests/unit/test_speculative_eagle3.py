@@ -4,14 +4,15 @@ random 4-layer Llama (tests/tiny_models.py; SGLang's default layers 1, L // 2 - 
 
 Greedy tokens equal plain decoding's (penalties, cache hits, chunked prefill, retraction, a
 batch, n > 1); the head's drafts equal an independent reference (HF transformers' hidden states
-+ the head in plain torch); d2t is what maps drafts to target ids (a head that always drafts
++ the head in plain torch: test_speculative_eagle3_reference.py); d2t is what maps drafts to target ids (a head that always drafts
 its id 0 is accepted exactly where the target emits d2t's target id); q is 0 outside the draft
-vocabulary; loader errors name the tensor; the KV accounting holds after every test."""
+vocabulary (test_speculative_eagle3_parts.py, with the loader's errors); the KV accounting holds
+after every test."""
 
 from __future__ import annotations
 
-import json
 import os
+import re
 
 import pytest
 import torch
@@ -106,6 +107,24 @@ def test_chunked_prefill_and_retraction_match_plain_decoding(paths, engines, int
         eng.shutdown()
 
 
+def test_adaptive_policy_keeps_plain_decodings_tokens(paths, engines, integrity):
+    """Adaptive on (the default): whatever lengths it picks (0 included: a verify of the last
+    tokens alone, so the head still gets every row's features), the tokens are plain's."""
+    import radixlm
+
+    eng = radixlm.Engine(model_path=paths["target"], speculative_algorithm="EAGLE3",
+                         speculative_draft_model_path=paths["head"], **KW)
+    try:
+        prompts, params = _prompts(6), _greedy(max_new_tokens=40)
+        ref = engines["off"].generate(input_ids=prompts, sampling_params=params)
+        for a, b in zip(ref, eng.generate(input_ids=prompts, sampling_params=params)):
+            assert a["output_ids"] == b["output_ids"]
+        assert eng.get_stats()["spec_draft_forwards"] > 0
+        integrity(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_sampling_seeds_n_and_abort(engines, integrity):
     eng = engines["on"]
     prompts = _prompts(2)[:3]
@@ -123,36 +142,6 @@ def test_sampling_seeds_n_and_abort(engines, integrity):
     assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     integrity(eng)
 
-
-def test_q_is_the_heads_distribution_at_target_ids():
-    """A head's logits over its 5-token vocabulary, mapped through d2t into a 12-token target
-    vocabulary and processed (temperature 0.7): q at target id hot[d] is softmax(logits / 0.7)
-    [d], 0 elsewhere; greedy picks hot[argmax]."""
-    from radixlm.runtime.request import Req
-    from radixlm.runtime.sampling.sampler import Sampler
-    from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
-    from radixlm.runtime.sampling_params import SamplingParams
-    from radixlm.runtime.speculative.eagle3_model import Eagle3Head
-    from radixlm.runtime.speculative.rejection import sample_draft
-
-    head = Eagle3Head.__new__(Eagle3Head)
-    torch.nn.Module.__init__(head)
-    head.register_buffer("hot", torch.tensor([2, 3, 7, 8, 11]))
-    draft = torch.tensor([[0.5, -1.0, 2.0, 0.0, 1.0], [3.0, 0.0, 0.0, 0.0, 0.0]])
-    sp = SamplingParams(temperature=0.7)
-    sp.verify(12)
-    reqs = [Req("a", [1], sp), Req("b", [1], sp)]
-    info = SamplingBatchInfo.from_reqs(reqs, 12, "cpu")
-    _, q = sample_draft(head.to_target(draft, 12), info, reqs, Sampler())
-    want = torch.zeros(2, 12)
-    want[:, head.hot] = torch.softmax(draft / 0.7, dim=-1)
-    assert torch.allclose(q, want, atol=1e-6)
-    greedy = SamplingParams(temperature=0)
-    greedy.verify(12)
-    g_reqs = [Req("c", [1], greedy)] * 2
-    tok, q = sample_draft(head.to_target(draft, 12), SamplingBatchInfo.from_reqs(g_reqs, 12, "cpu"),
-                          g_reqs, Sampler())
-    assert q is None and tok.tolist() == [7, 2]
 
 
 def _simulate(out: list[int], token: int, max_draft: int) -> tuple[int, int]:
@@ -205,46 +194,9 @@ def test_d2t_maps_the_drafts_to_target_ids(paths, engines, integrity):
         eng.shutdown()
 
 
-def test_loader_names_the_bad_tensor(paths):
+
+def test_dummy_weights_match_plain_decoding(paths, integrity):
     import radixlm
-    from tiny_models import write_tiny_eagle3
-
-    root = paths["root"]
-    cases = [
-        (dict(drop=["midlayer.hidden_norm.weight"]), "midlayer.hidden_norm.weight"),
-        (dict(reshape={"fc.weight": (64, 128)}), "fc.weight"),
-        (dict(reshape={"midlayer.self_attn.k_proj.weight": (32, 64)}), "k_proj"),
-        (dict(drop=["d2t"]), "d2t"),
-        (dict(reshape={"lm_head.weight": (DV + 1, 64)}), "lm_head.weight"),
-        (dict(reshape={"t2d": (V - 1,)}), "t2d"),
-        (dict(aux_layers=[0, 1, 4]), "eagle_aux_hidden_state_layer_ids"),
-    ]
-    for i, (kw, name) in enumerate(cases):
-        head = write_tiny_eagle3(str(root / f"bad{i}"), vocab=V, draft_vocab=DV, **kw)
-        with pytest.raises(ValueError, match=name):
-            radixlm.Engine(model_path=paths["target"], speculative_draft_model_path=head,
-                           **SPEC, **KW)
-    head = write_tiny_eagle3(str(root / "bad-t2d"), vocab=V, draft_vocab=DV)
-    from safetensors.torch import load_file, save_file
-
-    w = load_file(os.path.join(head, "model.safetensors"))
-    w["t2d"] = torch.roll(w["t2d"], 1)  # marks other ids than d + d2t[d]
-    save_file(w, os.path.join(head, "model.safetensors"))
-    with pytest.raises(ValueError, match="t2d"):
-        radixlm.Engine(model_path=paths["target"], speculative_draft_model_path=head, **SPEC, **KW)
-    with open(os.path.join(head, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    with open(os.path.join(head, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ValueError, match="speculative_draft_model_path"):
-        radixlm.Engine(model_path=paths["target"], speculative_draft_model_path=head, **SPEC, **KW)
-
-
-def test_dummy_weights_and_refusals(paths, integrity):
-    import radixlm
-    from radixlm.runtime.config import ServerArgs
-    from radixlm.runtime.speculative import spec_config
 
     kw = dict(KW, load_format="dummy")
     off = radixlm.Engine(model_path=paths["target"], **kw)
@@ -260,13 +212,34 @@ def test_dummy_weights_and_refusals(paths, integrity):
     finally:
         off.shutdown()
         on.shutdown()
-    for extra, name in ((dict(speculative_eagle_topk=4), "speculative_eagle_topk"),
-                        (dict(tp_size=2), "tp_size"), (dict(), "speculative_draft_model_path")):
-        args = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="x", **extra)
-        if not extra:
-            args.pop("speculative_draft_model_path")
-        with pytest.raises(ValueError, match=name):
-            spec_config.resolve(ServerArgs(**args))
-    cfg = spec_config.resolve(ServerArgs(speculative_algorithm="eagle3",
-                                         speculative_draft_model_path="x"))
-    assert (cfg.algorithm, cfg.max_draft, cfg.draft_model_path) == ("EAGLE3", 3, "x")
+
+
+def test_stop_strings_and_grammar_match_plain_decoding(tiny_chat_path, tmp_path, integrity):
+    """Text and a tokenizer (SmolLM2's, vocab 49152; the head drafts 2000 odd ids): stop strings
+    inside accepted drafts, regexes whose masks apply to the head's q and the target's p alike
+    (a mask that allows none of the head's ids leaves q on the allowed others)."""
+    import radixlm
+    from tiny_models import write_tiny_eagle3
+
+    head = write_tiny_eagle3(str(tmp_path / "chat-head"), vocab=49152, hidden=96, heads=6,
+                             kv_heads=3, inter=192, draft_vocab=2000, aux_layers=[0, 1, 1])
+    kw = dict(dtype="float32", max_total_tokens=4096, context_length=1024)
+    off = radixlm.Engine(model_path=tiny_chat_path, **kw)
+    on = radixlm.Engine(model_path=tiny_chat_path, speculative_draft_model_path=head, **SPEC, **kw)
+    try:
+        prompts = ["Name three fruits:", "Count: one two three", "Write a date:"]
+        text = off.generate(prompts[0], _greedy(max_new_tokens=24))["text"]
+        stop = next(text[i : i + 5] for i in range(30, len(text))
+                    if text.find(text[i : i + 5]) == i)
+        params = [_greedy(stop=[stop]), _greedy(regex=r"[a-z ]{4,30}\."),
+                  _greedy(regex=r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]")]
+        for a, b in zip(off.generate(prompts, params), on.generate(prompts, params)):
+            assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
+        sampled = on.generate(prompts[1:], [dict(p, temperature=1.0, seed=5) for p in params[1:]])
+        assert re.fullmatch(r"[a-z ]{4,30}\.", sampled[0]["text"])
+        assert re.fullmatch(r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]", sampled[1]["text"])
+        assert on.get_stats()["spec_draft_tokens"] > 0
+        integrity(on)
+    finally:
+        off.shutdown()
+        on.shutdown()
