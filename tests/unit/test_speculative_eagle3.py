@@ -208,6 +208,8 @@ def test_dummy_weights_match_plain_decoding(paths, integrity):
         got = on.generate(input_ids=prompts, sampling_params=params)
         assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
         assert on.get_stats()["spec_draft_tokens"] > 0
+        # SGLang's default layers of a 4-layer target; the plain engine captures nothing
+        assert (on.runner.capture_layers, off.runner.capture_layers) == ((1, 1, 0), ())
         integrity(on)
     finally:
         off.shutdown()

@@ -104,3 +104,45 @@ def test_flags_refuse_what_is_not_built():
     cfg = spec_config.resolve(ServerArgs(speculative_algorithm="eagle3",
                                          speculative_draft_model_path="x"))
     assert (cfg.algorithm, cfg.max_draft, cfg.draft_model_path) == ("EAGLE3", 3, "x")
+
+
+def test_rejection_with_a_heads_q_keeps_the_target_distribution():
+    """Drafts from a head with a 4-id vocabulary inside an 8-id target vocabulary: q (mapped by
+    to_target, then processed) is 0 on the 4 other ids, where p is not; the emitted tokens
+    still follow p (the residual max(0, p - q) carries the mass q lacks)."""
+    from radixlm.runtime.request import Req
+    from radixlm.runtime.sampling.sampler import Sampler
+    from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
+    from radixlm.runtime.sampling_params import SamplingParams
+    from radixlm.runtime.speculative.eagle3_model import Eagle3Head
+    from radixlm.runtime.speculative.rejection import accept_rows, sample_draft
+
+    torch.manual_seed(0)
+    head = Eagle3Head.__new__(Eagle3Head)
+    torch.nn.Module.__init__(head)
+    head.register_buffer("hot", torch.tensor([1, 2, 5, 7]))
+    sp = SamplingParams(temperature=0.9, top_p=0.98, frequency_penalty=0.3)
+    sp.verify(8)
+    req = Req("r", [1, 2], sp)
+    req.output_ids = [7, 0]
+    base = SamplingBatchInfo.from_reqs([req], 8, "cpu")
+    target = torch.tensor([1.0, 1.5, 0.2, 0.4, 0.8, -0.5, -1.0, 1.6])
+    n = 60000
+    rows = [req] * n
+    mapped = head.to_target(torch.tensor([0.3, 1.2, -0.4, 0.9]).expand(n, 4), 8)
+    draft, q = sample_draft(mapped, base.take([0] * n), rows, Sampler())
+    assert (q[:, [0, 3, 4, 6]] == 0).all() and set(draft.unique().tolist()) <= {1, 2, 5, 7}
+    x = target.view(1, -1).clone()
+    info = base.take([0])
+    info.apply_penalties_and_masks(x)
+    p = Sampler().filtered_probs(x, info)[0]
+    p = p / p.sum()
+    assert p[[0, 3, 4, 6]].sum() > 0.2
+    accept, token = accept_rows(target.expand(n, 8).clone(), base.take([0] * n), rows, draft,
+                                Sampler(), q)
+    counts = torch.bincount(torch.where(accept, draft, token), minlength=8).double()
+    support = p > 0
+    assert counts[~support].sum() == 0
+    expected = p[support].double() * n
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi2 < {5: 25.75, 6: 27.86, 7: 29.88}[int(support.sum()) - 1], (chi2, counts.tolist())
