@@ -70,12 +70,16 @@ def test_eagle3_tiny_greedy_matches_plain_decoding(tiny_llama_path, tmp_path):
     head = write_tiny_eagle3(str(tmp_path / "head"), vocab=512, hidden=256, heads=4,
                              kv_heads=2, inter=512, draft_vocab=200, aux_layers=[0, 1, 2])
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 8, 11, 90)]
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist()
+               for n in (5, 8, 11, 90, 3, 17, 30, 64)]
     kw = dict(max_total_tokens=8192)
     ref, _ = _generate(tiny_llama_path, prompts, 40, **kw)
     got, stats = _generate(tiny_llama_path, prompts, 40, speculative_algorithm="EAGLE3",
                            speculative_draft_model_path=head, speculative_adaptive=False, **kw)
     _check(ref, got, stats)
+    # 8 requests x 3 drafts a step: not held to the policy's 16-row probe (adaptive.PROBE_ROWS),
+    # which waits for an overlapped plain step that EAGLE3 never runs
+    assert stats["spec_draft_tokens"] > 16 * stats["spec_verify_steps"]
 
 
 def test_eagle3_llama_8b_shape_dummy_weights(tmp_path):

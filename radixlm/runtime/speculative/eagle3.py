@@ -42,7 +42,7 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative import eagle3_config, grammar_drafts
-from radixlm.runtime.speculative.adaptive import Acceptance
+from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
 from radixlm.runtime.speculative.eagle3_model import build_head
 from radixlm.runtime.speculative.rejection import sample_draft
 from radixlm.runtime.speculative.spec_config import SpecConfig
@@ -82,6 +82,9 @@ class Eagle3State:
 class Eagle3Speculator(StandaloneSpeculator):
     def __init__(self, cfg: SpecConfig, sched):
         Speculator.__init__(self, cfg, sched)
+        # no step is skipped (wants_verify), so none overlaps: the policy prices verifies
+        # against the zero-draft verifies, and caps nothing while it waits for an overlapped one
+        self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type, overlap=False)
         runner, args = sched.runner, sched.args
         if type(runner.model).forward is not LlamaForCausalLM.forward or not runner.capture_layers:
             raise ValueError(f"speculative_algorithm=EAGLE3: the target "
