@@ -3,11 +3,11 @@ random 4-layer Llama (tests/tiny_models.py; SGLang's default layers 1, L // 2 - 
 1, 1, 0 there) and random heads (write_tiny_eagle3, a 100-token draft vocabulary).
 
 Greedy tokens equal plain decoding's (penalties, cache hits, chunked prefill, retraction, a
-batch, n > 1); the head's drafts equal an independent reference (HF transformers' hidden states
-+ the head in plain torch: test_speculative_eagle3_reference.py); d2t is what maps drafts to target ids (a head that always drafts
-its id 0 is accepted exactly where the target emits d2t's target id); q is 0 outside the draft
-vocabulary (test_speculative_eagle3_parts.py, with the loader's errors); the KV accounting holds
-after every test."""
+batch, n > 1, adaptive lengths, stop strings, regexes and jump-forward); d2t is what maps
+drafts to target ids (a head that always drafts its id 0 is accepted exactly where the target
+emits d2t's target id); the KV accounting holds after every test. Elsewhere: the head's drafts
+against a plain-torch reference (test_speculative_eagle3_reference.py); q, 0 outside the draft
+vocabulary, and the loader's errors (test_speculative_eagle3_parts.py)."""
 
 from __future__ import annotations
 
