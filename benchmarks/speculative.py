@@ -63,9 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gguf-keep-quantized", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
-    p.add_argument("--speculative-algorithm", default="NGRAM", choices=["NGRAM", "STANDALONE"])
+    p.add_argument("--speculative-algorithm", default="NGRAM",
+                   choices=["NGRAM", "STANDALONE", "EAGLE3"])
     p.add_argument("--draft-model-path", default=None,
-                   help="STANDALONE: the draft model (the target's vocabulary)")
+                   help="STANDALONE: the draft model (the target's vocabulary); EAGLE3: the "
+                        "head (its off runs still capture the target's layers: one engine)")
     p.add_argument("--no-speculative-adaptive", action="store_true")
     p.add_argument("--arms", default=None,
                    help="comma list of NUM_DRAFT_TOKENS[:fixed], each an on arm against off on "
@@ -148,9 +150,9 @@ def main(argv=None) -> list[dict]:
     arms = [(args.speculative_num_draft_tokens, not args.no_speculative_adaptive)]
     if args.arms:
         arms = [(int(a.split(":")[0]), not a.endswith(":fixed")) for a in args.arms.split(",")]
-    standalone = args.speculative_algorithm == "STANDALONE"
+    standalone = args.speculative_algorithm in ("STANDALONE", "EAGLE3")
     if standalone and (args.arms or args.drafts != "ngram"):
-        raise SystemExit("--arms and --drafts are for NGRAM (STANDALONE keeps one draft runner)")
+        raise SystemExit("--arms and --drafts are for NGRAM (a draft model keeps one runner)")
 
     def arm_args(tokens, adaptive):
         return dataclasses.replace(eng.server_args, speculative_num_draft_tokens=tokens,

@@ -81,3 +81,52 @@ def write_tiny_chat_model(path: str, *, seed: int = 0) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def write_tiny_eagle3(path: str, *, vocab: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                      inter: int = 96, draft_vocab: int = 0, aux_layers=None, seed: int = 1,
+                      hot=None, t2d: bool = True, drop=(), reshape=None) -> str:
+    """config.json + model.safetensors of a random EAGLE-3 head (LlamaForCausalLMEagle3) for a
+    target of `vocab` tokens and width `hidden`. `draft_vocab` (0: vocab) rows of lm_head; `hot`
+    the target ids of the draft ids (increasing; default: every other id from 1), stored as
+    d2t = hot - arange and t2d; `aux_layers` its eagle_config layer ids (None: SGLang's default).
+    For loader tests: `drop` names tensors to leave out, `reshape` {name: shape} to misshape."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    d, dv = hidden // heads, draft_vocab or vocab
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "vocab_size": vocab,
+           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d,
+           "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "tie_word_embeddings": False,
+           "draft_vocab_size": dv}
+    if aux_layers is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers),
+                               "use_aux_hidden_state": True}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=g) * 0.08  # noqa: E731
+    m = "midlayer."
+    w = {"fc.weight": rnd(hidden, 3 * hidden), m + "input_layernorm.weight": 1 + rnd(hidden),
+         m + "hidden_norm.weight": 1 + rnd(hidden),
+         m + "self_attn.q_proj.weight": rnd(heads * d, 2 * hidden),
+         m + "self_attn.k_proj.weight": rnd(kv_heads * d, 2 * hidden),
+         m + "self_attn.v_proj.weight": rnd(kv_heads * d, 2 * hidden),
+         m + "self_attn.o_proj.weight": rnd(hidden, heads * d),
+         m + "post_attention_layernorm.weight": 1 + rnd(hidden),
+         m + "mlp.gate_proj.weight": rnd(inter, hidden),
+         m + "mlp.up_proj.weight": rnd(inter, hidden),
+         m + "mlp.down_proj.weight": rnd(hidden, inter), "norm.weight": 1 + rnd(hidden),
+         "lm_head.weight": rnd(dv, hidden)}
+    ids = torch.tensor(hot if hot is not None else range(1, 2 * dv, 2)[:dv], dtype=torch.int64)
+    if dv < vocab or hot is not None:
+        w["d2t"] = ids - torch.arange(dv)
+        if t2d:
+            w["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    for name in drop:
+        w.pop(name)
+    for name, shape in (reshape or {}).items():
+        w[name] = rnd(*shape)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
+    return path

@@ -187,14 +187,14 @@ class ServerArgs:
     # /metrics names: sglang (SGLang's names and model_name label) | radixlm (the former names)
     metrics_names: str = "sglang"
     # --- speculative decoding (runtime/speculative): SGLang's flags ---
-    speculative_algorithm: Optional[str] = None  # NGRAM | STANDALONE (EAGLE3: not built yet)
+    speculative_algorithm: Optional[str] = None  # NGRAM | STANDALONE | EAGLE3
     # chain depth (draft tokens per verify, top-k 1); None: num_draft_tokens - 1
     speculative_num_steps: Optional[int] = None
     # tokens one verify forward computes per request: the last token + the drafts (SGLang's
-    # meaning: with top-k 1 it is num_steps + 1); None: 8 (STANDALONE: 4)
+    # meaning: with top-k 1 it is num_steps + 1); None: 8 (STANDALONE, EAGLE3: 4)
     speculative_num_draft_tokens: Optional[int] = None
     speculative_eagle_topk: Optional[int] = None  # branching of a draft tree; only 1 (a chain)
-    speculative_draft_model_path: Optional[str] = None  # STANDALONE's draft model
+    speculative_draft_model_path: Optional[str] = None  # STANDALONE's draft / EAGLE3's head
     # choose each step's draft lengths from acceptance and the batch's cost (0: plain decode)
     speculative_adaptive: bool = True
     speculative_ngram_min_match_window_size: int = 1  # shortest suffix n-gram looked up

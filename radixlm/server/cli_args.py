@@ -85,9 +85,11 @@ _HELP = {
                   "dequant; env RADIXLM_FP8_LINEAR overrides",
     "speculative_algorithm": "speculative decoding: NGRAM (drafts from the request's own text "
                              "and from finished requests' text), STANDALONE (a draft model: "
-                             "--speculative-draft-model-path); EAGLE3 is not built yet",
+                             "--speculative-draft-model-path), EAGLE3 (an EAGLE-3 head: "
+                             "--speculative-draft-model-path, chains only)",
     "speculative_draft_model_path": "STANDALONE: the draft model, a smaller model with the "
-                                    "target's tokenizer and vocabulary",
+                                    "target's tokenizer and vocabulary; EAGLE3: the head "
+                                    "(LlamaForCausalLMEagle3 config.json + safetensors)",
     "speculative_num_draft_tokens": "tokens one verify computes per request (the last token + "
                                     "up to this - 1 drafts; default 8, STANDALONE 4)",
     "speculative_num_steps": "draft chain depth (default: num_draft_tokens - 1)",

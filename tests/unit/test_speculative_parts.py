@@ -153,7 +153,8 @@ def test_flags_resolve_as_sglang_and_refuse_what_is_not_built():
                                          speculative_num_draft_tokens=8))
     assert cfg.max_draft == 3  # a chain of 3 steps verifies 4 tokens (SGLang adjusts too)
     assert spec_config.resolve(ServerArgs()) is None
-    refused = [(dict(speculative_algorithm="EAGLE3"), "speculative_algorithm=EAGLE3"),
+    refused = [(dict(speculative_algorithm="EAGLE"), "speculative_algorithm=EAGLE"),
+               (dict(speculative_algorithm="EAGLE3"), "speculative_draft_model_path"),
                (dict(speculative_algorithm="STANDALONE"), "STANDALONE"),
                (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=4),
                 "speculative_eagle_topk"),

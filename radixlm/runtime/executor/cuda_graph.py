@@ -54,7 +54,10 @@ class CudaGraphRunner:
         self.logits_indices = torch.arange(n, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> (bucket, vocab) float32 logits
+        # bucket -> (bucket, 3 * hidden) the target layers EAGLE-3 reads (runner.capture_layers)
+        self.aux_outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.replays = 0  # (tests read it: a speculative verify replayed a graph)
         self._capture_all()
 
     def _batch(self, bs: int) -> ForwardBatch:
@@ -62,7 +65,7 @@ class CudaGraphRunner:
             mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
             out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs], logits_indices=self.logits_indices[:bs],
-            seq_lens_cpu=[1] * bs)
+            seq_lens_cpu=[1] * bs, capture_layers=self.runner.capture_layers)
 
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
         r = self.runner
@@ -101,6 +104,8 @@ class CudaGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs], self.outputs[bs] = graph, out
+            if fb.aux_hidden is not None:
+                self.aux_outputs[bs] = fb.aux_hidden
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (bs %s) in %.1fs", len(self.buckets),
                     self.buckets, time.perf_counter() - t0)
@@ -123,4 +128,7 @@ class CudaGraphRunner:
             self.seq_lens[bs:bucket].fill_(1)
             self.positions[bs:bucket].zero_()
         self.graphs[bucket].replay()
+        self.replays += 1
+        if self.aux_outputs:  # (valid until the next replay: the reader copies what it keeps)
+            fb.aux_hidden = self.aux_outputs[bucket][:bs]
         return self.outputs[bucket][:bs]

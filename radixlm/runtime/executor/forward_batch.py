@@ -46,6 +46,11 @@ class ForwardBatch:
     # EXTEND, CUDA: one event per layer of the KV loads from the host pool this forward reads
     # (mem_cache/host_pool.py); layer l waits for its own event only. None: nothing in flight
     kv_load_events: Optional[list] = None
+    # EAGLE-3 (speculative/eagle3.py): the target keeps the hidden states after these layers
+    # (x + residual at each layer's output, 0-based) for every row; () captures nothing
+    capture_layers: tuple = ()
+    # (T, len(capture_layers) * hidden) those hidden states, concatenated in capture order
+    aux_hidden: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:

@@ -126,6 +126,13 @@ class ModelRunner:
         # rows a decode forward may have: a speculative verify runs as a decode batch of
         # (draft tokens + 1) rows per request (speculative/verify.py); +1 as for the pool rows
         spec = spec_config.resolve(args)
+        # EAGLE-3: every forward keeps these target layers' outputs (fb.aux_hidden); set before
+        # the CUDA graphs are captured, which then write them into a static buffer too
+        self.capture_layers: tuple = ()
+        if spec is not None and spec.algorithm == "EAGLE3":
+            from radixlm.runtime.speculative import eagle3_config  # (only with EAGLE3)
+
+            self.capture_layers = eagle3_config.capture_layers(args, cfg)
         decode_rows = args.max_running_requests * (spec.max_draft + 1 if spec else 1) + 1
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, self.kv_pool, self.req_to_token_pool.req_to_token,
@@ -207,7 +214,14 @@ class ModelRunner:
         """With a draft model (--speculative-algorithm STANDALONE), its weights and its pool (as
         many tokens as this one's, plus a chain per request: speculative/draft_budget.py) come
         out of the same budget: every token of this pool then costs the draft's bytes too."""
-        if str(self.args.speculative_algorithm).upper() != "STANDALONE":
+        algo = str(self.args.speculative_algorithm).upper()
+        if algo == "EAGLE3":  # a one-layer head with a KV slot per target slot (eagle3.py)
+            from radixlm.runtime.speculative import eagle3_config  # (only here)
+
+            head_bpt, head_weights = eagle3_config.draft_memory(self.args, self.model_config,
+                                                                self.dtype)
+            return budget - head_weights, bpt + head_bpt
+        if algo != "STANDALONE":
             return budget, bpt
         from radixlm.runtime.speculative import draft_budget, spec_config  # (only here)
 
@@ -239,6 +253,7 @@ class ModelRunner:
             fb.prefix_groups = None
             if self.tp.rank == 0:
                 batch_sync.send_batch(self.tp, fb, self.req_to_token_pool.req_to_token)
+        fb.capture_layers = self.capture_layers
         if (self.graph_runner is not None and fb.prefix_groups is None
                 and self.graph_runner.can_run(fb)):
             return self.graph_runner.replay(fb)

@@ -248,6 +248,20 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def run_capturing(layers, capture: tuple, x: torch.Tensor, cos_sin, fb: ForwardBatch):
+    """The layer loop keeping, for every row, the hidden state after each layer in `capture`
+    (x + residual, 0-based layer ids; EAGLE-3's low / middle / high features). Returns (x,
+    residual, aux (T, len(capture) * hidden)). Only a speculator asks (fb.capture_layers): the
+    plain path keeps its pruned last layer and its C++ stack."""
+    residual = None
+    kept: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        x, residual = layer(x, cos_sin, fb, residual)
+        if i in capture:
+            kept[i] = x + residual  # (T, hidden)
+    return x, residual, torch.cat([kept[i] for i in capture], dim=-1)
+
+
 # the C++ layer stack (layers/cpu_layer_stack.py) runs layers whose code is exactly this file's
 cpu_layer_stack.accept(decoder=DecoderLayer.forward, attention=Attention.forward,
                        mlp=MLP.forward, norm=RMSNorm)
@@ -300,6 +314,10 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rope(fb.positions)  # (T, 1, head_dim) each
         residual = None
         idx = fb.logits_indices
+        if fb.capture_layers:  # EAGLE-3's target: every row of every layer, in Python
+            x, residual, fb.aux_hidden = run_capturing(self.layers, fb.capture_layers, x,
+                                                       cos_sin, fb)
+            return self.norm(x[idx], residual[idx])[0]
         last = self.layers[-1]
         # an EXTEND batch's last layer runs only its logits rows past the K/V projection (the
         # prompt rows before each request's last need their K/V, nothing after): SmolLM2's 30

@@ -235,6 +235,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
         self.stats["extend_steps"] += 1
         for req in reqs + decoding:
             req.kv_len += req.extend_len
+        if self.spec is not None:  # EAGLE-3 keeps the target features of these rows
+            self.spec.after_extend(fb, reqs + decoding)
         if any(r.embed_pooling for r in reqs):
             record_embeddings(rows, getattr(fb, "hidden_states", None))
         self._record_input_logprobs(logits, rows)

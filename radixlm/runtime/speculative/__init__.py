@@ -14,6 +14,10 @@ prefill, retraction, jump-forward, finishing) is the scheduler's own code.
   draft_runner.py    the draft model's ModelRunner (own weights, KV pool, req -> token table)
                      and each request's draft KV (no tree; freed on finish / retract / jump)
   draft_budget.py    the draft's config, pool tokens and bytes (the GPU budget's share)
+  eagle3.py          EAGLE3 drafts: an EAGLE-3 head's chain over the target's captured features,
+                     its one-layer KV indexed by the target's slots
+  eagle3_model.py    the head (fc, one decoder layer, d2t vocabulary map) and its checkpoint
+  eagle3_config.py   the head's config, the target layers it reads, its memory
   adaptive.py        per step, whether to look drafts up at all (skipped steps, probes) and
                      how many draft tokens each request verifies (0: plain decode): the
                      verify's overhead and a draft model's forwards priced in
@@ -29,7 +33,7 @@ Invariants (tested in tests/unit/test_speculative*.py): greedy output equals pla
 capacity (the rejected drafts' slots are freed in the step that computed them), and for a draft
 model's own pool free + held by running requests == capacity; grammar, stop strings/regex,
 logprobs and abort see exactly the tokens kept.
-Not yet: EAGLE-3 heads, draft trees (top-k > 1), a draft model under tensor parallelism, overlap
+Not yet: draft trees (top-k > 1), a draft model under tensor parallelism, overlap
 of a verifying step (only skipped steps overlap).
 
 `create(args, sched)` returns the scheduler's speculator, or None when speculation is off.
@@ -44,6 +48,10 @@ def create(args, sched):
     cfg: SpecConfig = resolve(args)
     if cfg is None:
         return None
+    if cfg.algorithm == "EAGLE3":
+        from radixlm.runtime.speculative.eagle3 import Eagle3Speculator
+
+        return Eagle3Speculator(cfg, sched)
     if cfg.algorithm == "STANDALONE":
         from radixlm.runtime.speculative.standalone import StandaloneSpeculator
 

@@ -8,7 +8,8 @@ SGLang's meaning of the numbers, kept here:
 - `speculative_eagle_topk`: the draft tree's branching. Only 1 (a chain) is built: a tree needs
   the tree attention mask in every backend (ForwardBatch would carry it; see verify.py).
 - `speculative_draft_model_path`: STANDALONE's draft model (its vocabulary must be the
-  target's: checked when the draft loads, standalone.py). Its chain defaults to 3 drafts.
+  target's: checked when the draft loads, standalone.py), or EAGLE3's head (a
+  LlamaForCausalLMEagle3 checkpoint: eagle3_config.py). Their chains default to 3 drafts.
 A flag that cannot take effect is refused with a ValueError naming it, never ignored.
 """
 
@@ -24,18 +25,19 @@ DEFAULT_NUM_DRAFT_TOKENS = 8  # a verify row block of 8: one pass of the GGUF ke
 # a draft model pays one forward per drafted token: a shorter chain (3 drafts) by default
 DEFAULT_STANDALONE_DRAFT_TOKENS = 4
 MAX_NUM_DRAFT_TOKENS = 64
-NOT_BUILT = {"EAGLE": "EAGLE heads", "EAGLE3": "EAGLE-3 heads"}
+NOT_BUILT = {"EAGLE": "EAGLE (-1/-2) heads"}
+MODEL_DRAFTS = ("STANDALONE", "EAGLE3")  # the algorithms with a --speculative-draft-model-path
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    algorithm: str  # "NGRAM" | "STANDALONE"
+    algorithm: str  # "NGRAM" | "STANDALONE" | "EAGLE3"
     max_draft: int  # draft tokens per request per verify (num_draft_tokens - 1)
     adaptive: bool
     min_match: int  # NGRAM: suffix n-gram lengths looked up, longest first
     max_match: int
     capacity: int  # NGRAM: n-grams kept from finished requests' text
-    draft_model_path: Optional[str] = None  # STANDALONE: the draft model (same vocabulary)
+    draft_model_path: Optional[str] = None  # STANDALONE's draft model / EAGLE3's head
 
 
 def resolve(args) -> Optional[SpecConfig]:
@@ -52,19 +54,21 @@ def resolve(args) -> Optional[SpecConfig]:
     if algo in NOT_BUILT:
         raise ValueError(f"speculative_algorithm={algo}: {NOT_BUILT[algo]} not built yet in "
                          "radixlm; NGRAM is (drafts from the request's own text and from "
-                         "finished requests' text) and STANDALONE (a draft model)")
-    if algo not in ("NGRAM", "STANDALONE"):
-        raise ValueError(f"speculative_algorithm: unknown algorithm {algo!r} (NGRAM, STANDALONE; "
-                         "EAGLE3 later)")
+                         "finished requests' text), STANDALONE (a draft model) and EAGLE3 (an "
+                         "EAGLE-3 head)")
+    if algo not in ("NGRAM",) + MODEL_DRAFTS:
+        raise ValueError(f"speculative_algorithm: unknown algorithm {algo!r} (NGRAM, STANDALONE, "
+                         "EAGLE3)")
     draft_path = args.speculative_draft_model_path
     if algo == "NGRAM" and draft_path is not None:
         raise ValueError("speculative_draft_model_path: NGRAM drafts without a model")
-    if algo == "STANDALONE":
+    if algo in MODEL_DRAFTS:
         if draft_path is None:
-            raise ValueError("speculative_draft_model_path: STANDALONE needs a draft model (a "
-                             "smaller model with the target's tokenizer and vocabulary)")
+            raise ValueError(f"speculative_draft_model_path: {algo} needs a draft model (" + (
+                "a smaller model with the target's tokenizer and vocabulary)" if algo ==
+                "STANDALONE" else "an EAGLE-3 head trained for the target)"))
         if args.tp_size != 1:
-            raise ValueError(f"tp_size={args.tp_size}: STANDALONE runs its draft model "
+            raise ValueError(f"tp_size={args.tp_size}: {algo} runs its draft model "
                              "unsharded on one rank; tensor parallelism with a draft model is "
                              "not built yet")
     if args.speculative_eagle_topk not in (None, 1):
@@ -75,7 +79,7 @@ def resolve(args) -> Optional[SpecConfig]:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}: must be a positive integer (got {v!r})")
     if tokens is None:
-        default = (DEFAULT_STANDALONE_DRAFT_TOKENS if algo == "STANDALONE"
+        default = (DEFAULT_STANDALONE_DRAFT_TOKENS if algo in MODEL_DRAFTS
                    else DEFAULT_NUM_DRAFT_TOKENS)
         tokens = default if steps is None else steps + 1
     elif steps is not None and tokens != steps + 1:
@@ -94,4 +98,4 @@ def resolve(args) -> Optional[SpecConfig]:
         raise ValueError("speculative_ngram_capacity: must be >= 0")
     return SpecConfig(algo, tokens - 1, bool(args.speculative_adaptive), lo, hi,
                       int(args.speculative_ngram_capacity),
-                      draft_path if algo == "STANDALONE" else None)
+                      draft_path if algo in MODEL_DRAFTS else None)

@@ -45,6 +45,10 @@ class StandaloneSpeculator(Speculator):
         super().__init__(cfg, sched)
         self.kv = DraftKV(build_draft_runner(sched.args, sched.runner, cfg.max_draft))
         self.runner = self.kv.runner
+        self._init_chain(sched)
+
+    def _init_chain(self, sched) -> None:
+        """The chain's per-step state (eagle3.py's head shares it and `_collect`)."""
         self.vocab = sched.vocab_size
         self.masks = MaskBuffer(sched.vocab_size)
         size = sched.chunked_prefill_size

@@ -122,6 +122,14 @@ class Speculator:
     def on_finish(self, req: Req) -> None:
         req.spec_draft = None
 
+    def after_extend(self, fb, reqs: list[Req]) -> None:
+        """After the scheduler's extend forward of `reqs` (fb's order; kv_len counts the new
+        rows): EAGLE-3 keeps the target features of those rows (fb.aux_hidden)."""
+
+    def after_verify(self, fb, plan, kept: list[int]) -> None:
+        """After a verify: request plan.reqs[b] kept the KV of its first kept[b] rows (-1:
+        it finished or its output was rewritten)."""
+
     def idle_work(self, sched) -> None:
         """Host work to do while a step is in flight (the scheduler calls it after completing
         the step before): nothing by default."""
@@ -149,6 +157,7 @@ class Speculator:
                      max((r.top_logprobs_num for r in lp_reqs), default=0),
                      self.draft_probs(plan))
 
+        kept_kv = [-1] * len(breqs)  # per batch row b: KV rows it keeps (-1: gone)
         free: list[int] = []  # rows of plan.slots whose tokens were not kept
         keep: set[int] = set()
         kept_rows, kept_toks, counts = [], [], [0] * len(reqs)
@@ -167,6 +176,7 @@ class Speculator:
             kept_toks += res.tokens[b][:m]
             if alive:
                 keep.add(i)
+                kept_kv[b] = m
             if k:
                 self.policy.record(state.record, state.match, k, res.accepted[b])
                 req.spec_verify_steps += 1
@@ -175,6 +185,7 @@ class Speculator:
                 stats["spec_verify_tokens"] += m
                 stats["spec_draft_tokens"] += k
                 stats["spec_accepted_tokens"] += res.accepted[b]
+        self.after_verify(fb, plan, kept_kv)
         if free:
             sched.allocator.free(plan.slots[torch.tensor(free, device=plan.slots.device)])
         dev = sched.device

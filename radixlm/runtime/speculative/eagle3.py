@@ -1,0 +1,272 @@
+"""EAGLE3: drafts from an EAGLE-3 head (`--speculative-draft-model-path`, eagle3_model.py) that
+reads the target's features, verified by the shared step (worker.Speculator).
+
+The head's KV: one layer, one slot per target slot (its pool is indexed by the target's slots,
+reached through the target's req_to_token), so it has no allocator, tree or rows of its own.
+The head's row for position p is (token x_{p+1}, g_p = fc(target features at p)), stored at
+the target's slot of position p. A cached prefix (radix hit) brings the head's rows with the
+target's slots; the row of its last cached position was computed with whatever token followed
+it then (and one never computed is stale memory): only the drafts' quality depends on them.
+
+Per request (`Eagle3State`, Req.spec_draft): the head's rows not computed yet, positions
+[start, start + n), as g rows (n, H). Every target forward adds its rows: an extend (prefill
+chunks, mixed decodes) through `after_extend`, a verify through `after_verify` (the rows whose
+KV the request kept). The target captures its features (fb.aux_hidden) only when EAGLE3 is on
+(ModelRunner.capture_layers; also inside its decode CUDA graphs, which a verify replays).
+
+One step of drafting, batched over the running requests:
+  1. catch-up extend: each request's pending rows (at most `chunked_prefill_size` in all);
+     the last row of a request (position kv_len - 1, token: its last one) gives d_1 and the
+     head's pre-norm output o_1.
+  2. depth j = 2..k: one decode forward of (d_{j-1}, o_{j-1}) at position kv_len + j - 2, its
+     K/V in a slot taken from the target's free slots and freed after the chain (the verify's
+     features recompute those rows for real).
+q_j: the head's logits placed into the target vocabulary (column d + d2t[d]; 0 probability
+elsewhere) and processed like the target's p (rejection.sample_draft); chains are cut by
+grammars and stop tokens as for a draft model (standalone.py's `_collect`).
+Not built: draft trees (--speculative-eagle-topk > 1), the head under tensor parallelism,
+targets whose forward is not llama.py's (Gemma, LLaVA).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from radixlm.runtime.attention.base import AttentionSpec
+from radixlm.runtime.attention.registry import create_attention_backend
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.mem_cache.kv_pool import KVPool
+from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.request import Req
+from radixlm.runtime.speculative import eagle3_config, grammar_drafts
+from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
+from radixlm.runtime.speculative.eagle3_model import build_head
+from radixlm.runtime.speculative.rejection import sample_draft
+from radixlm.runtime.speculative.spec_config import SpecConfig
+from radixlm.runtime.speculative.standalone import StandaloneSpeculator, _tokens
+from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
+
+
+class Eagle3State:
+    """A request's head rows not computed yet: positions [start, start + n), g rows (n, H)."""
+
+    __slots__ = ("start", "rows", "n", "record", "match")
+
+    def __init__(self, start: int):
+        self.start, self.rows, self.n = start, [], 0
+        self.record = Acceptance()
+        self.match = 1  # (the adaptive policy's bucket: one for model drafts)
+
+    def reset(self, start: int) -> None:
+        self.start, self.rows, self.n = start, [], 0
+
+    def add(self, start: int, g: torch.Tensor) -> None:
+        """Rows at positions [start, start + len(g)); a gap drops what was pending."""
+        if start != self.start + self.n:
+            self.reset(start)
+        self.rows.append(g)
+        self.n += g.shape[0]
+
+    def take(self, n: int) -> torch.Tensor:
+        """The first n pending rows (n, H), removed."""
+        g = self.rows[0] if len(self.rows) == 1 else torch.cat(self.rows)
+        self.rows = [g[n:]] if n < g.shape[0] else []
+        self.start += n
+        self.n -= n
+        return g[:n]
+
+
+class Eagle3Speculator(StandaloneSpeculator):
+    def __init__(self, cfg: SpecConfig, sched):
+        Speculator.__init__(self, cfg, sched)
+        # no step is skipped (wants_verify), so none overlaps: the policy prices verifies
+        # against the zero-draft verifies, and caps nothing while it waits for an overlapped one
+        self.policy = AdaptivePolicy(cfg.adaptive, sched.device.type, overlap=False)
+        runner, args = sched.runner, sched.args
+        if type(runner.model).forward is not LlamaForCausalLM.forward or not runner.capture_layers:
+            raise ValueError(f"speculative_algorithm=EAGLE3: the target "
+                             f"{type(runner.model).__name__} does not expose its layers' hidden "
+                             "states (Llama-family targets do)")
+        e = eagle3_config.resolve(args, runner.model_config)
+        self.head = build_head(e, cfg.draft_model_path, eagle3_config.load_format(args),
+                               runner.model, runner.dtype, runner.device, runner.context_len,
+                               args.seed)
+        c = e.model
+        self.pool = KVPool(runner.capacity, 1, c.num_kv_heads, c.head_dim, runner.dtype,
+                           runner.device)
+        self.rt = runner.req_to_token_pool.req_to_token  # the target's: the head's slots too
+        self.backend = create_attention_backend(
+            runner.attention_backend_name, self.pool, self.rt,
+            AttentionSpec(scale=c.head_dim ** -0.5), device=runner.device,
+            max_batch_size=args.max_running_requests + 1, max_context_len=runner.context_len + 1)
+        self._init_chain(sched)
+
+    # --- the target's features in ---------------------------------------------------------------
+    def after_extend(self, fb, reqs: list[Req]) -> None:
+        if fb.aux_hidden is None:
+            return
+        g = self.head.project(fb.aux_hidden)  # (T, H)
+        off = 0
+        for req, start, n in zip(reqs, fb.extend_prefix_lens_cpu, fb.extend_lens_cpu):
+            self._state(req).add(start, g[off : off + n])
+            off += n
+
+    def after_verify(self, fb, plan, kept: list[int]) -> None:
+        g = self.head.project(fb.aux_hidden)  # (R, H), rows of plan
+        for b, req in enumerate(plan.reqs):
+            if kept[b] > 0 and not req.finished:
+                off = plan.offsets[b]
+                self._state(req).add(plan.kv_lens[b], g[off : off + kept[b]])
+
+    def _state(self, req: Req) -> Eagle3State:
+        if req.spec_draft is None:
+            req.spec_draft = Eagle3State(req.kv_len)
+        return req.spec_draft
+
+    # --- the step -------------------------------------------------------------------------------
+    def wants_verify(self, sched) -> bool:
+        """Always: a plain decode step would give the head no features of its token."""
+        return True
+
+    def step(self, sched) -> list[Req]:
+        t0 = time.perf_counter()
+        reqs = list(sched.running)
+        drafts = self.draft(sched, reqs)
+        tokens = len(reqs) + sum(map(len, drafts))
+        done = self._verify(sched, reqs, drafts)  # (with no drafts: a verify of last tokens)
+        self.policy.observe_step(tokens, time.perf_counter() - t0 - self.draft_elapsed(),
+                                 len(reqs) if tokens > len(reqs) else None)
+        return done
+
+    def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
+        t0 = time.perf_counter()
+        self._q, self._q_rows, self._grid, self._grid_row = None, {}, None, {}
+        self._timing = None
+        states = [self._state(r) for r in reqs]
+        rooms = [draft_room(r, self.cfg.max_draft, sched.context_len) for r in reqs]
+        ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs),
+                                verify_rows(sched))
+        if sched.allocator.available_size() < len(reqs) + sum(ks):
+            ks = [0] * len(reqs)  # (the verify's slots, and the chain's before them)
+        chain, catch = self._plan(reqs, states, ks)
+        if not catch:
+            return [[] for _ in reqs]
+        drafts, forwards = self._run(sched, reqs, states, ks, chain, catch)
+        steady = sum(catch.values()) <= 2 * len(catch)  # (as standalone.py prices a chain)
+        self._timing = (time.perf_counter() - t0, forwards, steady, None)
+        return drafts
+
+    def _plan(self, reqs, states, ks) -> tuple[list[int], dict[int, int]]:
+        """(chain: the requests that draft, longest k first; catch: request -> pending rows it
+        computes now), within the catch-up budget. A request drafts once its rows reach its
+        last token (position kv_len - 1)."""
+        budget = self.catchup_budget
+        chain, catch = [], {}
+        for i in sorted(range(len(reqs)), key=lambda i: -ks[i]):
+            st, req = states[i], reqs[i]
+            if st.start + st.n != req.kv_len:  # rows missing past them: start afresh
+                st.reset(req.kv_len)
+                continue
+            if not st.n or not budget:
+                continue
+            catch[i] = min(st.n, budget)
+            budget -= catch[i]
+            if ks[i] and catch[i] == st.n:
+                chain.append(i)
+        return chain, catch
+
+    def _forward(self, fb: ForwardBatch, g: torch.Tensor):
+        fb.attn_backend = self.backend
+        self.backend.init_forward_metadata(fb)
+        return self.head(fb, g)
+
+    def _run(self, sched, reqs, states, ks, chain, catch):
+        dev, V = sched.device, sched.vocab_size
+        # extend order: multi-row catch-ups first, one-row ones last (the backends' decode tail)
+        entries = sorted(catch, key=lambda i: catch[i] == 1)
+        ids, rows, pos, ends, g = [], [], [], {}, []
+        for i in entries:
+            st, req, n = states[i], reqs[i], catch[i]
+            ids += _tokens(req, st.start + 1, st.start + n + 1)  # row p's token: x_{p+1}
+            rows += [req.req_pool_idx] * n
+            pos += range(st.start, st.start + n)
+            ends[i] = len(pos) - 1
+        pre_lens = [states[i].start for i in entries]
+        for i in entries:
+            g.append(states[i].take(catch[i]))
+        F = len(chain)
+        logit_order = chain + [i for i in entries if i not in chain]  # the chain's rows first
+        host = torch.tensor(ids + rows + pos + [reqs[i].req_pool_idx for i in entries]
+                            + [p + catch[i] for p, i in zip(pre_lens, entries)]
+                            + [ends[i] for i in logit_order]
+                            + [reqs[i].req_pool_idx for i in chain], dtype=torch.int64)
+        T, E = len(ids), len(entries)
+        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows = torch.split(
+            host.to(dev), [T, T, T, E, E, E, F])
+        fb = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=d_ids, positions=d_pos,
+            out_cache_loc=self.rt[d_rows, d_pos], req_pool_indices=e_rows, seq_lens=e_lens,
+            logits_indices=e_last, seq_lens_cpu=[p + catch[i] for p, i in zip(pre_lens, entries)],
+            extend_prefix_lens_cpu=pre_lens, extend_lens_cpu=[catch[i] for i in entries],
+            num_decode_tail=sum(1 for i in entries if catch[i] == 1))
+        normed, out = self._forward(fb, torch.cat(g))  # (E, H) each, in logit_order
+        forwards = 1
+        if not F:
+            return [[] for _ in reqs], forwards
+        chain_k = [ks[i] for i in chain]
+        depth = max(chain_k)
+        creqs = [reqs[i] for i in chain]
+        base = torch.tensor([r.kv_len for r in creqs], device=dev)  # (F,) first draft position
+        n_temp = sum(k - 1 for k in chain_k)  # the chain's own K/V, past each kv_len
+        temp = sched.allocator.alloc(n_temp) if n_temp else None
+        assert temp is not None or not n_temp, "draft() checked the free slots"
+        info = sched.running_info.take(chain)
+        grammar = grammar_drafts.ChainGrammar(creqs, self.masks)
+        toks, qs, used = [], [], 0
+        normed, out = normed[:F], out[:F]
+        for j in range(1, depth + 1):
+            active = sum(1 for k in chain_k if k >= j)
+            if j > 1:  # (d_{j-1}, o_{j-1}) at position kv_len + j - 2
+                if active < len(info):
+                    info.filter(list(range(active)))
+                p = base[:active] + (j - 2)
+                slots = temp[used : used + active]
+                used += active
+                self.rt[c_rows[:active], p] = slots
+                fb = ForwardBatch(
+                    mode=ForwardMode.DECODE, input_ids=toks[-1][:active], positions=p,
+                    out_cache_loc=slots, req_pool_indices=c_rows[:active], seq_lens=p + 1,
+                    logits_indices=torch.arange(active, device=dev),
+                    seq_lens_cpu=[r.kv_len + j - 1 for r in creqs[:active]])
+                normed, out = self._forward(fb, out[:active])
+                forwards += 1
+            logits = self.head.to_target(self.head.logits(normed), V)  # (active, V)
+            grammar.mask(logits, active)
+            tok, q = sample_draft(logits, info, creqs[:active], sched.sampler)
+            info.update(tok)
+            grammar.walk(tok, active)
+            toks.append(tok)
+            qs.append(q)
+        if temp is not None:  # (the verify computes those positions for real)
+            sched.allocator.free(temp)
+        self.stats["spec_draft_forwards"] += forwards
+        return self._collect(reqs, chain, chain_k, toks, qs, grammar), forwards
+
+    # --- the aftermath --------------------------------------------------------------------------
+    def settle(self, reqs: list[Req], accepted: list[int]) -> None:
+        """Nothing: the chain's K/V went with its slots; after_verify brought the kept rows."""
+
+    def on_finish(self, req: Req) -> None:
+        req.spec_draft = None
+
+    def on_retract(self, req: Req) -> None:
+        req.spec_draft = None
+
+    def check_integrity(self, sched) -> None:
+        """The head holds no slots of its own (the target's accounting covers the chain's)."""
+        for req in sched.running:
+            st: Optional[Eagle3State] = req.spec_draft
+            assert st is None or st.start + st.n <= req.kv_len, "head rows past the request"
