@@ -37,6 +37,17 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool, zeros_lazy
 # a pinned staging block gathered on the CPU. The host allocator hands out and frees whole nodes'
 # slots, so runs are long: a 5k-token load of an 8B model is 640 MB, ~0.1 s of CPU gather.
 MAX_DIRECT_RUNS = 8
+# ... or more runs when they average at least this many tokens: a run costs 2 x layers DMA calls
+# (~4 us each to issue), gathering costs every byte once more on the scheduler's thread (an 8B
+# model's token is 128 KiB: 16 tokens ~0.3 ms at 8 GB/s). Multi-turn chats come back in one run
+# per turn and answer; with the 8-run limit their loads were gathered on the CPU, and an H200
+# host loaded 196 GB in a 53 s run at ~7 GB/s (1.23x over recomputing everything).
+MIN_RUN_TOKENS = 16
+
+
+def direct_runs(idx: torch.Tensor) -> Optional[list[tuple[int, int, int]]]:
+    """idx's runs (contiguous_runs) when a copy of them by DMA beats gathering them first."""
+    return contiguous_runs(idx, max(MAX_DIRECT_RUNS, idx.numel() // MIN_RUN_TOKENS))
 
 
 def contiguous_runs(idx: torch.Tensor, max_runs: int) -> Optional[list[tuple[int, int, int]]]:
@@ -92,7 +103,7 @@ class KVMover:
                 kv[layer, 1].index_copy_(0, host_idx, self.dev.v_buffers[layer].index_select(0, dev_idx))
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV's forwards first
-        runs = contiguous_runs(host_idx, MAX_DIRECT_RUNS)
+        runs = direct_runs(host_idx)
         if runs is not None:  # straight into the pinned host rows: no staging, no CPU copy
             with torch.cuda.stream(self.stream):
                 for layer in range(self.host.num_layers):
@@ -151,7 +162,12 @@ class KVMover:
     def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
         """Copy host slots host_idx (n,) into device slots dev_idx (n,). On CUDA asynchronous: the
         next forward must be handed `take_layer_events()`."""
-        self.complete()
+        if not self.cuda or any(staging is not None for staging, _, _ in self._backups):
+            self.complete()  # a gathered backup lands in its host rows on the CPU: first
+        while self._staged_loads and self._staged_loads[0][1].query():
+            self._staged_loads.popleft()
+        # (not waiting for earlier loads: this one only reads host rows, and the one copy stream
+        # orders it after them and after the direct backups, which DMA into the rows themselves)
         if not self.cuda:
             kv = self.host.kv
             for layer in range(self.host.num_layers):
@@ -160,16 +176,19 @@ class KVMover:
             return
         # the slots may have been freed by evictions whose readers are still queued
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        runs = contiguous_runs(host_idx, MAX_DIRECT_RUNS)
+        runs = direct_runs(host_idx)
         if runs is not None:  # DMA from the pinned host rows themselves: no CPU gather
-            kv, events = self.host.kv, []
+            kv, events, n = self.host.kv, [], host_idx.numel()
             with torch.cuda.stream(self.stream):
                 for layer in range(self.host.num_layers):
                     for i, buf in ((0, self.dev.k_buffers[layer]), (1, self.dev.v_buffers[layer])):
+                        # each run's rows DMA'd into one device block (n, H, D), scattered
+                        # into the slots by one index_copy (allocated on the copy stream)
+                        up = torch.empty((n, *buf.shape[1:]), dtype=buf.dtype, device=self.device)
                         for off, start, length in runs:
-                            up = kv[layer, i, start:start + length].to(self.device,
-                                                                        non_blocking=True)
-                            buf.index_copy_(0, dev_idx[off:off + length], up)
+                            up[off:off + length].copy_(kv[layer, i, start:start + length],
+                                                       non_blocking=True)
+                        buf.index_copy_(0, dev_idx, up)
                     events.append(torch.cuda.Event())
                     events[-1].record(self.stream)
             dev_idx.record_stream(self.stream)
