@@ -97,18 +97,10 @@ def check_finish(req: Req, token_id: int, context_len: int, tokenizer,
     return None
 
 
-def record_output_logprobs(reqs: list[Req], out) -> None:
-    """Append each request's chosen-token logprob and top-k list from a SampleOutput, and the
-    logprobs of its `token_ids_logprob` ids (gathered from the raw logits the sampler kept)."""
-    if out.logprobs is None:
-        return
-    rows = LogprobRows(out)
-    for i, req in enumerate(reqs):
-        rows.append(req, i)
-
-
 class LogprobRows:
-    """A SampleOutput's logprobs on the host (copied once), appended to requests row by row."""
+    """A SampleOutput's logprobs on the host (copied once), appended to requests row by row:
+    each request's chosen-token logprob and top-k list, and the logprobs of its
+    `token_ids_logprob` ids (gathered from the raw logits the sampler kept)."""
 
     def __init__(self, out):
         self.chosen = out.logprobs.tolist()

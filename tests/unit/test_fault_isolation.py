@@ -1,0 +1,161 @@
+"""One request's failure inside the scheduler fails that request only (runtime/scheduler/
+isolation.py): an exception injected into one request's handling, for one rid of a batch, gives
+that request an error finish_reason (status_code 500), the others the tokens of a clean run, and
+the engine goes on serving with its KV accounting intact. A CUDA out-of-memory in a forward fails
+that batch (503) and the engine goes on. Each test kills the scheduler thread without isolation."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from radixlm.runtime.scheduler import token_processing, waiting
+from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+PROMPTS = [[1, 100 + 7 * i, 200 + 11 * i, 300 + 13 * i, 400 + i] for i in range(4)]
+BAD = 2  # the index of the request the injection fails
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_chat_path):
+    import radixlm
+
+    e = radixlm.Engine(model_path=tiny_chat_path, dtype="float32", max_total_tokens=4096,
+                       context_length=512)
+    yield e
+    e.shutdown()
+
+
+def _run(eng, tag: str, **kw):
+    rids = [f"{tag}-{i}" for i in range(len(PROMPTS))]
+    return rids, eng.generate(input_ids=PROMPTS, sampling_params=[dict(GREEDY)] * len(PROMPTS),
+                              rid=rids, **kw)
+
+
+@pytest.fixture(scope="module")
+def clean(eng):
+    """Each prompt's greedy output in a batch where nothing fails."""
+    _, outs = _run(eng, "clean")
+    return [o["output_ids"] for o in outs]
+
+
+def _check_isolated(eng, clean, outs, caplog, failures_before: int, bad_rid: str):
+    for i, o in enumerate(outs):
+        reason = o["meta_info"]["finish_reason"]
+        if i == BAD:
+            assert reason["type"] == "abort" and reason["status_code"] == 500, reason
+            assert "injected" in reason["message"]
+        else:
+            assert reason["type"] == "length", reason
+            assert o["output_ids"] == clean[i]
+    assert eng.get_stats()["request_failures"] == failures_before + 1
+    logged = [r for r in caplog.records if bad_rid in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the rid and its traceback
+    eng.wait_idle()
+    eng.check_integrity()  # the failed request's KV and locks went back
+    again = eng.generate(input_ids=PROMPTS[BAD], sampling_params=dict(GREEDY))
+    assert again["output_ids"] == clean[BAD]  # the engine serves on
+    eng.wait_idle()
+    eng.check_integrity()
+
+
+def _raise_for(rid: str, real):
+    """`real` wrapped to raise for the request `rid` (its first argument) once it has output."""
+    def wrapped(req, *a, **kw):
+        if req.rid == rid and len(req.output_ids) >= 3:
+            raise RuntimeError("injected failure")
+        return real(req, *a, **kw)
+    return wrapped
+
+
+def test_stop_check_failure_mid_decode(eng, clean, monkeypatch, caplog):
+    caplog.set_level(logging.ERROR)
+    before = eng.get_stats().get("request_failures", 0)
+    monkeypatch.setattr(token_processing, "check_finish",
+                        _raise_for("stop-2", token_processing.check_finish))
+    _, outs = _run(eng, "stop")
+    monkeypatch.undo()
+    _check_isolated(eng, clean, outs, caplog, before, "stop-2")
+
+
+def test_prompt_logprobs_failure(eng, clean, monkeypatch, caplog):
+    caplog.set_level(logging.ERROR)
+    before = eng.get_stats().get("request_failures", 0)
+    real = token_processing.record_input_ids_logprobs
+
+    def failing(req, *a, **kw):
+        if req.rid == "lp-2":
+            raise RuntimeError("injected failure")
+        return real(req, *a, **kw)
+
+    monkeypatch.setattr(token_processing, "record_input_ids_logprobs", failing)
+    _, outs = _run(eng, "lp", return_logprob=True, logprob_start_len=0)
+    monkeypatch.undo()
+    _check_isolated(eng, clean, outs, caplog, before, "lp-2")
+
+
+def test_sampling_parameters_failure(eng, clean, monkeypatch, caplog):
+    caplog.set_level(logging.ERROR)
+    before = eng.get_stats().get("request_failures", 0)
+    real = SamplingBatchInfo.from_reqs.__func__
+
+    def failing(cls, reqs, *a, **kw):  # a batch holding the bad request cannot build
+        if any(r.rid == "sp-2" for r in reqs):
+            raise ValueError("injected failure")
+        return real(cls, reqs, *a, **kw)
+
+    monkeypatch.setattr(SamplingBatchInfo, "from_reqs", classmethod(failing))
+    _, outs = _run(eng, "sp")
+    monkeypatch.undo()
+    _check_isolated(eng, clean, outs, caplog, before, "sp-2")
+
+
+def test_enqueue_failure(eng, clean, monkeypatch, caplog):
+    caplog.set_level(logging.ERROR)
+    before = eng.get_stats().get("request_failures", 0)
+    real = waiting.constraint_of
+    failing_rid = {"rid": None}
+
+    def failing(sp):  # constraint_of sees only the params: fail the batch's third call
+        failing_rid["n"] = failing_rid.get("n", 0) + 1
+        if failing_rid["n"] == BAD + 1:
+            raise RuntimeError("injected failure")
+        return real(sp)
+
+    monkeypatch.setattr(waiting, "constraint_of", failing)
+    _, outs = _run(eng, "enq")
+    monkeypatch.undo()
+    _check_isolated(eng, clean, outs, caplog, before, "enq-2")
+
+
+def test_cuda_oom_fails_the_batch_and_serving_goes_on(eng, clean, monkeypatch, caplog):
+    caplog.set_level(logging.ERROR)
+    runner = eng.scheduler.runner
+    real = runner.forward
+    calls = {"n": 0}
+
+    def oom_on_third(fb):  # the prefill, one decode step, then out of memory
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(fb)
+
+    oom_before = eng.get_stats().get("oom_steps", 0)
+    monkeypatch.setattr(runner, "forward", oom_on_third)
+    _, outs = _run(eng, "oom")
+    monkeypatch.undo()
+    for o in outs:
+        reason = o["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 503, reason
+        assert "out of memory" in reason["message"]
+    assert eng.get_stats()["oom_steps"] == oom_before + 1
+    assert any("out of memory" in r.getMessage() for r in caplog.records)
+    eng.wait_idle()
+    eng.check_integrity()
+    _, outs = _run(eng, "after-oom")
+    assert [o["output_ids"] for o in outs] == clean
+    eng.wait_idle()
+    eng.check_integrity()
