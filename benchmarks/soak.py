@@ -1,0 +1,339 @@
+"""Soak: steady mixed traffic for a given time; does anything grow that should not?
+
+    python benchmarks/soak.py --minutes 60 --result-file benchmarks/results/soak-cpu.jsonl
+
+Starts its own server on 127.0.0.1 (the bundled model unless --model-path), then for --minutes
+keeps --concurrency clients busy with a mix: streamed chats, tool calls (forced, so a grammar
+runs), JSON-schema answers, n > 1 completions, long and short prompts, requests aborted by rid
+and streams the client drops, and a share of bad requests (each must get a 4xx). Every
+--sample-s it samples the server's process tree (RSS, open files, threads, from /proc) and its
+scheduler (GPU memory, KV slots in use, radix-tree tokens, from /get_server_info). After the
+traffic stops and the server drains, it checks that no request leaked and that the KV pool holds
+only the tree's evictable tokens (then, after /flush_cache, nothing). Prints one JSON line: per
+series the slope after --warmup of the run, the relative change first -> last and the verdict
+"flat within 2%" (benchmarks/soak_stats.py), the request counts per kind, the leak check.
+Exits 1 when a 5xx, an unexpected answer, a leak or a non-flat resource series was seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import httpx
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+from benchmarks.soak_stats import leak_check, proc_tree, proc_tree_usage, trend  # noqa: E402
+from benchmarks.startup import git_commit  # noqa: E402
+
+# the series whose growth would be a leak; the KV ones follow the traffic and are reported only
+RESOURCE_SERIES = ("rss_bytes", "open_files", "threads", "gpu_memory_bytes")
+KINDS = {"stream_chat": 20, "tool_call": 8, "json_schema": 8, "n_gt_1": 8, "long": 8,
+         "short": 20, "abort": 5, "disconnect": 5, "bad": 18}
+WORDS = ("apple river stone cloud lamp train forest number garden window music paper "
+         "orange mountain silver ocean pencil bridge candle winter").split()
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+BAD_BODIES = [  # (path, body): each must be refused with a 4xx
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10 ** 7}}),
+    ("/generate", {"input_ids": [1, -5]}),
+    ("/v1/chat/completions", {"model": "default", "messages": "not a list"}),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "s", "schema": {"type": "nonsense"}}}}),
+    ("/v1/completions", {"model": "default", "prompt": "x", "n": 0}),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}),
+]
+
+
+def _words(rnd: random.Random, n: int) -> str:
+    return " ".join(rnd.choice(WORDS) for _ in range(n))
+
+
+def _chat(text: str, **kw) -> dict:
+    return {"model": "default", "messages": [
+        {"role": "system", "content": "You are a terse assistant."},  # shared: cache hits
+        {"role": "user", "content": text}], **kw}
+
+
+class Traffic:
+    """Clients sending the mix; counts answers per kind (ok, 4xx, 5xx, error, unexpected)."""
+
+    def __init__(self, base: str, seed: int):
+        self.base = base
+        self.rnd = random.Random(seed)
+        self.counts: dict = defaultdict(lambda: defaultdict(int))
+        self.n = 0
+
+    async def worker(self, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+        kinds, weights = list(KINDS), list(KINDS.values())
+        while not stop.is_set():
+            kind = self.rnd.choices(kinds, weights)[0]
+            self.n += 1
+            try:
+                outcome = await getattr(self, kind)(client, self.rnd, f"soak-{self.n}")
+            except (httpx.HTTPError, asyncio.TimeoutError) as e:
+                outcome = "error:" + type(e).__name__
+            self.counts[kind][outcome] += 1
+
+    @staticmethod
+    def _status(r: httpx.Response, want_4xx: bool = False) -> str:
+        if r.status_code >= 500:
+            return "5xx"
+        if want_4xx:
+            return "4xx" if 400 <= r.status_code < 500 else "unexpected"
+        return "ok" if r.status_code == 200 else "unexpected"
+
+    async def _stream(self, client, path: str, body: dict, stop_after: int = 0) -> str:
+        """Read an SSE stream to its end (or drop it after `stop_after` events); an error
+        event is a 5xx (the server failed the request)."""
+        async with client.stream("POST", self.base + path, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return self._status(r)
+            events = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                data = json.loads(line[5:])
+                if isinstance(data, dict) and "error" in data:
+                    return "5xx"
+                events += 1
+                if stop_after and events >= stop_after:
+                    return "ok"  # leaving the block closes the connection: a disconnect
+        return "ok"
+
+    async def stream_chat(self, client, rnd, rid):
+        return await self._stream(client, "/v1/chat/completions", _chat(
+            "Tell me about " + _words(rnd, rnd.randint(3, 30)), stream=True,
+            max_tokens=rnd.randint(8, 48), temperature=0.7))
+
+    async def tool_call(self, client, rnd, rid):
+        r = await client.post(self.base + "/v1/chat/completions", json=_chat(
+            "What is the weather in " + rnd.choice(WORDS) + "?", tools=TOOLS,
+            tool_choice="required", max_tokens=48))
+        return self._status(r)
+
+    async def json_schema(self, client, rnd, rid):
+        r = await client.post(self.base + "/v1/chat/completions", json=_chat(
+            "Invent a person called " + rnd.choice(WORDS), max_tokens=48, response_format={
+                "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}))
+        return self._status(r)
+
+    async def n_gt_1(self, client, rnd, rid):
+        r = await client.post(self.base + "/v1/completions", json={
+            "model": "default", "prompt": _words(rnd, 12), "n": rnd.randint(2, 4),
+            "max_tokens": 16, "temperature": 0.9})
+        return self._status(r)
+
+    async def long(self, client, rnd, rid):
+        r = await client.post(self.base + "/generate", json={
+            "text": _words(rnd, rnd.randint(600, 1200)),
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+        return self._status(r)
+
+    async def short(self, client, rnd, rid):
+        r = await client.post(self.base + "/generate", json={
+            "text": "Q: " + _words(rnd, 5) + "?\nA:",
+            "sampling_params": {"max_new_tokens": rnd.randint(4, 32), "temperature": 0}})
+        return self._status(r)
+
+    async def abort(self, client, rnd, rid):
+        async def cancel():
+            await asyncio.sleep(rnd.uniform(0.05, 1.0))
+            await client.post(self.base + "/abort_request", json={"rid": rid})
+        task = asyncio.create_task(cancel())
+        body = {"text": _words(rnd, 20), "rid": rid, "stream": True,
+                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+        try:  # a plain abort is a finish reason, not an error event: ok either way
+            return await self._stream(client, "/generate", body)
+        finally:
+            await task
+
+    async def disconnect(self, client, rnd, rid):
+        return await self._stream(client, "/v1/chat/completions", _chat(
+            _words(rnd, 10), stream=True, max_tokens=64), stop_after=rnd.randint(1, 3))
+
+    async def bad(self, client, rnd, rid):
+        path, body = rnd.choice(BAD_BODIES)
+        return self._status(await client.post(self.base + path, json=body), want_4xx=True)
+
+
+async def sample(base: str, pid: int, t0: float) -> dict:
+    async with httpx.AsyncClient(timeout=30) as c:
+        info = (await c.get(base + "/get_server_info")).json()
+    st = info["internal_states"][0]
+    s = {"t": round(time.monotonic() - t0, 1), **proc_tree_usage(pid),
+         "gpu_memory_bytes": st.get("gpu_memory_allocated", 0),
+         "kv_used": st["kv_capacity"] - st["kv_free"], "tree_tokens": st["kv_cached"],
+         "open_requests": info.get("open_requests")}
+    return s
+
+
+async def drain_and_check(base: str, timeout: float = 120.0) -> dict:
+    async with httpx.AsyncClient(timeout=30) as c:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = (await c.get(base + "/get_server_info")).json()
+            st = info["internal_states"][0]
+            idle = not st["num_running"] and not st["num_waiting"] and not info["open_requests"]
+            if idle or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        integrity = (await c.get(base + "/debug/kv_integrity")).status_code == 200
+        flushed = (await c.post(base + "/flush_cache")).status_code == 200
+        after = (await c.get(base + "/get_server_info")).json()["internal_states"][0]
+    check = leak_check(st, info["open_requests"], integrity,
+                       after["kv_free"] if flushed else None)
+    check["request_failures"] = st.get("request_failures")
+    check["oom_steps"] = st.get("oom_steps")
+    return check
+
+
+async def soak(args, base: str, pid: int) -> dict:
+    traffic, stop, samples = Traffic(base, args.seed), asyncio.Event(), []
+    async with httpx.AsyncClient(timeout=30) as c:
+        device = (await c.get(base + "/get_server_info")).json()["device"]
+    t0 = time.monotonic()
+    limits = httpx.Limits(max_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+        workers = [asyncio.create_task(traffic.worker(client, stop))
+                   for _ in range(args.concurrency)]
+        end = t0 + args.minutes * 60
+        while time.monotonic() < end:
+            samples.append(await sample(base, pid, t0))
+            await asyncio.sleep(max(0.0, min(args.sample_s, end - time.monotonic())))
+        samples.append(await sample(base, pid, t0))  # the last point of the loaded run
+        stop.set()
+        await asyncio.gather(*workers)
+    leaks = await drain_and_check(base)
+    ts = [s["t"] for s in samples]
+    series = {k: [s[k] for s in samples] for k in
+              RESOURCE_SERIES + ("kv_used", "tree_tokens", "processes")}
+    slopes = {k: trend(ts, v, args.warmup) for k, v in series.items()}
+    counts = {k: dict(v) for k, v in sorted(traffic.counts.items())}
+    bad_answers = sum(n for v in counts.values() for o, n in v.items() if o != "ok" and o != "4xx")
+    flat = all(slopes[k]["flat"] for k in RESOURCE_SERIES)
+    return {"benchmark": "soak", "server_device": device, "minutes": args.minutes, "concurrency": args.concurrency,
+            "sample_s": args.sample_s, "warmup": args.warmup, "requests": traffic.n,
+            "answers": counts, "bad_answers": bad_answers, "slopes": slopes,
+            "acceptance": {"flat_within_2pct": flat, "series": list(RESOURCE_SERIES),
+                           "no_leak": leaks["ok"], "no_bad_answers": bad_answers == 0},
+            "leak_check": leaks, "samples": {"t": ts, **series}}
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_server(args, port: int, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "radixlm.launch_server", "--host", "127.0.0.1",
+           "--port", str(port), "--context-length", str(args.context_length), "--enable-metrics",
+           "--max-total-tokens", str(args.max_total_tokens)]
+    if args.model_path:
+        cmd += ["--model-path", args.model_path]
+    cmd += shlex.split(args.server_args)
+    return subprocess.Popen(cmd, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} while starting")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"no 200 from /health within {timeout:.0f} s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=60.0, help="how long the traffic runs")
+    ap.add_argument("--sample-s", type=float, default=60.0, help="seconds between samples")
+    ap.add_argument("--warmup", type=float, default=0.25,
+                    help="fraction of the run left out of the slopes")
+    ap.add_argument("--concurrency", type=int, default=4, help="clients sending at once")
+    ap.add_argument("--model-path", default=None, help="default: the bundled SmolLM2")
+    ap.add_argument("--context-length", type=int, default=4096)
+    # A small pool fills (and starts evicting) early in the run: the pages of a large one are
+    # touched for the first time over many minutes, RSS growth a leak check cannot tell from
+    # a leak. Small also means evictions and retractions run all along.
+    ap.add_argument("--max-total-tokens", type=int, default=16384, help="the server's KV pool")
+    ap.add_argument("--server-args", default="", help="more launch_server flags, one string")
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--result-file", default=None, help="append the JSON line to this file")
+    args = ap.parse_args(argv)
+    from radixlm.net import free_port
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile("w+", prefix="radixlm-soak-", suffix=".log", delete=False)
+    proc = start_server(args, port, log)
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    try:
+        wait_ready(base, proc, 600)
+        result = asyncio.run(soak(args, base, proc.pid))
+    except BaseException:
+        log.flush()
+        log.seek(0)
+        sys.stderr.write(log.read()[-4000:])
+        raise
+    finally:
+        tree = proc_tree(proc.pid)
+        proc.terminate()
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        time.sleep(2)  # the children follow their parent within ~1 s (child_process.watch_parent)
+        left = [p for p in tree if os.path.exists(f"/proc/{p}") and _not_zombie(p)]
+    result.update({
+        "server_exit_code": code, "processes_left": left, "server_log": log.name,
+        "load_avg_start": load_start, "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "model": args.model_path or "bundled SmolLM2-135M-Instruct Q4_1 GGUF",
+        "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": "python " + " ".join(map(shlex.quote, sys.argv if argv is None
+                                            else [__file__, *argv])),
+    })
+    line = json.dumps(result)
+    print(line)
+    if args.result_file:
+        os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
+        with open(args.result_file, "a") as f:
+            f.write(line + "\n")
+    acc = result["acceptance"]
+    ok = acc["flat_within_2pct"] and acc["no_leak"] and acc["no_bad_answers"] and not left
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
