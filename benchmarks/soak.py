@@ -2,7 +2,9 @@
 
     python benchmarks/soak.py --minutes 60 --result-file benchmarks/results/soak-cpu.jsonl
 
-Starts its own server on 127.0.0.1 (the bundled model unless --model-path), then for --minutes
+Starts its own server on 127.0.0.1 (the bundled model unless --model-path), fills its KV pool
+once (distinct long prompts: on the CPU a pool's pages become resident when first written, which
+would look like RSS growth during the run), then for --minutes
 keeps --concurrency clients busy with a mix: streamed chats, tool calls (forced, so a grammar
 runs), JSON-schema answers, n > 1 completions, long and short prompts, requests aborted by rid
 and streams the client drops, and a share of bad requests (each must get a 4xx). Every
@@ -207,10 +209,29 @@ async def drain_and_check(base: str, timeout: float = 120.0) -> dict:
     return check
 
 
+async def fill_pool(base: str, concurrency: int, seed: int, limit_s: float) -> float:
+    """Fill the radix tree (so every KV page has been written once) before the clock starts.
+    On the CPU the pool's pages become resident when first written: a pool filling during the
+    run looks like RSS growth. Distinct long prompts, one output token each. Returns seconds."""
+    rnd, t0 = random.Random(seed + 1), time.monotonic()
+    async with httpx.AsyncClient(timeout=300) as c:
+        async def full() -> bool:
+            st = (await c.get(base + "/get_server_info")).json()["internal_states"][0]
+            return st["kv_cached"] >= 0.97 * st["kv_capacity"]
+
+        async def one() -> None:
+            await c.post(base + "/generate", json={"text": _words(rnd, 700), "sampling_params":
+                                                   {"max_new_tokens": 1, "temperature": 0}})
+        while not await full() and time.monotonic() - t0 < limit_s:
+            await asyncio.gather(*(one() for _ in range(concurrency)))
+    return round(time.monotonic() - t0, 1)
+
+
 async def soak(args, base: str, pid: int) -> dict:
     traffic, stop, samples = Traffic(base, args.seed), asyncio.Event(), []
     async with httpx.AsyncClient(timeout=30) as c:
         device = (await c.get(base + "/get_server_info")).json()["device"]
+    fill_s = await fill_pool(base, args.concurrency, args.seed, args.fill_limit_s)
     t0 = time.monotonic()
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
@@ -232,7 +253,8 @@ async def soak(args, base: str, pid: int) -> dict:
     bad_answers = sum(n for v in counts.values() for o, n in v.items() if o != "ok" and o != "4xx")
     flat = all(slopes[k]["flat"] for k in RESOURCE_SERIES)
     return {"benchmark": "soak", "server_device": device, "minutes": args.minutes, "concurrency": args.concurrency,
-            "sample_s": args.sample_s, "warmup": args.warmup, "requests": traffic.n,
+            "sample_s": args.sample_s, "warmup": args.warmup, "pool_fill_s": fill_s,
+            "max_total_tokens": args.max_total_tokens, "requests": traffic.n,
             "answers": counts, "bad_answers": bad_answers, "slopes": slopes,
             "acceptance": {"flat_within_2pct": flat, "series": list(RESOURCE_SERIES),
                            "no_leak": leaks["ok"], "no_bad_answers": bad_answers == 0},
@@ -280,10 +302,11 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="clients sending at once")
     ap.add_argument("--model-path", default=None, help="default: the bundled SmolLM2")
     ap.add_argument("--context-length", type=int, default=4096)
-    # A small pool fills (and starts evicting) early in the run: the pages of a large one are
-    # touched for the first time over many minutes, RSS growth a leak check cannot tell from
-    # a leak. Small also means evictions and retractions run all along.
+    # the pool is filled before the clock starts (fill_pool); a small one fills quickly, and
+    # evictions and retractions then run all along
     ap.add_argument("--max-total-tokens", type=int, default=16384, help="the server's KV pool")
+    ap.add_argument("--fill-limit-s", type=float, default=600.0,
+                    help="at most this long filling the pool before the run")
     ap.add_argument("--server-args", default="", help="more launch_server flags, one string")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -29,10 +29,10 @@ def eng(tiny_chat_path):
     e.shutdown()
 
 
-def _run(eng, tag: str, **kw):
+def _run(eng, tag: str, regex_params=None, **kw):
     rids = [f"{tag}-{i}" for i in range(len(PROMPTS))]
-    return rids, eng.generate(input_ids=PROMPTS, sampling_params=[dict(GREEDY)] * len(PROMPTS),
-                              rid=rids, **kw)
+    params = [dict(GREEDY, **(regex_params or {})) for _ in PROMPTS]
+    return rids, eng.generate(input_ids=PROMPTS, sampling_params=params, rid=rids, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +117,11 @@ def test_enqueue_failure(eng, clean, monkeypatch, caplog):
     caplog.set_level(logging.ERROR)
     before = eng.get_stats().get("request_failures", 0)
     real = waiting.constraint_of
-    failing_rid = {"rid": None}
+    calls = []
 
     def failing(sp):  # constraint_of sees only the params: fail the batch's third call
-        failing_rid["n"] = failing_rid.get("n", 0) + 1
-        if failing_rid["n"] == BAD + 1:
+        calls.append(1)
+        if len(calls) == BAD + 1:
             raise RuntimeError("injected failure")
         return real(sp)
 
@@ -129,6 +129,52 @@ def test_enqueue_failure(eng, clean, monkeypatch, caplog):
     _, outs = _run(eng, "enq")
     monkeypatch.undo()
     _check_isolated(eng, clean, outs, caplog, before, "enq-2")
+
+
+class _FailingMatcher:
+    """A grammar matcher whose mask fill raises from its third call on."""
+
+    def __init__(self, real):
+        self._real, self._calls = real, 0
+
+    def fill_next_token_bitmask(self, bitmask, row):
+        self._calls += 1
+        if self._calls >= 3:
+            raise RuntimeError("injected failure")
+        return self._real.fill_next_token_bitmask(bitmask, row)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_grammar_mask_failure(eng, monkeypatch, caplog):
+    caplog.set_level(logging.ERROR)
+    regex = {"regex": "[a-z ]{4,40}"}
+    _, clean_outs = _run(eng, "gclean", regex_params=regex)
+    clean = [o["output_ids"] for o in clean_outs]
+    before = eng.get_stats().get("request_failures", 0)
+    pool = eng.scheduler.grammars  # created by the clean run; matchers come from it in order
+    made = []
+    real = pool.matcher
+
+    def matcher(compiled):  # admission order is submission order: the third is the bad one
+        made.append(1)
+        m = real(compiled)
+        return _FailingMatcher(m) if len(made) == BAD + 1 else m
+
+    monkeypatch.setattr(pool, "matcher", matcher)
+    _, outs = _run(eng, "gram", regex_params=regex)
+    monkeypatch.undo()
+    for i, o in enumerate(outs):
+        reason = o["meta_info"]["finish_reason"]
+        if i == BAD:
+            assert reason["type"] == "abort" and reason["status_code"] == 500, reason
+        else:
+            assert reason["type"] != "abort" and o["output_ids"] == clean[i], reason
+    assert eng.get_stats()["request_failures"] == before + 1
+    assert any("gram-2" in r.getMessage() for r in caplog.records)
+    eng.wait_idle()
+    eng.check_integrity()
 
 
 def test_cuda_oom_fails_the_batch_and_serving_goes_on(eng, clean, monkeypatch, caplog):

@@ -4,8 +4,11 @@ The per-request parts of a step (a grammar's mask or advance, a stop-string / st
 its logprob rows, its sampling parameters, a jump-forward splice) run inside a `try` around the
 loop body that handles that one request. An exception there finishes the request with an error
 (`finish_reason` `{"type": "abort", "message", "status_code": 500}`, which every API turns into
-an error, see server/errors.server_abort); its KV goes to the tree or the free list and its lock
-is released in the same step, and the other requests go on with the tokens they would have had.
+an error, see server/errors.server_abort); in the same step its own KV slots go back to the free
+list, its row to the request pool, its lock on the tree is released, and the other requests go
+on with the tokens they would have had. Its KV is freed rather than cached: an exception may have
+left its tokens out of step with its KV (a jump-forward splice rewrites output_ids), and a
+wrong prefix in the tree would be served to later requests silently.
 The failure is logged with the rid and traceback and counted (`stats["request_failures"]`,
 `radixlm:request_failures` on /metrics): isolation must not hide a bug.
 
@@ -23,6 +26,7 @@ reports them. A `try` costs nothing until it raises (zero-cost exceptions, Pytho
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -51,7 +55,26 @@ class FaultIsolation:
         if status == OUT_OF_MEMORY:
             message = f"{where}: {exc}"
         self._drop_prefetch(req)
-        self._finish(req, Finish(FinishReason.ABORT, message=message, status=status))
+        req.finish = Finish(FinishReason.ABORT, message=message, status=status)
+        req.finished_at = time.perf_counter()
+        if self.spec is not None:
+            self.spec.on_finish(req)
+        self._free_kv(req)
+
+    def _free_kv(self, req: Req) -> None:
+        """Free the request's own slots (past the tree-owned prefix), unlock its prefix, free
+        its row: what `cache_finished_req` does, minus inserting its tokens into the tree."""
+        if req.req_pool_idx is None:
+            return
+        tree = self.tree_cache
+        owned = tree.tree_owned_len(req)
+        if req.kv_len > owned:
+            self.allocator.free(self.req_pool.req_to_token[req.req_pool_idx, owned:req.kv_len]
+                                .clone())
+        if not tree.disable:
+            tree.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node = None, None
 
     def fail_outside_step(self, req: Req, exc: BaseException, where: str) -> None:
         """Fail `req` between steps (the server could not build its update): it leaves the
@@ -101,6 +124,7 @@ class FaultIsolation:
         try:
             return self.runner.forward(fb)
         except torch.cuda.OutOfMemoryError as e:
+            self.allocator.free(fb.out_cache_loc)  # written only by the failed forward
             logger.error("CUDA out of memory in a forward of %d requests (%s); they fail with "
                          "503 and the scheduler goes on", len(reqs),
                          ", ".join(r.rid for r in reqs[:8]), exc_info=True)
@@ -108,7 +132,6 @@ class FaultIsolation:
             for req in reqs:
                 self._fail_request(req, e, "CUDA out of memory in the forward",
                                    status=OUT_OF_MEMORY)
-            self.allocator.free(fb.out_cache_loc)  # written only by the failed forward
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return None
