@@ -210,19 +210,24 @@ async def drain_and_check(base: str, timeout: float = 120.0) -> dict:
 
 
 async def fill_pool(base: str, concurrency: int, seed: int, limit_s: float) -> float:
-    """Fill the radix tree (so every KV page has been written once) before the clock starts.
-    On the CPU the pool's pages become resident when first written: a pool filling during the
-    run looks like RSS growth. Distinct long prompts, one output token each. Returns seconds."""
+    """Write every KV slot once before the clock starts: on the CPU the pool's pages become
+    resident when first written, and a pool filling during the run looks like RSS growth. The
+    allocator hands slots out first-in first-out, so computing `capacity` prompt tokens (distinct
+    long prompts, one output token each) has touched them all. Returns seconds."""
     rnd, t0 = random.Random(seed + 1), time.monotonic()
     async with httpx.AsyncClient(timeout=300) as c:
-        async def full() -> bool:
+        async def computed() -> tuple[int, int]:
             st = (await c.get(base + "/get_server_info")).json()["internal_states"][0]
-            return st["kv_cached"] >= 0.97 * st["kv_capacity"]
+            return st["prompt_tokens"] - st["cached_tokens"], st["kv_capacity"]
 
         async def one() -> None:
             await c.post(base + "/generate", json={"text": _words(rnd, 700), "sampling_params":
                                                    {"max_new_tokens": 1, "temperature": 0}})
-        while not await full() and time.monotonic() - t0 < limit_s:
+        start, cap = await computed()
+        while time.monotonic() - t0 < limit_s:
+            done, _ = await computed()
+            if done - start >= cap * 1.05:
+                break
             await asyncio.gather(*(one() for _ in range(concurrency)))
     return round(time.monotonic() - t0, 1)
 
