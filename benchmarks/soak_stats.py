@@ -83,12 +83,13 @@ def lstsq_slope(ts: list[float], ys: list[float]) -> float:
 
 
 def trend(ts: list[float], ys: list[float], warmup: float = 0.25,
-          tol: float = FLAT_TOL) -> dict:
+          tol: float = FLAT_TOL, slack: float = 0.0) -> dict:
     """The series' trend after dropping the first `warmup` fraction of the run's time.
 
     `ts` in seconds since the start. Returns slope_per_min, rel_change (first -> last after
     warm-up; 0 when both are 0), drift (the fitted line's change over the window / the mean)
-    and flat (both within `tol`)."""
+    and flat: both within `tol`, or the absolute changes within `slack` (small counts such as
+    open files, where one client connection more or less is 1.3% of 75 and no leak)."""
     if not ts:
         return {"points": 0, "slope_per_min": 0.0, "rel_change": 0.0, "drift": 0.0, "flat": True}
     cut = ts[0] + warmup * (ts[-1] - ts[0])
@@ -101,9 +102,11 @@ def trend(ts: list[float], ys: list[float], warmup: float = 0.25,
     first, last = y2[0], y2[-1]
     rel = 0.0 if first == last else (last - first) / abs(first) if first else float("inf")
     drift = 0.0 if slope == 0 else abs(slope * (t2[-1] - t2[0])) / abs(mean) if mean else float("inf")
+    line_change = abs(slope * (t2[-1] - t2[0]))
+    flat = ((abs(rel) <= tol or abs(last - first) <= slack)
+            and (drift <= tol or line_change <= slack))
     return {"points": len(y2), "slope_per_min": round(slope * 60, 6),
-            "rel_change": round(rel, 6), "drift": round(drift, 6),
-            "flat": abs(rel) <= tol and drift <= tol}
+            "rel_change": round(rel, 6), "drift": round(drift, 6), "flat": flat}
 
 
 def leak_check(stats: dict, open_requests: Optional[int], integrity_ok: bool,

@@ -37,6 +37,13 @@ def test_steady_growth_is_not_flat_and_warmup_is_left_out():
     assert not trend(TS, warm, warmup=0.0)["flat"]
 
 
+def test_slack_for_small_counts():
+    fds = [75] * 6 + [73] * 5  # two connections fewer: -2.7%, and no leak
+    assert not trend(TS, fds, warmup=0.0)["flat"]
+    assert trend(TS, fds, warmup=0.0, slack=3)["flat"]
+    assert not trend(TS, [75 + i for i in range(11)], warmup=0.0, slack=3)["flat"]
+
+
 def test_zero_series_is_flat():  # e.g. GPU memory on a CPU server
     t = trend(TS, [0] * 11)
     assert t["flat"] and t["rel_change"] == 0.0 and t["slope_per_min"] == 0.0

@@ -64,9 +64,12 @@ class FaultIsolation:
     def _free_kv(self, req: Req) -> None:
         """Free the request's own slots (past the tree-owned prefix), unlock its prefix, free
         its row: what `cache_finished_req` does, minus inserting its tokens into the tree."""
-        if req.req_pool_idx is None:
-            return
         tree = self.tree_cache
+        if req.req_pool_idx is None:  # admitted, not yet in a batch: only its prefix lock
+            if req.last_node is not None and not tree.disable:
+                tree.dec_lock_ref(req.last_node)
+            req.last_node = None
+            return
         owned = tree.tree_owned_len(req)
         if req.kv_len > owned:
             self.allocator.free(self.req_pool.req_to_token[req.req_pool_idx, owned:req.kv_len]
@@ -115,6 +118,23 @@ class FaultIsolation:
         if not reqs:
             return None, reqs, rows
         return SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device), reqs, rows
+
+    def _encode_images(self, reqs: list[Req]) -> list[Req]:
+        """Before an extend's forward, each request's images through the vision tower (models
+        with `encode_images`; the forward reuses the features). A request whose image fails
+        fails alone; returns the others."""
+        encode = getattr(getattr(self.runner, "model", None), "encode_images", None)
+        if encode is None:
+            return reqs
+        ok = []
+        for req in reqs:
+            try:
+                if req.mm is not None:
+                    encode(req.mm, req.kv_len, req.extend_len)
+                ok.append(req)
+            except Exception as e:
+                self._fail_request(req, e, "encoding its images")
+        return ok
 
     def _forward_or_oom(self, fb, reqs: list[Req]):
         """The batch's forward; None after a CUDA out-of-memory, which fails `reqs` (their KV

@@ -226,7 +226,10 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
                 req.cached_tokens = req.kv_len
                 self.stats["prompt_tokens"] += len(req.origin_input_ids)
                 self.stats["cached_tokens"] += req.kv_len
+        reqs = self._encode_images(reqs)  # per request: a failing image fails only its own
         decoding = list(self.running) if mixed else []
+        if not reqs and not decoding:
+            return []
         for req in decoding:
             req.extend_len = 1
         t0 = time.perf_counter()
