@@ -7,6 +7,7 @@ that batch (503) and the engine goes on. Each test kills the scheduler thread wi
 from __future__ import annotations
 
 import logging
+import pickle
 
 import pytest
 import torch
@@ -203,5 +204,59 @@ def test_cuda_oom_fails_the_batch_and_serving_goes_on(eng, clean, monkeypatch, c
     eng.check_integrity()
     _, outs = _run(eng, "after-oom")
     assert [o["output_ids"] for o in outs] == clean
+    eng.wait_idle()
+    eng.check_integrity()
+
+
+class _Socket:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, data):
+        self.sent.append(pickle.loads(data))
+
+
+def test_update_building_failure_in_the_server(eng, clean, monkeypatch, caplog):
+    """The scheduler process builds one update per request (server/scheduler_process.py); when
+    one request's raises, that request fails (out of the batch, KV back, an error update) and
+    the other's stream goes on. Driven on the Engine's scheduler thread, as the process would."""
+    from radixlm.server.scheduler_process import SchedulerServer
+
+    caplog.set_level(logging.ERROR)
+    before = eng.get_stats().get("request_failures", 0)
+    srv = object.__new__(SchedulerServer)  # only its update path: no model, no sockets
+    srv.scheduler, srv.sent, srv.input_lp_sent, srv.to_detok = eng.scheduler, {}, set(), _Socket()
+    long_sp = dict(GREEDY, max_new_tokens=450)  # still running when it is failed
+    victim = eng.generate(input_ids=PROMPTS[0], sampling_params=long_sp, rid="upd-victim",
+                          stream=True)
+    other = eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, rid="upd-other",
+                         stream=True)
+    next(victim)
+    first_other = next(other)
+    real = SchedulerServer._update_of
+
+    def update_of(self, req):
+        if req.rid == "upd-victim":
+            raise RuntimeError("injected failure")
+        return real(self, req)
+
+    monkeypatch.setattr(SchedulerServer, "_update_of", update_of)
+
+    def fail_victim():  # on the scheduler thread, between steps
+        req = next(r for r in eng.scheduler.running if r.rid == "upd-victim")
+        srv.send_updates([req])
+        eng._sinks.pop(req.rid).notify(len(req.output_ids), True)  # the server's TM would
+        return req
+
+    req = eng._call_in_loop(fail_victim)
+    monkeypatch.undo()
+    (up,) = srv.to_detok.sent[0].updates
+    assert up.rid == "upd-victim" and up.new_ids == [] and up.finish["status_code"] == 500
+    assert req.finish.status == 500 and req.req_pool_idx is None
+    assert list(victim)[-1]["meta_info"]["finish_reason"]["status_code"] == 500
+    rest = list(other)
+    assert (rest[-1] if rest else first_other)["output_ids"] == clean[1]
+    assert eng.get_stats()["request_failures"] == before + 1
+    assert any("upd-victim" in r.getMessage() for r in caplog.records)
     eng.wait_idle()
     eng.check_integrity()
