@@ -14,6 +14,8 @@ import torch
 
 from radixlm.runtime.scheduler import token_processing, waiting
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
+from radixlm.server.errors import server_fault
+from radixlm.server.metrics import ServerMetrics
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPTS = [[1, 100 + 7 * i, 200 + 11 * i, 300 + 13 * i, 400 + i] for i in range(4)]
@@ -49,6 +51,7 @@ def _check_isolated(eng, clean, outs, caplog, failures_before: int, bad_rid: str
         if i == BAD:
             assert reason["type"] == "abort" and reason["status_code"] == 500, reason
             assert "injected" in reason["message"]
+            assert server_fault(reason) == (500, reason["message"])  # an error in every API
         else:
             assert reason["type"] == "length", reason
             assert o["output_ids"] == clean[i]
@@ -178,31 +181,34 @@ def test_grammar_mask_failure(eng, monkeypatch, caplog):
     eng.check_integrity()
 
 
-def test_cuda_oom_fails_the_batch_and_serving_goes_on(eng, clean, monkeypatch, caplog):
+@pytest.mark.parametrize("oom_at", [1, 3])  # the prefill; a decode step after one decode step
+def test_cuda_oom_fails_the_batch_and_serving_goes_on(eng, clean, monkeypatch, caplog, oom_at):
     caplog.set_level(logging.ERROR)
+    eng.flush_cache()  # the prompts are computed again: one prefill of the four
     runner = eng.scheduler.runner
     real = runner.forward
-    calls = {"n": 0}
+    calls = []
 
-    def oom_on_third(fb):  # the prefill, one decode step, then out of memory
-        calls["n"] += 1
-        if calls["n"] == 3:
+    def forward(fb):
+        calls.append(1)
+        if len(calls) == oom_at:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return real(fb)
 
     oom_before = eng.get_stats().get("oom_steps", 0)
-    monkeypatch.setattr(runner, "forward", oom_on_third)
-    _, outs = _run(eng, "oom")
+    monkeypatch.setattr(runner, "forward", forward)
+    _, outs = _run(eng, f"oom{oom_at}")
     monkeypatch.undo()
     for o in outs:
         reason = o["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and reason["status_code"] == 503, reason
         assert "out of memory" in reason["message"]
+        assert server_fault(reason) == (503, reason["message"])  # an error in every API
     assert eng.get_stats()["oom_steps"] == oom_before + 1
     assert any("out of memory" in r.getMessage() for r in caplog.records)
     eng.wait_idle()
     eng.check_integrity()
-    _, outs = _run(eng, "after-oom")
+    _, outs = _run(eng, f"after-oom{oom_at}")
     assert [o["output_ids"] for o in outs] == clean
     eng.wait_idle()
     eng.check_integrity()
@@ -260,3 +266,8 @@ def test_update_building_failure_in_the_server(eng, clean, monkeypatch, caplog):
     assert any("upd-victim" in r.getMessage() for r in caplog.records)
     eng.wait_idle()
     eng.check_integrity()
+
+
+def test_failures_on_metrics():
+    text = ServerMetrics("m").render({"request_failures": 3, "oom_steps": 1}).decode()
+    assert "radixlm:request_failures 3.0" in text and "radixlm:oom_steps 1.0" in text
