@@ -271,3 +271,29 @@ def test_update_building_failure_in_the_server(eng, clean, monkeypatch, caplog):
 def test_failures_on_metrics():
     text = ServerMetrics("m").render({"request_failures": 3, "oom_steps": 1}).decode()
     assert "radixlm:request_failures 3.0" in text and "radixlm:oom_steps 1.0" in text
+
+
+def test_embedding_pooling_failure(eng, monkeypatch, caplog):
+    caplog.set_level(logging.ERROR)
+    clean = [o["embedding"] for o in eng.encode(input_ids=PROMPTS, pooling="mean")]
+    before = eng.get_stats().get("request_failures", 0)
+    real, calls = torch.nn.functional.normalize, []
+
+    def normalize(x, *a, **kw):  # the pooler's last step, once per request in batch order
+        calls.append(1)
+        if len(calls) == BAD + 1:
+            raise RuntimeError("injected failure")
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "normalize", normalize)
+    outs = eng.encode(input_ids=PROMPTS, pooling="mean")
+    monkeypatch.undo()
+    for i, o in enumerate(outs):
+        if i == BAD:
+            assert o["embedding"] is None
+            assert o["meta_info"]["finish_reason"]["status_code"] == 500
+        else:
+            assert o["embedding"] == clean[i]
+    assert eng.get_stats()["request_failures"] == before + 1
+    eng.wait_idle()
+    eng.check_integrity()

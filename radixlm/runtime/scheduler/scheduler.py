@@ -246,7 +246,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         for req in reqs + decoding:
             req.kv_len += req.extend_len
         if any(r.embed_pooling for r in reqs):
-            record_embeddings(rows, getattr(fb, "hidden_states", None))
+            record_embeddings(rows, getattr(fb, "hidden_states", None),
+                              lambda r, e: self._fail_request(r, e, "pooling its embedding"))
         self._record_input_logprobs(logits, rows)
 
         n_new = len(rows.sample_reqs) - len(decoding)
