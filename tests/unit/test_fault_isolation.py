@@ -181,23 +181,26 @@ def test_grammar_mask_failure(eng, monkeypatch, caplog):
     eng.check_integrity()
 
 
-@pytest.mark.parametrize("oom_at", [1, 3])  # the prefill; a decode step after one decode step
-def test_cuda_oom_fails_the_batch_and_serving_goes_on(eng, clean, monkeypatch, caplog, oom_at):
+# the prefill's forward; a decode step's forward after one decode step; the first decode sampling
+@pytest.mark.parametrize("where, oom_at", [("forward", 1), ("forward", 3), ("sampler", 2)])
+def test_cuda_oom_fails_the_batch_and_serving_goes_on(eng, clean, monkeypatch, caplog, where,
+                                                      oom_at):
     caplog.set_level(logging.ERROR)
     eng.flush_cache()  # the prompts are computed again: one prefill of the four
-    runner = eng.scheduler.runner
-    real = runner.forward
+    owner = eng.scheduler.runner if where == "forward" else eng.scheduler
+    attr = "forward" if where == "forward" else "sampler"
+    real = getattr(owner, attr)
     calls = []
 
-    def forward(fb):
+    def failing(*a, **kw):
         calls.append(1)
         if len(calls) == oom_at:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
-        return real(fb)
+        return real(*a, **kw)
 
     oom_before = eng.get_stats().get("oom_steps", 0)
-    monkeypatch.setattr(runner, "forward", forward)
-    _, outs = _run(eng, f"oom{oom_at}")
+    monkeypatch.setattr(owner, attr, failing)
+    _, outs = _run(eng, f"oom-{where}{oom_at}")
     monkeypatch.undo()
     for o in outs:
         reason = o["meta_info"]["finish_reason"]
@@ -208,7 +211,7 @@ def test_cuda_oom_fails_the_batch_and_serving_goes_on(eng, clean, monkeypatch, c
     assert any("out of memory" in r.getMessage() for r in caplog.records)
     eng.wait_idle()
     eng.check_integrity()
-    _, outs = _run(eng, f"after-oom{oom_at}")
+    _, outs = _run(eng, f"after-oom-{where}{oom_at}")
     assert [o["output_ids"] for o in outs] == clean
     eng.wait_idle()
     eng.check_integrity()

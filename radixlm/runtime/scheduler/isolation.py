@@ -13,9 +13,10 @@ The failure is logged with the rid and traceback and counted (`stats["request_fa
 `radixlm:request_failures` on /metrics): isolation must not hide a bug.
 
 The forward is different: its exception cannot be attributed to one request, so it stays fatal
-(the process exits naming the cause), except a CUDA out-of-memory: the batch's requests fail
-with 503, the slots the step had taken go back, the allocator's cache is emptied, and the
-scheduler goes on (`stats["oom_steps"]`, `radixlm:oom_steps`). Not with tensor parallelism: the
+(the process exits naming the cause), except a CUDA out-of-memory in the forward or the
+sampler: the batch's requests fail with 503, the slots the step had taken go back, the
+allocator's cache is emptied, and the scheduler goes on (`stats["oom_steps"]`,
+`radixlm:oom_steps`). Not with tensor parallelism: the
 other ranks are inside the same collective and cannot skip it.
 
 A mixin of `Scheduler`; `_failed` holds the requests failed during the current step; `step()`
@@ -145,13 +146,26 @@ class FaultIsolation:
             return self.runner.forward(fb)
         except torch.cuda.OutOfMemoryError as e:
             self.allocator.free(fb.out_cache_loc)  # written only by the failed forward
-            logger.error("CUDA out of memory in a forward of %d requests (%s); they fail with "
-                         "503 and the scheduler goes on", len(reqs),
-                         ", ".join(r.rid for r in reqs[:8]), exc_info=True)
-            self.stats["oom_steps"] += 1
-            for req in reqs:
-                self._fail_request(req, e, "CUDA out of memory in the forward",
-                                   status=OUT_OF_MEMORY)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self._fail_batch_oom(reqs, e, "the forward")
             return None
+
+    def _sample_or_oom(self, logits, info, reqs: list[Req], want_lp: bool, top_k: int):
+        """The sampler over `reqs`' rows; None after a CUDA out-of-memory, which fails them
+        (their KV includes this step's tokens: the forward ran)."""
+        if self.args.tp_size > 1:
+            return self.sampler(logits, info, reqs, want_lp, top_k)
+        try:
+            return self.sampler(logits, info, reqs, want_lp, top_k)
+        except torch.cuda.OutOfMemoryError as e:
+            self._fail_batch_oom(reqs, e, "sampling")
+            return None
+
+    def _fail_batch_oom(self, reqs: list[Req], exc: BaseException, where: str) -> None:
+        logger.error("CUDA out of memory in %s of %d requests (%s); they fail with 503 and the "
+                     "scheduler goes on", where, len(reqs), ", ".join(r.rid for r in reqs[:8]),
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        self.stats["oom_steps"] += 1
+        for req in reqs:
+            self._fail_request(req, exc, f"CUDA out of memory in {where}", status=OUT_OF_MEMORY)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -266,6 +266,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
             return decoding
         sample_logits = logits[torch.tensor(sample_rows, device=self.device)]
         out = self._sample(sample_logits, info, sample_reqs)
+        if out is None:  # a CUDA OOM failed them (step() reports it)
+            return decoding
         keep = self._process_tokens(sample_reqs, out)
         if self.tiered:  # the prefill rate storage loads must beat (the tokens synced the step)
             self.tree_cache.observe_prefill(sum(r.extend_len for r in reqs),
@@ -313,7 +315,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         self.stats["forward_steps"] += 1
         for req in reqs:
             req.kv_len += 1
-        return start_host_copy(reqs, self._sample(logits, self.running_info, reqs))
+        out = self._sample(logits, self.running_info, reqs)
+        return None if out is None else start_host_copy(reqs, out)
 
     def _complete_decode(self, step: InFlightDecode) -> list[Req]:
         """Append a decode step's tokens, finish requests, drop them from the running batch.
@@ -346,6 +349,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
     def _decode_results(self, reqs: list[Req], logits) -> None:
         """Sample the running batch (`reqs` is self.running, logits its rows) and drop finished."""
         out = self._sample(logits, self.running_info, reqs)
+        if out is None:  # a CUDA OOM failed them; step() takes them out of the batch
+            return
         keep = self._process_tokens(reqs, out)
         if len(keep) != len(reqs):
             self.running = [reqs[i] for i in keep]

@@ -21,11 +21,12 @@ from radixlm.runtime.scheduler.output import (LogprobRows, check_finish,
 
 class TokenProcessing:
     def _sample(self, logits, info, reqs):
+        """The sampled tokens of `reqs` (a SampleOutput); None when a CUDA OOM failed them."""
         apply_grammar_masks(logits, reqs, self.masks,
                             on_error=lambda r, e: self._fail_request(r, e, "its grammar's mask"))
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        return self.sampler(logits, info, reqs, want_lp, top_k)
+        return self._sample_or_oom(logits, info, reqs, want_lp, top_k)
 
     def _process_tokens(self, reqs: list[Req], out) -> list[int]:
         """Append sampled tokens; finish requests. Returns the indices of requests still running.
