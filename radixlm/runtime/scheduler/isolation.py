@@ -1,7 +1,8 @@
 """Fault isolation: one request's failure fails that request, not the scheduler.
 
 The per-request parts of a step (a grammar's mask or advance, a stop-string / stop_regex check,
-its logprob rows, its sampling parameters, a jump-forward splice) run inside a `try` around the
+its logprob rows, its sampling parameters, a jump-forward splice, its embedding pooling, its
+images through the vision tower, entering the waiting queue) run inside a `try` around the
 loop body that handles that one request. An exception there finishes the request with an error
 (`finish_reason` `{"type": "abort", "message", "status_code": 500}`, which every API turns into
 an error, see server/errors.server_abort); in the same step its own KV slots go back to the free
@@ -16,8 +17,8 @@ The forward is different: its exception cannot be attributed to one request, so 
 (the process exits naming the cause), except a CUDA out-of-memory in the forward or the
 sampler: the batch's requests fail with 503, the slots the step had taken go back, the
 allocator's cache is emptied, and the scheduler goes on (`stats["oom_steps"]`,
-`radixlm:oom_steps`). Not with tensor parallelism: the
-other ranks are inside the same collective and cannot skip it.
+`radixlm:oom_steps`). Not with tensor parallelism: the other ranks are inside the same
+collective and cannot skip it.
 
 A mixin of `Scheduler`; `_failed` holds the requests failed during the current step; `step()`
 removes them from the batch and the queues once the step's own bookkeeping is done, and
