@@ -32,6 +32,9 @@ class Finish:
     matched: Any = None  # stop token id (int), stop string or stop_regex pattern (str)
     message: Optional[str] = None  # for aborts
     regex: bool = False  # `matched` is a stop_regex pattern: the output keeps the matched text
+    # >= 500: the server failed the request (an internal error, an OOM), as errors.server_abort:
+    # every API then answers an error, never a complete-looking output
+    status: Optional[int] = None
 
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"type": self.reason.value}
@@ -41,6 +44,8 @@ class Finish:
             d["length"] = self.matched
         elif self.message:
             d["message"] = self.message
+        if self.status is not None:
+            d["status_code"] = self.status
         return d
 
 

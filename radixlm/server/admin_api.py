@@ -137,6 +137,7 @@ def register_admin_routes(app: FastAPI, tm, args) -> None:
         for secret in ("api_key", "admin_api_key"):  # secrets never leave the server
             info.pop(secret, None)
         info["internal_states"] = [await tm.control("get_stats")]
+        info["open_requests"] = len(getattr(tm, "states", ()))  # the HTTP side's open requests
         info["max_total_num_tokens"] = tm.info["max_total_tokens"]
         info["device"], info["dtype"] = tm.info["device"], tm.info["dtype"]  # resolved, not "auto"
         info["version"] = __import__("radixlm").__version__

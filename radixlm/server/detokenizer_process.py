@@ -3,10 +3,16 @@
 Per request it keeps an IncrementalDetokenizer (never half a UTF-8 character) and a
 StopStringChecker (never any part of a stop string); both are created on a request's first update
 and dropped when it finishes. The stop token that ended a request is not part of its text.
+
+One request's failure here (its ids, its settings) fails that request, not the process: its
+update goes out with an error finish (`status_code` 500, an error in every API) and `failed`
+set, so the TokenizerManager aborts it in the scheduler; its later updates are dropped. Logged
+with the rid and traceback, and counted (the TokenizerManager adds them to `request_failures`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -63,20 +69,42 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.states: dict[str, _DecodeState] = {}
+        self.failed: set[str] = set()  # failed here, not finished in the scheduler yet
 
     def process(self, batch: BatchTokenOut) -> BatchTextOut:
         out = []
         for up in batch.updates:
-            if self.tokenizer is None:
-                out.append(TextUpdate(up.rid, "", up))
+            if up.rid in self.failed:  # already answered with an error; the abort is on its way
+                if up.finish is not None:
+                    self.failed.discard(up.rid)
                 continue
-            state = self.states.get(up.rid)
-            if state is None:
-                state = self.states[up.rid] = _DecodeState(self.tokenizer, up)
-            out.append(TextUpdate(up.rid, state.feed(self.tokenizer, up), up))
-            if up.finish is not None:
-                del self.states[up.rid]
+            try:
+                out.append(self._text_update(up))
+            except Exception as e:
+                out.append(self._failed_update(up, e))
         return BatchTextOut(out)
+
+    def _text_update(self, up: ReqUpdate) -> TextUpdate:
+        if self.tokenizer is None:
+            return TextUpdate(up.rid, "", up)
+        state = self.states.get(up.rid)
+        if state is None:
+            state = self.states[up.rid] = _DecodeState(self.tokenizer, up)
+        tu = TextUpdate(up.rid, state.feed(self.tokenizer, up), up)
+        if up.finish is not None:
+            del self.states[up.rid]
+        return tu
+
+    def _failed_update(self, up: ReqUpdate, exc: Exception) -> TextUpdate:
+        logger.error("request %s failed in detokenization; the other requests go on", up.rid,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        self.states.pop(up.rid, None)
+        if up.finish is None:
+            self.failed.add(up.rid)
+        finish = {"type": "abort", "status_code": 500,
+                  "message": f"internal error in detokenization: {type(exc).__name__}: {exc}"}
+        return TextUpdate(up.rid, "", dataclasses.replace(up, new_ids=[], finish=finish),
+                          failed=True)
 
 
 def run_detokenizer_process(tokenizer_path: str, tokenizer_format: str, skip_tokenizer: bool,

@@ -174,6 +174,9 @@ def build_app(tm, args, health) -> FastAPI:
         if tm.metrics is None:
             return error(404, "metrics are off; start the server with --enable-metrics")
         stats = await tm.control("get_stats")
+        # the detokenizer's isolated failures count with the scheduler's (one metric)
+        stats["request_failures"] = (stats.get("request_failures", 0)
+                                     + getattr(tm, "detokenizer_failures", 0))
         return Response(tm.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.get("/debug/kv_integrity")

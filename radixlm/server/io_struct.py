@@ -119,6 +119,7 @@ class TextUpdate:
     rid: str
     text_delta: str  # never ends in half a UTF-8 character or inside a possible stop string
     update: ReqUpdate
+    failed: bool = False  # the detokenizer failed this request: abort it in the scheduler
 
 
 @dataclass

@@ -63,6 +63,12 @@ class ServerMetrics:
                                 ["direction"], registry=r)
         self.spec_verify_steps = Gauge(q + "spec_verify_steps", "Verify forwards run",
                                        registry=r)
+        # the scheduler's isolated failures (runtime/scheduler/isolation.py): each is a bug or
+        # an overload that one request (or one batch, for an OOM) paid for instead of everyone
+        self.request_failures = Gauge(q + "request_failures", "Requests failed alone by an "
+                                      "exception in their own handling", registry=r)
+        self.oom_steps = Gauge(q + "oom_steps", "Forwards that ran out of GPU memory (their "
+                               "batch failed, the server went on)", registry=r)
 
     def on_request(self, prompt_tokens: int) -> None:
         self.requests.inc()
@@ -102,4 +108,6 @@ class ServerMetrics:
         self.spec_accept_length.set(stats.get("spec_verify_tokens", 0) / verifies
                                     if verifies else 0.0)
         self.spec_verify_steps.set(stats.get("spec_verify_steps", 0))
+        self.request_failures.set(stats.get("request_failures", 0))
+        self.oom_steps.set(stats.get("oom_steps", 0))
         return generate_latest(self.registry)

@@ -131,46 +131,67 @@ class SchedulerServer:
     def send_updates(self, reqs: list[Req]) -> None:
         updates = []
         for req in reqs:
-            start = self.sent.get(req.rid, 0)
-            rollback = None
-            if req.output_rollback is not None:
-                if req.output_rollback < start:
-                    rollback = start = req.output_rollback
-                req.output_rollback = None
-            n = len(req.output_ids)
-            sp = req.sampling_params
-            up = ReqUpdate(req.rid, req.output_ids[start:n], n,
-                           req.finish.to_dict() if req.finish else None,
-                           len(req.origin_input_ids), req.cached_tokens,
-                           sp.skip_special_tokens, sp.spaces_between_special_tokens,
-                           tuple(sp.stop_strs), sp.no_stop_trim, rollback_to=rollback,
-                           retractions=req.retractions,
-                           spec_verify_steps=req.spec_verify_steps,
-                           spec_verify_tokens=req.spec_verify_tokens)
-            if req.embedding is not None:
-                up.embedding = req.embedding
-            up.cached_tokens_details = req.cached_tokens_details
-            if req.return_logprob:
-                up.output_token_logprobs = list(zip(req.output_token_logprobs[start:n],
-                                                    req.output_ids[start:n]))
-                if req.top_logprobs_num:
-                    up.output_top_logprobs = req.output_top_logprobs[start:n]
-                if req.token_ids_logprob:
-                    up.output_token_ids_logprobs = req.output_token_ids_logprobs[start:n]
-                if req.rid not in self.input_lp_sent and (req.input_logprobs_done or req.finished):
-                    self.input_lp_sent.add(req.rid)
-                    start_pos = max(req.logprob_start_len, 0)
-                    up.input_token_logprobs = list(zip(req.input_token_logprobs,
-                                                       req.vocab_input_ids()[start_pos:]))
-                    up.input_top_logprobs = req.input_top_logprobs
-                    if req.token_ids_logprob:
-                        up.input_token_ids_logprobs = req.input_token_ids_logprobs
-            self.sent[req.rid] = n
-            if req.finished:
-                self.sent.pop(req.rid, None)
-                self.input_lp_sent.discard(req.rid)
-            updates.append(up)
+            try:
+                updates.append(self._update_of(req))
+            except Exception as e:  # this request's logprobs or fields: it fails alone
+                updates.append(self._failed_update(req, e))
         self.to_detok.send(pickle.dumps(BatchTokenOut(updates)))
+
+    def _failed_update(self, req: Req, exc: Exception) -> ReqUpdate:
+        """The update of a request whose own update could not be built: the scheduler fails it
+        (KV back, out of the batch; logged and counted) and the client gets an error."""
+        self.scheduler.fail_outside_step(req, exc, "building its update")
+        n_sent = self.sent.pop(req.rid, 0)  # the client has these tokens; no new ones follow
+        self.input_lp_sent.discard(req.rid)
+        finish = req.finish.to_dict()
+        if finish.get("status_code") is None:  # it had finished, but its answer is lost
+            finish = {"type": "abort", "status_code": 500,
+                      "message": f"internal error building its update: {type(exc).__name__}: {exc}"}
+        sp = req.sampling_params
+        return ReqUpdate(req.rid, [], n_sent, finish,
+                         len(req.origin_input_ids), req.cached_tokens, sp.skip_special_tokens,
+                         sp.spaces_between_special_tokens, tuple(sp.stop_strs), sp.no_stop_trim)
+
+    def _update_of(self, req: Req) -> ReqUpdate:
+        start = self.sent.get(req.rid, 0)
+        rollback = None
+        if req.output_rollback is not None:
+            if req.output_rollback < start:
+                rollback = start = req.output_rollback
+            req.output_rollback = None
+        n = len(req.output_ids)
+        sp = req.sampling_params
+        up = ReqUpdate(req.rid, req.output_ids[start:n], n,
+                       req.finish.to_dict() if req.finish else None,
+                       len(req.origin_input_ids), req.cached_tokens,
+                       sp.skip_special_tokens, sp.spaces_between_special_tokens,
+                       tuple(sp.stop_strs), sp.no_stop_trim, rollback_to=rollback,
+                       retractions=req.retractions,
+                       spec_verify_steps=req.spec_verify_steps,
+                       spec_verify_tokens=req.spec_verify_tokens)
+        if req.embedding is not None:
+            up.embedding = req.embedding
+        up.cached_tokens_details = req.cached_tokens_details
+        if req.return_logprob:
+            up.output_token_logprobs = list(zip(req.output_token_logprobs[start:n],
+                                                req.output_ids[start:n]))
+            if req.top_logprobs_num:
+                up.output_top_logprobs = req.output_top_logprobs[start:n]
+            if req.token_ids_logprob:
+                up.output_token_ids_logprobs = req.output_token_ids_logprobs[start:n]
+            if req.rid not in self.input_lp_sent and (req.input_logprobs_done or req.finished):
+                self.input_lp_sent.add(req.rid)
+                start_pos = max(req.logprob_start_len, 0)
+                up.input_token_logprobs = list(zip(req.input_token_logprobs,
+                                                   req.vocab_input_ids()[start_pos:]))
+                up.input_top_logprobs = req.input_top_logprobs
+                if req.token_ids_logprob:
+                    up.input_token_ids_logprobs = req.input_token_ids_logprobs
+        self.sent[req.rid] = n
+        if req.finished:
+            self.sent.pop(req.rid, None)
+            self.input_lp_sent.discard(req.rid)
+        return up
 
 
 def run_scheduler_process(args: ServerArgs, ipc: dict[str, str], ready_pipe) -> None:

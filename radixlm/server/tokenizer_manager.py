@@ -80,6 +80,7 @@ class TokenizerManager:
         self.recv = ctx.socket(zmq.PULL)
         self.recv.bind(ipc["tokenizer_in"])
         self.states: dict[str, ReqState] = {}
+        self.detokenizer_failures = 0  # requests the detokenizer failed (added to request_failures)
         self.control_waiters: dict[int, asyncio.Future] = {}
         self.control_ids = itertools.count()
         self.metrics = ServerMetrics(self.model_name, getattr(args, "metrics_names", "sglang")) \
@@ -110,6 +111,9 @@ class TokenizerManager:
                     state = self.states.get(tu.rid)
                     if state is not None:
                         self._apply(state, tu, now)
+                    if tu.failed:  # the detokenizer failed it: its KV goes back now
+                        self.detokenizer_failures += 1
+                        await self.abort_request(tu.rid)
             elif isinstance(msg, ControlReply):
                 fut = self.control_waiters.pop(msg.req_id, None)
                 if fut is not None and not fut.done():

@@ -252,3 +252,39 @@ def test_retraction_recomputes_image_features(ckpt):
         assert sum(o["meta_info"]["total_retractions"] for o in outs) >= 1
     finally:
         finish(eng)
+
+
+def test_failing_image_fails_only_its_request(ckpt, monkeypatch):
+    """An exception while encoding one request's image (the vision tower runs per request before
+    the batch's forward, runtime/scheduler/isolation.py) fails that request with an error; the
+    others get the tokens of a clean run, nothing leaks, the engine serves on."""
+    path, _, _, refs = ckpt
+    text = refs[0][0]
+    images = [lt.image(30 + i) for i in range(3)]
+    eng = engine(path)
+    try:
+        clean = [o["output_ids"] for o in eng.generate([text] * 3, GREEDY, image_data=images)]
+        eng.wait_idle()
+        eng.flush_cache()  # the images are encoded again, not served from the cache
+        model_cls = type(eng.scheduler.runner.model)
+        real, calls = model_cls._features, []
+
+        def features(self, item):
+            if item.features is None:
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("injected image failure")
+            return real(self, item)
+
+        monkeypatch.setattr(model_cls, "_features", features)
+        outs = eng.generate([text] * 3, GREEDY, image_data=images)
+        monkeypatch.undo()
+        reasons = [o["meta_info"]["finish_reason"] for o in outs]
+        assert reasons[1]["status_code"] == 500 and "image" in reasons[1]["message"], reasons
+        assert [outs[i]["output_ids"] for i in (0, 2)] == [clean[0], clean[2]]
+        assert eng.get_stats()["request_failures"] == 1
+        eng.wait_idle()
+        eng.check_integrity()
+        assert eng.generate(text, GREEDY, image_data=images[1])["output_ids"] == clean[1]
+    finally:
+        finish(eng)

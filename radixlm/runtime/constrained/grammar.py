@@ -158,14 +158,28 @@ class MaskBuffer:
         return self.buf[:rows]
 
 
-def apply_grammar_masks(logits: torch.Tensor, reqs: list, masks: MaskBuffer) -> None:
-    """logits (B, V): rows of requests with a grammar keep only the tokens it allows."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+def apply_grammar_masks(logits: torch.Tensor, reqs: list, masks: MaskBuffer,
+                        on_error=None) -> None:
+    """logits (B, V): rows of requests with a grammar keep only the tokens it allows. With
+    `on_error(req, exc)`, a request whose grammar raises is handed to it and its row left
+    unmasked (its token is dropped by the caller) instead of failing the whole batch."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished]
     if not rows:
         return
     bitmask = masks.get(len(reqs))
+    failed = []
     for i in rows:
-        reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        try:
+            reqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(reqs[i], e)
+            failed.append(i)
+    if failed:  # a half-filled row could block every token: those rows stay unmasked
+        rows = [i for i in rows if i not in failed]
+        if not rows:
+            return
     apply_bitmask_rows(logits, bitmask, rows, masks.vocab_size)
 
 

@@ -111,6 +111,14 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                                f"{filled} filled with image features")
         return super().forward(fb, input_embeds=x)
 
+    def encode_images(self, mm, start: int, ext: int) -> None:
+        """Run the vision tower for the images of one request that its tokens [start, start +
+        ext) reach, before the batch's forward (which then reuses the features): the scheduler
+        calls it per request, so a failing image fails only its request."""
+        for item in mm.images:
+            if item.offset < start + ext and item.offset + item.length > start:
+                self._features(item)
+
     def _features(self, item) -> torch.Tensor:
         if item.features is not None:
             return item.features

@@ -4,6 +4,8 @@ the scheduler's pools, tree, queues and stats, and settles an in-flight overlapp
 
 from __future__ import annotations
 
+import torch
+
 
 class Maintenance:
     def flush_cache(self, storage: bool = False) -> bool:
@@ -23,7 +25,12 @@ class Maintenance:
         """The stats the engine and the server report (get_stats, /metrics, /get_server_info)."""
         s = dict(self.stats, num_running=len(self.running), num_waiting=len(self.waiting),
                  kv_capacity=self.allocator.capacity, kv_free=self.allocator.available_size(),
-                 kv_cached=self.tree_cache.total_size())
+                 kv_cached=self.tree_cache.total_size(),
+                 # for leak checks (benchmarks/soak.py): locked tree tokens, free request rows
+                 kv_locked=self.tree_cache.protected_size(),
+                 req_slots_free=self.req_pool.available_size(), req_slots=self.req_pool.max_reqs,
+                 gpu_memory_allocated=(torch.cuda.memory_allocated(self.device)
+                                       if self.device.type == "cuda" else 0))
         if self.tiered:
             s["hicache"] = self.tree_cache.tier_stats()
         return s

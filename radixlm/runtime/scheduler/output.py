@@ -97,18 +97,10 @@ def check_finish(req: Req, token_id: int, context_len: int, tokenizer,
     return None
 
 
-def record_output_logprobs(reqs: list[Req], out) -> None:
-    """Append each request's chosen-token logprob and top-k list from a SampleOutput, and the
-    logprobs of its `token_ids_logprob` ids (gathered from the raw logits the sampler kept)."""
-    if out.logprobs is None:
-        return
-    rows = LogprobRows(out)
-    for i, req in enumerate(reqs):
-        rows.append(req, i)
-
-
 class LogprobRows:
-    """A SampleOutput's logprobs on the host (copied once), appended to requests row by row."""
+    """A SampleOutput's logprobs on the host (copied once), appended to requests row by row:
+    each request's chosen-token logprob and top-k list, and the logprobs of its
+    `token_ids_logprob` ids (gathered from the raw logits the sampler kept)."""
 
     def __init__(self, out):
         self.chosen = out.logprobs.tolist()
@@ -146,23 +138,34 @@ def record_input_ids_logprobs(req: Req, logits: torch.Tensor, first_pos: int) ->
     req.input_token_ids_logprobs.extend(ids_logprobs(logits, req.token_ids_logprob))
 
 
-def record_embeddings(rows, hidden: Optional[torch.Tensor]) -> None:
+def record_embeddings(rows, hidden: Optional[torch.Tensor], on_error) -> None:
     """Embedding requests: pool the final hidden states (`hidden` (N, H), the rows of the
     forward's logits) over the prompt ("mean": every position, accumulated across prefill
-    chunks; "last": the last position) and L2-normalize, as SGLang's pooler does."""
+    chunks; "last": the last position) and L2-normalize, as SGLang's pooler does. A request
+    whose pooling raises is handed to `on_error(req, exc)` (it fails alone) and skipped."""
     if hidden is None:
         return
     for req, first_row, n, _ in rows.input_spans:
-        if req.embed_pooling == "mean":
-            s = hidden[first_row : first_row + n].float().sum(dim=0)
-            req.embed_sum = s if req.embed_sum is None else req.embed_sum + s
-            req.embed_count += n
+        if req.embed_pooling == "mean" and not req.finished:
+            try:
+                s = hidden[first_row : first_row + n].float().sum(dim=0)
+                req.embed_sum = s if req.embed_sum is None else req.embed_sum + s
+                req.embed_count += n
+            except Exception as e:
+                on_error(req, e)
     for req, row in zip(rows.sample_reqs, rows.sample_rows):
-        if not req.embed_pooling:
+        if not req.embed_pooling or req.finished:
             continue
-        h = hidden[row].float()
-        if req.embed_pooling == "mean":
-            total = h if req.embed_sum is None else req.embed_sum + h
-            h = total / (req.embed_count + 1)
-            req.embed_sum = None
-        req.embedding = torch.nn.functional.normalize(h, dim=-1).tolist()
+        try:
+            req.embedding = _pooled(req, hidden[row].float())
+        except Exception as e:
+            on_error(req, e)
+
+
+def _pooled(req: Req, h: torch.Tensor) -> list[float]:
+    """The request's pooled, normalized embedding from its last row `h` (H,)."""
+    if req.embed_pooling == "mean":
+        total = h if req.embed_sum is None else req.embed_sum + h
+        h = total / (req.embed_count + 1)
+        req.embed_sum = None
+    return torch.nn.functional.normalize(h, dim=-1).tolist()

@@ -27,6 +27,7 @@ from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
 from radixlm.runtime.scheduler import decode
 from radixlm.runtime.scheduler.batch_builder import build_decode, build_extend
+from radixlm.runtime.scheduler.isolation import FaultIsolation
 from radixlm.runtime.scheduler.maintenance import Maintenance
 from radixlm.runtime.scheduler.output import record_embeddings
 from radixlm.runtime.scheduler.overlap import (InFlightDecode, chained_input_ids,
@@ -39,7 +40,7 @@ from radixlm.runtime.scheduler.waiting import WaitingQueue
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
+class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
     def __init__(self, args, runner, tokenizer=None):
         self.args = args
         self.runner = runner
@@ -67,9 +68,11 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
             self.prefix_grouper = PrefixGrouper(self.device)
         self.inflight: Optional[InFlightDecode] = None  # a launched decode step not yet completed
         self._deferred: list[Req] = []  # requests completed outside step(), reported by the next
+        self._failed: list[Req] = []  # failed during this step (isolation.py); step() sweeps them
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                       "retractions": 0, "forward_steps": 0, "extend_steps": 0,
                       "jump_forward_tokens": 0, "shared_prefix_steps": 0,
+                      "request_failures": 0, "oom_steps": 0,  # isolation.py
                       "busy_s": 0.0}  # wall time inside step(): busy_s / elapsed = saturation
         # speculative decoding (runtime/speculative): drafts verified in one forward per step
         self.spec = speculative.create(args, self)
@@ -100,7 +103,7 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
 
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked or self.inflight
-                    or self._deferred)
+                    or self._deferred or self._failed)
 
     # --- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -108,7 +111,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
         """Run one batch. Returns the requests that produced tokens or finished in this step."""
         t0 = time.perf_counter()
         try:
-            return self._step_or_chain()
+            done = self._step_or_chain()
+            return self._sweep_failed(done) if self._failed else done
         finally:
             self.stats["busy_s"] += time.perf_counter() - t0
 
@@ -121,6 +125,7 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
             prev, self.inflight = self.inflight, None
             chain = self._chainable()
             if chain:  # launch step N+1 first, then do step N's CPU work while the GPU runs
+                # (None after an OOM: the chain's requests failed; N's rows of them are dropped)
                 self.inflight = self._launch_decode(chain, chained_input_ids(prev, chain))
             done += self._complete_decode(prev)
             if self.inflight is not None:
@@ -221,7 +226,10 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
                 req.cached_tokens = req.kv_len
                 self.stats["prompt_tokens"] += len(req.origin_input_ids)
                 self.stats["cached_tokens"] += req.kv_len
+        reqs = self._encode_images(reqs)  # per request: a failing image fails only its own
         decoding = list(self.running) if mixed else []
+        if not reqs and not decoding:
+            return []
         for req in decoding:
             req.extend_len = 1
         t0 = time.perf_counter()
@@ -230,7 +238,9 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
         fb.num_decode_tail = len(decoding)
         if self.tiered:  # CUDA: each layer waits for its own loaded KV (mem_cache/host_pool.py)
             fb.kv_load_events = self.tree_cache.take_load_events()
-        logits = self.runner.forward(fb)  # (N, vocab)
+        logits = self._forward_or_oom(fb, reqs + decoding)  # (N, vocab)
+        if logits is None:  # a CUDA OOM failed the batch (step() reports it)
+            return []
         self.stats["forward_steps"] += 1
         self.stats["extend_steps"] += 1
         for req in reqs + decoding:
@@ -238,13 +248,14 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
         if self.spec is not None:  # EAGLE-3 keeps the target features of these rows
             self.spec.after_extend(fb, reqs + decoding)
         if any(r.embed_pooling for r in reqs):
-            record_embeddings(rows, getattr(fb, "hidden_states", None))
+            record_embeddings(rows, getattr(fb, "hidden_states", None),
+                              lambda r, e: self._fail_request(r, e, "pooling its embedding"))
         self._record_input_logprobs(logits, rows)
 
         n_new = len(rows.sample_reqs) - len(decoding)
         sample_reqs = rows.sample_reqs[:n_new]
         for req in reqs:
-            if req.is_chunked:
+            if req.is_chunked and not req.finished:  # (finished: failed in its logprobs)
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
                 self.chunked = req
         if decoding:
@@ -252,9 +263,13 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
                                                                device=self.device)])
         if not sample_reqs:
             return decoding
-        info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, self.device)
-        sample_logits = logits[torch.tensor(rows.sample_rows[:n_new], device=self.device)]
+        info, sample_reqs, sample_rows = self._sampling_info(sample_reqs, rows.sample_rows[:n_new])
+        if not sample_reqs:
+            return decoding
+        sample_logits = logits[torch.tensor(sample_rows, device=self.device)]
         out = self._sample(sample_logits, info, sample_reqs)
+        if out is None:  # a CUDA OOM failed them (step() reports it)
+            return decoding
         keep = self._process_tokens(sample_reqs, out)
         if self.tiered:  # the prefill rate storage loads must beat (the tokens synced the step)
             self.tree_cache.observe_prefill(sum(r.extend_len for r in reqs),
@@ -275,13 +290,16 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
         if self.spec is not None and self.spec.wants_verify(self):
             return self.spec.step(self) + aborted  # drafts verified, or a plain step
         step = self._launch_decode(list(self.running))
+        if step is None:  # a CUDA OOM failed the batch (step() reports it)
+            return aborted
         if self.overlap and self._overlappable():
             self.inflight = step  # completed by the next step(), after it launches its own
             return aborted
         return self._complete_decode(step) + aborted
 
-    def _launch_decode(self, reqs: list[Req], input_ids=None) -> InFlightDecode:
-        """Enqueue one decode step for `reqs` (== self.running, in order); no host sync."""
+    def _launch_decode(self, reqs: list[Req], input_ids=None) -> Optional[InFlightDecode]:
+        """Enqueue one decode step for `reqs` (== self.running, in order); no host sync. None
+        when a CUDA OOM failed the batch."""
         fb = build_decode(reqs, self.req_pool, self.allocator, self.tree_cache, self.device,
                           input_ids)
         # Shared-prefix groups run the decode step eagerly. Where a CUDA graph can take the batch
@@ -293,11 +311,14 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
         if self.prefix_grouper is not None and not self.runner.replays_decode_graph(len(reqs)):
             fb.prefix_groups = self.prefix_grouper.plan(reqs)
             self.stats["shared_prefix_steps"] += fb.prefix_groups is not None
-        logits = self.runner.forward(fb)
+        logits = self._forward_or_oom(fb, reqs)
+        if logits is None:
+            return None
         self.stats["forward_steps"] += 1
         for req in reqs:
             req.kv_len += 1
-        return start_host_copy(reqs, self._sample(logits, self.running_info, reqs))
+        out = self._sample(logits, self.running_info, reqs)
+        return None if out is None else start_host_copy(reqs, out)
 
     def _complete_decode(self, step: InFlightDecode) -> list[Req]:
         """Append a decode step's tokens, finish requests, drop them from the running batch.
@@ -330,6 +351,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue):
     def _decode_results(self, reqs: list[Req], logits) -> None:
         """Sample the running batch (`reqs` is self.running, logits its rows) and drop finished."""
         out = self._sample(logits, self.running_info, reqs)
+        if out is None:  # a CUDA OOM failed them; step() takes them out of the batch
+            return
         keep = self._process_tokens(reqs, out)
         if len(keep) != len(reqs):
             self.running = [reqs[i] for i in keep]

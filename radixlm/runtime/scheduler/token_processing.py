@@ -15,31 +15,42 @@ from radixlm.runtime.constrained.grammar import apply_grammar_masks
 from radixlm.runtime.constrained.jump_forward import try_jump_forward
 from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.sampling.logprobs import token_logprobs
-from radixlm.runtime.scheduler.output import (check_finish, record_input_ids_logprobs,
-                                              record_output_logprobs)
+from radixlm.runtime.scheduler.output import (LogprobRows, check_finish,
+                                              record_input_ids_logprobs)
 
 
 class TokenProcessing:
     def _sample(self, logits, info, reqs):
-        apply_grammar_masks(logits, reqs, self.masks)
+        """The sampled tokens of `reqs` (a SampleOutput); None when a CUDA OOM failed them."""
+        apply_grammar_masks(logits, reqs, self.masks,
+                            on_error=lambda r, e: self._fail_request(r, e, "its grammar's mask"))
         want_lp = any(r.return_logprob for r in reqs)
         top_k = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        return self.sampler(logits, info, reqs, want_lp, top_k)
+        return self._sample_or_oom(logits, info, reqs, want_lp, top_k)
 
     def _process_tokens(self, reqs: list[Req], out) -> list[int]:
-        """Append sampled tokens; finish requests. Returns the indices of requests still running."""
+        """Append sampled tokens; finish requests. Returns the indices of requests still running.
+        A request whose own handling raises fails alone (isolation.py); one that failed earlier
+        in this step (its grammar mask, its prompt logprobs) is skipped: its token is dropped."""
         tokens = out.next_token_ids.tolist()  # the step's one device->host sync
-        record_output_logprobs(reqs, out)
+        lp_rows = LogprobRows(out) if out.logprobs is not None else None
         keep = []
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
-            if req.sampling_params.max_new_tokens == 0:  # prompt-only request (e.g. scoring)
-                if req.output_token_logprobs:
-                    req.output_token_logprobs.clear()
-                    req.output_top_logprobs.clear()
-                self._finish(req, Finish(FinishReason.LENGTH, matched=0))
+            if req.finished:
                 continue
-            if self._append_token(req, tok):
-                keep.append(i)
+            try:
+                if lp_rows is not None:
+                    lp_rows.append(req, i)
+                if req.sampling_params.max_new_tokens == 0:  # prompt-only (e.g. scoring)
+                    if req.output_token_logprobs:
+                        req.output_token_logprobs.clear()
+                        req.output_top_logprobs.clear()
+                    self._finish(req, Finish(FinishReason.LENGTH, matched=0))
+                    continue
+                if self._append_token(req, tok):
+                    keep.append(i)
+            except Exception as e:
+                self._fail_request(req, e, "processing its sampled token")
         return keep
 
     def _append_token(self, req: Req, tok: int) -> bool:
@@ -102,20 +113,28 @@ class TokenProcessing:
         for req, first_row, n, first_pos in rows.input_spans:
             if req.embed_pooling:  # its rows were kept for pooling, not for logprobs
                 continue
-            record_input_ids_logprobs(req, logits[first_row : first_row + n], first_pos)
-            prompt = req.origin_input_ids if req.mm is None else req.vocab_input_ids()
-            targets = torch.tensor(prompt[first_pos : first_pos + n], device=self.device)
-            chosen, top_vals, top_ids = token_logprobs(logits[first_row : first_row + n], targets,
-                                                       req.top_logprobs_num)
-            if first_pos == 1 and req.logprob_start_len == 0 and not req.input_token_logprobs:
-                req.input_token_logprobs.append(None)  # the first token has no context to score it
-                req.input_top_logprobs.append(None)
-            req.input_token_logprobs.extend(chosen.tolist())
-            if req.top_logprobs_num:
-                for vals, ids in zip(top_vals.tolist(), top_ids.tolist()):
-                    req.input_top_logprobs.append(list(zip(vals, ids)))
-            else:
-                req.input_top_logprobs.extend([[] for _ in range(n)])
+            try:
+                self._record_prompt_logprobs(req, logits, first_row, n, first_pos)
+            except Exception as e:
+                self._fail_request(req, e, "its prompt logprobs")
         for req, *_ in rows.input_spans:
             if req.kv_len >= len(req.origin_input_ids):
                 req.input_logprobs_done = True
+
+    def _record_prompt_logprobs(self, req: Req, logits, first_row: int, n: int,
+                                first_pos: int) -> None:
+        """One request's prompt logprobs from its rows of an extend's logits."""
+        record_input_ids_logprobs(req, logits[first_row : first_row + n], first_pos)
+        prompt = req.origin_input_ids if req.mm is None else req.vocab_input_ids()
+        targets = torch.tensor(prompt[first_pos : first_pos + n], device=self.device)
+        chosen, top_vals, top_ids = token_logprobs(logits[first_row : first_row + n], targets,
+                                                   req.top_logprobs_num)
+        if first_pos == 1 and req.logprob_start_len == 0 and not req.input_token_logprobs:
+            req.input_token_logprobs.append(None)  # the first token has no context to score it
+            req.input_top_logprobs.append(None)
+        req.input_token_logprobs.extend(chosen.tolist())
+        if req.top_logprobs_num:
+            for vals, ids in zip(top_vals.tolist(), top_ids.tolist()):
+                req.input_top_logprobs.append(list(zip(vals, ids)))
+        else:
+            req.input_top_logprobs.extend([[] for _ in range(n)])

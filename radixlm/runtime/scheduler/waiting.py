@@ -13,6 +13,12 @@ from radixlm.runtime.scheduler.policy import match_len_cap
 
 class WaitingQueue:
     def add_request(self, req: Req) -> None:
+        try:
+            self._enqueue(req)
+        except Exception as e:  # this request's grammar or prefetch: it fails alone, reported
+            self._fail_request(req, e, "entering the waiting queue")  # by the next step
+
+    def _enqueue(self, req: Req) -> None:
         if self.spec is not None:
             req.spec_verify_steps = 0  # reported in meta_info (None: speculation off)
         c = constraint_of(req.sampling_params)
@@ -36,7 +42,7 @@ class WaitingQueue:
     def has_runnable_work(self) -> bool:
         """False when idle or when every waiting request still waits for its grammar (and
         none has waited past --grammar-compile-timeout)."""
-        if self.running or self.chunked or self.inflight or self._deferred:
+        if self.running or self.chunked or self.inflight or self._deferred or self._failed:
             return True
         if self.tiered and self.tree_cache.prefetch_news():
             return True  # a step applies them (a lookup's result starts its read)
@@ -65,5 +71,9 @@ class WaitingQueue:
                                                             f"{fut.exception()}")
             return False
         if req.grammar is None:
-            req.grammar = self.grammars.matcher(fut.result())
+            try:
+                req.grammar = self.grammars.matcher(fut.result())
+            except Exception as e:
+                self._fail_request(req, e, "creating its grammar matcher")
+                return False
         return True
