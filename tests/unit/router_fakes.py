@@ -26,7 +26,9 @@ class ThreadServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error", loop="asyncio"))
+                                                    log_level="error", loop="asyncio",
+                                                    # a test's slow handler (5 s) is cut, not awaited
+                                                    timeout_graceful_shutdown=0.5))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
