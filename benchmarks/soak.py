@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
 import platform
 import random
@@ -39,6 +37,7 @@ sys.path.insert(0, _ROOT)
 
 from benchmarks.soak_stats import leak_check, proc_tree, proc_tree_usage, trend  # noqa: E402
 from benchmarks.soak_traffic import Traffic, words  # noqa: E402
+from benchmarks.offline_throughput import emit_result  # noqa: E402
 from benchmarks.startup import git_commit  # noqa: E402
 
 # the series whose growth would be a leak; the KV ones follow the traffic and are reported only
@@ -216,17 +215,9 @@ def main(argv=None) -> int:
         "load_avg_start": load_start, "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "model": args.model_path or "bundled SmolLM2-135M-Instruct Q4_1 GGUF",
         "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "command": "python " + " ".join(map(shlex.quote, sys.argv if argv is None
-                                            else [__file__, *argv])),
     })
-    line = json.dumps(result)
-    print(line)
-    if args.result_file:
-        os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
-        with open(args.result_file, "a") as f:
-            f.write(line + "\n")
+    emit_result(result, args.result_file, __file__)  # + date and command; one JSON line
     acc = result["acceptance"]
     ok = acc["flat_within_2pct"] and acc["no_leak"] and acc["no_bad_answers"] and not left
     return 0 if ok else 1
