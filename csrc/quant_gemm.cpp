@@ -37,9 +37,12 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "quant_avx512.h"
 #include "quant_formats.h"
+#include "quant_pool.h"
 
 using namespace radixlm_quant;
 
@@ -75,13 +78,75 @@ inline void row_dot(const float* x, int64_t K, const uint8_t* wrow, float* y, in
   }
 }
 
-template <class F>
-void gemm_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
-  const int64_t row_bytes = K / F::BK * F::BYTES;
+// The AVX-512 kernel of a format (quant_avx512.h), void where there is none (row_dot runs).
+template <class F> struct Fast { using type = void; };
+#ifdef RLQ_AVX512
+template <> struct Fast<Q4_1> { using type = Q4_1x16; };
+template <> struct Fast<Q8_0> { using type = Q8_0x16; };
+#endif
+
+// gemm_impl's work on AVX-512 for the formats quant_avx512.h has: the same task split, the
+// block sums of x computed once for all of them. Few rows (decode) run on the claim pool
+// (quant_pool.h: the caller never waits for a helper that is off its core); many rows, or a
+// pool busy with another caller, on OpenMP as before.
+template <class G>
+struct FastJob {
+  const float* x; const float* xs; int64_t M, K, N; const uint8_t* w; float* y;
+
+  void task(int64_t t) const {
+#ifdef RLQ_AVX512
+    const int64_t nblk = K / 32;
+    const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      const int mb = left >= 8 ? 8 : static_cast<int>(left);
+      const float* xm = x + m0 * K;
+      const float* sm = xs + m0 * nblk;
+      float* ym = y + m0 * N;
+      switch (mb) {
+        case 8: rows512<G, 8>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 7: rows512<G, 7>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 6: rows512<G, 6>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 5: rows512<G, 5>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 4: rows512<G, 4>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 3: rows512<G, 3>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 2: rows512<G, 2>(xm, sm, K, w, n0, n1, ym, N); break;
+        default: rows512<G, 1>(xm, sm, K, w, n0, n1, ym, N); break;
+      }
+      m0 += mb;
+    }
+#else
+    (void)t;
+#endif
+  }
+  static void call(void* self, int64_t t) { static_cast<const FastJob*>(self)->task(t); }
+};
+
+constexpr int64_t kPoolMaxM = 16;  // rows up to which the claim pool runs a GEMM
+
+template <class G>
+void gemm_fast(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+#ifdef RLQ_AVX512
+  std::vector<float> xs(M * (K / 32));
+  block_sums(x, M, K, xs.data());
+  FastJob<G> job{x, xs.data(), M, K, N, w, y};
   const int64_t ntask = (N + NB - 1) / NB;
   const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)  // a preempted thread holds 1 task
-  for (int64_t t = 0; t < ntask; ++t) {
+  if (M <= kPoolMaxM && claim_pool().run(ntask, nt - 1, &FastJob<G>::call, &job)) return;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t t = 0; t < ntask; ++t) job.task(t);
+#else
+  (void)x, (void)M, (void)K, (void)w, (void)N, (void)y;
+#endif
+}
+
+// The direct kernel's task t: W rows [t * NB, t * NB + NB) against every row of x.
+template <class F>
+struct DirectJob {
+  const float* x; int64_t M, K, N; const uint8_t* w; float* y;
+
+  void task(int64_t t) const {
+    const int64_t row_bytes = K / F::BK * F::BYTES;
     const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
     for (int64_t m0 = 0; m0 < M;) {
       // any 1..8 rows in one tile: a block is dequantized once per tile, and that (not the
@@ -107,6 +172,23 @@ void gemm_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
       m0 += mb;
     }
   }
+  static void call(void* self, int64_t t) { static_cast<const DirectJob*>(self)->task(t); }
+};
+
+template <class F>
+void gemm_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+  if constexpr (!std::is_void_v<typename Fast<F>::type>) {
+    gemm_fast<typename Fast<F>::type>(x, M, K, w, N, y);
+    return;
+  }
+  const DirectJob<F> job{x, M, K, N, w, y};
+  const int64_t ntask = (N + NB - 1) / NB;
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+  if (M <= kPoolMaxM &&
+      claim_pool().run(ntask, nt - 1, &DirectJob<F>::call, const_cast<DirectJob<F>*>(&job)))
+    return;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)  // a preempted thread holds 1 task
+  for (int64_t t = 0; t < ntask; ++t) job.task(t);
 }
 
 // rows n < N of w (N, row_bytes) -> out (N, K) fp32, on the calling thread
@@ -303,7 +385,14 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
   return yT.t().contiguous();
 }
 
-std::string isa() { return kQuantIsa; }
+// "avx512" where the Q4_1 / Q8_0 direct kernels are quant_avx512.h's (the rest is AVX2 there)
+std::string isa() {
+#ifdef RLQ_AVX512
+  return "avx512";
+#else
+  return kQuantIsa;
+#endif
+}
 
 TORCH_LIBRARY(radixlm_quant, m) {
   m.def("gemm(Tensor x, Tensor w, int fmt, int K) -> Tensor");

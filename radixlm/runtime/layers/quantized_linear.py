@@ -95,7 +95,7 @@ def keep_quantized(setting: str, device: torch.device, load_format: str, tp_size
                                f"unavailable: {e}") from None
         quant_kernels.warn_fallback(str(e))
         return False
-    return setting == "on" or isa == "avx2"
+    return setting == "on" or isa in ("avx2", "avx512")
 
 
 def keep_dense_rows(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
