@@ -30,6 +30,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <omp.h>
 #include <torch/library.h>
 
@@ -123,6 +125,52 @@ struct FastJob {
 };
 
 constexpr int64_t kPoolMaxM = 16;  // rows up to which the claim pool runs a GEMM
+
+#ifdef RLQ_AVX512BF16
+// Q4_1 with bf16 x (quant_avx512.h's row_dot_q41_bf16): FastJob's split on x's own bf16 values.
+struct Q41Bf16Job {
+  const uint16_t* x; const float* xs; int64_t M, K, N; const uint8_t* w; float* y; __m512i table;
+
+  void task(int64_t t) const {
+    const int64_t nblk = K / 32, row_bytes = nblk * Q4_1x16::BYTES;
+    const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      const int mb = left >= 8 ? 8 : static_cast<int>(left);
+      const uint16_t* xm = x + m0 * K;
+      const float* sm = xs + m0 * nblk;
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wr = w + n * row_bytes;
+        float* ym = y + m0 * N + n;
+        switch (mb) {
+          case 8: row_dot_q41_bf16<8>(xm, sm, K, wr, ym, N, table); break;
+          case 7: row_dot_q41_bf16<7>(xm, sm, K, wr, ym, N, table); break;
+          case 6: row_dot_q41_bf16<6>(xm, sm, K, wr, ym, N, table); break;
+          case 5: row_dot_q41_bf16<5>(xm, sm, K, wr, ym, N, table); break;
+          case 4: row_dot_q41_bf16<4>(xm, sm, K, wr, ym, N, table); break;
+          case 3: row_dot_q41_bf16<3>(xm, sm, K, wr, ym, N, table); break;
+          case 2: row_dot_q41_bf16<2>(xm, sm, K, wr, ym, N, table); break;
+          default: row_dot_q41_bf16<1>(xm, sm, K, wr, ym, N, table); break;
+        }
+      }
+      m0 += mb;
+    }
+  }
+  static void call(void* self, int64_t t) { static_cast<const Q41Bf16Job*>(self)->task(t); }
+};
+
+void gemm_q41_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                   float* y) {
+  std::vector<float> xs(M * (K / 32));
+  block_sums_bf16(x, M, K, xs.data());
+  Q41Bf16Job job{x, xs.data(), M, K, N, w, y, q4_bf16_table()};
+  const int64_t ntask = (N + NB - 1) / NB;
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+  if (M <= kPoolMaxM && claim_pool().run(ntask, nt - 1, &Q41Bf16Job::call, &job)) return;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t t = 0; t < ntask; ++t) job.task(t);
+}
+#endif
 
 template <class G>
 void gemm_fast(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
@@ -245,6 +293,17 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_
   check_w(w, fmt, K);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && x_in.device().is_cpu(),
               "quant_gemm: x must be a (M, K) CPU tensor");
+#ifdef RLQ_AVX512BF16
+  if (fmt == 3 && x_in.scalar_type() == at::kBFloat16) {  // a bf16 model's Q4_1 layers
+    const at::Tensor xb = x_in.contiguous();
+    const int64_t M = xb.size(0), N = w.size(0);
+    at::Tensor y = at::empty({M, N}, xb.options().dtype(at::kFloat));
+    if (M == 0 || N == 0) return y;
+    gemm_q41_bf16(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, K, w.data_ptr<uint8_t>(),
+                  N, y.data_ptr<float>());
+    return y;
+  }
+#endif
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -257,6 +316,22 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_
     case 8: gemm_impl<Q8_0>(xp, M, K, wp, N, yp); break;
     case 12: gemm_impl<Q4_K>(xp, M, K, wp, N, yp); break;
     default: gemm_impl<Q6_K>(xp, M, K, wp, N, yp); break;
+  }
+  return y;
+}
+
+// gemm(x, w).to(x.dtype).float() in one pass on this thread: the logits of a bf16 / fp16 model
+// (LlamaForCausalLM.compute_logits rounds them through the hidden states' dtype). Two torch
+// casts of SmolLM2's 49152 logits each ran a 2-thread OpenMP region, ~10% of a batch-1 decode
+// step on the loaded 2-core box; the rounding is c10's, the same round-to-nearest-even.
+at::Tensor gemm_rounded(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+  at::Tensor y = gemm(x_in, w, fmt, K);
+  float* p = y.data_ptr<float>();
+  const int64_t n = y.numel();
+  if (x_in.scalar_type() == at::kBFloat16) {
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
+  } else if (x_in.scalar_type() == at::kHalf) {
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(c10::Half(p[i]));
   }
   return y;
 }
@@ -385,9 +460,12 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
   return yT.t().contiguous();
 }
 
-// "avx512" where the Q4_1 / Q8_0 direct kernels are quant_avx512.h's (the rest is AVX2 there)
+// "avx512" where the Q4_1 / Q8_0 direct kernels are quant_avx512.h's (the rest is AVX2 there),
+// "avx512bf16" where Q4_1 with bf16 x also takes VDPBF16PS
 std::string isa() {
-#ifdef RLQ_AVX512
+#if defined(RLQ_AVX512BF16)
+  return "avx512bf16";
+#elif defined(RLQ_AVX512)
   return "avx512";
 #else
   return kQuantIsa;
@@ -396,6 +474,7 @@ std::string isa() {
 
 TORCH_LIBRARY(radixlm_quant, m) {
   m.def("gemm(Tensor x, Tensor w, int fmt, int K) -> Tensor");
+  m.def("gemm_rounded(Tensor x, Tensor w, int fmt, int K) -> Tensor");
   m.def("gemm_tiled(Tensor x, Tensor w, int fmt, int K) -> Tensor");
   m.def("gemm_chunked(Tensor x, Tensor w, int fmt, int K) -> Tensor");
   m.def("dequant(Tensor w, int fmt, int K) -> Tensor");
@@ -404,6 +483,7 @@ TORCH_LIBRARY(radixlm_quant, m) {
 
 TORCH_LIBRARY_IMPL(radixlm_quant, CPU, m) {
   m.impl("gemm", &gemm);
+  m.impl("gemm_rounded", &gemm_rounded);
   m.impl("gemm_tiled", &gemm_tiled);
   m.impl("gemm_chunked", &gemm_chunked);
   m.impl("dequant", &dequant);

@@ -8,6 +8,7 @@ warning per process when a caller falls back to dequantized weights.
 
 Ops (CPU tensors; formats by ggml type id: Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14):
   gemm(x (M, K) fp32/bf16/fp16, w (N, row_bytes) uint8, fmt, K) -> (M, N) fp32   (direct)
+  gemm_rounded(...): gemm(...).to(x.dtype).float() in one call (a model's logits)
   gemm_tiled(...), gemm_chunked(...): the same product through dequantized fp32 tiles / chunks
       and BLAS (prefill); quantized_linear picks one per M
   dequant(w (N, row_bytes) uint8, fmt, K) -> (N, K) fp32, bit-identical to gguf.quants
