@@ -10,7 +10,7 @@ tokens / second of the whole call (prefill of the ~40-token prompt included; eac
 an empty cache on both sides: radixlm flushes its radix cache, llama.cpp resets its context).
 Each side runs in its own fresh process, one after the other, never both at once, with its
 default thread count (what a new user gets: llama-cpp-python takes half the cores, radixlm all),
-unless --llama-threads says otherwise. Load time: the constructor (`Engine()`, `Llama(...)`),
+unless --llama-threads / --radixlm-threads say otherwise. Load time: the constructor (`Engine()`, `Llama(...)`),
 after the imports, on a warm cache (radixlm's start-up cache exists after the first run; the
 script starts one radixlm process first to make sure). `--hf-folder` adds radixlm alone on an HF
 safetensors folder in bf16 (benchmarks/peers/convert_model.py writes one from the GGUF).
@@ -50,6 +50,9 @@ t0 = time.perf_counter()
 import radixlm
 t1 = time.perf_counter()
 kw = json.loads(sys.argv[1])
+import torch
+if kw.get("threads"):
+    torch.set_num_threads(kw["threads"])
 engine = radixlm.Engine(**kw["engine"])
 t2 = time.perf_counter()
 sp = {"temperature": 0, "max_new_tokens": kw["n"], "ignore_eos": True}
@@ -60,7 +63,6 @@ for _ in range(kw["runs"]):
     t = time.perf_counter()
     out = engine.generate(kw["prompt"], sp)
     runs.append(len(out["output_ids"]) / (time.perf_counter() - t))
-import torch
 print(json.dumps({"tok_s": max(runs), "runs": runs, "import_s": t1 - t0, "load_s": t2 - t1,
                   "threads": torch.get_num_threads(), "n": len(out["output_ids"]),
                   "text": out["text"], "ids": out["output_ids"][:32]}))
@@ -120,6 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-python", default=None,
                    help="python of a venv with llama-cpp-python (omit: radixlm only)")
     p.add_argument("--llama-threads", type=int, default=0, help="0: llama-cpp-python's default")
+    p.add_argument("--radixlm-threads", type=int, default=0, help="0: radixlm's default (all cores)")
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2)")
     p.add_argument("--hf-folder", default=None,
                    help="also radixlm on this HF folder in bf16 ('convert': write it from the GGUF)")
@@ -140,7 +143,7 @@ def main(argv=None) -> dict:
                   "max_new_tokens": args.max_new_tokens, "runs": args.runs,
                   "load_avg_start": load_avg()}
     rl_kw = {"engine": {"model_path": model}, "prompt": PROMPT, "n": args.max_new_tokens,
-             "runs": args.runs}
+             "runs": args.runs, "threads": args.radixlm_threads}
     # the start-up cache: made by a first process if missing, so the measured one is warm
     _child(sys.executable, _RADIXLM_CHILD, dict(rl_kw, runs=1, n=8), args.timeout)
     rl = _child(sys.executable, _RADIXLM_CHILD, rl_kw, args.timeout)

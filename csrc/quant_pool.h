@@ -33,6 +33,10 @@ class ClaimPool {
   // nothing run) while another thread is running a job here: that caller takes another path.
   bool run(int64_t ntask, int helpers, void (*fn)(void*, int64_t), void* ctx) {
     if (busy_.exchange(true, std::memory_order_acquire)) return false;
+    if (backoff_ > 0) {  // a helper stalled a recent job: alone for a while (see below)
+      --backoff_;
+      helpers = 0;
+    }
     if (helpers <= 0 || ntask <= 1) {
       for (int64_t i = 0; i < ntask; ++i) fn(ctx, i);
       busy_.store(false, std::memory_order_release);
@@ -55,8 +59,16 @@ class ClaimPool {
     }
     int64_t mine = 0;
     for (int64_t i; (i = claim(gen)) >= 0; ++mine) fn(ctx, i);
-    // only tasks a helper claimed are left: wait for those
-    while (done_.load(std::memory_order_acquire) + mine < ntask) _mm_pause();
+    // only tasks a helper claimed are left: wait for those. A helper preempted in a task holds
+    // the caller until its next time slice (milliseconds on a loaded box): after such a wait the
+    // next kBackoffJobs jobs run on the caller alone (~30 SmolLM2 decode steps), then helpers are
+    // tried again. On a quiet box no wait is that long and the helpers always take part.
+    if (done_.load(std::memory_order_acquire) + mine < ntask) {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (done_.load(std::memory_order_acquire) + mine < ntask) _mm_pause();
+      if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(kStallUs))
+        backoff_ = kBackoffJobs;
+    }
     busy_.store(false, std::memory_order_release);
     return true;
   }
@@ -112,6 +124,9 @@ class ClaimPool {
   }
 
   static constexpr int kSpinUs = 2000;  // > the gaps between a decode step's GEMMs
+  static constexpr int kStallUs = 200;   // a wait this long: the helper was off its core
+  static constexpr int kBackoffJobs = 4096;
+  int backoff_ = 0;                      // jobs left to run without helpers (caller's only)
   static constexpr uint64_t kClosed = 0xffffffffu;  // "next task" of a job being replaced
   std::atomic<uint64_t> state_{0};      // job generation << 32 | next task
   std::atomic<int64_t> ntask_{0};
