@@ -129,6 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0, help="per child process, seconds")
+    p.add_argument("--label", default="", help="a note kept in the line (e.g. which build)")
     p.add_argument("--save", action="store_true", help=f"append the line to {RESULT_FILE}")
     return p.parse_args(argv)
 
@@ -138,7 +139,7 @@ def main(argv=None) -> dict:
     from radixlm.runtime.models import loader
 
     model = args.model or loader.default_model_path()
-    line: dict = {"benchmark": "cpu_bs1", "model": os.path.basename(model),
+    line: dict = {"benchmark": "cpu_bs1", "label": args.label, "model": os.path.basename(model),
                   "prompt": "ChatML, default system prompt, user: " + USER_TURN,
                   "max_new_tokens": args.max_new_tokens, "runs": args.runs,
                   "load_avg_start": load_avg()}

@@ -13,8 +13,9 @@ The switch is ServerArgs.gguf_keep_quantized ("auto" | "on" | "off"), overridden
 environment variable RADIXLM_GGUF_KEEP_QUANTIZED (same values). It applies to GGUF files on the
 CPU only; `on` on CUDA or under tensor parallelism is an error (no GPU kernel; sharding splits
 dense weights). `auto` turns it on where the benchmark shows it faster: on a CPU whose kernel
-build has the AVX2+FMA path (the generic scalar build is correct but was never measured faster,
-so auto leaves it off). If the kernel cannot be built, `auto` logs ONE warning and dequantizes as
+build has the AVX2+FMA path, or AVX-512 (isa "avx512": Q4_1 / Q8_0 with the block scales
+factored out; "avx512bf16": also Q4_1 times bf16 activations by VDPBF16PS) (the generic scalar
+build is correct but was never measured faster, so auto leaves it off). If the kernel cannot be built, `auto` logs ONE warning and dequantizes as
 before; `on` raises. Memory: SmolLM2's engine RSS drops from ~940 MB to ~470 MB (no fp32 copies).
 
 Dense rows (`auto`, bf16, a CPU with native bf16 matmul: avx512_bf16 / AMX): there oneDNN's bf16
