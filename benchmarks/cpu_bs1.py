@@ -33,9 +33,8 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 sys.path.insert(0, _ROOT)
-sys.path.insert(0, os.path.join(_HERE, "peers"))
 
-from compare import cpu_info, git_commit, load_avg  # noqa: E402 (benchmarks/peers/compare.py)
+from benchmarks.peers.compare import cpu_info, git_commit, load_avg  # noqa: E402
 
 RESULT_FILE = os.path.join(_HERE, "results", "cpu_bs1-cpu.jsonl")
 USER_TURN = "Write a short story about a robot who learns to paint."
@@ -163,7 +162,7 @@ def main(argv=None) -> dict:
     if args.hf_folder:
         folder = args.hf_folder
         if folder == "convert":
-            from convert_model import convert  # benchmarks/peers/convert_model.py
+            from benchmarks.peers.convert_model import convert
 
             folder = convert(model)
         hf = _child(sys.executable, _RADIXLM_CHILD,
