@@ -18,8 +18,11 @@
 // once, as d * q + m does; Q6_K's (d * sc) * q rounds once in both), so y differs from
 // "dequantize, then fp32 matmul" only in summation order.
 //
-// Work split: OpenMP (dynamic: on a shared box a preempted thread then delays only its current
-// task) over blocks of NB output rows; inside, each x tile of MB <= 8 rows runs
+// Work split: for up to 16 rows (decode) the claim pool of quant_pool.h, in chunks of whole
+// NB-row tasks (~8 per thread); otherwise OpenMP (dynamic: on a shared box a preempted thread
+// then delays only its current task) over blocks of NB output rows. On AVX-512 the Q4_1 / Q8_0
+// kernels are quant_avx512.h's (block scales factored out; Q4_1 x bf16 by VDPBF16PS where the
+// CPU has AVX512-BF16). Inside a task, each x tile of MB <= 8 rows runs
 // against each W row of the block (the W block stays in L1/L2 across the x tiles). Decode
 // (M = 1..8) reads every weight byte once: 4-8x fewer bytes than the fp32 GEMM's weights.
 // Large M is better served by dequantized fp32 + a BLAS GEMM: gemm_tiled (per-thread tiles) and
@@ -94,11 +97,12 @@ template <> struct Fast<Q8_0> { using type = Q8_0x16; };
 template <class G>
 struct FastJob {
   const float* x; const float* xs; int64_t M, K, N; const uint8_t* w; float* y;
+  int64_t nb = NB;  // W rows per task
 
   void task(int64_t t) const {
 #ifdef RLQ_AVX512
     const int64_t nblk = K / 32;
-    const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
+    const int64_t n0 = t * nb, n1 = std::min(N, n0 + nb);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t left = M - m0;
       const int mb = left >= 8 ? 8 : static_cast<int>(left);
@@ -126,14 +130,30 @@ struct FastJob {
 
 constexpr int64_t kPoolMaxM = 16;  // rows up to which the claim pool runs a GEMM
 
+// A job on the claim pool in chunks of whole NB-row tasks, ~8 per thread: each claim is an
+// atomic on a line the threads share, and SmolLM2's head in 16-row tasks made 3072 of them a
+// call. False where the pool is busy (the caller then takes OpenMP).
+template <class Job>
+bool pool_run(Job& job, int64_t N) {
+  const int nt = std::max(1, at::get_num_threads());
+  const int64_t per = (N + 8 * nt - 1) / (8 * nt);
+  job.nb = std::max<int64_t>(NB, (per + NB - 1) / NB * NB);
+  const int64_t ntask = (N + job.nb - 1) / job.nb;
+  const int helpers = static_cast<int>(std::min<int64_t>(nt, ntask)) - 1;
+  if (claim_pool().run(ntask, helpers, &Job::call, &job)) return true;
+  job.nb = NB;
+  return false;
+}
+
 #ifdef RLQ_AVX512BF16
 // Q4_1 with bf16 x (quant_avx512.h's row_dot_q41_bf16): FastJob's split on x's own bf16 values.
 struct Q41Bf16Job {
   const uint16_t* x; const float* xs; int64_t M, K, N; const uint8_t* w; float* y; __m512i table;
+  int64_t nb = NB;  // W rows per task
 
   void task(int64_t t) const {
     const int64_t nblk = K / 32, row_bytes = nblk * Q4_1x16::BYTES;
-    const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
+    const int64_t n0 = t * nb, n1 = std::min(N, n0 + nb);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t left = M - m0;
       const int mb = left >= 8 ? 8 : static_cast<int>(left);
@@ -164,9 +184,9 @@ void gemm_q41_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, in
   std::vector<float> xs(M * (K / 32));
   block_sums_bf16(x, M, K, xs.data());
   Q41Bf16Job job{x, xs.data(), M, K, N, w, y, q4_bf16_table()};
+  if (M <= kPoolMaxM && pool_run(job, N)) return;
   const int64_t ntask = (N + NB - 1) / NB;
   const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
-  if (M <= kPoolMaxM && claim_pool().run(ntask, nt - 1, &Q41Bf16Job::call, &job)) return;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
   for (int64_t t = 0; t < ntask; ++t) job.task(t);
 }
@@ -178,9 +198,9 @@ void gemm_fast(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
   std::vector<float> xs(M * (K / 32));
   block_sums(x, M, K, xs.data());
   FastJob<G> job{x, xs.data(), M, K, N, w, y};
+  if (M <= kPoolMaxM && pool_run(job, N)) return;
   const int64_t ntask = (N + NB - 1) / NB;
   const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
-  if (M <= kPoolMaxM && claim_pool().run(ntask, nt - 1, &FastJob<G>::call, &job)) return;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
   for (int64_t t = 0; t < ntask; ++t) job.task(t);
 #else
@@ -192,10 +212,11 @@ void gemm_fast(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
 template <class F>
 struct DirectJob {
   const float* x; int64_t M, K, N; const uint8_t* w; float* y;
+  int64_t nb = NB;  // W rows per task
 
   void task(int64_t t) const {
     const int64_t row_bytes = K / F::BK * F::BYTES;
-    const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
+    const int64_t n0 = t * nb, n1 = std::min(N, n0 + nb);
     for (int64_t m0 = 0; m0 < M;) {
       // any 1..8 rows in one tile: a block is dequantized once per tile, and that (not the
       // bytes) is most of the cost, so M = 3, 5, 6, 7 (speculative verifies) take one pass
@@ -229,12 +250,10 @@ void gemm_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
     gemm_fast<typename Fast<F>::type>(x, M, K, w, N, y);
     return;
   }
-  const DirectJob<F> job{x, M, K, N, w, y};
+  DirectJob<F> job{x, M, K, N, w, y};
+  if (M <= kPoolMaxM && pool_run(job, N)) return;
   const int64_t ntask = (N + NB - 1) / NB;
   const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
-  if (M <= kPoolMaxM &&
-      claim_pool().run(ntask, nt - 1, &DirectJob<F>::call, const_cast<DirectJob<F>*>(&job)))
-    return;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)  // a preempted thread holds 1 task
   for (int64_t t = 0; t < ntask; ++t) job.task(t);
 }
