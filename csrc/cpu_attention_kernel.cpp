@@ -59,6 +59,7 @@ namespace {
 constexpr int KB = 64;            // keys per block (multiple of 8 and of W)
 constexpr int kTargetRows = 96;   // query rows (tokens x G heads) per extend task
 constexpr int kMinSplit = 128;    // fewest keys worth a split of their own
+constexpr int64_t kMinParallelWork = 1 << 14;  // (key, query row) pairs worth a 2nd thread
 #if defined(__AVX512F__)
 constexpr int MR = 12, NV = 2;    // 24 accumulators + 2 B vectors + 1 broadcast of 32 registers
 #else
@@ -389,12 +390,18 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
   [[maybe_unused]] const at::ScalarType kv_type =
       std::is_same_v<TK, float> ? at::kFloat
                                 : (std::is_same_v<TK, c10::BFloat16> ? at::kBFloat16 : at::kHalf);
-  const int nt = std::max(1, at::get_num_threads()), H = c.Hkv;
-  int64_t base = 0;
+  const int H = c.Hkv;
+  int64_t base = 0, work = 0;
   for (auto& sq : seqs) {
     sq.qb = std::max(1, std::min(sq.n_q, kTargetRows / c.G));
     base += (sq.n_q + sq.qb - 1) / sq.qb;
+    work += sq.kv_len * sq.n_q;
   }
+  // Little work (batch-1 decode of a short context: SmolLM2 at 300 keys is ~20 us) runs on this
+  // thread alone, unsplit: a 2-thread OpenMP region here woke the team's other thread (asleep
+  // while the GEMMs ran on quant_pool.h's helper) twice a layer, and that wait was ~80% of a
+  // batch-1 decode step on the loaded 2-core box (py-spy, 2026-11-27)
+  const int nt = work * H * c.G < kMinParallelWork ? 1 : std::max(1, at::get_num_threads());
   // too few work items to keep every thread busy (batch-1 decode, one shared prefix): split the
   // key ranges of long sequences so there are ~8 items per thread
   const int64_t want = nt > 1 ? 8 * nt : 0;

@@ -18,8 +18,11 @@
 // once, as d * q + m does; Q6_K's (d * sc) * q rounds once in both), so y differs from
 // "dequantize, then fp32 matmul" only in summation order.
 //
-// Work split: OpenMP (dynamic: on a shared box a preempted thread then delays only its current
-// task) over blocks of NB output rows; inside, each x tile of MB <= 8 rows runs
+// Work split: for up to 16 rows (decode) the claim pool of quant_pool.h, in chunks of whole
+// NB-row tasks (~8 per thread); otherwise OpenMP (dynamic: on a shared box a preempted thread
+// then delays only its current task) over blocks of NB output rows. On AVX-512 the Q4_1 / Q8_0
+// kernels are quant_avx512.h's (block scales factored out; Q4_1 x bf16 by VDPBF16PS where the
+// CPU has AVX512-BF16). Inside a task, each x tile of MB <= 8 rows runs
 // against each W row of the block (the W block stays in L1/L2 across the x tiles). Decode
 // (M = 1..8) reads every weight byte once: 4-8x fewer bytes than the fp32 GEMM's weights.
 // Large M is better served by dequantized fp32 + a BLAS GEMM: gemm_tiled (per-thread tiles) and
@@ -30,6 +33,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <omp.h>
 #include <torch/library.h>
 
@@ -37,77 +42,15 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "quant_direct.h"
 #include "quant_formats.h"
 
 using namespace radixlm_quant;
 
 namespace {
-
-constexpr int NB = 16;  // output rows per task: their blocks stay cached across the x tiles
-
-// y[m, n] for m < MB (rows x + m * K) and one W row of K / F::BK blocks. Accumulators: NA per x
-// row, so MB * NA independent FMA chains (>= 4) hide the FMA latency.
-template <class F, int MB>
-inline void row_dot(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
-  constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  V acc[MB][NA];
-  for (int m = 0; m < MB; ++m)
-    for (int a = 0; a < NA; ++a) acc[m][a] = vzero();
-  const int64_t nblk = K / F::BK;
-  for (int64_t bi = 0; bi < nblk; ++bi) {
-    const uint8_t* b = wrow + bi * F::BYTES;
-    const auto p = F::prep(b);
-    for (int g = 0; g < F::BK / 32; ++g) {
-      V w[4];
-      F::group(b, p, g, w);
-      const float* xk = x + bi * F::BK + g * 32;
-      for (int m = 0; m < MB; ++m)
-        for (int i = 0; i < 4; ++i)
-          acc[m][i % NA] = vfma(w[i], vload(xk + m * K + 8 * i), acc[m][i % NA]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    V s = acc[m][0];
-    for (int a = 1; a < NA; ++a) s = vadd(s, acc[m][a]);
-    y[m * ldy] = vhsum(s);
-  }
-}
-
-template <class F>
-void gemm_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
-  const int64_t row_bytes = K / F::BK * F::BYTES;
-  const int64_t ntask = (N + NB - 1) / NB;
-  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)  // a preempted thread holds 1 task
-  for (int64_t t = 0; t < ntask; ++t) {
-    const int64_t n0 = t * NB, n1 = std::min(N, n0 + NB);
-    for (int64_t m0 = 0; m0 < M;) {
-      // any 1..8 rows in one tile: a block is dequantized once per tile, and that (not the
-      // bytes) is most of the cost, so M = 3, 5, 6, 7 (speculative verifies) take one pass
-      // instead of the 2-3 a {8, 4, 2, 1} split needs
-      const int64_t left = M - m0;
-      const int mb = left >= 8 ? 8 : static_cast<int>(left);
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* wr = w + n * row_bytes;
-        const float* xm = x + m0 * K;
-        float* ym = y + m0 * N + n;
-        switch (mb) {
-          case 8: row_dot<F, 8>(xm, K, wr, ym, N); break;
-          case 7: row_dot<F, 7>(xm, K, wr, ym, N); break;
-          case 6: row_dot<F, 6>(xm, K, wr, ym, N); break;
-          case 5: row_dot<F, 5>(xm, K, wr, ym, N); break;
-          case 4: row_dot<F, 4>(xm, K, wr, ym, N); break;
-          case 3: row_dot<F, 3>(xm, K, wr, ym, N); break;
-          case 2: row_dot<F, 2>(xm, K, wr, ym, N); break;
-          default: row_dot<F, 1>(xm, K, wr, ym, N); break;
-        }
-      }
-      m0 += mb;
-    }
-  }
-}
 
 // rows n < N of w (N, row_bytes) -> out (N, K) fp32, on the calling thread
 template <class F>
@@ -163,6 +106,17 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_
   check_w(w, fmt, K);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && x_in.device().is_cpu(),
               "quant_gemm: x must be a (M, K) CPU tensor");
+#ifdef RLQ_AVX512BF16
+  if (fmt == 3 && x_in.scalar_type() == at::kBFloat16) {  // a bf16 model's Q4_1 layers
+    const at::Tensor xb = x_in.contiguous();
+    const int64_t M = xb.size(0), N = w.size(0);
+    at::Tensor y = at::empty({M, N}, xb.options().dtype(at::kFloat));
+    if (M == 0 || N == 0) return y;
+    gemm_q41_bf16(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, K, w.data_ptr<uint8_t>(),
+                  N, y.data_ptr<float>());
+    return y;
+  }
+#endif
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -175,6 +129,22 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_
     case 8: gemm_impl<Q8_0>(xp, M, K, wp, N, yp); break;
     case 12: gemm_impl<Q4_K>(xp, M, K, wp, N, yp); break;
     default: gemm_impl<Q6_K>(xp, M, K, wp, N, yp); break;
+  }
+  return y;
+}
+
+// gemm(x, w).to(x.dtype).float() in one pass on this thread: the logits of a bf16 / fp16 model
+// (LlamaForCausalLM.compute_logits rounds them through the hidden states' dtype). Two torch
+// casts of SmolLM2's 49152 logits each ran a 2-thread OpenMP region, ~10% of a batch-1 decode
+// step on the loaded 2-core box; the rounding is c10's, the same round-to-nearest-even.
+at::Tensor gemm_rounded(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+  at::Tensor y = gemm(x_in, w, fmt, K);
+  float* p = y.data_ptr<float>();
+  const int64_t n = y.numel();
+  if (x_in.scalar_type() == at::kBFloat16) {
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
+  } else if (x_in.scalar_type() == at::kHalf) {
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(c10::Half(p[i]));
   }
   return y;
 }
@@ -303,10 +273,21 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
   return yT.t().contiguous();
 }
 
-std::string isa() { return kQuantIsa; }
+// "avx512" where the Q4_1 / Q8_0 direct kernels are quant_avx512.h's (the rest is AVX2 there),
+// "avx512bf16" where Q4_1 with bf16 x also takes VDPBF16PS
+std::string isa() {
+#if defined(RLQ_AVX512BF16)
+  return "avx512bf16";
+#elif defined(RLQ_AVX512)
+  return "avx512";
+#else
+  return kQuantIsa;
+#endif
+}
 
 TORCH_LIBRARY(radixlm_quant, m) {
   m.def("gemm(Tensor x, Tensor w, int fmt, int K) -> Tensor");
+  m.def("gemm_rounded(Tensor x, Tensor w, int fmt, int K) -> Tensor");
   m.def("gemm_tiled(Tensor x, Tensor w, int fmt, int K) -> Tensor");
   m.def("gemm_chunked(Tensor x, Tensor w, int fmt, int K) -> Tensor");
   m.def("dequant(Tensor w, int fmt, int K) -> Tensor");
@@ -315,6 +296,7 @@ TORCH_LIBRARY(radixlm_quant, m) {
 
 TORCH_LIBRARY_IMPL(radixlm_quant, CPU, m) {
   m.impl("gemm", &gemm);
+  m.impl("gemm_rounded", &gemm_rounded);
   m.impl("gemm_tiled", &gemm_tiled);
   m.impl("gemm_chunked", &gemm_chunked);
   m.impl("dequant", &dequant);

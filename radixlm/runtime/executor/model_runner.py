@@ -16,7 +16,7 @@ from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.attention.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
-from radixlm.runtime.executor import cpu_malloc
+from radixlm.runtime.executor import cpu_malloc, pack_cache
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
@@ -183,8 +183,8 @@ class ModelRunner:
                 cpu_linear.convert_model(model)
             # after loading the whole checkpoint, keep this rank's piece (distributed/sharding)
             sharding.shard_model(model, self.tp)
-            if self.cpu_packed:
-                cpu_packed.convert_model(model)
+            if self.cpu_packed:  # packs of an earlier start where the cache keeps them
+                pack_cache.convert_model(model, self.model_path, self.load_format)
         finally:
             torch.set_num_threads(threads)
         logger.info("loaded %s (%s) in %.1fs", self.model_path, self.load_format,

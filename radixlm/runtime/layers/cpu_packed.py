@@ -126,13 +126,37 @@ def use_packed(device: torch.device, dtype: torch.dtype) -> bool:
             and ((setting == "auto" and own_gemm_works()) or packing_works()))
 
 
+def _own_pairing(shape, gate_up: bool) -> Optional[bool]:
+    """Whether pack() makes a paired OwnPacked of an (out, in) weight (None: a oneDNN pack)."""
+    if _setting() == "auto" and shape[1] % 2 == 0 and own_gemm_works():
+        return bool(gate_up and shape[0] % 64 == 0)
+    return None
+
+
 def pack(w: torch.Tensor, gate_up: bool = False):
     """(out, in) bf16 -> the packed weight `linear` takes: OwnPacked for radixlm's GEMM
     (`auto`, where it works, and an even `in`; paired when `gate_up` is an MLP's [gate; up]
     weight with out % 64 == 0), else an opaque oneDNN tensor."""
-    if _setting() == "auto" and w.shape[1] % 2 == 0 and own_gemm_works():
-        return OwnPacked(w, paired=gate_up and w.shape[0] % 64 == 0)
+    paired = _own_pairing(w.shape, gate_up)
+    if paired is not None:
+        return OwnPacked(w, paired=paired)
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), ROWS_HINT)
+
+
+def adopt(w: torch.Tensor, gate_up: bool, data: Optional[torch.Tensor]) -> Optional[OwnPacked]:
+    """An OwnPacked around `data`, a pack of `w` that pack(w, gate_up) made in an earlier
+    process (executor/pack_cache.py keeps them), or None where pack() would now pack otherwise or
+    the shape does not fit. The caller vouches that `data` came from the same weight."""
+    paired = _own_pairing(w.shape, gate_up)
+    if data is None or paired is None or data.dtype != torch.bfloat16:
+        return None
+    n, k = w.shape
+    want = (n // 64, k // 2, 64, 2) if paired else (-(-n // 48), k // 2, 48, 2)
+    if tuple(data.shape) != want:
+        return None
+    pk = OwnPacked.__new__(OwnPacked)
+    pk.data, pk.n, pk.k, pk.paired = data, n, k, paired
+    return pk
 
 
 def silu_linear(x: torch.Tensor, module) -> Optional[torch.Tensor]:
@@ -185,10 +209,11 @@ class PackedLinear(nn.Module):
                 "prepacked bf16")
 
 
-def convert_model(model: nn.Module) -> int:
+def convert_model(model: nn.Module, saved: Optional[dict] = None) -> int:
     """Swap the decoder projections (nn.Linear) for PackedLinear, pack the dense weights that
     QuantizedLinear keeps for many rows, and give the model a packed head
-    (`model.lm_head_packed`). After loading; single-rank models only. Returns the layers packed."""
+    (`model.lm_head_packed`). After loading; single-rank models only. Returns the layers packed.
+    `saved`: packs of these same weights from an earlier start (repack_model)."""
     n = 0
     for parent in list(model.modules()):
         for name in cpu_linear.PROJECTIONS:
@@ -196,24 +221,45 @@ def convert_model(model: nn.Module) -> int:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child, gate_up=name == "gate_up_proj"))
                 n += 1
-    n += repack_model(model)
+    n += repack_model(model, saved)
     return n
 
 
-def repack_model(model: nn.Module) -> int:
-    """Refresh every packed copy from its plain weight (after a weight update)."""
+HEAD = "lm_head_packed"  # the head's name in repack_model's `saved`
+
+
+def repack_model(model: nn.Module, saved: Optional[dict] = None) -> int:
+    """Refresh every packed copy from its plain weight (after a weight update). `saved`: module
+    name -> pack data from an earlier start (executor/pack_cache.py), taken instead of packing
+    where it fits (adopt)."""
+    saved = saved or {}
     n = 0
-    for mod in model.modules():
+    for name, mod in model.named_modules():
         # PackedLinear, and QuantizedLinear's dense rows (layers/quantized_linear); the layers
         # above this module define `repack`, so it needs no import of them
         if callable(getattr(mod, "repack", None)) and getattr(mod, "weight", None) is not None:
-            mod.repack()
+            gate_up = getattr(mod, "gate_up", False) and getattr(mod, "bias", None) is None
+            pk = adopt(mod.weight, gate_up, saved.get(name))
+            if pk is not None:
+                mod.packed = pk
+            else:
+                mod.repack()
             n += 1
     blocks_only = (getattr(model, "lm_head_quant", None) is not None
                    and getattr(model, "lm_head_dense_above", None) is None)
     if hasattr(model, "lm_head_packed") and not blocks_only:  # else the head is GGUF blocks
         head = getattr(model, "lm_head", None)
         w = model.embed_tokens.weight if head is None else head.weight
-        model.lm_head_packed = pack(w)
+        model.lm_head_packed = adopt(w, False, saved.get(HEAD)) or pack(w)
         n += 1
     return n
+
+
+def own_packs(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Module name -> data of every OwnPacked the model holds (what repack_model's `saved`
+    takes back)."""
+    out = {name: mod.packed.data for name, mod in model.named_modules()
+           if isinstance(getattr(mod, "packed", None), OwnPacked)}
+    if isinstance(getattr(model, "lm_head_packed", None), OwnPacked):
+        out[HEAD] = model.lm_head_packed.data
+    return out

@@ -8,6 +8,7 @@ warning per process when a caller falls back to dequantized weights.
 
 Ops (CPU tensors; formats by ggml type id: Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14):
   gemm(x (M, K) fp32/bf16/fp16, w (N, row_bytes) uint8, fmt, K) -> (M, N) fp32   (direct)
+  gemm_rounded(...): gemm(...).to(x.dtype).float() in one call (a model's logits)
   gemm_tiled(...), gemm_chunked(...): the same product through dequantized fp32 tiles / chunks
       and BLAS (prefill); quantized_linear picks one per M
   dequant(w (N, row_bytes) uint8, fmt, K) -> (N, K) fp32, bit-identical to gguf.quants
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = ck._CSRC
 _SOURCES = ("quant_gemm.cpp",)
-_HEADERS = ("quant_formats.h", "quant_vec.h")
+_HEADERS = ("quant_avx512.h", "quant_direct.h", "quant_formats.h", "quant_pool.h", "quant_vec.h")
 # ggml type id -> (name, values per block, bytes per block)
 FORMATS = {3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
            14: ("Q6_K", 256, 210)}

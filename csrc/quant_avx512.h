@@ -1,0 +1,203 @@
+// AVX-512 direct kernels for the two formats of the bundled model (Q4_1 layers, Q8_0 tied head),
+// used by quant_gemm.cpp's gemm for M <= 8-row tiles when the build has AVX-512F/BW (the build is
+// -march=native and keyed on the CPU's flags, so this is the CPU's own feature set).
+//
+// Why not the generic row_dot with 16 lanes: there each block is dequantized (int -> float, then
+// w = d * q + m) before the FMA with x, and that dequantize is most of a decode GEMV's work on
+// this model (~90 MB of weights, far from the memory roofline on 2 cores). Here the scales are
+// factored out of the block's dot product:
+//   sum_i (d q_i + m) x_i = d * (sum_i q_i x_i) + m * (sum_i x_i)
+// The block sums of x are computed once per call and shared by every W row, so per 32 values a
+// block costs 2 int -> float conversions, 2 FMAs with x and 1 FMA by d (vs 4 + 4 + 4 in AVX2).
+// The result differs from "dequantize, then fp32 matmul" by rounding only (the sums are exact
+// products summed in fp32, then scaled once): the same fp32-summation tolerance as row_dot
+// (tests/unit/test_quant_gemm.py). `dequant` and the tiled / chunked paths are unchanged.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define RLQ_AVX512 1
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "quant_formats.h"
+
+namespace radixlm_quant {
+
+// xs[m * nblk + b] = sum of x row m's 32 values of block b (nblk = K / 32)
+inline void block_sums(const float* x, int64_t M, int64_t K, float* xs) {
+  const int64_t nblk = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const float* p = x + m * K + b * 32;
+      xs[m * nblk + b] =
+          _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)));
+    }
+}
+
+// block(bi, slot) for bi < nblk, NA blocks a round, block bi + a into accumulator slot a (a
+// compile-time constant: with a run-time index the accumulators lived on the stack, and the
+// store-to-load forwarding of each block's FMA was most of a row's time)
+template <int NA, class Block>
+inline void for_blocks(int64_t nblk, Block&& block) {
+  int64_t bi = 0;
+  for (; bi + NA <= nblk; bi += NA) {
+    block(bi, std::integral_constant<int, 0>{});
+    if constexpr (NA > 1) block(bi + 1, std::integral_constant<int, 1>{});
+    if constexpr (NA > 2) block(bi + 2, std::integral_constant<int, 2>{});
+    if constexpr (NA > 3) block(bi + 3, std::integral_constant<int, 3>{});
+  }
+  for (; bi < nblk; ++bi) block(bi, std::integral_constant<int, 0>{});
+}
+
+// The 32 quants of a block as two 16-float vectors (values 0..31 in order).
+struct Q4_1x16 {
+  static constexpr int BYTES = 20;
+  static constexpr bool kMin = true;  // w = d * q + m
+  static void load(const uint8_t* b, __m512& lo, __m512& hi) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+  }
+};
+
+struct Q8_0x16 {
+  static constexpr int BYTES = 34;
+  static constexpr bool kMin = false;  // w = d * q
+  static void load(const uint8_t* b, __m512& lo, __m512& hi) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
+  }
+};
+
+// y[m * ldy] for m < MB: x rows m (x + m * K, block sums xs + m * nblk) against the W row at w.
+// One row at a time, so the weights stream sequentially (rows of a task are contiguous): running
+// 4 rows interleaved was 1.4x faster with the weights in L2, but 2.8x slower on SmolLM2's 30 MB
+// head, which streams from memory (the prefetchers lost the pattern). NA accumulators per x row
+// (and as many scalar sums of the m terms) take blocks in turn, so the FMA latency (4 cycles per
+// block on one chain) does not bound a single row.
+template <class F, int MB>
+inline void row_dot512(const float* x, const float* xs, int64_t K, const uint8_t* w, float* y,
+                       int64_t ldy) {
+  constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  const int64_t nblk = K / 32;
+  __m512 acc[MB][NA];
+  float macc[MB][NA];
+  for (int m = 0; m < MB; ++m)
+    for (int a = 0; a < NA; ++a) {
+      acc[m][a] = _mm512_setzero_ps();
+      macc[m][a] = 0.f;
+    }
+  auto block = [&](int64_t bi, auto slot) {
+    constexpr int a = decltype(slot)::value;
+    const uint8_t* b = w + bi * F::BYTES;
+    __m512 lo, hi;
+    F::load(b, lo, hi);
+    const __m512 d = _mm512_set1_ps(f16(b));
+    [[maybe_unused]] const float mn = F::kMin ? f16(b + 2) : 0.f;
+    for (int m = 0; m < MB; ++m) {
+      const float* xk = x + m * K + bi * 32;
+      const __m512 s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xk + 16),
+                                       _mm512_mul_ps(lo, _mm512_loadu_ps(xk)));
+      acc[m][a] = _mm512_fmadd_ps(s, d, acc[m][a]);
+      if constexpr (F::kMin) macc[m][a] = __builtin_fmaf(mn, xs[m * nblk + bi], macc[m][a]);
+    }
+  };
+  for_blocks<NA>(nblk, block);
+  for (int m = 0; m < MB; ++m) {
+    __m512 s = acc[m][0];
+    float ms = macc[m][0];
+    for (int a = 1; a < NA; ++a) {
+      s = _mm512_add_ps(s, acc[m][a]);
+      ms += macc[m][a];
+    }
+    y[m * ldy] = _mm512_reduce_add_ps(s) + ms;
+  }
+}
+
+// W rows [n0, n1) against x rows [m0, m0 + MB), one after another.
+template <class F, int MB>
+inline void rows512(const float* x, const float* xs, int64_t K, const uint8_t* w, int64_t n0,
+                    int64_t n1, float* y, int64_t N) {
+  const int64_t row_bytes = K / 32 * F::BYTES;
+  for (int64_t n = n0; n < n1; ++n) row_dot512<F, MB>(x, xs, K, w + n * row_bytes, y + n, N);
+}
+
+#if defined(__AVX512BF16__)
+#define RLQ_AVX512BF16 1
+// Q4_1 against bf16 x (a bf16 model's activations): the block's 32 quants become bf16 values
+// (exact: integers 0..15) by one table lookup, and VDPBF16PS multiplies them with x's bf16
+// values 32 at a time. Each product is exact in fp32 (8-bit x 8-bit significands) and they are
+// summed in fp32, so this is the same "exact products, fp32 sums" as the fp32 kernel above, on
+// 2 shuffles and 1 dot-product instruction per block instead of 2 widenings, 2 conversions and 2
+// FMAs. (VDPBF16PS treats bf16 denormals, |x| < 1.2e-38, as 0: far below the fp32 sums' error.)
+inline __m512i q4_bf16_table() {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = static_cast<float>(i);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    t[i] = static_cast<uint16_t>(u >> 16);  // exact: i has at most 5 significant bits
+  }
+  return _mm512_load_si512(t);
+}
+
+// xs[m * nblk + b] = sum of bf16 x row m's 32 values of block b, in fp32
+inline void block_sums_bf16(const uint16_t* x, int64_t M, int64_t K, float* xs) {
+  const int64_t nblk = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const __m512i v = _mm512_loadu_si512(x + m * K + b * 32);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));  // even elements
+      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536)));
+      xs[m * nblk + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+}
+
+template <int MB>
+inline void row_dot_q41_bf16(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w,
+                             float* y, int64_t ldy, __m512i table) {
+  constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  const int64_t nblk = K / 32;
+  __m512 acc[MB][NA];
+  float macc[MB][NA];
+  for (int m = 0; m < MB; ++m)
+    for (int a = 0; a < NA; ++a) {
+      acc[m][a] = _mm512_setzero_ps();
+      macc[m][a] = 0.f;
+    }
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  auto block = [&](int64_t bi, auto slot) {
+    constexpr int a = decltype(slot)::value;
+    const uint8_t* b = w + bi * Q4_1x16::BYTES;
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
+                                           _mm256_srli_epi16(v, 4), 1);  // q[0..31] as words
+    const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+    const __m512 d = _mm512_set1_ps(f16(b));
+    const float mn = f16(b + 2);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + bi * 32);
+      const __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, xv);
+      acc[m][a] = _mm512_fmadd_ps(s, d, acc[m][a]);
+      macc[m][a] = __builtin_fmaf(mn, xs[m * nblk + bi], macc[m][a]);
+    }
+  };
+  for_blocks<NA>(nblk, block);
+  for (int m = 0; m < MB; ++m) {
+    __m512 s = acc[m][0];
+    float ms = macc[m][0];
+    for (int a = 1; a < NA; ++a) {
+      s = _mm512_add_ps(s, acc[m][a]);
+      ms += macc[m][a];
+    }
+    y[m * ldy] = _mm512_reduce_add_ps(s) + ms;
+  }
+}
+#endif
+
+}  // namespace radixlm_quant
+#endif

@@ -1,0 +1,228 @@
+// The direct (few-row) GEMM of quant_gemm.cpp: y (M, N) fp32 = x (M, K) @ dequant(W)^T with W's
+// blocks dequantized in registers, for the decode row counts (quantized_linear.DIRECT_MAX_M).
+// Tasks of NB output rows, each against every x row in tiles of <= 8 rows; up to kPoolMaxM rows
+// they run on the claim pool (quant_pool.h) in chunks of ~8 per thread, else on OpenMP. On
+// AVX-512 the Q4_1 / Q8_0 kernels are quant_avx512.h's; elsewhere row_dot (quant_formats.h's
+// dequantize, then FMA with x).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "quant_avx512.h"
+#include "quant_formats.h"
+#include "quant_pool.h"
+
+namespace radixlm_quant {
+
+constexpr int NB = 16;  // output rows per task: their blocks stay cached across the x tiles
+
+// y[m, n] for m < MB (rows x + m * K) and one W row of K / F::BK blocks. Accumulators: NA per x
+// row, so MB * NA independent FMA chains (>= 4) hide the FMA latency.
+template <class F, int MB>
+inline void row_dot(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+  constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  V acc[MB][NA];
+  for (int m = 0; m < MB; ++m)
+    for (int a = 0; a < NA; ++a) acc[m][a] = vzero();
+  const int64_t nblk = K / F::BK;
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const uint8_t* b = wrow + bi * F::BYTES;
+    const auto p = F::prep(b);
+    for (int g = 0; g < F::BK / 32; ++g) {
+      V w[4];
+      F::group(b, p, g, w);
+      const float* xk = x + bi * F::BK + g * 32;
+      for (int m = 0; m < MB; ++m)
+        for (int i = 0; i < 4; ++i)
+          acc[m][i % NA] = vfma(w[i], vload(xk + m * K + 8 * i), acc[m][i % NA]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    V s = acc[m][0];
+    for (int a = 1; a < NA; ++a) s = vadd(s, acc[m][a]);
+    y[m * ldy] = vhsum(s);
+  }
+}
+
+// The AVX-512 kernel of a format (quant_avx512.h), void where there is none (row_dot runs).
+template <class F> struct Fast { using type = void; };
+#ifdef RLQ_AVX512
+template <> struct Fast<Q4_1> { using type = Q4_1x16; };
+template <> struct Fast<Q8_0> { using type = Q8_0x16; };
+#endif
+
+// gemm_impl's work on AVX-512 for the formats quant_avx512.h has: the same task split, the
+// block sums of x computed once for all of them. Few rows (decode) run on the claim pool
+// (quant_pool.h: the caller never waits for a helper that is off its core); many rows, or a
+// pool busy with another caller, on OpenMP as before.
+template <class G>
+struct FastJob {
+  const float* x; const float* xs; int64_t M, K, N; const uint8_t* w; float* y;
+  int64_t nb = NB;  // W rows per task
+
+  void task(int64_t t) const {
+#ifdef RLQ_AVX512
+    const int64_t nblk = K / 32;
+    const int64_t n0 = t * nb, n1 = std::min(N, n0 + nb);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      const int mb = left >= 8 ? 8 : static_cast<int>(left);
+      const float* xm = x + m0 * K;
+      const float* sm = xs + m0 * nblk;
+      float* ym = y + m0 * N;
+      switch (mb) {
+        case 8: rows512<G, 8>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 7: rows512<G, 7>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 6: rows512<G, 6>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 5: rows512<G, 5>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 4: rows512<G, 4>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 3: rows512<G, 3>(xm, sm, K, w, n0, n1, ym, N); break;
+        case 2: rows512<G, 2>(xm, sm, K, w, n0, n1, ym, N); break;
+        default: rows512<G, 1>(xm, sm, K, w, n0, n1, ym, N); break;
+      }
+      m0 += mb;
+    }
+#else
+    (void)t;
+#endif
+  }
+  static void call(void* self, int64_t t) { static_cast<const FastJob*>(self)->task(t); }
+};
+
+constexpr int64_t kPoolMaxM = 16;  // rows up to which the claim pool runs a GEMM
+
+// A job on the claim pool in chunks of whole NB-row tasks, ~8 per thread: each claim is an
+// atomic on a line the threads share, and SmolLM2's head in 16-row tasks made 3072 of them a
+// call. False where the pool is busy (the caller then takes OpenMP).
+template <class Job>
+bool pool_run(Job& job, int64_t N) {
+  const int nt = std::max(1, at::get_num_threads());
+  const int64_t per = (N + 8 * nt - 1) / (8 * nt);
+  job.nb = std::max<int64_t>(NB, (per + NB - 1) / NB * NB);
+  const int64_t ntask = (N + job.nb - 1) / job.nb;
+  const int helpers = static_cast<int>(std::min<int64_t>(nt, ntask)) - 1;
+  if (claim_pool().run(ntask, helpers, &Job::call, &job)) return true;
+  job.nb = NB;
+  return false;
+}
+
+#ifdef RLQ_AVX512BF16
+// Q4_1 with bf16 x (quant_avx512.h's row_dot_q41_bf16): FastJob's split on x's own bf16 values.
+struct Q41Bf16Job {
+  const uint16_t* x; const float* xs; int64_t M, K, N; const uint8_t* w; float* y; __m512i table;
+  int64_t nb = NB;  // W rows per task
+
+  void task(int64_t t) const {
+    const int64_t nblk = K / 32, row_bytes = nblk * Q4_1x16::BYTES;
+    const int64_t n0 = t * nb, n1 = std::min(N, n0 + nb);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0;
+      const int mb = left >= 8 ? 8 : static_cast<int>(left);
+      const uint16_t* xm = x + m0 * K;
+      const float* sm = xs + m0 * nblk;
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wr = w + n * row_bytes;
+        float* ym = y + m0 * N + n;
+        switch (mb) {
+          case 8: row_dot_q41_bf16<8>(xm, sm, K, wr, ym, N, table); break;
+          case 7: row_dot_q41_bf16<7>(xm, sm, K, wr, ym, N, table); break;
+          case 6: row_dot_q41_bf16<6>(xm, sm, K, wr, ym, N, table); break;
+          case 5: row_dot_q41_bf16<5>(xm, sm, K, wr, ym, N, table); break;
+          case 4: row_dot_q41_bf16<4>(xm, sm, K, wr, ym, N, table); break;
+          case 3: row_dot_q41_bf16<3>(xm, sm, K, wr, ym, N, table); break;
+          case 2: row_dot_q41_bf16<2>(xm, sm, K, wr, ym, N, table); break;
+          default: row_dot_q41_bf16<1>(xm, sm, K, wr, ym, N, table); break;
+        }
+      }
+      m0 += mb;
+    }
+  }
+  static void call(void* self, int64_t t) { static_cast<const Q41Bf16Job*>(self)->task(t); }
+};
+
+inline void gemm_q41_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                          float* y) {
+  std::vector<float> xs(M * (K / 32));
+  block_sums_bf16(x, M, K, xs.data());
+  Q41Bf16Job job{x, xs.data(), M, K, N, w, y, q4_bf16_table()};
+  if (M <= kPoolMaxM && pool_run(job, N)) return;
+  const int64_t ntask = (N + NB - 1) / NB;
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t t = 0; t < ntask; ++t) job.task(t);
+}
+#endif
+
+template <class G>
+void gemm_fast(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+#ifdef RLQ_AVX512
+  std::vector<float> xs(M * (K / 32));
+  block_sums(x, M, K, xs.data());
+  FastJob<G> job{x, xs.data(), M, K, N, w, y};
+  if (M <= kPoolMaxM && pool_run(job, N)) return;
+  const int64_t ntask = (N + NB - 1) / NB;
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+  for (int64_t t = 0; t < ntask; ++t) job.task(t);
+#else
+  (void)x, (void)M, (void)K, (void)w, (void)N, (void)y;
+#endif
+}
+
+// The direct kernel's task t: W rows [t * NB, t * NB + NB) against every row of x.
+template <class F>
+struct DirectJob {
+  const float* x; int64_t M, K, N; const uint8_t* w; float* y;
+  int64_t nb = NB;  // W rows per task
+
+  void task(int64_t t) const {
+    const int64_t row_bytes = K / F::BK * F::BYTES;
+    const int64_t n0 = t * nb, n1 = std::min(N, n0 + nb);
+    for (int64_t m0 = 0; m0 < M;) {
+      // any 1..8 rows in one tile: a block is dequantized once per tile, and that (not the
+      // bytes) is most of the cost, so M = 3, 5, 6, 7 (speculative verifies) take one pass
+      // instead of the 2-3 a {8, 4, 2, 1} split needs
+      const int64_t left = M - m0;
+      const int mb = left >= 8 ? 8 : static_cast<int>(left);
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wr = w + n * row_bytes;
+        const float* xm = x + m0 * K;
+        float* ym = y + m0 * N + n;
+        switch (mb) {
+          case 8: row_dot<F, 8>(xm, K, wr, ym, N); break;
+          case 7: row_dot<F, 7>(xm, K, wr, ym, N); break;
+          case 6: row_dot<F, 6>(xm, K, wr, ym, N); break;
+          case 5: row_dot<F, 5>(xm, K, wr, ym, N); break;
+          case 4: row_dot<F, 4>(xm, K, wr, ym, N); break;
+          case 3: row_dot<F, 3>(xm, K, wr, ym, N); break;
+          case 2: row_dot<F, 2>(xm, K, wr, ym, N); break;
+          default: row_dot<F, 1>(xm, K, wr, ym, N); break;
+        }
+      }
+      m0 += mb;
+    }
+  }
+  static void call(void* self, int64_t t) { static_cast<const DirectJob*>(self)->task(t); }
+};
+
+template <class F>
+void gemm_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+  if constexpr (!std::is_void_v<typename Fast<F>::type>) {
+    gemm_fast<typename Fast<F>::type>(x, M, K, w, N, y);
+    return;
+  }
+  DirectJob<F> job{x, M, K, N, w, y};
+  if (M <= kPoolMaxM && pool_run(job, N)) return;
+  const int64_t ntask = (N + NB - 1) / NB;
+  const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)  // a preempted thread holds 1 task
+  for (int64_t t = 0; t < ntask; ++t) job.task(t);
+}
+
+}  // namespace radixlm_quant
