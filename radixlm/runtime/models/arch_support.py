@@ -11,7 +11,7 @@ from typing import Optional
 
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
-from radixlm.runtime.models.llama import windows_by_layer_type
+from radixlm.runtime.models.sliding_windows import windows_by_layer_type
 
 # rope types layers/rotary.RotaryEmbedding computes (frequencies only, no cos/sin scaling)
 PLAIN_ROPE_TYPES = (None, "default", "linear", "llama3")
