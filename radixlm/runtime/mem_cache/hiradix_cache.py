@@ -47,84 +47,15 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.mem_cache.radix_cache import RadixCache, TreeNode
+from radixlm.runtime.mem_cache.radix_cache import RadixCache
 from radixlm.runtime.mem_cache.node_logprobs import TokenLogprobs, merge_logprobs, split_logprobs
 from radixlm.runtime.mem_cache.tier_integrity import check_tiered_tree
+from radixlm.runtime.mem_cache.tier_nodes import TierMatch, TierNode, lru_heap, store_only
 from radixlm.runtime.mem_cache.tier_prefetch import TierPrefetch
 from radixlm.runtime.mem_cache.tier_transfers import TierTransfers
 from radixlm.runtime.mem_cache.tier_writes import TierWrites
 
 WRITE_THRESHOLDS = {"write_through": 1, "write_through_selective": 2, "write_back": None}
-# the scheduler's cache-aware order counts a host or storage hit as a fraction of a device hit:
-# cheaper than computing the token, dearer than finding it on the device
-HOST_HIT_WEIGHT = 0.5
-STORAGE_HIT_WEIGHT = 0.25
-
-
-class TierNode(TreeNode):
-    __slots__ = ("host_value", "storage_len", "start", "hit_count", "host_ref")
-
-    def __init__(self, key: tuple = (), value: Optional[torch.Tensor] = None, parent=None,
-                 start: int = 0):
-        super().__init__(key, None, parent)
-        self.value = value  # None: not on the device (TreeNode's default would be empty)
-        self.host_value: Optional[torch.Tensor] = None
-        self.storage_len = 0
-        self.start = start
-        self.hit_count = 0
-        self.host_ref = 0
-
-    def __repr__(self) -> str:
-        tiers = "D" * (self.value is not None) + "H" * (self.host_value is not None)
-        return (f"TierNode(id={self.id}, start={self.start}, len={len(self.key)}, {tiers or '-'}"
-                f" stored={self.storage_len}, lock={self.lock_ref}/{self.host_ref})")
-
-
-def _lru_heap(leaves: set, lock: str) -> list:
-    """Eviction candidates: the leaves not locked by `lock` (an attribute), least recent first."""
-    heap = [(n.last_access, n.id, n) for n in leaves if not getattr(n, lock)]
-    heapq.heapify(heap)
-    return heap
-
-
-def _store_only(node: TierNode) -> bool:
-    return node.value is None and node.host_value is None and node.storage_len == len(node.key)
-
-
-class TierMatch(tuple):
-    """What `HiRadixCache.match_prefix` returns: the pair RadixCache returns (the device slots of
-    the matched prefix, the deepest device node), plus what lies below the device: `lower`, the
-    path's host and storage-only nodes in order; `host_len` tokens loadable from the host, then
-    `storage_len` tokens the tree knows to be in the store (storage-only nodes: no I/O here)."""
-
-    def __new__(cls, slots, node, lower=(), tokens=(), host_len=0, storage_len=0):
-        self = super().__new__(cls, (slots, node))
-        self.lower, self.tokens = list(lower), tokens
-        self.host_len, self.storage_len = host_len, storage_len
-        return self
-
-    @property
-    def lower_len(self) -> int:
-        """Tokens `load_back` brings to the device (storage comes through the prefetch)."""
-        return self.host_len
-
-    @property
-    def lower_score(self) -> float:
-        return HOST_HIT_WEIGHT * self.host_len + STORAGE_HIT_WEIGHT * self.storage_len
-
-    def prefetch_score(self, op) -> float:
-        """What a request's prefetch adds to lower_score: its landed pages past the host part
-        count as host hits, the pages its lookup found past the tree's as storage hits."""
-        if op is None or op.cancelled:
-            return 0.0
-        d = len(self[0])
-        h, s = d + self.host_len, d + self.host_len + self.storage_len
-        host_end = max(h, op.landed_end)
-        store_end = max(s, op.found_end, host_end)
-        return (HOST_HIT_WEIGHT * (host_end - d) + STORAGE_HIT_WEIGHT * (store_end - host_end)
-                - self.lower_score)
-
-
 class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
     def __init__(self, allocator, req_to_token_pool, host, mover, write_policy="write_through",
                  storage=None, seed: bytes = b"", page_tokens: int = 64,
@@ -220,7 +151,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
                 merge_logprobs(child, logprobs[pos:pos + n])
             if child.value is None:
                 kept = pos if kept is None else kept
-                if _store_only(child):
+                if store_only(child):
                     self._store_tokens -= n
                 child.value = slots[pos:pos + n].clone()
                 self._evictable += n
@@ -246,7 +177,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         unlocked device leaves, LRU first, down to the host. Returns the slots freed."""
         if num_tokens <= 0:
             return 0
-        heap = _lru_heap(self._dev_leaves, "lock_ref")
+        heap = lru_heap(self._dev_leaves, "lock_ref")
         freed, values = 0, []
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
@@ -275,7 +206,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         """Free >= num_tokens host slots (fewer if nothing unpinned is left) from host-only leaves,
         LRU first: a stored node stays as storage-only, a partly stored one keeps its stored head,
         the rest are dropped."""
-        heap = _lru_heap(self._host_leaves, "host_ref")
+        heap = lru_heap(self._host_leaves, "host_ref")
         freed, slots = 0, []
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
@@ -308,7 +239,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
     def _trim_store_index(self) -> None:
         if self._store_tokens <= self.store_index_tokens:
             return
-        heap = _lru_heap(self._store_leaves, "host_ref")
+        heap = lru_heap(self._store_leaves, "host_ref")
         while self._store_tokens > self.store_index_tokens and heap:
             node = heapq.heappop(heap)[2]
             if node not in self._store_leaves or node.host_ref:
@@ -334,7 +265,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
             if x.host_value is not None:
                 host.append(x.host_value)
                 self._host_tokens -= n
-            elif _store_only(x):
+            elif store_only(x):
                 self._store_tokens -= n
             for leaves in (self._dev_leaves, self._host_leaves, self._store_leaves):
                 leaves.discard(x)
@@ -357,7 +288,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         is_dev = on_dev and not any(c.value is not None for c in kids)
         is_host = (not on_dev and node.host_value is not None
                    and not any(c.value is not None or c.host_value is not None for c in kids))
-        is_store = _store_only(node) and not node.children
+        is_store = store_only(node) and not node.children
         for leaves, member in ((self._dev_leaves, is_dev), (self._host_leaves, is_host),
                                (self._store_leaves, is_store)):
             if member:
