@@ -44,7 +44,6 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.speculative import eagle3_config, grammar_drafts
 from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
 from radixlm.runtime.speculative.eagle3_model import build_head
-from radixlm.runtime.speculative.rejection import sample_draft
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.standalone import StandaloneSpeculator, _tokens
 from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
@@ -244,12 +243,7 @@ class Eagle3Speculator(StandaloneSpeculator):
                 normed, out = self._forward(fb, out[:active])
                 forwards += 1
             logits = self.head.to_target(self.head.logits(normed), V)  # (active, V)
-            grammar.mask(logits, active)
-            tok, q = sample_draft(logits, info, creqs[:active], sched.sampler)
-            info.update(tok)
-            grammar.walk(tok, active)
-            toks.append(tok)
-            qs.append(q)
+            self._sample_step(logits, grammar, info, creqs, active, sched, toks, qs)
         if temp is not None:  # (the verify computes those positions for real)
             sched.allocator.free(temp)
         self.stats["spec_draft_forwards"] += forwards

@@ -63,6 +63,17 @@ class StandaloneSpeculator(Speculator):
         self.stats["spec_draft_kv_short"] = 0  # steps the draft pool could not hold every chain
 
     # --- the draft chain --------------------------------------------------------------------------
+    @staticmethod
+    def _sample_step(logits, grammar, info, creqs, active: int, sched, toks: list, qs: list):
+        """One chain step's tokens from its draft logits (active, V): grammar masks, the
+        requests' sampling, their grammars walked; appends the tokens and their q to the chain."""
+        grammar.mask(logits, active)
+        tok, q = sample_draft(logits, info, creqs[:active], sched.sampler)
+        info.update(tok)
+        grammar.walk(tok, active)
+        toks.append(tok)
+        qs.append(q)
+
     def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
         t0 = time.perf_counter()
         self._q, self._q_rows, self._grid, self._grid_row = None, {}, None, {}
@@ -198,12 +209,7 @@ class StandaloneSpeculator(Speculator):
                     seq_lens_cpu=[reqs[i].seqlen + j - 1 for i in chain[:active]])
                 logits = self.runner.forward(fb)
                 forwards += 1
-            grammar.mask(logits, active)
-            tok, q = sample_draft(logits, info, creqs[:active], sched.sampler)
-            info.update(tok)
-            grammar.walk(tok, active)
-            toks.append(tok)
-            qs.append(q)
+            self._sample_step(logits, grammar, info, creqs, active, sched, toks, qs)
         self.stats["spec_draft_forwards"] += forwards
         for i, k in zip(chain, chain_k):  # the chain's inputs are held until settle
             states[i].base, states[i].chain = reqs[i].seqlen, k - 1
