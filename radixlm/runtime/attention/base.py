@@ -57,7 +57,7 @@ class AttentionBackend(ABC):
         self.max_context_len = max_context_len
         # windows[layer]: an int per layer for the kernels, 0 = full attention. A window that
         # covers every position a request can reach is full attention (and runs as such).
-        n_layers = len(kv_pool.k_buffers)
+        n_layers = kv_pool.num_layers
         wins = list(windows) if windows else [None] * n_layers
         if len(wins) != n_layers:
             raise ValueError(f"{len(wins)} sliding windows for {n_layers} layers")

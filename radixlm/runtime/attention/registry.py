@@ -5,6 +5,10 @@ never imports triton and a missing optional dependency only matters to the backe
 On the CPU, when the kernels cannot be built or loaded (no compiler, RADIXLM_DISABLE_CPU_KERNELS=1)
 `auto` falls back to `torch_native` with ONE logged warning naming the reason, never silently;
 `cpu` asked for by name raises instead.
+
+Models whose pool is the MLA latent (DeepSeek-V2/V3) get attention/mla_backend.MLAAttention
+(`create_mla_backend`): `auto` and `torch_native` mean its torch decode, `triton` its Triton
+decode kernel; `cpu` is refused (mla_backend.check_mla_args).
 """
 
 from __future__ import annotations
@@ -72,3 +76,25 @@ def create_attention_backend(name: str, kv_pool, req_to_token: torch.Tensor,
     return backend_cls(kv_pool, req_to_token, spec.scale, max_batch_size=max_batch_size,
                        max_context_len=max_context_len, windows=spec.windows or None,
                        logit_softcap=spec.logit_softcap)
+
+
+def resolve_mla_backend_name(name: str, device: torch.device) -> str:
+    """The MLA decode kernel `name` means: "torch" or "triton" (auto: triton on CUDA)."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "torch_native":
+        return "torch"
+    if name == "triton":
+        resolve_backend_name(name, device)  # the same device check as the MHA kernels
+        return "triton"
+    raise ValueError(f"attention_backend {name!r} has no MLA implementation "
+                     "(MLA models run auto, torch_native or triton)")
+
+
+def create_mla_backend(kernel: str, kv_pool, req_to_token: torch.Tensor, spec: AttentionSpec,
+                       max_batch_size: int, max_context_len: int) -> AttentionBackend:
+    from radixlm.runtime.attention.mla_backend import MLAAttention
+
+    return MLAAttention(kv_pool, req_to_token, spec.scale, max_batch_size=max_batch_size,
+                        max_context_len=max_context_len, windows=spec.windows or None,
+                        logit_softcap=spec.logit_softcap, decode_kernel=kernel)

@@ -13,7 +13,9 @@ import time
 import torch
 
 from radixlm.runtime.attention.base import AttentionSpec
-from radixlm.runtime.attention.registry import create_attention_backend, resolve_backend_name
+from radixlm.runtime.attention.mla_backend import check_mla_args
+from radixlm.runtime.attention.registry import (create_attention_backend, create_mla_backend,
+                                                resolve_backend_name, resolve_mla_backend_name)
 from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
 from radixlm.runtime.executor import cpu_malloc, pack_cache
@@ -22,7 +24,7 @@ from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.host_pool import LayerWaitingBackend
-from radixlm.runtime.mem_cache.kv_pool import KVPool
+from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 from radixlm.runtime.models import fp8_checkpoint, loader, registry
 from radixlm.runtime.speculative import spec_config
@@ -111,14 +113,24 @@ class ModelRunner:
             _MODEL_CACHE.clear()
             _MODEL_CACHE[key] = self.model
 
+        # MLA (DeepSeek): the pool keeps one latent per token and layer, not K/V heads
+        self.mla_dims = getattr(self.model_cls, "mla_kv_dims", lambda c: None)(cfg)
+        if self.mla_dims is not None:
+            check_mla_args(args)  # refuses the features written for K/V heads
         self.capacity = self._kv_capacity()
-        self.kv_pool = KVPool(self.capacity, cfg.num_layers, self.num_kv_heads, cfg.head_dim,
-                              self.dtype, self.device)
+        if self.mla_dims is not None:
+            self.kv_pool = MLAKVPool(self.capacity, cfg.num_layers, *self.mla_dims, self.dtype,
+                                     self.device)
+        else:
+            self.kv_pool = KVPool(self.capacity, cfg.num_layers, self.num_kv_heads, cfg.head_dim,
+                                  self.dtype, self.device)
         self.allocator = TokenSlotAllocator(self.capacity, self.device)
         # +1 row of slack so a request being re-admitted never waits on its own row
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1,
                                                 self.context_len + 1, self.device)
-        self.attention_backend_name = resolve_backend_name(args.attention_backend, self.device)
+        self.attention_backend_name = (
+            resolve_backend_name(args.attention_backend, self.device) if self.mla_dims is None
+            else "mla_" + resolve_mla_backend_name(args.attention_backend, self.device))
         # the model says what its attention computes (scale, per-layer windows, soft-cap)
         spec_of = getattr(self.model_cls, "attention_spec", None)
         self.attention_spec = (spec_of(cfg) if spec_of is not None
@@ -134,10 +146,16 @@ class ModelRunner:
 
             self.capture_layers = eagle3_config.capture_layers(args, cfg)
         decode_rows = args.max_running_requests * (spec.max_draft + 1 if spec else 1) + 1
-        self.attn_backend = create_attention_backend(
-            self.attention_backend_name, self.kv_pool, self.req_to_token_pool.req_to_token,
-            self.attention_spec, device=self.device,
-            max_batch_size=decode_rows, max_context_len=self.context_len + 1)
+        if self.mla_dims is not None:
+            self.attn_backend = create_mla_backend(
+                self.attention_backend_name.removeprefix("mla_"), self.kv_pool,
+                self.req_to_token_pool.req_to_token, self.attention_spec,
+                max_batch_size=decode_rows, max_context_len=self.context_len + 1)
+        else:
+            self.attn_backend = create_attention_backend(
+                self.attention_backend_name, self.kv_pool, self.req_to_token_pool.req_to_token,
+                self.attention_spec, device=self.device,
+                max_batch_size=decode_rows, max_context_len=self.context_len + 1)
         self.graph_runner = None
         # TP: every rank captures the same buckets in the same order, so the NCCL all-reduces
         # inside the graphs pair up on replay (rank 0 and the workers replay the same bucket for
@@ -193,7 +211,9 @@ class ModelRunner:
 
     def _kv_capacity(self) -> int:
         cfg = self.model_config
-        bpt = KVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype)
+        bpt = (KVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype)
+               if self.mla_dims is None
+               else MLAKVPool.bytes_per_token(cfg.num_layers, *self.mla_dims, self.dtype))
         if self.args.max_total_tokens is not None:
             return int(self.args.max_total_tokens)
         if self.device.type == "cuda":

@@ -1,7 +1,16 @@
-"""Token-granular KV pool: per layer, K and V buffers indexed by slot (page size 1).
+"""Token-granular KV pools, indexed by slot (page size 1).
 
 Slot 0 is scratch (padding writes land there); real slots are 1..capacity, handed out by
-`TokenSlotAllocator`. Shapes: k_buffers[layer], v_buffers[layer]: (capacity + 1, H_kv, D).
+`TokenSlotAllocator`. Two kinds (`kind`), one per attention family:
+- `KVPool` ("mha"): per layer, K and V buffers: k_buffers[layer], v_buffers[layer]:
+  (capacity + 1, H_kv, D).
+- `MLAKVPool` ("mla", DeepSeek's multi-head latent attention): per layer ONE buffer of the
+  compressed latent, latent_buffers[layer]: (capacity + 1, 1, kv_lora_rank + rope_dim): the
+  normalized c_kv (kv_lora_rank) then the rotated shared rope key (rope_dim). K and V of every
+  head are computed from it; nothing per head is stored. Code written for K/V heads (the C++ and
+  Triton MHA kernels, the host pool, speculative drafts) does not take this pool: the runner
+  refuses those features with MLA (attention/mla_backend.check_mla_args).
+The allocator, req_to_token and the radix cache only see slots, so they work on either pool.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
 
 
 class KVPool:
+    kind = "mha"
+
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device):
         self.capacity = capacity
@@ -44,3 +55,29 @@ class KVPool:
         """loc: (T,) slots; k, v: (T, H_kv, D)."""
         self.k_buffers[layer].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffers[layer].index_copy_(0, loc, v.to(self.dtype))
+
+
+class MLAKVPool:
+    kind = "mla"
+
+    def __init__(self, capacity: int, num_layers: int, kv_lora_rank: int, rope_dim: int,
+                 dtype: torch.dtype, device: str | torch.device):
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        shape = (capacity + 1, 1, kv_lora_rank + rope_dim)  # one latent "head" per token
+        self.latent_buffers = [zeros_lazy(shape, dtype, device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_lora_rank: int, rope_dim: int,
+                        dtype: torch.dtype) -> int:
+        """The latent only: (kv_lora_rank + rope_dim) values per layer (DeepSeek-V3: 576 x 61
+        layers x 2 bytes = 70,272 bytes per token in bf16, vs 128 heads x (192 + 128) x 2 x 61 =
+        4,997,120 for the expanded K/V)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return num_layers * (kv_lora_rank + rope_dim) * elem
+
+    def write(self, layer: int, loc: torch.Tensor, latent: torch.Tensor) -> None:
+        """loc: (T,) slots; latent: (T, kv_lora_rank + rope_dim)."""
+        self.latent_buffers[layer].index_copy_(0, loc, latent.to(self.dtype).unsqueeze(1))

@@ -8,6 +8,9 @@ cannot run exactly: a model we cannot run exactly is refused, never run approxim
 `attention_spec(cfg)` (a staticmethod or classmethod returning attention.base.AttentionSpec) says
 what its attention computes (scale, per-layer sliding windows, logit soft-cap); without it the
 runner uses a scale of head_dim**-0.5 and plain causal attention.
+`mla_kv_dims(cfg)` (DeepSeek) returns (kv_lora_rank, rope_dim): the runner then keeps a latent
+KV pool (mem_cache/kv_pool.MLAKVPool) and the MLA attention backend, and the model's attention
+calls `forward_mla` (attention/mla_backend.py) instead of `forward`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "radixlm.runtime.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "radixlm.runtime.models.moe:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "radixlm.runtime.models.moe:Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "radixlm.runtime.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "radixlm.runtime.models.deepseek:DeepseekV3ForCausalLM",
     "LlavaForConditionalGeneration": "radixlm.runtime.models.llava:LlavaForConditionalGeneration",
 }
 
