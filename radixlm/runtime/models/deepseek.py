@@ -150,8 +150,6 @@ class DeepseekV2ForCausalLM(MoeWeights, nn.Module):
         if rope_kind(cfg) not in ROPE_TYPES:
             raise ValueError(f"{name} with rope_type={rope_kind(cfg)!r} is not supported "
                              "(supported: default, yarn)")
-        if hf.get("num_key_value_heads", cfg.num_heads) != cfg.num_heads:
-            raise ValueError(f"{name}: num_key_value_heads must equal num_attention_heads")
         if hf.get("n_routed_experts") is not None:
             if hf.get("n_group") and hf["n_routed_experts"] % hf["n_group"]:
                 raise ValueError(f"{name}: n_routed_experts must be a multiple of n_group")
