@@ -174,6 +174,9 @@ def test_features_without_latent_support_are_refused():
                      (dict(speculative_algorithm="NGRAM"), "speculative")]:
         with pytest.raises(ValueError, match=what):
             check_mla_args(ServerArgs(**kw))
+    with pytest.raises(ValueError, match="FP8"):
+        check_mla_args(ServerArgs(), fp8_checkpoint=True)
+    check_mla_args(ServerArgs())  # the defaults run
     backend = _setup([3])[4]
     with pytest.raises(TypeError, match="forward_mla"):
         backend.forward(None, None, None, 0, None)

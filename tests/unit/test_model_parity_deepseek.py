@@ -165,3 +165,12 @@ def test_mtp_layer_is_skipped_and_a_missing_tensor_is_reported(case):
     gone = [(w, t) for w, t in weights if "kv_a_layernorm" not in w]
     with pytest.raises(ValueError, match="lacks.*kv_a_layernorm"):
         registry.model_class(cfg, ap.CONTEXT)(cfg).float().load_weights(gone)
+
+
+@pytest.mark.parametrize("kw,what", [(dict(attention_backend="cpu"), "attention_backend 'cpu'"),
+                                     (dict(enable_hierarchical_cache=True), "hierarchical-cache")],
+                         ids=["cpu-backend", "hicache"])
+def test_engine_refuses_what_needs_kv_heads(case, kw, what):
+    """Refused at start-up, before the weights load, naming the flag."""
+    with pytest.raises(ValueError, match=what):
+        ap.make_engine(case[1], **kw)

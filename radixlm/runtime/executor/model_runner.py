@@ -103,6 +103,10 @@ class ModelRunner:
         # GPU, dequantized at load elsewhere (models/fp8_checkpoint, layers/fp8_linear)
         self.fp8 = fp8_checkpoint.plan(self.hf_config, args.fp8_linear, self.device,
                                        self.tp.size, self.load_format)
+        # MLA (DeepSeek): the pool keeps one latent per token and layer, not K/V heads
+        self.mla_dims = getattr(self.model_cls, "mla_kv_dims", lambda c: None)(cfg)
+        if self.mla_dims is not None:
+            check_mla_args(args, self.fp8 is not None)  # refuses what needs K/V heads
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
                self.fp32_gemm, self.keep_quantized, self.gguf_dense_rows, self.fp8,
                self.cpu_packed)
@@ -113,10 +117,6 @@ class ModelRunner:
             _MODEL_CACHE.clear()
             _MODEL_CACHE[key] = self.model
 
-        # MLA (DeepSeek): the pool keeps one latent per token and layer, not K/V heads
-        self.mla_dims = getattr(self.model_cls, "mla_kv_dims", lambda c: None)(cfg)
-        if self.mla_dims is not None:
-            check_mla_args(args)  # refuses the features written for K/V heads
         self.capacity = self._kv_capacity()
         if self.mla_dims is not None:
             self.kv_pool = MLAKVPool(self.capacity, cfg.num_layers, *self.mla_dims, self.dtype,
