@@ -197,11 +197,34 @@ def test_configs_without_a_reference_are_refused():
     for extra, what in [(dict(norm_topk_prob=True), "norm_topk_prob"),
                         (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_type"),
                         (dict(topk_method="noaux_tc"), "topk_method"),
-                        (dict(hidden_act="gelu"), "hidden_act")]:
+                        (dict(hidden_act="gelu"), "hidden_act"),
+                        (dict(mlp_bias=True), "mlp_bias"),
+                        (dict(topk_method="group_limited_greedy"), "n_group")]:
         with pytest.raises(ValueError, match=what):
             registry.model_class(ModelConfig.from_hf({**base, **extra}), 256)
-    v3 = {**base, "architectures": ["DeepseekV3ForCausalLM"], "topk_method": "greedy"}
+    v3 = {**base, "architectures": ["DeepseekV3ForCausalLM"], "n_group": 2, "topk_group": 1,
+          "topk_method": "greedy"}
     with pytest.raises(ValueError, match="noaux_tc"):
         registry.model_class(ModelConfig.from_hf(v3), 256)
     with pytest.raises(ValueError, match="no TP sharding"):
         check_tp_supported(ok, 2, "DeepseekV2ForCausalLM")
+
+
+def test_dense_layers_and_config_defaults():
+    """Layer i is MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0 (DeepSeek's
+    rule); a field config.json omits takes HF's default for the architecture."""
+    from radixlm.runtime.models.deepseek import is_moe_layer
+    from radixlm.runtime.models.deepseek_config import fields
+
+    base = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=64, hidden_size=32,
+                intermediate_size=64, num_hidden_layers=6, num_attention_heads=4)
+    v3 = ModelConfig.from_hf(base)
+    assert [is_moe_layer(v3, i) for i in range(6)] == [False] * 3 + [True] * 3
+    f = fields(v3)
+    assert (f["routed_scaling_factor"], f["q_lora_rank"], f["n_group"], f["norm_topk_prob"]) == (
+        2.5, 1536, 8, True)
+    v2 = ModelConfig.from_hf({**base, "architectures": ["DeepseekV2ForCausalLM"],
+                              "first_k_dense_replace": 1, "moe_layer_freq": 2,
+                              "q_lora_rank": None})
+    assert [is_moe_layer(v2, i) for i in range(6)] == [False, False, True, False, True, False]
+    assert fields(v2)["q_lora_rank"] is None and fields(v2)["routed_scaling_factor"] == 1.0

@@ -29,6 +29,7 @@ from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.models import arch_support
+from radixlm.runtime.models.deepseek_config import fields
 from radixlm.runtime.models.deepseek_moe import DeepseekMoE
 from radixlm.runtime.models.deepseek_rope import (ROPE_TYPES, DeepseekRope, apply_rope, rope_kind,
                                                   softmax_scale)
@@ -48,12 +49,12 @@ class Weight(nn.Module):
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        hf = cfg.hf
+        hf = fields(cfg)
         self.layer_id, self.h = layer_id, cfg.num_heads
         self.dn, self.dr, self.dv = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
-        self.r, self.q_lora = hf["kv_lora_rank"], hf.get("q_lora_rank")
-        # V3 rope_interleave (default true); V2 always rotates adjacent pairs
-        self.interleaved = bool(hf.get("rope_interleave", True))
+        self.r, self.q_lora = hf["kv_lora_rank"], hf["q_lora_rank"]
+        # V2 always rotates adjacent pairs; V3 does with rope_interleave (its default)
+        self.interleaved = cfg.architecture != "DeepseekV3ForCausalLM" or bool(hf["rope_interleave"])
         bias, hidden, qd = cfg.attention_bias, cfg.hidden_size, self.h * (self.dn + self.dr)
         if self.q_lora is None:
             self.q_proj = Linear(hidden, qd, bias=False)
@@ -82,9 +83,10 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.h * self.dv))
 
 
-def is_moe_layer(hf: dict, i: int) -> bool:
-    return (hf.get("n_routed_experts") is not None and i >= (hf.get("first_k_dense_replace") or 0)
-            and i % (hf.get("moe_layer_freq") or 1) == 0)
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    hf = fields(cfg)
+    return (hf["n_routed_experts"] is not None and i >= (hf["first_k_dense_replace"] or 0)
+            and i % (hf["moe_layer_freq"] or 1) == 0)
 
 
 class DecoderLayer(nn.Module):
@@ -93,7 +95,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = (DeepseekMoE(cfg, sigmoid_router) if is_moe_layer(cfg.hf, layer_id)
+        self.mlp = (DeepseekMoE(cfg, sigmoid_router) if is_moe_layer(cfg, layer_id)
                     else MLP(cfg))
 
     def forward(self, x, cos_sin, fb, residual=None):
@@ -137,7 +139,8 @@ class DeepseekV2ForCausalLM(MoeWeights, nn.Module):
     @staticmethod
     def mla_kv_dims(cfg: ModelConfig) -> tuple[int, int]:
         """(kv_lora_rank, qk_rope_head_dim): what the KV pool stores per token and layer."""
-        return cfg.hf["kv_lora_rank"], cfg.hf["qk_rope_head_dim"]
+        hf = fields(cfg)
+        return hf["kv_lora_rank"], hf["qk_rope_head_dim"]
 
     @staticmethod
     def attention_spec(cfg: ModelConfig) -> AttentionSpec:
@@ -145,23 +148,28 @@ class DeepseekV2ForCausalLM(MoeWeights, nn.Module):
 
     @classmethod
     def check_supported(cls, cfg: ModelConfig, context_len: int) -> None:
-        hf, name = cfg.hf, cfg.architecture
+        hf, name = fields(cfg), cfg.architecture
         arch_support.require_silu(cfg)
         if rope_kind(cfg) not in ROPE_TYPES:
             raise ValueError(f"{name} with rope_type={rope_kind(cfg)!r} is not supported "
                              "(supported: default, yarn)")
-        if hf.get("n_routed_experts") is not None:
-            if hf.get("n_group") and hf["n_routed_experts"] % hf["n_group"]:
+        if hf["mlp_bias"]:
+            raise ValueError(f"{name} with mlp_bias=true is not supported (MLPs without bias)")
+        if hf["n_routed_experts"] is not None:
+            if hf["num_experts_per_tok"] is None:
+                raise ValueError(f"{name}: num_experts_per_tok must be set")
+            if hf["n_group"] and hf["n_routed_experts"] % hf["n_group"]:
                 raise ValueError(f"{name}: n_routed_experts must be a multiple of n_group")
-            cls._check_router(cfg)
+            cls._check_router(hf, name)
 
     @staticmethod
-    def _check_router(cfg: ModelConfig) -> None:
-        hf, name = cfg.hf, cfg.architecture
-        method = hf.get("topk_method", "greedy")
+    def _check_router(hf: dict, name: str) -> None:
+        method = hf["topk_method"]
         if method not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"{name} with topk_method={method!r} is not supported "
                              "(V2: greedy, group_limited_greedy)")
+        if method == "group_limited_greedy" and not (hf["n_group"] and hf["topk_group"]):
+            raise ValueError(f"{name}: group_limited_greedy needs n_group and topk_group")
         if hf.get("norm_topk_prob"):
             raise ValueError(f"{name} with norm_topk_prob=true is not supported: HF transformers "
                              "ignores it for V2 and DeepSeek's code renormalizes; no reference")
@@ -235,8 +243,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     sigmoid_router = True  # V3: sigmoid scores, bias-corrected grouped choice (deepseek_moe.py)
 
     @staticmethod
-    def _check_router(cfg: ModelConfig) -> None:
-        hf, name = cfg.hf, cfg.architecture
+    def _check_router(hf: dict, name: str) -> None:
         if hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"{name} with topk_method={hf['topk_method']!r} is not supported "
                              "(V3: noaux_tc)")

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.models.deepseek_config import fields
 from radixlm.runtime.models.llama import MLP
 from radixlm.runtime.models.moe import Experts
 
@@ -31,13 +32,13 @@ from radixlm.runtime.models.moe import Experts
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, sigmoid: bool):
         super().__init__()
-        hf = cfg.hf
+        hf = fields(cfg)
         self.n_experts, self.top_k = hf["n_routed_experts"], hf["num_experts_per_tok"]
         self.sigmoid = sigmoid
-        self.method = "noaux_tc" if sigmoid else hf.get("topk_method", "greedy")
-        self.n_group, self.topk_group = hf.get("n_group"), hf.get("topk_group")
-        self.scaling = hf.get("routed_scaling_factor", 1.0)
-        self.norm_topk = sigmoid and bool(hf.get("norm_topk_prob", True))
+        self.method = "noaux_tc" if sigmoid else hf["topk_method"]
+        self.n_group, self.topk_group = hf["n_group"], hf["topk_group"]
+        self.scaling = hf["routed_scaling_factor"]
+        self.norm_topk = sigmoid and bool(hf["norm_topk_prob"])
         self.weight = nn.Parameter(torch.empty(self.n_experts, cfg.hidden_size))
         if sigmoid:
             self.register_buffer("e_score_correction_bias", torch.empty(self.n_experts))
@@ -85,11 +86,11 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, sigmoid: bool):
         super().__init__()
-        hf = cfg.hf
+        hf = fields(cfg)
         inter = hf["moe_intermediate_size"]
         self.gate = Router(cfg, sigmoid)
         self.experts = Experts(hf["n_routed_experts"], cfg.hidden_size, inter)
-        shared = hf.get("n_shared_experts") or 0
+        shared = hf["n_shared_experts"] or 0
         self.shared_experts = (MLP(_with_inter(cfg, inter * shared)) if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

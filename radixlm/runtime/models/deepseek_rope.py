@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.models.deepseek_config import fields
 
 ROPE_TYPES = (None, "default", "yarn")
 
@@ -46,7 +47,7 @@ def _yarn_factor(cfg: ModelConfig) -> float:
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
-    hf = cfg.hf
+    hf = fields(cfg)
     scale = (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]) ** -0.5
     if rope_kind(cfg) not in (None, "default") and cfg.rope_scaling.get("mscale_all_dim"):
         scale *= _mscale(_yarn_factor(cfg), cfg.rope_scaling["mscale_all_dim"]) ** 2
@@ -85,7 +86,7 @@ class DeepseekRope(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg, self.dim = cfg, cfg.hf["qk_rope_head_dim"]
+        self.cfg, self.dim = cfg, fields(cfg)["qk_rope_head_dim"]
         self.max_positions = cfg.max_position_embeddings
         self.cos = self.sin = None
 
