@@ -29,9 +29,10 @@ CASES = {
     "v2-lite": (tf.DeepseekV2ForCausalLM, lambda: tf.DeepseekV2Config(
         **MLA, q_lora_rank=None, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
         first_k_dense_replace=1, topk_method="greedy", rope_parameters=YARN)),
-    # V2's shape: q LoRA, group-limited greedy (2 of 4 groups), routed_scaling_factor, plain rope
+    # V2's shape: q LoRA, group-limited greedy (2 of 4 groups), routed_scaling_factor, plain
+    # rope; with attention_bias (q_a / kv_a / o projections) as a config may state it
     "v2": (tf.DeepseekV2ForCausalLM, lambda: tf.DeepseekV2Config(
-        **MLA, q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+        **MLA, q_lora_rank=24, attention_bias=True, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
         first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4, topk_group=2,
         routed_scaling_factor=2.0)),
     # V3's shape: q LoRA, sigmoid scores with the correction bias, grouped top-3, renormalized,
