@@ -84,5 +84,8 @@ def decode(q_lat: torch.Tensor, buf: torch.Tensor, req_to_token: torch.Tensor,
         out.stride(0), out.stride(1), h, r, w - r, scale * LOG2E,
         BLOCK_H=BLOCK_H, BLOCK_R=max(16, triton.next_power_of_2(r)),
         BLOCK_DR=max(16, triton.next_power_of_2(w - r)), BLOCK_N=BLOCK_N, DOT=dt,
-        PREC=dot_precision(dt))
+        PREC=dot_precision(dt), num_warps=4,
+        # shared memory: a (BLOCK_N, 512) latent tile is 64 KB in fp32, 32 KB in bf16; one
+        # pipeline stage in fp32 keeps the tiles under the per-block limit (not tuned on a GPU)
+        num_stages=1 if dt == tl.float32 else 2)
     return out
