@@ -147,7 +147,8 @@ def test_rotate_half_rope_matches_hf(tmp_path):
 
 def test_mtp_layer_is_skipped_and_a_missing_tensor_is_reported(case):
     """V3 checkpoints carry the multi-token-prediction layer as layer num_hidden_layers: its
-    tensors (experts included) are skipped; a missing tensor is named."""
+    tensors (experts included) are skipped; stacked expert names load the same weights; a
+    missing tensor is named."""
     from radixlm.runtime.config import ModelConfig
     from radixlm.runtime.models import registry
     from radixlm.runtime.models.loader import iter_weights, load_hf_config
@@ -163,6 +164,11 @@ def test_mtp_layer_is_skipped_and_a_missing_tensor_is_reported(case):
     ours.load_weights(weights + last)
     torch.testing.assert_close(ours.layers[0].self_attn.kv_b_proj.weight,
                                model.model.layers[0].self_attn.kv_b_proj.weight)
+    # HF 5's in-memory names (experts stacked: mlp.experts.gate_up_proj (E, 2I, H)) load alike
+    stacked = registry.model_class(cfg, ap.CONTEXT)(cfg).float()
+    stacked.load_weights(model.state_dict().items())
+    for (na, pa), (nb, pb) in zip(ours.state_dict().items(), stacked.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
     gone = [(w, t) for w, t in weights if "kv_a_layernorm" not in w]
     with pytest.raises(ValueError, match="lacks.*kv_a_layernorm"):
         registry.model_class(cfg, ap.CONTEXT)(cfg).float().load_weights(gone)
