@@ -199,14 +199,33 @@ def ref_dequantize(c: Case, t: dict[str, torch.Tensor], n: int, k: int) -> torch
 
 
 # --- whole checkpoints ------------------------------------------------------------------------
-def llama_config(**kw):
-    from transformers import LlamaConfig
+LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256,
+             hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-5,
+             rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
+             bos_token_id=1, eos_token_id=2, torch_dtype="float32")
 
-    base = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    base.update(kw)
-    return LlamaConfig(**base)
+
+def tiny_llama(seed: int = 0, **kw) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, HF-named fp32 weights) of a random Llama: std 0.08 (peaked logits, as
+    arch_parity.save_tiny), norms in [0.8, 1.2]. Written without transformers (its import alone
+    costs seconds)."""
+    cfg = {**LLAMA, **kw}
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *shape: torch.randn(*shape, generator=g) * 0.08  # noqa: E731
+    norm = lambda: torch.rand(h, generator=g) * 0.4 + 0.8  # noqa: E731
+    sd = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": norm(),
+          "lm_head.weight": w(v, h)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        sd.update({p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
+                   p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
+                   p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                   p + "mlp.down_proj.weight": w(h, i), p + "input_layernorm.weight": norm(),
+                   p + "post_attention_layernorm.weight": norm()})
+    return cfg, sd
 
 
 def _save(path: str, tensors: dict, cfg: dict) -> None:
@@ -218,14 +237,15 @@ def _save(path: str, tensors: dict, cfg: dict) -> None:
         json.dump(cfg, f, indent=1, default=str)
 
 
-def write_int4(model, path: str, c: Case, plain_path: Optional[str] = None,
+def write_int4(model: tuple[dict, dict], path: str, c: Case, plain_path: Optional[str] = None,
                skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """Save `model` (an fp32 HF model) to `path` with its projections in case `c`'s int4
+    """Save `model` (tiny_llama's config and weights) to `path` with its projections in `c`'s int4
     format (those ending with one of `skip` stay fp32), and the dequantized weights as a plain
     fp32 checkpoint at `plain_path`. Returns the dequantized state dict."""
     scale_dtype = torch.bfloat16 if c.method == "ct" else torch.float16
     out, deq = {}, {}
-    for name, t in model.state_dict().items():
+    config, state = model
+    for name, t in state.items():
         mod = name.removesuffix(".weight")
         kind = mod.split(".")[-1]
         if not name.endswith(".weight") or kind not in PROJ or mod.endswith(skip):
@@ -240,7 +260,7 @@ def write_int4(model, path: str, c: Case, plain_path: Optional[str] = None,
             out[f"{mod}.{suffix}"] = v
         grp = g_idx if g_idx is not None else torch.arange(k) // (c.group or k)
         deq[name] = dequantize(q, z, s, grp)
-    cfg = model.config.to_dict()
+    cfg = dict(config)
     cfg["quantization_config"] = quantization_config(c)
     _save(path, out, cfg)
     if plain_path is not None:

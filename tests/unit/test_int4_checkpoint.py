@@ -1,0 +1,121 @@
+"""Int4 checkpoints (AWQ, GPTQ, compressed-tensors W4A16) through the Engine on the CPU
+(models/int4_checkpoint.py): a tiny random Llama quantized and packed by tests/unit/int4_ckpt.py
+in each format, against the same model with the dequantized weights written as a plain fp32
+checkpoint. Exactness: both hold bit-identical fp32 weights, so the greedy tokens are equal.
+
+  dequant   (the CPU default) weights dequantized at load
+  triton    the kept-int4 layers (Int4Linear: the repacked layout, fused q/k/v and gate/up,
+            act-order permutations) run by their torch emulation: the same weights again
+and the checkpoints it must refuse, each with an error naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import arch_parity as ap
+import int4_ckpt as ic
+from radixlm.runtime.layers import int4_linear
+
+# one of each format and each feature (asymmetric zeros, GPTQ v1 / v2, act-order, group sizes
+# 32 / 64 / 128, per-row groups); test_int4_formats unpacks all of ic.CASES bit-exactly
+ENGINE_CASES = ("awq-g32", "gptq-v1-asym-act-g64", "gptq-v2-sym-act-g128", "ct-asym-g32",
+                "ct-sym-act-g64", "gptq-v1-row")
+PROMPTS = 5  # of ap.prompts: short and long prompts, one pair sharing a prefix
+
+
+@pytest.fixture(scope="module")
+def base():
+    model = ic.tiny_llama()
+    prompts = ap.prompts(model[0]["vocab_size"])
+    return model, prompts[:3] + prompts[-2:]
+
+
+@pytest.fixture(scope="module", params=ENGINE_CASES)
+def case(request, base, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    plain = tmp_path_factory.mktemp(request.param + "-plain")
+    ic.write_int4(base[0], str(path), ic.CASES[request.param], plain_path=str(plain))
+    eng = ap.make_engine(str(plain))
+    try:
+        ref = ap.generate(eng, base[1])
+    finally:
+        eng.shutdown()
+    return request.param, str(path), [o["output_ids"] for o in ref], base[1]
+
+
+def _int4_modules(eng) -> list:
+    return [m for m in eng.runner.model.modules() if isinstance(m, int4_linear.Int4Linear)]
+
+
+@pytest.mark.parametrize("mode", ["auto", "triton"])
+def test_engine_equals_the_dequantized_checkpoint(case, mode):
+    name, path, ref, prompts = case
+    eng = ap.make_engine(path, int4_linear=mode)
+    try:
+        mods = _int4_modules(eng)
+        if mode == "auto":  # the CPU: dequantized at load
+            assert eng.runner.int4.mode == "dequant" and not mods
+        else:
+            assert len(mods) == 8  # 2 layers x (qkv, o, gate_up, down)
+            # act-order: permuted columns where a layer has more than one group (a K of one
+            # group needs no permutation: every column is in group 0)
+            perms = [m.perm is not None for m in mods]
+            assert any(perms) if ic.CASES[name].act else not any(perms)
+        ap.check_greedy(eng, prompts, ref)  # ends with the integrity check
+    finally:
+        eng.shutdown()
+
+
+def test_dequant_load_logs_one_line(base, tmp_path, caplog):
+    ic.write_int4(base[0], str(tmp_path), ic.CASES["awq-g128"])
+    with caplog.at_level("INFO", logger="radixlm.runtime.models.int4_checkpoint"):
+        eng = ap.make_engine(str(tmp_path))
+    try:
+        lines = [r.getMessage() for r in caplog.records if "int4" in r.getMessage()]
+        assert len(lines) == 1 and "dequantized at load" in lines[0], lines
+        eng.wait_idle()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_unquantized_layers_stay_dense(base, tmp_path):
+    """Layers a checkpoint leaves dense (AWQ modules_to_not_convert, compressed-tensors ignore)
+    load dense; a fused projection with a dense piece is refused when kept int4."""
+    plain = tmp_path / "plain"
+    ic.write_int4(base[0], str(tmp_path / "a"), ic.CASES["ct-asym-g32"], plain_path=str(plain),
+                  skip=("down_proj",))
+    eng = ap.make_engine(str(plain))
+    try:
+        ref = [o["output_ids"] for o in ap.generate(eng, base[1])]
+    finally:
+        eng.shutdown()
+    eng = ap.make_engine(str(tmp_path / "a"), int4_linear="triton")
+    try:
+        assert len(_int4_modules(eng)) == 6
+        assert all(isinstance(layer.mlp.down_proj, torch.nn.Linear)
+                   for layer in eng.runner.model.layers)
+        ap.check_greedy(eng, base[1], ref)
+    finally:
+        eng.shutdown()
+    ic.write_int4(base[0], str(tmp_path / "b"), ic.CASES["ct-asym-g32"], skip=("k_proj",))
+    with pytest.raises(ValueError, match="k_proj are not int4"):
+        ap.make_engine(str(tmp_path / "b"), int4_linear="triton")
+
+
+def test_refused_checkpoints(base, tmp_path):
+    c = ic.CASES["gptq-v2-asym-g128"]
+    ic.write_int4(base[0], str(tmp_path), c)
+    ic.set_quant(str(tmp_path), {**ic.quantization_config(c), "sym": True})
+    with pytest.raises(ValueError, match="sym"):  # the zeros are not 8
+        ap.make_engine(str(tmp_path))
+    ic.set_quant(str(tmp_path), {**ic.quantization_config(c), "bits": 3})
+    with pytest.raises(ValueError, match=r"quantization_config\.bits"):
+        ap.make_engine(str(tmp_path))
+    ic.set_quant(str(tmp_path), {**ic.quantization_config(c), "quant_method": "awq"})
+    with pytest.raises(ValueError, match=r"quantization_config\.\w+"):  # AWQ field names
+        ap.make_engine(str(tmp_path))
+    ic.set_quant(str(tmp_path), {"quant_method": "bitsandbytes"})
+    with pytest.raises(ValueError, match=r"quantization_config\.quant_method"):
+        ap.make_engine(str(tmp_path))
