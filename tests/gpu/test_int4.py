@@ -100,6 +100,36 @@ def check_int4_layer(device, dtype, ms=(1, 5)) -> None:
         _check_close(lin(x.to(device)), x.float(), w, lin.bias.cpu(), dtype, ("layer", m, dtype))
 
 
+def check_int4_torch(device, shapes=((64, 256, 32, 1), (48, 512, 128, 7), (32, 128, 64, 64))):
+    """use_torch_kernels (torch's _weight_int4pack_mm after layers/int4_torch's repack) against
+    the reference. Its own tolerance: it rounds the scale and the zero term (8 - z) * s to bf16
+    and x to bf16, so per weight |dW| <= 2^-8 * (|q - 8| + |8 - z|) * s <= 2^-4 * s, plus bf16
+    rounding of x and of the output: |y - ref| <= 2^-7 |ref| + 2^-4 (|x| @ S^T) +
+    2^-8 (|x| @ |W|^T), S the per-weight scale. A layout error (a wrong nibble order or zero
+    mapping) moves whole rows by far more."""
+    from radixlm.runtime.layers import int4_linear
+
+    for (n, k, group, m) in shapes:
+        qw, s, z, w = random_layer(n, k, group, seed=n + m)
+        lin = int4_linear.Int4Linear(k, n, group, True, torch.bfloat16, device)
+        lin.qweight.copy_(qw), lin.scales.copy_(s), lin.zeros.copy_(z)
+        lin.bias.data.copy_(torch.randn(n).to(torch.bfloat16))
+        assert lin.use_torch_kernels()
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = lin(x.to(device)).double().cpu()
+        ref = x.double() @ w.double().t() + lin.bias.double().cpu()
+        sfull = s.double()[:, torch.arange(k) // group]
+        bound = (2.0 ** -7 * ref.abs() + 2.0 ** -4 * (x.double().abs() @ sfull.t())
+                 + 2.0 ** -8 * (x.double().abs() @ w.double().abs().t()))
+        assert bool(((y - ref).abs() <= bound).all()), (n, k, group, m)
+        # and clearly better than the bound: the mean error a few bf16 steps
+        assert float((y - ref).abs().mean()) < 0.1 * float(bound.mean()), (n, k, group, m)
+
+
+def test_int4_torch_kernel_cuda():
+    check_int4_torch("cuda", ((6144, 4096, 128, 1), (4096, 14336, 128, 64), (512, 1024, 32, 3)))
+
+
 def test_int4_kernels_cuda():
     shapes = [(6144, 4096, 128, 1), (4096, 14336, 128, 1), (4096, 4096, 32, 1),
               (1000, 512, 64, 1), (6144, 4096, 128, 64), (4096, 14336, 128, 7),

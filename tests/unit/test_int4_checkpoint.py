@@ -10,6 +10,9 @@ and the checkpoints it must refuse, each with an error naming what is wrong."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -19,6 +22,11 @@ from radixlm.runtime.layers import int4_linear
 
 # one of each format and each feature (asymmetric zeros, GPTQ v1 / v2, act-order, group sizes
 # 32 / 64 / 128, per-row groups); test_int4_formats unpacks all of ic.CASES bit-exactly
+_spec = importlib.util.spec_from_file_location(
+    "_int4_checks", os.path.join(os.path.dirname(__file__), "..", "gpu", "test_int4.py"))
+_checks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_checks)
+
 ENGINE_CASES = ("awq-g32", "gptq-v1-asym-act-g64", "gptq-v2-sym-act-g128", "ct-asym-g32",
                 "ct-sym-act-g64", "gptq-v1-row")
 PROMPTS = 5  # of ap.prompts: short and long prompts, one pair sharing a prefix
@@ -119,3 +127,27 @@ def test_refused_checkpoints(base, tmp_path):
     ic.set_quant(str(tmp_path), {"quant_method": "bitsandbytes"})
     with pytest.raises(ValueError, match=r"quantization_config\.quant_method"):
         ap.make_engine(str(tmp_path))
+
+
+def test_torch_int4_kernels_cpu():
+    """int4_linear=torch's repack and (scale, zero) mapping through torch's CPU int4 kernel
+    (the CUDA op's uint8 packing: tests/gpu/test_int4.py)."""
+    _checks.check_int4_torch("cpu")
+
+
+def test_engine_on_torch_int4_kernels(case):
+    """bf16 activations and bf16 scales: not the exact weights, so most, not all, greedy
+    sequences equal the dequantized reference's."""
+    name, path, ref, prompts = case
+    if ic.CASES[name].group == 0:
+        pytest.skip("one group per row: torch's kernel takes groups of 32-256 only")
+    eng = ap.make_engine(path, int4_linear="torch")
+    try:
+        mods = _int4_modules(eng)
+        assert len(mods) == 8 and all(m.torch_packed is not None for m in mods)
+        outs = [o["output_ids"] for o in ap.generate(eng, prompts)]
+        assert sum(o == r for o, r in zip(outs, ref)) >= len(prompts) - 2, (outs, ref)
+        eng.wait_idle()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

@@ -21,6 +21,10 @@ load_weights and `.to(dtype)` leave them alone):
                            = x @ W^T), so groups are contiguous runs of `group` columns again
   bias    (N,) parameter in the model dtype, or None (filled by the model's load_weights)
 
+`use_torch_kernels()` switches a layer to torch's tinygemm (layers/int4_torch.py, bf16, within
+a tolerance of the reference rather than its exact weights): the `torch` choice of
+ServerArgs.int4_linear, so that both can be measured on one GPU.
+
 Off CUDA (tests, `int4_linear=triton` on the CPU) forward runs the kernels only under Triton's
 interpreter (TRITON_INTERPRET=1); otherwise a torch emulation of the same layout: W dequantized
 per call to x's dtype, then F.linear (the dequantized reference, slow but exact).
@@ -89,6 +93,24 @@ class Int4Linear(nn.Module):
                              if act_order else None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
+        # torch's int4 kernel (use_torch_kernels): its packed weight and (G, N, 2) bf16 scales
+        # and zeros, beside qweight (kept for dequantized_weight and weight reloads)
+        self.register_buffer("torch_packed", None, persistent=False)
+        self.register_buffer("torch_sz", None, persistent=False)
+
+    sources: tuple[str, ...] = ()  # the checkpoint's int4 layers it holds, in row order
+
+    def use_torch_kernels(self) -> bool:
+        """Repack for torch's _weight_int4pack_mm; False (Triton kept) where its shape
+        constraints fail (layers/int4_torch.py)."""
+        from radixlm.runtime.layers import int4_torch
+
+        if not int4_torch.supported(self.in_features, self.out_features, self.group):
+            self.torch_packed = self.torch_sz = None
+            return False
+        self.torch_packed, self.torch_sz = int4_torch.pack(unpack_rows(self.qweight),
+                                                           self.zeros, self.scales)
+        return True
 
     @staticmethod
     def from_weights(pieces: Sequence["Int4Weight"], bias: bool, dtype: torch.dtype,
@@ -154,22 +176,29 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         # (the variable is read per call: tests turn the interpreter on around a test)
-        if not (x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # torch emulation
+        if not (x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+                or self.torch_packed is not None):  # torch emulation
             y = F.linear(x2, self.dequantized_weight(x.dtype), self.bias)
             return y.view(*x.shape[:-1], self.out_features)
-        from radixlm.runtime.layers import triton_int4
+        from radixlm.runtime.layers import int4_torch, triton_int4
 
         if self.perm is not None:  # act-order: x's columns in the stored (group) order
             x2 = x2.index_select(1, self.perm)
         else:
             x2 = x2.contiguous()
+        if self.torch_packed is not None:
+            y = int4_torch.matmul(x2, self.torch_packed, self.torch_sz, self.group).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
         fn = triton_int4.gemv if x2.shape[0] == 1 else triton_int4.gemm
         y = fn(x2, self.qweight, self.scales, self.zeros, self.group, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, int4 group={self.group}, "
-                f"act_order={self.perm is not None}, bias={self.bias is not None}")
+                f"act_order={self.perm is not None}, bias={self.bias is not None}, "
+                f"kernels={'torch' if self.torch_packed is not None else 'triton'}")
 
 
 def projection_modules(model: nn.Module):
@@ -191,3 +220,10 @@ def quantize_model(model: nn.Module, group: int, sym: bool = False) -> int:
         setattr(parent, attr, Int4Linear.quantize(lin.weight, group, sym, lin.bias))
         n += 1
     return n
+
+
+def use_torch_kernels(model: nn.Module) -> tuple[int, int]:
+    """Every Int4Linear of `model` onto torch's int4 kernel where it can:
+    (layers switched, layers left on Triton)."""
+    got = [m.use_torch_kernels() for m in model.modules() if isinstance(m, Int4Linear)]
+    return sum(got), len(got) - sum(got)

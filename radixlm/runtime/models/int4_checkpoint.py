@@ -7,6 +7,9 @@ or `<layer>.weight_packed`), so `modules_to_not_convert` / `ignore` need no inte
 Two ways to run them (ServerArgs.int4_linear, env RADIXLM_INT4_LINEAR wins):
   triton   (auto on CUDA with tp_size 1) decoder projections whose pieces are all int4 become
            Int4Linear (packed weights, Triton kernels); other int4 tensors are dequantized
+  torch    the same layers on torch's int4 kernel (_weight_int4pack_mm, bf16; layers/
+           int4_torch.py: within a tolerance, not bit-equal to the dequantized weights), to
+           measure against the Triton kernels; layers it cannot take keep Triton
   dequant  (auto elsewhere: the CPU, tensor parallelism) every int4 weight is dequantized at
            load, W = (q - z) * s in fp32 rounded once to the runtime dtype: the dequantized
            reference itself, at the dense model's speed and memory
@@ -29,7 +32,7 @@ from radixlm.runtime.models.int4_config import Int4Scheme, parse
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "RADIXLM_INT4_LINEAR"
-SETTINGS = ("auto", "triton", "dequant")
+SETTINGS = ("auto", "triton", "torch", "dequant")
 DUMMY_GROUP = 128  # dummy weights of a config without a group size (GPTQ -1: per row)
 # the checkpoint pieces of each fused projection, in row order (llama.py's load_weights order)
 _ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -38,11 +41,11 @@ _ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 @dataclass(frozen=True)
 class Int4Plan:
     scheme: Int4Scheme
-    mode: str  # "triton" (Int4Linear) | "dequant" (dense weights)
+    mode: str  # "triton" | "torch" (Int4Linear, which kernels) | "dequant" (dense weights)
 
     @property
     def keep(self) -> bool:
-        return self.mode == "triton"
+        return self.mode in ("triton", "torch")
 
 
 def resolve_mode(setting: str, device: torch.device, tp_size: int = 1) -> str:
@@ -51,8 +54,8 @@ def resolve_mode(setting: str, device: torch.device, tp_size: int = 1) -> str:
         raise ValueError(f"int4_linear / {ENV_VAR} must be one of {', '.join(SETTINGS)} "
                          f"(got {setting!r})")
     if tp_size > 1:  # distributed/sharding splits dense weights only
-        if setting == "triton":
-            raise ValueError(f"int4_linear=triton does not support tensor parallelism "
+        if setting in ("triton", "torch"):
+            raise ValueError(f"int4_linear={setting} does not support tensor parallelism "
                              f"(tp_size={tp_size}); use auto or dequant")
         return "dequant"
     if setting != "auto":
@@ -180,11 +183,12 @@ def load_weights(model: torch.nn.Module, model_path: str, dtype: torch.dtype, p:
         model.load_weights(ckpt.iter_weights(dtype, kept))
     finally:
         ckpt.close()
+    _torch_kernels(model, p)
     n_deq = len(ckpt.layers) - len(kept)
     if p.keep:
-        logger.info("int4 checkpoint (%s, group %s): %d layers kept int4 (Triton kernels), %d "
+        logger.info("int4 checkpoint (%s, group %s): %d layers kept int4 (%s kernels), %d "
                     "dequantized at load to %s", p.scheme.method, p.scheme.group_size or "row",
-                    len(kept), n_deq, dtype)
+                    len(kept), p.mode, n_deq, dtype)
     else:
         logger.info("int4 checkpoint (%s, group %s) on %s: all %d int4 layers dequantized at "
                     "load to %s (int4_linear=dequant)", p.scheme.method,
@@ -196,6 +200,15 @@ def init_dummy(model: torch.nn.Module, p: Int4Plan) -> None:
     rounded to int4 in the scheme's group size."""
     if p.keep:
         int4_linear.quantize_model(model, p.scheme.group_size or DUMMY_GROUP, p.scheme.sym)
+        _torch_kernels(model, p)
+
+
+def _torch_kernels(model: torch.nn.Module, p: Int4Plan) -> None:
+    if p.mode == "torch":
+        done, left = int4_linear.use_torch_kernels(model)
+        if left:
+            logger.warning("int4_linear=torch: %d layers keep the Triton kernels (shapes torch's "
+                           "int4 kernel does not take)", left)
 
 
 def reload_weights(model: torch.nn.Module, model_path: str, load_format: str, hf_config: dict,
@@ -231,3 +244,5 @@ def reload_weights(model: torch.nn.Module, model_path: str, load_format: str, hf
         for b in ("qweight", "scales", "zeros", "perm"):
             if getattr(m, b) is not None:
                 getattr(m, b).copy_(getattr(r, b))
+        if m.torch_packed is not None:  # torch's packs follow the new weights
+            m.use_torch_kernels()
