@@ -32,16 +32,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _unpack(words, SHIFTS_AXIS: tl.constexpr):
-    # words (R, C) int32 -> (R, C, 8) or (R, 8, C) nibbles: the 8 values of each word in order
+def _unpack_last(words):
+    # words (R, C) int32 -> (R, C, 8): nibble i of words[r, c] at [r, c, i] (so a reshape to
+    # (R, 8C) puts value 8c + i of row r at column 8c + i); >> is arithmetic, & 0xF fixes it
     shifts = tl.arange(0, 8) * 4
-    if SHIFTS_AXIS == 2:
-        return (words[:, :, None] >> shifts[None, None, :]) & 0xF
+    return (words[:, :, None] >> shifts[None, None, :]) & 0xF
+
+
+@triton.jit
+def _unpack_mid(words):
+    # words (C, R) int32 -> (C, 8, R): nibble i of words[c, r] at [c, i, r] (a reshape to
+    # (8C, R) puts value 8c + i at row 8c + i)
+    shifts = tl.arange(0, 8) * 4
     return (words[:, None, :] >> shifts[None, :, None]) & 0xF
 
 
 @triton.jit
-def _int4_gemv_kernel(X, QW, S, Z, B, Y, N, K, G, stride_qw, stride_s,
+def _int4_gemv_kernel(X, QW, S, Z, B, Y, N, K, stride_qw, stride_s,
                       GROUP: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # SUB = min(GROUP, BLOCK_K): a tile of BLOCK_K columns is BLOCK_K // SUB chunks of one group
@@ -56,7 +63,7 @@ def _int4_gemv_kernel(X, QW, S, Z, B, Y, N, K, G, stride_qw, stride_s,
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         words = tl.load(w_ptrs + k0 // 8, mask=row_ok[:, None], other=0)
-        q = tl.reshape(_unpack(words, 2), (BLOCK_N, BLOCK_K // SUB, SUB))  # k = 8c + i order
+        q = tl.reshape(_unpack_last(words), (BLOCK_N, BLOCK_K // SUB, SUB))  # k = 8c + i order
         x = tl.reshape(tl.load(X + k0 + offs_k).to(tl.float32), (BLOCK_K // SUB, SUB))
         g = (k0 + offs_c * SUB) // GROUP  # (BLOCK_K // SUB,) the group of each chunk
         z = tl.load(Z + s_row + g[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
@@ -87,7 +94,7 @@ def _int4_gemm_kernel(X, QW, S, Z, B, Y, M, N, K, stride_xm, stride_ym, stride_q
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         words = tl.load(w_ptrs + k0 // 8, mask=n_ok[None, :], other=0)
-        q = tl.reshape(_unpack(words, 1), (BLOCK_K, BLOCK_N))  # row k = 8c + i
+        q = tl.reshape(_unpack_mid(words), (BLOCK_K, BLOCK_N))  # row k = 8c + i
         g = k0 // GROUP  # BLOCK_K <= GROUP: one group per step
         z = tl.load(Z + s_ptrs + g, mask=n_ok, other=0).to(tl.int32)
         s = tl.load(S + s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
@@ -137,7 +144,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     block_n, block_k, warps = config or gemv_config(n, k)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, n, k,
-        scales.shape[1], qweight.stride(0), scales.stride(0), GROUP=group,
+        qweight.stride(0), scales.stride(0), GROUP=group,
         SUB=min(group, block_k), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps)
     return y
