@@ -197,6 +197,33 @@ def test_int4_checkpoint_cuda(name, graphs, tmp_path):
         eng.shutdown()
 
 
+def test_int4_checkpoint_cuda_torch_kernels(tmp_path):
+    """int4_linear=torch (torch's _weight_int4pack_mm, bf16 scales): most greedy sequences equal
+    the dequantized bf16 model's (not all: its scales and zeros are rounded to bf16)."""
+    import arch_parity as ap
+    import int4_ckpt as ic
+
+    model = ic.tiny_llama(hidden_size=256, intermediate_size=512, head_dim=64)
+    ic.write_int4(model, str(tmp_path / "q"), ic.CASES["awq-g128"], plain_path=str(tmp_path / "p"))
+    prompts = ap.prompts(model[0]["vocab_size"])
+    eng = ap.make_engine(str(tmp_path / "p"), device="cuda", dtype="bfloat16")
+    try:
+        ref = [o["output_ids"] for o in ap.generate(eng, prompts)]
+    finally:
+        eng.shutdown()
+    eng = ap.make_engine(str(tmp_path / "q"), device="cuda", dtype="bfloat16",
+                         int4_linear="torch")
+    try:
+        mods = [m for m in eng.runner.model.modules() if hasattr(m, "torch_packed")]
+        assert len(mods) == 8 and all(m.torch_packed is not None for m in mods)
+        outs = [o["output_ids"] for o in ap.generate(eng, prompts)]
+        assert sum(o == r for o, r in zip(outs, ref)) >= len(prompts) - 2
+        eng.wait_idle()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
 def test_int4_decode_benchmark_hook():
     """benchmarks/int4_decode.py end to end at its tiny size: one JSON line per arm."""
     p = subprocess.run([sys.executable, "benchmarks/int4_decode.py", "--tiny"], cwd=_ROOT,
