@@ -11,6 +11,7 @@ and the checkpoints it must refuse, each with an error naming what is wrong."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 import arch_parity as ap
 import int4_ckpt as ic
 from radixlm.runtime.layers import int4_linear
+from radixlm.runtime.models import int4_checkpoint
 
 # one of each format and each feature (asymmetric zeros, GPTQ v1 / v2, act-order, group sizes
 # 32 / 64 / 128, per-row groups); test_int4_formats unpacks all of ic.CASES bit-exactly
@@ -147,6 +149,37 @@ def test_engine_on_torch_int4_kernels(case):
         assert len(mods) == 8 and all(m.torch_packed is not None for m in mods)
         outs = [o["output_ids"] for o in ap.generate(eng, prompts)]
         assert sum(o == r for o, r in zip(outs, ref)) >= len(prompts) - 2, (outs, ref)
+        eng.wait_idle()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["dequant", "triton"])
+def test_reload_weights_in_place(base, tmp_path, mode):
+    """update_weights_from_disk's path (scheduler_control): an int4 checkpoint in the same scheme
+    replaces the weights in place (packed buffers and act-order permutations for kept layers);
+    one in another scheme is refused before anything is written."""
+    c = ic.CASES["gptq-v1-asym-act-g64"]
+    ic.write_int4(base[0], str(tmp_path / "a"), c)
+    ic.write_int4(ic.tiny_llama(seed=1), str(tmp_path / "b"), c, plain_path=str(tmp_path / "p"))
+    ic.write_int4(base[0], str(tmp_path / "other"), ic.CASES["awq-g32"])
+    prompts = base[1]
+    fresh = ap.make_engine(str(tmp_path / "p"))
+    try:
+        want = [o["output_ids"] for o in ap.generate(fresh, prompts)]
+    finally:
+        fresh.shutdown()
+    eng = ap.make_engine(str(tmp_path / "a"), int4_linear=mode)
+    try:
+        model, plan = eng.runner.model, eng.runner.int4
+        load = lambda p: int4_checkpoint.reload_weights(  # noqa: E731
+            model, p, "safetensors", json.load(open(os.path.join(p, "config.json"))),
+            torch.float32, plan)
+        with pytest.raises(ValueError, match="awq"):
+            load(str(tmp_path / "other"))
+        load(str(tmp_path / "b"))
+        assert [o["output_ids"] for o in ap.generate(eng, prompts)] == want
         eng.wait_idle()
         eng.check_integrity()
     finally:

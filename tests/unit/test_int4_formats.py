@@ -112,6 +112,8 @@ REFUSED = {  # quantization_config -> the field the error must name
     "gptq marlin format": (_q(_GPTQ, checkpoint_format="marlin"), "checkpoint_format"),
     "gptq quantized head": (_q(_GPTQ, lm_head=True), "lm_head"),
     "gptq per-module overrides": (_q(_GPTQ, dynamic={"-:.*down": {}}), "dynamic"),
+    "gptq rotation": (_q(_GPTQ, rotation="hadamard"), "rotation"),
+    "gptq adapter": (_q(_GPTQ, adapter={"name": "eora", "rank": 64}), "adapter"),
     "gptq desc_act string": (_q(_GPTQ, desc_act="yes"), "desc_act"),
     "gptq unknown field": (_q(_GPTQ, new_knob=1), "new_knob"),
     "ct 8 bit": (_q(_CT, **{_W + "num_bits": 8}), "weights.num_bits"),

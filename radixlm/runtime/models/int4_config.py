@@ -13,7 +13,8 @@ with g(k) = k // group_size, or g_idx[k] where the checkpoint stores one (act-or
                        -1: one group per row), `sym` true or false, `desc_act` true (with a
                        stored g_idx) or false; `checkpoint_format` "gptq" (v1: stored zero =
                        zero - 1) or "gptq_v2" (stored zero = zero); "marlin" / "bitblas" refused,
-                       `lm_head` true refused, per-module `dynamic` overrides refused.
+                       `lm_head` true, per-module `dynamic` overrides, `rotation` and `adapter`
+                       refused.
   quant_method "compressed-tensors" (llm-compressor W4A16), `format` "pack-quantized": every
                        config group {weights: num_bits 4, type int, strategy group (32 / 64 /
                        128) or channel, symmetric or not, actorder null / weight / static (no
@@ -113,6 +114,11 @@ def _parse_gptq(q: dict) -> Int4Scheme:
         _refuse("lm_head", q["lm_head"], "a quantized LM head is not implemented")
     if q.get("dynamic"):
         _refuse("dynamic", q["dynamic"], "per-module quantization overrides are not implemented")
+    if q.get("rotation"):  # rotated weights need rotated activations (a Hadamard transform)
+        _refuse("rotation", q["rotation"], "rotated (e.g. Hadamard) checkpoints are not "
+                "implemented")
+    if q.get("adapter"):
+        _refuse("adapter", q["adapter"], "quantization-error adapters (EoRA) are not implemented")
     sym = q.get("sym", True)
     if not isinstance(sym, bool):
         _refuse("sym", sym, "true or false")
