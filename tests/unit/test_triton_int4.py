@@ -32,7 +32,7 @@ def test_int4_gemv_interpreted():
     _checks.check_int4_kernels("cpu", [(37, 256, 32, 1), (16, 512, 128, 1), (20, 96, 96, 1),
                                        (9, 256, 64, 1)], dtypes=(torch.float16,))
     _checks.check_int4_kernels("cpu", [(9, 128, 32, 1), (7, 256, 128, 1)],
-                               dtypes=(torch.float32,), gemv_configs=((4, 64, 4), (2, 32, 2)))
+                               dtypes=(torch.float32,), gemv_configs=((4, 64, 4, 2), (2, 32, 2, 1)))
 
 
 def test_int4_gemm_interpreted():

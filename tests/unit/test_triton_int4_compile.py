@@ -23,23 +23,26 @@ from radixlm.runtime.layers import triton_int4 as T
 
 target = GPUTarget("cuda", 90, 32)
 common = {"QW": "*i32", "S": "*fp16", "Z": "*u8"}
-bn, bk, warps = T.gemv_config(4096, 4096)
+bn, bk, warps, stages = T.gemv_config(4096, 4096)
 gemv = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "N": "i32", "K": "i32",
         "stride_qw": "i32", "stride_s": "i32", "GROUP": "constexpr", "SUB": "constexpr",
-        "HAS_BIAS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+        "HAS_BIAS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+        "NUM_STAGES": "constexpr"}
 k = triton.compile(ASTSource(T._int4_gemv_kernel, gemv, {"GROUP": 128, "SUB": min(128, bk),
-                   "HAS_BIAS": True, "BLOCK_N": bn, "BLOCK_K": bk}), target=target,
+                   "HAS_BIAS": True, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages}),
+                   target=target,
                    options={"num_warps": warps})
 assert "cubin" in k.asm
-bm, bn, bk, warps, stages = T.gemm_config(64, 4096, 4096, 128)
 gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32",
         "stride_xm": "i32", "stride_ym": "i32", "stride_qw": "i32", "stride_s": "i32",
         "GROUP": "constexpr", "HAS_BIAS": "constexpr", "IEEE": "constexpr",
         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-k = triton.compile(ASTSource(T._int4_gemm_kernel, gemm, {"GROUP": 128, "HAS_BIAS": False,
-                   "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}), target=target,
-                   options={"num_warps": warps, "num_stages": stages})
-assert "cubin" in k.asm
+for m, n in ((64, 4096), (512, 4096)):  # the decode-batch and the prefill tiles
+    bm, bn, bk, warps, stages = T.gemm_config(m, n, 4096, 128)
+    k = triton.compile(ASTSource(T._int4_gemm_kernel, gemm, {"GROUP": 128, "HAS_BIAS": False,
+                       "IEEE": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}),
+                       target=target, options={"num_warps": warps, "num_stages": stages})
+    assert "cubin" in k.asm
 print("compiled")
 """
 

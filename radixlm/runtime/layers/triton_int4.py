@@ -50,7 +50,7 @@ def _unpack_mid(words):
 @triton.jit
 def _int4_gemv_kernel(X, QW, S, Z, B, Y, N, K, stride_qw, stride_s,
                       GROUP: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     # SUB = min(GROUP, BLOCK_K): a tile of BLOCK_K columns is BLOCK_K // SUB chunks of one group
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -61,7 +61,7 @@ def _int4_gemv_kernel(X, QW, S, Z, B, Y, N, K, stride_qw, stride_s,
     w_ptrs = QW + rows.to(tl.int64)[:, None] * stride_qw + offs_w[None, :]  # (BLOCK_N, BK/8)
     s_row = rows.to(tl.int64)[:, None] * stride_s  # (BLOCK_N, 1)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # NUM_STAGES steps in flight
         words = tl.load(w_ptrs + k0 // 8, mask=row_ok[:, None], other=0)
         q = tl.reshape(_unpack_last(words), (BLOCK_N, BLOCK_K // SUB, SUB))  # k = 8c + i order
         x = tl.reshape(tl.load(X + k0 + offs_k).to(tl.float32), (BLOCK_K // SUB, SUB))
@@ -111,7 +111,7 @@ def _int4_gemm_kernel(X, QW, S, Z, B, Y, M, N, K, stride_xm, stride_ym, stride_q
 
 def _block_k(k: int, cap: int) -> int:
     """The largest power of two <= cap dividing K (K % 32 == 0, so at least 32)."""
-    b = cap
+    b = 1 << (cap.bit_length() - 1)
     while k % b:
         b //= 2
     return b
@@ -128,33 +128,37 @@ def _check(x, qweight, scales, zeros, group):
     return m, n, k
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for M == 1: 8 rows of 128 bytes a step, N / 8 programs
-    (512 for N = 4096: every SM busy without split-K). A first guess, not yet swept."""
-    return 8, _block_k(k, 256), 4
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for M == 1: 8 rows of 128 bytes a step, 3
+    steps in flight, N / 8 programs (512 for N = 4096: every SM busy without split-K). A first
+    guess, not yet swept (benchmarks/int4_decode.py --kernels sweeps it)."""
+    return 8, _block_k(k, 256), 4, 3
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None,
-         config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+         config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
     """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring)."""
     m, n, k = _check(x, qweight, scales, zeros, group)
     assert m == 1
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = config or gemv_config(n, k)
+    block_n, block_k, warps, stages = config or gemv_config(n, k)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, zeros, bias if bias is not None else scales, y, n, k,
         qweight.stride(0), scales.stride(0), GROUP=group,
         SUB=min(group, block_k), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps)
+        NUM_STAGES=stages, num_warps=warps)
     return y
 
 
 def gemm_config(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). A first guess, not yet swept."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_k = _block_k(k, min(group, 64))
-    return block_m, 64 if m <= 32 else 128, block_k, 4, 3
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). A first guess, not yet swept.
+    Decode batches (M <= 64) are one row of tiles: narrow BLOCK_N so that N / BLOCK_N programs
+    (128 for N = 4096) spread the weight stream over the SMs; larger M has programs enough."""
+    if m <= 64:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        return block_m, 32 if n <= 8192 else 64, _block_k(k, min(group, 128)), 4, 4
+    return 64, 128, _block_k(k, min(group, 64)), 4, 3
 
 
 def gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
