@@ -178,11 +178,7 @@ def test_int4_checkpoint_cuda(name, graphs, tmp_path):
     ic.write_int4(model, str(tmp_path / "q"), ic.CASES[name], plain_path=str(tmp_path / "p"))
     prompts = ap.prompts(model[0]["vocab_size"])
     kw = dict(device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs)
-    eng = ap.make_engine(str(tmp_path / "p"), **kw)
-    try:
-        ref = [o["output_ids"] for o in ap.generate(eng, prompts)]
-    finally:
-        eng.shutdown()
+    ref = _ref_tokens(str(tmp_path / "p"), prompts, **kw)
     eng = ap.make_engine(str(tmp_path / "q"), **kw)
     try:
         assert eng.runner.int4.mode == "triton"
@@ -197,6 +193,19 @@ def test_int4_checkpoint_cuda(name, graphs, tmp_path):
         eng.shutdown()
 
 
+def _ref_tokens(path: str, prompts, **kw) -> list[list[int]]:
+    import arch_parity as ap
+
+    eng = ap.make_engine(path, **kw)
+    try:
+        out = [o["output_ids"] for o in ap.generate(eng, prompts)]
+        eng.wait_idle()
+        eng.check_integrity()
+        return out
+    finally:
+        eng.shutdown()
+
+
 def test_int4_checkpoint_cuda_torch_kernels(tmp_path):
     """int4_linear=torch (torch's _weight_int4pack_mm, bf16 scales): most greedy sequences equal
     the dequantized bf16 model's (not all: its scales and zeros are rounded to bf16)."""
@@ -206,11 +215,7 @@ def test_int4_checkpoint_cuda_torch_kernels(tmp_path):
     model = ic.tiny_llama(hidden_size=256, intermediate_size=512, head_dim=64)
     ic.write_int4(model, str(tmp_path / "q"), ic.CASES["awq-g128"], plain_path=str(tmp_path / "p"))
     prompts = ap.prompts(model[0]["vocab_size"])
-    eng = ap.make_engine(str(tmp_path / "p"), device="cuda", dtype="bfloat16")
-    try:
-        ref = [o["output_ids"] for o in ap.generate(eng, prompts)]
-    finally:
-        eng.shutdown()
+    ref = _ref_tokens(str(tmp_path / "p"), prompts, device="cuda", dtype="bfloat16")
     eng = ap.make_engine(str(tmp_path / "q"), device="cuda", dtype="bfloat16",
                          int4_linear="torch")
     try:

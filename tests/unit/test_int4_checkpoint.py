@@ -46,12 +46,19 @@ def case(request, base, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     plain = tmp_path_factory.mktemp(request.param + "-plain")
     ic.write_int4(base[0], str(path), ic.CASES[request.param], plain_path=str(plain))
-    eng = ap.make_engine(str(plain))
+    return request.param, str(path), _ref_tokens(str(plain), base[1]), base[1]
+
+
+def _ref_tokens(path: str, prompts) -> list[list[int]]:
+    """Greedy tokens of a (plain) checkpoint's engine, which also ends with the integrity check."""
+    eng = ap.make_engine(path)
     try:
-        ref = ap.generate(eng, base[1])
+        out = [o["output_ids"] for o in ap.generate(eng, prompts)]
+        eng.wait_idle()
+        eng.check_integrity()
+        return out
     finally:
         eng.shutdown()
-    return request.param, str(path), [o["output_ids"] for o in ref], base[1]
 
 
 def _int4_modules(eng) -> list:
@@ -96,11 +103,7 @@ def test_unquantized_layers_stay_dense(base, tmp_path):
     plain = tmp_path / "plain"
     ic.write_int4(base[0], str(tmp_path / "a"), ic.CASES["ct-asym-g32"], plain_path=str(plain),
                   skip=("down_proj",))
-    eng = ap.make_engine(str(plain))
-    try:
-        ref = [o["output_ids"] for o in ap.generate(eng, base[1])]
-    finally:
-        eng.shutdown()
+    ref = _ref_tokens(str(plain), base[1])
     eng = ap.make_engine(str(tmp_path / "a"), int4_linear="triton")
     try:
         assert len(_int4_modules(eng)) == 6
@@ -165,11 +168,7 @@ def test_reload_weights_in_place(base, tmp_path, mode):
     ic.write_int4(ic.tiny_llama(seed=1), str(tmp_path / "b"), c, plain_path=str(tmp_path / "p"))
     ic.write_int4(base[0], str(tmp_path / "other"), ic.CASES["awq-g32"])
     prompts = base[1]
-    fresh = ap.make_engine(str(tmp_path / "p"))
-    try:
-        want = [o["output_ids"] for o in ap.generate(fresh, prompts)]
-    finally:
-        fresh.shutdown()
+    want = _ref_tokens(str(tmp_path / "p"), prompts)
     eng = ap.make_engine(str(tmp_path / "a"), int4_linear=mode)
     try:
         model, plan = eng.runner.model, eng.runner.int4
