@@ -206,11 +206,16 @@ LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=
              bos_token_id=1, eos_token_id=2, torch_dtype="float32")
 
 
-def tiny_llama(seed: int = 0, **kw) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, HF-named fp32 weights) of a random Llama: std 0.08 (peaked logits, as
-    arch_parity.save_tiny), norms in [0.8, 1.2]. Written without transformers (its import alone
-    costs seconds)."""
-    cfg = {**LLAMA, **kw}
+QWEN2 = dict(LLAMA, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+             use_sliding_window=False)  # q/k/v biases
+
+
+def tiny_llama(seed: int = 0, base: Optional[dict] = None, **kw
+               ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, HF-named fp32 weights) of a random Llama (or `base`=QWEN2: with q/k/v
+    biases): std 0.08 (peaked logits, as arch_parity.save_tiny), norms in [0.8, 1.2]. Written
+    without transformers (its import alone costs seconds)."""
+    cfg = {**(base or LLAMA), **kw}
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     g = torch.Generator().manual_seed(seed)
@@ -225,6 +230,9 @@ def tiny_llama(seed: int = 0, **kw) -> tuple[dict, dict[str, torch.Tensor]]:
                    p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
                    p + "mlp.down_proj.weight": w(h, i), p + "input_layernorm.weight": norm(),
                    p + "post_attention_layernorm.weight": norm()})
+        if cfg["model_type"] == "qwen2":
+            sd.update({p + "self_attn.q_proj.bias": w(q), p + "self_attn.k_proj.bias": w(kv),
+                       p + "self_attn.v_proj.bias": w(kv)})
     return cfg, sd
 
 

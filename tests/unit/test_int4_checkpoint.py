@@ -84,6 +84,25 @@ def test_engine_equals_the_dequantized_checkpoint(case, mode):
         eng.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["dequant", "triton"])
+def test_qwen2_biases(tmp_path, mode):
+    """q/k/v biases (Qwen2-AWQ / -GPTQ checkpoints): loaded by the model into Int4Linear's bias
+    rows, added after the int4 matmul."""
+    model = ic.tiny_llama(base=ic.QWEN2)
+    ic.write_int4(model, str(tmp_path / "q"), ic.CASES["gptq-v1-asym-act-g64"],
+                  plain_path=str(tmp_path / "p"))
+    prompts = ap.prompts(model[0]["vocab_size"])[:5]
+    ref = _ref_tokens(str(tmp_path / "p"), prompts)
+    eng = ap.make_engine(str(tmp_path / "q"), int4_linear=mode)
+    try:
+        qkv = eng.runner.model.layers[0].self_attn.qkv_proj
+        assert qkv.bias is not None and bool(qkv.bias.abs().sum() > 0)
+        assert isinstance(qkv, int4_linear.Int4Linear) == (mode == "triton")
+        ap.check_greedy(eng, prompts, ref)
+    finally:
+        eng.shutdown()
+
+
 def test_dequant_load_logs_one_line(base, tmp_path, caplog):
     ic.write_int4(base[0], str(tmp_path), ic.CASES["awq-g128"])
     with caplog.at_level("INFO", logger="radixlm.runtime.models.int4_checkpoint"):
