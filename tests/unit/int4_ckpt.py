@@ -217,7 +217,8 @@ def tiny_llama(seed: int = 0, base: Optional[dict] = None, **kw
     without transformers (its import alone costs seconds)."""
     cfg = {**(base or LLAMA), **kw}
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     g = torch.Generator().manual_seed(seed)
     w = lambda *shape: torch.randn(*shape, generator=g) * 0.08  # noqa: E731
     norm = lambda: torch.rand(h, generator=g) * 0.4 + 0.8  # noqa: E731

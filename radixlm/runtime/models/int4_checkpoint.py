@@ -85,20 +85,27 @@ class Checkpoint:
         self.scheme, self.path = scheme, model_path
         self._stack = contextlib.ExitStack()
         self.where: dict[str, object] = {}  # tensor name -> its open file
-        for file in loader._safetensors_files(model_path):
-            f = self._stack.enter_context(safe_open(file, framework="pt"))
-            for name in f.keys():
-                self.where[name] = f
+        try:
+            for file in loader._safetensors_files(model_path):
+                f = self._stack.enter_context(safe_open(file, framework="pt"))
+                for name in f.keys():
+                    self.where[name] = f
+            self._index(scheme, model_path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _index(self, scheme: Int4Scheme, model_path: str) -> None:
+        """Which layers are int4 (those with the packed tensor) and which tensors are theirs."""
         packed = "." + int4_formats.PACKED_SUFFIX[scheme.method]
         self.layers = sorted(n[: -len(packed)] for n in self.where if n.endswith(packed))
         if not self.layers:
             raise ValueError(f"{model_path}: config.json has an int4 quantization_config "
                              f"({scheme.method}) but no tensor is named *{packed}")
-        layer_set = set(self.layers)
-        self.int4_tensors = {f"{p}.{s}" for p in layer_set
-                             for s in int4_formats.SUFFIXES[scheme.method]} & set(self.where)
-        stray = [n for n in self.where if n.rsplit(".", 1)[-1] in
-                 int4_formats.SUFFIXES[scheme.method] and n not in self.int4_tensors
+        suffixes = int4_formats.SUFFIXES[scheme.method]
+        self.int4_tensors = {f"{p}.{s}" for p in self.layers for s in suffixes} & set(self.where)
+        stray = [n for n in self.where if n.rsplit(".", 1)[-1] in suffixes
+                 and n not in self.int4_tensors
                  and n.rsplit(".", 1)[0] + ".weight" not in self.where]
         if stray:
             raise ValueError(f"{model_path}: {stray[0]} belongs to no int4 layer")
@@ -134,7 +141,8 @@ class Checkpoint:
             out[path] = [pieces[o] for o in order]
         return out
 
-    def iter_weights(self, dtype: torch.dtype, kept: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, dtype: torch.dtype, kept: set[str]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors for the model's load_weights: int4 layers not in `kept` (prefixes)
         as `<layer>.weight` dequantized to `dtype`, kept ones skipped, the rest cast to `dtype`
         (floating) or as stored."""
