@@ -130,6 +130,12 @@ class ServerArgs:
     # (auto: scaled_mm on CUDA SM89+ with tp_size 1, else dequant; env RADIXLM_FP8_LINEAR wins;
     # models/fp8_checkpoint.py, layers/fp8_linear.py)
     fp8_linear: str = "auto"  # auto | scaled_mm | dequant
+    # int4 weight-only checkpoints (quantization_config awq / gptq / compressed-tensors
+    # pack-quantized): triton keeps the decoder projections packed int4 and multiplies them with
+    # Triton kernels (torch: with torch's _weight_int4pack_mm, bf16), dequant dequantizes them at
+    # load (auto: triton on CUDA with tp_size 1, else dequant; env RADIXLM_INT4_LINEAR wins;
+    # models/int4_checkpoint.py, layers/int4_linear.py)
+    int4_linear: str = "auto"  # auto | triton | torch | dequant
     # --- tensor parallelism (runtime/distributed): one process per rank, rank 0 schedules ---
     tp_size: int = 1
     nnodes: int = 1

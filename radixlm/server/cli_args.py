@@ -83,6 +83,11 @@ _HELP = {
                   "multiplies with torch._scaled_mm (half the weight memory), dequant "
                   "dequantizes them at load. auto: scaled_mm on CUDA SM89+ without TP, else "
                   "dequant; env RADIXLM_FP8_LINEAR overrides",
+    "int4_linear": "int4 weight-only checkpoints (AWQ, GPTQ, compressed-tensors W4A16): triton "
+                   "keeps the projections' weights packed int4 and multiplies with Triton "
+                   "kernels (torch: torch's _weight_int4pack_mm instead, bf16), dequant "
+                   "dequantizes them at load. auto: triton on CUDA without TP, "
+                   "else dequant; env RADIXLM_INT4_LINEAR overrides",
     "speculative_algorithm": "speculative decoding: NGRAM (drafts from the request's own text "
                              "and from finished requests' text), STANDALONE (a draft model: "
                              "--speculative-draft-model-path), EAGLE3 (an EAGLE-3 head: "
@@ -103,6 +108,7 @@ _HELP = {
 
 _CHOICES = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSERS,
             "fp8_linear": ("auto", "scaled_mm", "dequant"),
+            "int4_linear": ("auto", "triton", "torch", "dequant"),
             "embedding_pooling": ("last", "mean"), "metrics_names": ("sglang", "radixlm"),
             "cpu_fp32_gemm": ("auto", "on", "off"),
             "gguf_keep_quantized": ("auto", "on", "off"), "load_balance_method": POLICIES,

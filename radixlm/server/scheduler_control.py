@@ -132,6 +132,11 @@ def update_weights_from_disk(runner, scheduler, req: dict) -> dict:
             from radixlm.runtime.layers import quantized_linear
 
             quantized_linear.reload_weights(runner.model, p, f, runner.dtype)
+        elif getattr(runner, "int4", None) is not None:  # int4 (models/int4_checkpoint)
+            from radixlm.runtime.models import int4_checkpoint
+
+            int4_checkpoint.reload_weights(runner.model, p, f, loader.load_hf_config(p, f),
+                                           runner.dtype, runner.int4)
         elif getattr(runner, "fp8", None) is not None:  # FP8 checkpoint (models/fp8_checkpoint)
             from radixlm.runtime.models import fp8_checkpoint
 

@@ -66,8 +66,7 @@ REFUSED = {  # quantization_config -> the field the error must name
                    "activation_scheme"),
     "unknown field": ({"quant_method": "fp8", "new_knob": 1}, "new_knob"),
     "fp4 experts": ({"quant_method": "fp8", "expert_dtype": "fp4"}, "expert_dtype"),
-    "gptq": ({"quant_method": "gptq", "bits": 4}, "quant_method"),
-    "awq": ({"quant_method": "awq"}, "quant_method"),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
     "ct block": (_ct(weights__strategy="block", weights__block_structure=[128, 128]),
                  "block_structure"),
     "ct group": (_ct(weights__strategy="group", weights__group_size=128), "group_size"),
@@ -79,10 +78,17 @@ REFUSED = {  # quantization_config -> the field the error must name
     "ct static token": (_ct(input_activations__dynamic=False), "input_activations"),
     "ct output acts": (_ct(g__output_activations={"num_bits": 8}), "output_activations"),
     "ct kv cache": (_ct(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
-    "ct format": (_ct(format="pack-quantized"), "format"),
+    "ct format": (_ct(format="naive-quantized"), "format"),
     "ct unknown group field": (_ct(g__extra=1), "extra"),
     "ct sparsity": (_ct(sparsity_config={"format": "sparse-24"}), "sparsity_config"),
 }
+
+
+def test_int4_configs_are_left_to_the_int4_loader():
+    """awq, gptq and compressed-tensors pack-quantized are models/int4_config.py's to parse."""
+    for q in ({"quant_method": "gptq", "bits": 4}, {"quant_method": "awq"},
+              _ct(format="pack-quantized")):
+        assert fck.parse({"quantization_config": q}) is None
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

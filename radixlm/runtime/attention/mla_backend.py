@@ -36,12 +36,16 @@ from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.mem_cache.kv_pool import MLAKVPool
 
 
-def check_mla_args(args: ServerArgs, fp8_checkpoint: bool = False) -> None:
+def check_mla_args(args: ServerArgs, fp8_checkpoint: bool = False,
+                   int4_checkpoint: bool = False) -> None:
     """Refuse, naming the flag, what cannot run on a latent KV pool (it stores no K/V heads) or
     has not been checked with MLA models."""
     if fp8_checkpoint:
         raise ValueError("FP8 checkpoints are not supported with MLA models yet (DeepSeek's own "
                          "are block-wise FP8, refused; per-tensor FP8 MLA is untested)")
+    if int4_checkpoint:
+        raise ValueError("int4 checkpoints (AWQ, GPTQ, compressed-tensors) are not supported with "
+                         "MLA models yet (their loader covers the Llama-family projections)")
     if args.attention_backend == "cpu":
         raise ValueError("attention_backend 'cpu' has no MLA kernels (its C++ kernels read K/V "
                          "heads; DeepSeek's pool stores the latent): use auto or torch_native")

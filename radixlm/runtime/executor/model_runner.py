@@ -26,7 +26,7 @@ from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.host_pool import LayerWaitingBackend
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
-from radixlm.runtime.models import fp8_checkpoint, loader, registry
+from radixlm.runtime.models import fp8_checkpoint, int4_checkpoint, loader, registry
 from radixlm.runtime.speculative import spec_config
 
 logger = logging.getLogger(__name__)
@@ -103,13 +103,17 @@ class ModelRunner:
         # GPU, dequantized at load elsewhere (models/fp8_checkpoint, layers/fp8_linear)
         self.fp8 = fp8_checkpoint.plan(self.hf_config, args.fp8_linear, self.device,
                                        self.tp.size, self.load_format)
+        # int4 checkpoint (AWQ / GPTQ / compressed-tensors W4A16): packed weights with Triton
+        # kernels on the GPU, dequantized at load elsewhere (models/int4_checkpoint)
+        self.int4 = int4_checkpoint.plan(self.hf_config, args.int4_linear, self.device,
+                                         self.tp.size, self.load_format)
         # MLA (DeepSeek): the pool keeps one latent per token and layer, not K/V heads
         self.mla_dims = getattr(self.model_cls, "mla_kv_dims", lambda c: None)(cfg)
-        if self.mla_dims is not None:
-            check_mla_args(args, self.fp8 is not None)  # refuses what needs K/V heads
+        if self.mla_dims is not None:  # refuse what needs K/V heads
+            check_mla_args(args, self.fp8 is not None, self.int4 is not None)
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
                self.fp32_gemm, self.keep_quantized, self.gguf_dense_rows, self.fp8,
-               self.cpu_packed)
+               self.int4, self.cpu_packed)
         if self.tp.size > 1:  # never shared: a shard's layers hold this engine's TP group
             self.model = self._load_model(cfg, args.seed)
         else:
@@ -185,6 +189,11 @@ class ModelRunner:
                 model.init_dummy_weights(seed)
                 if self.fp8 is not None and self.fp8.keep:  # random e4m3 weights (benchmarks)
                     fp8_linear.quantize_model(model)
+                if self.int4 is not None:  # random int4 weights (benchmarks)
+                    int4_checkpoint.init_dummy(model, self.int4)
+            elif self.int4 is not None:
+                int4_checkpoint.load_weights(model, self.model_path, self.dtype, self.int4,
+                                             self.device)
             elif self.fp8 is not None:
                 fp8_checkpoint.load_weights(model, self.model_path, self.dtype, self.fp8,
                                             self.device)

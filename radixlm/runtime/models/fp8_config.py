@@ -19,13 +19,17 @@ W ~= weight.float() * weight_scale, x ~= x_q * input_scale):
       strategy tensor (`input_scale` [1])}; `ignore` lists the unquantized layers.
       refused: block / group strategies, weight-only FP8 (input_activations null), dynamic
       "local", output_activations, kv_cache_scheme, sparsity / transforms, other formats.
-Any other quant_method (gptq, awq, bitsandbytes, ...) and any field not listed is refused with
-an error naming it: a checkpoint we cannot run exactly is refused, never run approximately.
+Int4 checkpoints (awq, gptq, compressed-tensors "pack-quantized") are models/int4_config.py's:
+`parse` returns None for them. Any other quant_method (bitsandbytes, ...) and any field not
+listed is refused with an error naming it: a checkpoint we cannot run exactly is refused, never
+run approximately.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+from radixlm.runtime.models import int4_config
 
 
 def _refuse(field: str, value: Any, why: str) -> None:
@@ -137,12 +141,14 @@ def parse(hf_config: dict) -> Optional[tuple[str, bool]]:
         return None
     if not isinstance(q, dict):
         _refuse("", q, "expected a dict")
+    if int4_config.is_int4(q):  # int4 weights: models/int4_checkpoint.py
+        return None
     method = q.get("quant_method")
     if method == "fp8":
         return method, _parse_fp8(q)
     if method == "compressed-tensors":
         return method, _parse_compressed_tensors(q)
-    _refuse("quant_method", method, "supported: fp8 and compressed-tensors with FP8 e4m3 "
-            "weights (GGUF files load with --load-format gguf)")
+    _refuse("quant_method", method, "supported: fp8, compressed-tensors (FP8 e4m3 or int4 "
+            "pack-quantized weights), awq and gptq (GGUF files load with --load-format gguf)")
 
 
