@@ -120,16 +120,22 @@ class PDRouter:
             return StreamingResponse(self._stream(p, d, p_task, d_body, headers),
                                      media_type="text/event-stream")
         d_task = asyncio.create_task(self._post(d, d_body, headers))
-        failure = await _prefill_failure(p, p_task)
-        if failure is not None:
-            await self._abort(d, d_body["rid"], headers)
-            d_task.cancel()
-            await asyncio.gather(d_task, return_exceptions=True)
-            return _error(*failure)
+        # whichever side fails first fails the request and frees the other side's at once
+        await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not p_task.done() and _decode_failed(d_task):
+            await self._abort(p, d_body["rid"], headers)
+            p_task.cancel()
+            await asyncio.gather(p_task, return_exceptions=True)
+        else:
+            failure = await _prefill_failure(p, p_task)
+            if failure is not None:
+                await self._abort(d, d_body["rid"], headers)
+                d_task.cancel()
+                await asyncio.gather(d_task, return_exceptions=True)
+                return _error(*failure)
         try:
             r = await d_task
         except httpx.HTTPError as e:
-            await self._abort(p, d_body["rid"], headers)
             return _error(502, f"decode server {d.url}: {type(e).__name__}: {e}")
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
@@ -190,6 +196,13 @@ class PDRouter:
             d.in_flight -= 1
             if not p_task.done():
                 p_task.cancel()
+
+
+def _decode_failed(d_task) -> bool:
+    """The decode side's (finished) request failed: a transport error or a non-200."""
+    if d_task.cancelled() or d_task.exception() is not None:
+        return True
+    return d_task.result().status_code != 200
 
 
 async def _prefill_failure(p: PDWorker, p_task) -> Optional[tuple[int, str]]:
