@@ -28,6 +28,7 @@ from radixlm.runtime.config import ServerArgs  # noqa: E402
 from radixlm.runtime.distributed.pd_args import check_disaggregation_args  # noqa: E402
 
 TIMEOUT_S = 4  # --disaggregation-timeout of the servers here: failures must come well before
+SHORT_TIMEOUT_S = 1.5  # the second prefill server's
 COMMON = ["--dtype", "float32", "--max-total-tokens", "4096", "--context-length", "1024",
           "--chunked-prefill-size", "48", "--disaggregation-timeout", str(TIMEOUT_S),
           "--timeout-graceful-shutdown", "5"]
@@ -37,48 +38,54 @@ PROMPTS = ["The capital of France is",
            "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"]
 
 
-def _start_all(specs):
-    """Start servers side by side (a start is mostly waiting on imports and the model)."""
-    out, errors = {}, []
+def _wait_all(procs: dict) -> None:
+    """Wait for servers started side by side (a start is mostly imports and the model; a router
+    starts once its workers answer); on any failure every one of them is killed."""
+    errors = []
 
-    def one(name, args, module):
+    def one(srv):
         try:
-            out[name] = start_server(args, name=name, module=module)
+            srv.wait_ready()
         except BaseException as e:  # noqa: BLE001 (re-raised below)
             errors.append(e)
 
-    threads = [threading.Thread(target=one, args=s) for s in specs]
+    threads = [threading.Thread(target=one, args=(srv,)) for srv in procs.values()]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
-        for srv in out.values():
+        for srv in procs.values():
             srv.kill()
         raise errors[0]
-    return out
 
 
 @pytest.fixture(scope="module")
 def pd(tiny_chat_path):
     model = ["--model-path", tiny_chat_path, *COMMON]
     boot, boot2 = free_port(), free_port()
-    srv = _start_all([
-        ("prefill", [*model, "--disaggregation-mode", "prefill",
-                     "--disaggregation-bootstrap-port", str(boot)], "radixlm.launch_server"),
-        ("decode", [*model, "--disaggregation-mode", "decode"], "radixlm.launch_server"),
-        ("prefill2", [*model, "--disaggregation-mode", "prefill",
-                      "--disaggregation-bootstrap-port", str(boot2)], "radixlm.launch_server"),
-    ])
-    routers = _start_all([
-        ("router", ["--pd-disaggregation", "--prefill", srv["prefill"].url, str(boot),
-                    "--decode", srv["decode"].url], "radixlm.router"),
-        ("router2", ["--pd-disaggregation", "--prefill", srv["prefill2"].url,
-                     "--decode", srv["decode"].url], "radixlm.router")])
-    srv.update(routers, boot=boot)
+    srv = {"prefill": start_server([*model, "--disaggregation-mode", "prefill",
+                                    "--disaggregation-bootstrap-port", str(boot)],
+                                   name="prefill", wait=False),
+           "decode": start_server([*model, "--disaggregation-mode", "decode"], name="decode",
+                                  wait=False),
+           # the one the failure tests kill; a short timeout for the unclaimed-room test
+           "prefill2": start_server([*model, "--disaggregation-mode", "prefill",
+                                     "--disaggregation-bootstrap-port", str(boot2),
+                                     "--disaggregation-timeout", str(SHORT_TIMEOUT_S)],
+                                    name="prefill2", wait=False)}
+    srv["router"] = start_server(["--pd-disaggregation", "--prefill", srv["prefill"].url,
+                                  str(boot), "--decode", srv["decode"].url], name="router",
+                                 wait=False, module="radixlm.router")
+    srv["router2"] = start_server(["--pd-disaggregation", "--prefill", srv["prefill2"].url,
+                                   "--decode", srv["decode"].url], name="router2", wait=False,
+                                  module="radixlm.router")
+    _wait_all(srv)
+    srv["boot2"] = boot2
     yield srv
     for name in ("router", "router2", "prefill", "decode", "prefill2"):
-        if srv[name].stopped:
+        if srv[name].stopped:  # killed by its test
+            os.unlink(srv[name].log_path)
             continue
         stop_and_check(srv[name])
 
@@ -91,22 +98,22 @@ def _gen(server, prompt, **kw) -> dict:
     return r.json()
 
 
-def _stats(server) -> dict:
+def _stats_of(server) -> dict:
     return server.stats()
 
 
 def test_greedy_matches_colocated(pd):
     """Greedy ids and text through the PD router == the same prompt run colocated; the KV
     really moved (the decode side received the prompts' tokens, in pages)."""
-    before = _stats(pd["decode"])["pd_tokens_received"]
+    before = _stats_of(pd["decode"])["pd_tokens_received"]
     for prompt in PROMPTS:
         ref = _gen(pd["prefill"], prompt)
         out = _gen(pd["router"], prompt, sp={"n": 1})
         assert out["output_ids"] == ref["output_ids"], prompt
         assert out["text"] == ref["text"]
         assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
-    assert _stats(pd["decode"])["pd_tokens_received"] > before
-    assert _stats(pd["prefill"])["pd_pages_sent"] >= len(PROMPTS)
+    assert _stats_of(pd["decode"])["pd_tokens_received"] > before
+    assert _stats_of(pd["prefill"])["pd_pages_sent"] >= len(PROMPTS)
 
 
 def test_stop_strings_logprobs_and_streaming_match(pd):
@@ -145,9 +152,9 @@ def test_decode_prefix_hit_is_not_resent(pd):
     head = "System: you are a helpful assistant who answers in one short line. " * 3
     first, second = head + "Question: what is two plus two?", head + "Question: name a color."
     _gen(pd["router"], first)
-    s0 = _stats(pd["decode"])
+    s0 = _stats_of(pd["decode"])
     out = _gen(pd["router"], second)
-    s1 = _stats(pd["decode"])
+    s1 = _stats_of(pd["decode"])
     n = out["meta_info"]["prompt_tokens"]
     hit = s1["pd_prefix_hit_tokens"] - s0["pd_prefix_hit_tokens"]
     received = s1["pd_tokens_received"] - s0["pd_tokens_received"]
@@ -160,8 +167,10 @@ def test_decode_prefix_hit_is_not_resent(pd):
 
 def test_unreachable_prefill_fails_the_request(pd):
     """A decode request whose prefill server does not answer: an error (not a hang), and the
-    reserved slots are back."""
-    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4},
+    reserved slots are back. (A prompt the decode side has not cached: a full prefix hit would
+    need no KV from anyone.)"""
+    body = {"text": "A prompt no server has seen: 31 41 59 26 53",
+            "sampling_params": {"max_new_tokens": 4},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 7}
     t0 = time.monotonic()
     r = pd["decode"].post("/generate", body, timeout=30)
@@ -174,10 +183,10 @@ def test_unclaimed_room_times_out_on_prefill(pd):
     """A prefill request no decode server claims (its decode died before the handshake): the
     prefill side fails it after --disaggregation-timeout and holds nothing."""
     body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4},
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": pd["boot"], "bootstrap_room": 8}
-    r = pd["prefill"].post("/generate", body, timeout=30)
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": pd["boot2"], "bootstrap_room": 8}
+    r = pd["prefill2"].post("/generate", body, timeout=30)
     assert r.status_code == 504 and "no decode server claimed" in r.text, r.text
-    pd["prefill"].check_integrity()
+    pd["prefill2"].check_integrity()
 
 
 def test_bad_flags_and_fields_are_refused(pd):
@@ -217,7 +226,7 @@ def test_prefill_killed_mid_request(pd):
     decode side's pool passes the integrity check, and it goes on serving."""
     router2, p2, dec = pd["router2"], pd["prefill2"], pd["decode"]
     _gen(router2, PROMPTS[0])  # the link exists
-    rooms = _stats(dec)["pd_rooms"]
+    rooms = _stats_of(dec)["pd_rooms"]
     os.kill(p2.pid, signal.SIGSTOP)  # (the launcher; its scheduler too, below)
     for child in p2.children():
         os.kill(child.pid, signal.SIGSTOP)
@@ -231,7 +240,7 @@ def test_prefill_killed_mid_request(pd):
 
     t = threading.Thread(target=call)
     t.start()
-    _wait_for(lambda: _stats(dec)["pd_rooms"] > rooms)  # the decode side reserved its slots
+    _wait_for(lambda: _stats_of(dec)["pd_rooms"] > rooms)  # the decode side reserved its slots
     t_kill = time.monotonic()
     p2.kill()
     t.join(30)
