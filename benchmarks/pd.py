@@ -14,7 +14,8 @@ uniform in [--output-len-min, --output-len-max] (ignore_eos, greedy), streamed f
 arrivals Poisson at each of `--request-rates` (req/s), the same trace (one seed) for both arms.
 The arms run one after the other, never together. One JSON line per (arm, rate): TTFT and
 inter-token latency p50 / p99, request and token throughput (benchmarks/serving.py's metrics),
-failures. What PD should show: ITL p99 free of the prefill stalls that long prompts put into a
+failures. (cache_hit_rate is ~0 for DP; on the PD decode side meta_info.cached_tokens counts
+every prompt token it did not compute, received ones included.) What PD should show: ITL p99 free of the prefill stalls that long prompts put into a
 colocated decode batch; what it costs: TTFT (the KV hand-off) and one GPU doing only prefill.
 """
 
@@ -121,6 +122,17 @@ async def run_rate(url: str, reqs: list[ds.BenchRequest], rate: float, seed: int
         return summarize(results, time.perf_counter() - start)
 
 
+def flush(servers: list[Proc]) -> None:
+    """Empty the servers' radix caches between rates (the same trace runs again): a server
+    answers 400 while requests still hold KV, so wait for it to drain."""
+    for srv in servers:
+        deadline = time.monotonic() + 120
+        while httpx.post(srv.url + "/flush_cache", timeout=30).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{srv.name}: /flush_cache refused for 120 s")
+            time.sleep(0.2)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default=os.path.join(_ROOT, "benchmarks/configs/llama-3.1-8b"))
@@ -169,7 +181,9 @@ def main(argv=None) -> list[dict]:
             warm = trace(SimpleNamespace(**{**vars(args), "num_prompts": args.warmup,
                                             "seed": args.seed + 1000}), vocab)
             asyncio.run(run_rate(url, warm, 100.0, args.seed))
+            servers = [p for p in procs if p.name != "router"]  # (dp2: its router broadcasts)
             for rate in args.request_rates:
+                flush(servers)
                 res = asyncio.run(run_rate(url, reqs, rate, args.seed))
                 info = httpx.get(procs[0].url + "/get_server_info", timeout=30).json()
                 res = {"bench": "pd", "arm": arm, "request_rate": rate, **res,
