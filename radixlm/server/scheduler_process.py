@@ -22,7 +22,8 @@ from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.models import loader
 from radixlm.server.child_process import watch_parent
 from radixlm.runtime.request import Req
-from radixlm.runtime.scheduler import pd
+from radixlm.runtime.scheduler.pd_decode import DecodeSide
+from radixlm.runtime.scheduler.pd_prefill import PrefillSide
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.server.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq,
                                       ReqUpdate, TokenizedGenerateReq)
@@ -43,7 +44,10 @@ class SchedulerServer:
             fmt = "auto" if args.tokenizer_path or self.runner.load_format == "dummy" else self.runner.load_format
             tok = loader.load_tokenizer(tok_path, fmt)
         self.scheduler = Scheduler(args, self.runner, tok)
-        self.scheduler.pd = pd.make_side(args, self.scheduler)
+        # disaggregation (scheduler/pd.py): the prefill or the decode role, or colocated
+        roles = {"prefill": PrefillSide, "decode": DecodeSide}
+        mode = args.disaggregation_mode
+        self.scheduler.pd = roles[mode](self.scheduler, args) if mode else None
         self.eos_token_ids = tuple(loader.eos_token_ids(self.runner.hf_config, tok))
         ctx = zmq.Context(2)
         self.recv = ctx.socket(zmq.PULL)

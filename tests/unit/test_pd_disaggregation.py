@@ -9,7 +9,6 @@ token for token. A third server (a second prefill server) is the one the failure
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -81,7 +81,7 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         # speculation only for steps that verify nothing: drafts need the previous step's tokens
         # on the host (the speculator's wants_verify says which steps those are)
         self.overlap = not args.disable_overlap_schedule and self.device.type == "cuda"
-        # disaggregation (scheduler/pd.py): the prefill or decode role, set by the server
+        # disaggregation: pd_prefill.PrefillSide or pd_decode.DecodeSide, set by the server
         self.pd = None
 
     # --- requests in and out --------------------------------------------------------------------
