@@ -31,6 +31,14 @@ from radixlm.runtime.request import Finish, FinishReason, Req
 PAGE_TOKENS = 256  # tokens per page on the wire (one gather, one header)
 
 
+def link_timeout(room_timeout: float) -> float:
+    """How long a link's blocking call may wait. Longer than a room's life: every room a
+    receiver waits for ends in pages or a CANCEL within about two room timeouts (a READY whose
+    request never reaches the prefill side is cancelled a timeout after it came), and a link
+    that times out fails every room on it, not only the late one."""
+    return 2 * room_timeout + 10
+
+
 def gather_kv(pool, slots: torch.Tensor) -> torch.Tensor:
     """slots (T,) -> (L, 2, T, H_kv, D): the pool's K and V at those slots, one tensor."""
     return torch.stack([torch.stack((k.index_select(0, slots), v.index_select(0, slots)))

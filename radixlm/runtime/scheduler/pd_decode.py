@@ -11,7 +11,7 @@ import torch
 
 from radixlm.runtime.distributed import pd_transfer as xfer
 from radixlm.runtime.request import Req
-from radixlm.runtime.scheduler.pd import fail, scatter_kv
+from radixlm.runtime.scheduler.pd import fail, link_timeout, scatter_kv
 
 
 class DecodeSide:
@@ -90,7 +90,8 @@ class DecodeSide:
         start, count = self.rooms[room]["start"], len(self.rooms[room]["slots"])
         link = self.links.get((host, port))
         if link is None or link.dead is not None:
-            link = xfer.RecvLink(host, port, self.backend, self.timeout, self.sched.device,
+            link = xfer.RecvLink(host, port, self.backend, link_timeout(self.timeout),
+                                 self.sched.device,
                                  self.bytes_per_token, self.events)
             self.links[(host, port)] = link
         if not link.expect(room, start, count):

@@ -11,7 +11,7 @@ import torch
 
 from radixlm.runtime.distributed import pd_transfer as xfer
 from radixlm.runtime.request import Req
-from radixlm.runtime.scheduler.pd import PAGE_TOKENS, fail, gather_kv
+from radixlm.runtime.scheduler.pd import PAGE_TOKENS, fail, gather_kv, link_timeout
 
 
 def prefill_only(req: Req) -> None:
@@ -58,7 +58,7 @@ class PrefillSide:
         for msg in xfer.pop_control(self.store):
             if msg[0] == "hello":
                 self.links[msg[1]] = xfer.SendLink(msg[1], self.store, self.host, self.backend,
-                                                   self.timeout, self.sched.device)
+                                                   link_timeout(self.timeout), self.sched.device)
             elif msg[0] == "ready":
                 _, link_id, room, start, count = msg
                 self.readies[room] = (link_id, start, count, time.monotonic() + self.timeout)
