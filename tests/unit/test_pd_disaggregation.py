@@ -32,7 +32,7 @@ COMMON = ["--dtype", "float32", "--max-total-tokens", "4096", "--context-length"
           "--chunked-prefill-size", "48", "--disaggregation-timeout", str(TIMEOUT_S),
           "--timeout-graceful-shutdown", "5"]
 PROMPTS = ["The capital of France is",
-           "Once upon a time, in a land far away, there lived a " * 4,  # 3 chunks of 48: 3 pages
+           "Once upon a time, in a land far away, there lived a " * 8,  # 3 chunks of 48: 3 pages
            "def fibonacci(n): return n if n < 2 else",
            "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"]
 
@@ -105,14 +105,16 @@ def test_greedy_matches_colocated(pd):
     """Greedy ids and text through the PD router == the same prompt run colocated; the KV
     really moved (the decode side received the prompts' tokens, in pages)."""
     before = _stats_of(pd["decode"])["pd_tokens_received"]
+    pages = _stats_of(pd["prefill"])["pd_pages_sent"]
     for prompt in PROMPTS:
+        out = _gen(pd["router"], prompt, sp={"n": 1})  # first: the prefill side computes it all
         ref = _gen(pd["prefill"], prompt)
-        out = _gen(pd["router"], prompt, sp={"n": 1})
         assert out["output_ids"] == ref["output_ids"], prompt
         assert out["text"] == ref["text"]
         assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
     assert _stats_of(pd["decode"])["pd_tokens_received"] > before
-    assert _stats_of(pd["prefill"])["pd_pages_sent"] >= len(PROMPTS)
+    # a page per prefill chunk: the long prompt's KV left in three pieces while it computed
+    assert _stats_of(pd["prefill"])["pd_pages_sent"] - pages >= len(PROMPTS) + 2
 
 
 def test_stop_strings_logprobs_and_streaming_match(pd):
@@ -247,6 +249,13 @@ def test_prefill_killed_mid_request(pd):
     r = result["r"]
     assert r.status_code >= 500, r.text
     assert time.monotonic() - t_kill < TIMEOUT_S, "failed by the timeout, not the link error"
+    dec.check_integrity()
+    # a stream through the dead prefill server ends with an error chunk, not a hang
+    body = {"text": "Another prompt for a dead prefill server", "stream": True,
+            "sampling_params": {"max_new_tokens": 8}}
+    with httpx.stream("POST", router2.url + "/generate", json=body, timeout=60) as r:
+        chunks = list(sse_events(r)) if r.status_code == 200 else [{"error": r.text}]
+    assert chunks and "error" in chunks[-1], chunks
     dec.check_integrity()
     assert _gen(pd["router"], PROMPTS[0])["output_ids"]  # the other pair still works
     p2.stopped = True

@@ -41,6 +41,13 @@ OK, CANCEL = 0, 1
 CONNECT_TIMEOUT_S = 10.0
 
 
+def _settle(device: torch.device) -> None:
+    """nccl: a send's or recv's wait() only orders the calling thread's stream; the host must
+    know the bytes moved before it reuses (sender) or hands over (receiver) the buffer."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _timeout(s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(1.0, s))
 
@@ -124,6 +131,7 @@ class SendLink(_Link):
                         page.ready_event.synchronize()
                     data = page.payload.to(self.device).view(torch.uint8).reshape(-1)
                     self.group.send([data], 1, 0).wait()
+                _settle(self.device)
             except Exception as e:
                 self._fail(f"send: {type(e).__name__}: {e}")
                 return
@@ -214,6 +222,7 @@ class RecvLink(_Link):
                     data = torch.empty(count * self.bytes_per_token, dtype=torch.uint8,
                                        device=self.device)
                     self.group.recv([data], 0, 0).wait()
+                    _settle(self.device)
                     payload = data
             except Exception as e:
                 self._fail(f"receive: {type(e).__name__}: {e}")
