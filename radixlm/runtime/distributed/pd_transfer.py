@@ -60,7 +60,9 @@ def make_group(store, rank: int, host: str, backend: str, timeout: float):
         return dist.ProcessGroupNCCL(store, rank, 2, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = _timeout(timeout)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    wildcard = host in ("0.0.0.0", "::", "")  # (--host 0.0.0.0): the address gloo resolves
+    opts._devices = [dist.ProcessGroupGloo.create_default_device() if wildcard
+                     else dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, 2, opts)
 
 
@@ -147,6 +149,8 @@ class RecvLink(_Link):
         super().__init__(f"{host}:{port}")
         self.link_id = uuid.uuid4().hex
         self.device = device if backend == "nccl" else torch.device("cpu")
+        # gloo to a CUDA pool: pinned buffers, so the scheduler's copy to the device is async
+        self.pin = backend != "nccl" and torch.device(device).type == "cuda"
         self.bytes_per_token = page_bytes_per_token
         self.out = out
         self.remaining: dict[int, int] = {}  # room -> tokens still to come
@@ -168,11 +172,11 @@ class RecvLink(_Link):
         return True
 
     def close(self) -> None:
-        self.ctl.put(None)
         self._fail("closed")
 
     def _fail(self, why: str) -> None:
         super()._fail(why)
+        self.ctl.put(None)  # the control thread ends too
         with self.cv:
             rooms, self.remaining = list(self.remaining), {}
         for room in rooms:
@@ -220,7 +224,7 @@ class RecvLink(_Link):
                 payload = None
                 if count:
                     data = torch.empty(count * self.bytes_per_token, dtype=torch.uint8,
-                                       device=self.device)
+                                       device=self.device, pin_memory=self.pin)
                     self.group.recv([data], 0, 0).wait()
                     _settle(self.device)
                     payload = data

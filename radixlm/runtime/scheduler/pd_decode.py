@@ -116,7 +116,8 @@ class DecodeSide:
                 continue
             r = self.rooms[room]
             kv = ev[3].view(self.pool.k_buffers[0].dtype)
-            kv = kv.view(self.kv_shape[0], 2, -1, *self.kv_shape[2:]).to(self.sched.device)
+            kv = kv.view(self.kv_shape[0], 2, -1, *self.kv_shape[2:])  # (L, 2, T, H_kv, D)
+            kv = kv.to(self.sched.device, non_blocking=True)  # (pinned: ordered before scatter)
             lo = ev[2] - r["start"]
             scatter_kv(self.pool, r["slots"][lo : lo + kv.shape[2]], kv)
             r["got"] += kv.shape[2]

@@ -123,9 +123,12 @@ class PrefillSide:
             while s["sent"] < upto:
                 hi = min(upto, s["sent"] + PAGE_TOKENS)
                 slots = rt[req.req_pool_idx, s["sent"]:hi]
-                kv = gather_kv(self.pool, slots)
+                kv = gather_kv(self.pool, slots)  # (L, 2, T, H_kv, D)
                 event = None
                 if kv.is_cuda:
+                    if self.backend == "gloo":  # to pinned host memory now: queued pages must
+                        host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                        kv = host.copy_(kv, non_blocking=True)  # not hold device memory
                     event = torch.cuda.Event()
                     event.record()
                 s["link"].send(xfer.Page(s["room"], s["sent"], kv, ready_event=event))
