@@ -1,7 +1,7 @@
 """The router's prefill/decode mode: `radixlm router --pd-disaggregation --prefill URL [PORT]
 --decode URL` (sgl-router's flag form).
 
-A /generate request gets a random `bootstrap_room` and the chosen prefill server's handshake
+A request (/generate, /v1/completions, /v1/chat/completions) gets a random `bootstrap_room` and the chosen prefill server's handshake
 address (`bootstrap_host`: the prefill URL's host; `bootstrap_port`: the PORT given after the URL,
 else the server's own --disaggregation-bootstrap-port from its /get_server_info), and goes to
 both servers at once: the prefill server computes the prompt (its answer only carries the prompt
@@ -13,8 +13,9 @@ its reserved KV slots go back at once) and the client gets the prefill side's er
 server itself also fails a room whose link broke or whose KV did not come within
 --disaggregation-timeout, so nothing waits forever. A stream that already began gets the error
 as a last `{"error": ...}` chunk, as the servers' own streams do.
-Workers are chosen by the fewest requests in flight (round robin among equals); only /generate
-is disaggregated (OpenAI routes answer 501 here: send them to a colocated server).
+Workers are chosen by the fewest requests in flight (round robin among equals). /generate,
+/v1/completions and /v1/chat/completions are disaggregated (one prompt, n 1); other routes
+answer 501 here: send them to a colocated server.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from radixlm.router.workers import normalize_url
 
 logger = logging.getLogger("radixlm.router")
 INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+PD_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
 class PDWorker:
@@ -92,10 +94,10 @@ class PDRouter:
         turn = next(self._turn)
         return min(workers, key=lambda w: (w.in_flight, (workers.index(w) - turn) % len(workers)))
 
-    async def _post(self, w: PDWorker, body: dict, headers: dict) -> httpx.Response:
+    async def _post(self, w: PDWorker, path: str, body: dict, headers: dict) -> httpx.Response:
         w.in_flight += 1
         try:
-            return await self.client.post(w.url + "/generate", json=body, headers=headers)
+            return await self.client.post(w.url + path, json=body, headers=headers)
         finally:
             w.in_flight -= 1
 
@@ -113,13 +115,17 @@ class PDRouter:
                     bootstrap_room=random.getrandbits(63))
         return p, d, dict(body, stream=False), body
 
-    async def generate(self, body: dict, headers: dict) -> Response:
+    async def forward(self, path: str, body: dict, headers: dict) -> Response:
+        """`path`: /generate, /v1/completions or /v1/chat/completions (the decode server's
+        answer in its own format; prompt logprobs are merged into /generate's)."""
         p, d, p_body, d_body = self.bodies(body)
-        p_task = asyncio.create_task(self._post(p, p_body, headers))
+        if path != "/generate":  # (the OpenAI routes: the prefill side's answer is discarded)
+            p_body.pop("stream_options", None)
+        p_task = asyncio.create_task(self._post(p, path, p_body, headers))
         if body.get("stream"):
-            return StreamingResponse(self._stream(p, d, p_task, d_body, headers),
+            return StreamingResponse(self._stream(p, d, p_task, path, d_body, headers),
                                      media_type="text/event-stream")
-        d_task = asyncio.create_task(self._post(d, d_body, headers))
+        d_task = asyncio.create_task(self._post(d, path, d_body, headers))
         # whichever side fails first fails the request and frees the other side's at once
         await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
         if not p_task.done() and _decode_failed(d_task):
@@ -140,17 +146,19 @@ class PDRouter:
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         out = r.json()
-        if body.get("return_logprob"):
+        if path == "/generate" and body.get("return_logprob"):
             _merge_input_logprobs(out, p_task.result().json())
         return JSONResponse(out)
 
-    async def _stream(self, p: PDWorker, d: PDWorker, p_task, body: dict, headers: dict):
+    async def _stream(self, p: PDWorker, d: PDWorker, p_task, path: str, body: dict,
+                      headers: dict):
         """The decode server's SSE, passed through; the prefill side's failure ends it with an
         error chunk (and aborts the decode side's request)."""
-        want_lp, prefill_out = bool(body.get("return_logprob")), None
+        want_lp = path == "/generate" and bool(body.get("return_logprob"))
+        prefill_out = None
         d.in_flight += 1
         try:
-            async with self.client.stream("POST", d.url + "/generate", json=body,
+            async with self.client.stream("POST", d.url + path, json=body,
                                           headers=headers) as r:
                 if r.status_code != 200:
                     yield _sse({"error": {"message": (await r.aread()).decode(errors="replace"),
@@ -218,6 +226,21 @@ async def _prefill_failure(p: PDWorker, p_task) -> Optional[tuple[int, str]]:
     return None
 
 
+def _not_disaggregated(path: str, body: dict) -> Optional[str]:
+    """Why this body cannot be split over a prefill and a decode server, or None."""
+    prompt = body.get("text") if path == "/generate" else body.get("prompt")
+    ids = body.get("input_ids")
+    if (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)) or (
+            isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        return "a batch is not disaggregated: send one prompt per request"
+    sp = body.get("sampling_params") if path == "/generate" else body
+    if isinstance(sp, dict) and (sp.get("n") or 1) != 1:
+        return "n > 1 is not disaggregated: send n requests"
+    if path == "/v1/completions" and body.get("echo") and body.get("logprobs") is not None:
+        return "echo with logprobs (prompt logprobs) is not disaggregated on /v1/completions"
+    return None
+
+
 def _merge_input_logprobs(out: dict, prefill_out: dict) -> None:
     meta, pmeta = out.get("meta_info"), prefill_out.get("meta_info") or {}
     if isinstance(meta, dict):
@@ -239,25 +262,27 @@ def build_pd_app(router: PDRouter) -> FastAPI:
                              "in_flight": w.in_flight} for w in router.prefill],
                 "decode": [{"url": w.url, "in_flight": w.in_flight} for w in router.decode]}
 
-    @app.post("/generate")
-    async def generate(request: Request):
+    async def disaggregated(request: Request):
         try:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:
             return _error(400, f"the body is not JSON: {e}")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
-        if isinstance(body.get("text"), list) or (
-                isinstance(body.get("input_ids"), list) and body["input_ids"]
-                and isinstance(body["input_ids"][0], list)):
-            return _error(400, "a batch is not disaggregated: send one prompt per request")
+        path = request.url.path
+        problem = _not_disaggregated(path, body)
+        if problem is not None:
+            return _error(400, problem)
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        return await router.generate(body, headers)
+        return await router.forward(path, body, headers)
+
+    for path in PD_PATHS:
+        app.add_api_route(path, disaggregated, methods=["POST"])
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def other(path: str):
-        return _error(501, f"/{path}: the PD router disaggregates /generate only; send other "
-                           f"routes to a colocated server")
+        return _error(501, f"/{path}: the PD router disaggregates {', '.join(PD_PATHS)} only; "
+                           f"send other routes to a colocated server")
 
     return app
 

@@ -147,6 +147,35 @@ def test_stop_strings_logprobs_and_streaming_match(pd):
         "input_token_logprobs"]
 
 
+def test_openai_routes_match_colocated(pd):
+    """/v1/chat/completions (streamed too) and /v1/completions through the PD router."""
+    chat = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 12,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    rooms = _stats_of(pd["decode"])["pd_rooms"]
+    out = pd["router"].post("/v1/chat/completions", chat)
+    ref = pd["prefill"].post("/v1/chat/completions", chat)
+    assert out.status_code == ref.status_code == 200, out.text
+    a, b = out.json()["choices"][0], ref.json()["choices"][0]
+    assert a["message"]["content"] == b["message"]["content"]
+    assert [t["token"] for t in a["logprobs"]["content"]] == \
+        [t["token"] for t in b["logprobs"]["content"]]
+    with httpx.stream("POST", pd["router"].url + "/v1/chat/completions",
+                      json={**chat, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        text = "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in sse_events(r) if c.get("choices"))
+    assert text == b["message"]["content"]
+    comp = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "stop": ["\n\n"]}
+    out, ref = pd["router"].post("/v1/completions", comp), pd["prefill"].post("/v1/completions",
+                                                                               comp)
+    assert out.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+    assert _stats_of(pd["decode"])["pd_rooms"] == rooms + 3  # all three went through PD
+    for bad in ({**comp, "n": 2}, {**comp, "prompt": ["a", "b"]}):
+        r = pd["router"].post("/v1/completions", bad)
+        assert r.status_code == 400 and "disaggregated" in r.text, r.text
+    assert pd["router"].post("/v1/embeddings", {"input": "a"}).status_code == 501
+
+
 def test_decode_prefix_hit_is_not_resent(pd):
     """A second prompt sharing a long prefix: the decode side serves the prefix from its own
     radix tree and receives only the rest."""
