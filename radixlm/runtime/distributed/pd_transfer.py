@@ -52,9 +52,12 @@ def _timeout(s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(1.0, s))
 
 
-def make_group(store, rank: int, host: str, backend: str, timeout: float):
-    """A 2-rank group over `store` (a PrefixStore per link). Blocks until both ranks joined."""
+def make_group(store, rank: int, host: str, backend: str, timeout: float, device=None):
+    """A 2-rank group over `store` (a PrefixStore per link). Blocks until both ranks joined.
+    nccl: the calling thread's device becomes `device` (the communicator is made on it)."""
     if backend == "nccl":
+        index = torch.device(device).index  # ("cuda" alone: the process's first visible GPU)
+        torch.cuda.set_device(0 if index is None else index)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _timeout(timeout)
         return dist.ProcessGroupNCCL(store, rank, 2, opts)
@@ -118,7 +121,7 @@ class SendLink(_Link):
 
     def _run(self, store, host, backend, timeout) -> None:
         try:
-            self.group = make_group(store, 0, host, backend, timeout)
+            self.group = make_group(store, 0, host, backend, timeout, self.device)
         except Exception as e:
             self._fail(f"rendezvous: {type(e).__name__}: {e}")
             return
@@ -190,7 +193,7 @@ class RecvLink(_Link):
                                        timeout=_timeout(min(timeout, CONNECT_TIMEOUT_S)))
             self.store.queue_push(CTL_QUEUE, pickle.dumps(("hello", self.link_id)))
             self.group = make_group(dist.PrefixStore(f"pd/link/{self.link_id}/", self.store),
-                                    1, _local_host(host), backend, timeout)
+                                    1, _local_host(host), backend, timeout, self.device)
         except Exception as e:
             self._fail(f"bootstrap: {type(e).__name__}: {e}")
             return
