@@ -75,8 +75,10 @@ class SchedulerServer:
         while True:
             if sched.is_idle():  # (a PD role also polls its handshake store)
                 timeout = None if sched.pd is None else 50
-            else:  # 0: keep stepping; 5 ms: only grammars are compiling or KV is arriving
-                timeout = 0 if sched.has_runnable_work() else 5
+            elif sched.has_runnable_work():  # keep stepping
+                timeout = 0
+            else:  # 1 ms: a request's KV is arriving; 5 ms: only grammars are compiling
+                timeout = 1 if sched.pd is not None and sched.pd.busy() else 5
             if poller.poll(timeout):
                 while True:
                     try:

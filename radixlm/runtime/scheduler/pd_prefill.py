@@ -13,6 +13,8 @@ from radixlm.runtime.distributed import pd_transfer as xfer
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.pd import PAGE_TOKENS, fail, gather_kv, link_timeout
 
+POLL_S = 0.001
+
 
 def prefill_only(req: Req) -> None:
     """The prefill side's copy of a request computes its prompt and stops: no output, no
@@ -35,6 +37,7 @@ class PrefillSide:
         self.held: dict[int, tuple[Req, float]] = {}  # room -> (request, deadline)
         self.readies: dict[int, tuple] = {}  # room -> (link id, start, count, deadline)
         self.sending: dict[int, dict] = {}  # id(req) -> {room, link, sent, end}
+        self._next_poll = 0.0
         sched.stats.update(pd_pages_sent=0, pd_tokens_sent=0)
 
     def add_request(self, req: Req, host: str, port: int, room: int) -> list[Req]:
@@ -53,7 +56,12 @@ class PrefillSide:
         return 0  # a held request owns no KV yet; a sending one is a scheduler request
 
     def poll(self) -> list[Req]:
-        """Control messages in, expired rooms out. Returns the requests failed here."""
+        """Control messages in, expired rooms out. Returns the requests failed here. The store
+        is read at most every POLL_S (a read is a round trip to its server thread)."""
+        now = time.monotonic()
+        if now < self._next_poll:
+            return []
+        self._next_poll = now + POLL_S
         failed = []
         for msg in xfer.pop_control(self.store):
             if msg[0] == "hello":
