@@ -12,14 +12,14 @@ the tokens past the match (`start`); the match stays locked until the KV is in t
 
 A room's life on the decode side (pd_decode.py): reserve slots (while the pool has no room, the
 request waits in arrival order, within --disaggregation-timeout) -> READY -> pages land in the
-slots -> the prompt
-goes into the radix tree (the tree owns the slots) and the request enters the waiting queue with
-its path locked; admission then finds n - 1 cached tokens. On a link failure, a CANCEL, or the
-timeout, the reserved slots go back to the allocator and the request fails with an error.
-On the prefill side (pd_prefill.py) a request waits (held) for its room's READY, then runs as a prompt-only
-request (max_new_tokens 0); after every extend step the newly computed KV goes out in pages, on
-the link's thread, while the next chunk computes. A request that ends before its KV is all sent
-(abort, failure) sends CANCEL.
+slots -> the prompt goes into the radix tree (the tree owns the slots) and the request enters
+the waiting queue with its path locked; admission then finds n - 1 cached tokens. On a link
+failure, a CANCEL, an abort or the timeout, the reserved slots go back to the allocator and the
+request fails with an error.
+On the prefill side (pd_prefill.py) a request waits (held) for its room's READY, then runs as a
+prompt-only request (max_new_tokens 0); after every extend step the newly computed KV goes out
+in pages, on the link's thread, while the next chunk computes. A request that ends before its
+KV is all sent (abort, failure) sends CANCEL.
 """
 
 from __future__ import annotations
