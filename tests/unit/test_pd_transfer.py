@@ -33,7 +33,7 @@ def _control(store, n: int) -> list[tuple]:
 def linked():
     """(store, sender, receiver, events): one link over the store, built as the servers do."""
     port = free_port()
-    store, sock = xfer.listen_store("127.0.0.1", port, 1.0)
+    store = xfer.listen_store("127.0.0.1", port, 1.0)
     events: queue.SimpleQueue = queue.SimpleQueue()
     recv = xfer.RecvLink("127.0.0.1", port, "gloo", 1.0, torch.device("cpu"), BYTES_PER_TOKEN,
                          events)
@@ -43,7 +43,6 @@ def linked():
     yield store, send, recv, events
     send.close()
     recv.close()
-    sock.close()
 
 
 def test_pages_land_bit_exact_in_the_pool(linked):

@@ -261,14 +261,15 @@ def _local_host(remote: str) -> str:
 
 def listen_store(host: str, port: int, timeout: float):
     """The prefill side's handshake store, bound to `host` only (TCPStore alone binds every
-    interface). Returns (store, socket); the socket must stay open while the store serves."""
+    interface): it serves on a socket bound here, which it then owns and closes when it goes
+    (so the socket is detached: closing it here too would close whatever reused the number)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)
-    store = dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=_timeout(timeout),
-                          wait_for_workers=False, master_listen_fd=sock.fileno())
-    return store, sock
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, None, True, timeout=_timeout(timeout),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def pop_control(store) -> list[tuple]:

@@ -31,8 +31,8 @@ class PrefillSide:
         self.backend = args.disaggregation_transfer_backend
         self.timeout = args.disaggregation_timeout
         self.host = args.host
-        self.store, self._sock = xfer.listen_store(args.host, args.disaggregation_bootstrap_port,
-                                                   self.timeout)
+        self.store = xfer.listen_store(args.host, args.disaggregation_bootstrap_port,
+                                       self.timeout)
         self.links: dict[str, xfer.SendLink] = {}
         self.held: dict[int, tuple[Req, float]] = {}  # room -> (request, deadline)
         self.readies: dict[int, tuple] = {}  # room -> (link id, start, count, deadline)
@@ -155,4 +155,4 @@ class PrefillSide:
     def close(self) -> None:
         for link in self.links.values():
             link.close()
-        self._sock.close()
+        self.store = None  # (the store closes its socket when the last reference goes)
