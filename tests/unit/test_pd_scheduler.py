@@ -122,3 +122,24 @@ def test_aborts_while_the_kv_is_on_its_way(pair):
     assert e.output_ids == _colocated(ref, PROMPT[:40])
     dec.check_integrity()
     pre.check_integrity()
+
+
+def test_kv_that_never_comes_times_out_on_the_decode_side(pair):
+    """The prefill side is up but never gets the request: the decode side fails the room at
+    --disaggregation-timeout (504) with its slots back; the link stays usable."""
+    pre, dec, ref, port = pair
+    saved, dec.pd.timeout = dec.pd.timeout, 0.3
+    try:
+        d = _req("g", list(range(4000, 4030)))
+        assert dec.pd.add_request(d, "127.0.0.1", port, 6) == []
+        failed = _drive([pre, dec], lambda: d.finished, timeout=10)
+    finally:
+        dec.pd.timeout = saved
+    assert failed == [d] and d.finish.status == 504 and "did not arrive" in d.finish.message
+    assert dec.pd.held_slots() == 0
+    dec.check_integrity()
+    p, e = _req("h", PROMPT[:30]), _req("h", PROMPT[:30])
+    pre.pd.add_request(p, "127.0.0.1", port, 7)
+    dec.pd.add_request(e, "127.0.0.1", port, 7)
+    assert _drive([pre, dec], lambda: e.finished) == []
+    assert e.output_ids == _colocated(ref, PROMPT[:30])
