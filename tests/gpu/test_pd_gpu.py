@@ -59,5 +59,12 @@ def test_pd_on_cuda_matches_colocated(tiny_chat_path, backend):
         dec.check_integrity()
         pre.check_integrity()
     finally:
+        errors = []  # every server is stopped, whatever one of them did
         for srv in reversed(servers):
-            stop_and_check(srv)
+            try:
+                stop_and_check(srv)
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                srv.kill()
+                errors.append(e)
+        if errors:
+            raise errors[0]

@@ -82,11 +82,18 @@ def pd(tiny_chat_path):
     _wait_all(srv)
     srv["boot2"] = boot2
     yield srv
+    errors = []  # every server is stopped, whatever one of them did
     for name in ("router", "router2", "prefill", "decode", "prefill2"):
-        if srv[name].stopped:  # killed by its test
-            os.unlink(srv[name].log_path)
-            continue
-        stop_and_check(srv[name])
+        try:
+            if srv[name].stopped:  # killed by its test
+                os.unlink(srv[name].log_path)
+            else:
+                stop_and_check(srv[name])
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            srv[name].kill()
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def _gen(server, prompt, **kw) -> dict:
