@@ -9,6 +9,7 @@
   app.py       the HTTP front (FastAPI) and `run_router` (standalone: `radixlm router`)
   dp.py        `--dp-size N`: N replicas of the server, each a process tree, behind the router
   replica.py   a replica's entry point
+  pd.py        `--pd-disaggregation`: each request to a prefill and a decode server
 
 Nothing here imports torch: the router is an HTTP process; the workers do the computing.
 """

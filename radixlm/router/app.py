@@ -298,6 +298,10 @@ def build_app(router: Router, health: Optional[Callable[[], Optional[str]]] = No
 
 def run_router(args: RouterArgs) -> None:
     """`radixlm router` / `python -m radixlm.router`: serve until SIGTERM / Ctrl-C."""
+    if args.pd_disaggregation:
+        from radixlm.router.pd import run_pd_router
+
+        return run_pd_router(args)
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(),

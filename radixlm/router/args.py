@@ -46,12 +46,21 @@ class RouterArgs:
     max_payload_size: int = 32 * 1024 * 1024
     timeout_graceful_shutdown: float = 30.0
     log_level: str = "warning"
+    # prefill/decode disaggregation (router/pd.py): ((url, bootstrap port or None), ...), (url, ...)
+    pd_disaggregation: bool = False
+    prefill: tuple = ()
+    decode: tuple = ()
 
     def replace(self, **kw) -> "RouterArgs":
         return dataclasses.replace(self, **kw)
 
 
 _HELP = {
+    "pd_disaggregation": "prefill/decode disaggregation: each /generate goes to a --prefill "
+                         "server (its prompt's KV) and a --decode server (the output)",
+    "prefill": "a prefill server (--disaggregation-mode prefill) and, optionally, its "
+               "--disaggregation-bootstrap-port (default: read from its /get_server_info)",
+    "decode": "a decode server (--disaggregation-mode decode); several URLs or repeated",
     "worker_urls": "the workers' base URLs (http://host:port); more join through /add_worker",
     "policy": "load-balancing policy: " + " | ".join(POLICIES),
     "cache_threshold": "cache_aware: route by prefix when matched characters / prompt > this",
@@ -86,6 +95,14 @@ def build_parser(prog: str = "radixlm router") -> argparse.ArgumentParser:
         if f.name == "worker_urls":
             p.add_argument(*flags, nargs="+", default=[], help=_HELP[f.name])
             continue
+        if f.name == "pd_disaggregation":
+            p.add_argument(*flags, action="store_true", help=_HELP[f.name])
+            continue
+        if f.name in ("prefill", "decode"):
+            p.add_argument(*flags, action="append", nargs="+", default=[],
+                           metavar="URL" if f.name == "decode" else "URL [BOOTSTRAP_PORT]",
+                           help=_HELP[f.name])
+            continue
         if f.name == "policy":
             flags.append("--load-balance-method")
         p.add_argument(*flags, dest=f.name, type=_kind(f), default=f.default,
@@ -98,4 +115,21 @@ def parse_router_args(argv=None) -> RouterArgs:
     ns = build_parser().parse_args(argv)
     d = vars(ns)
     d["worker_urls"] = tuple(d["worker_urls"])
+    d["prefill"], d["decode"] = _pd_workers(d["prefill"], d["decode"])
+    if (d["prefill"] or d["decode"]) and not d["pd_disaggregation"]:
+        raise SystemExit("radixlm router: --prefill / --decode need --pd-disaggregation")
     return RouterArgs(**d)
+
+
+def _pd_workers(prefill: list[list[str]], decode: list[list[str]]):
+    """`--prefill URL [PORT]` (each time) -> ((url, port or None), ...); `--decode URL...`."""
+    out = []
+    for group in prefill:
+        i = 0
+        while i < len(group):
+            url, port = group[i], None
+            if i + 1 < len(group) and group[i + 1].isdigit():
+                port, i = int(group[i + 1]), i + 1
+            out.append((url, port))
+            i += 1
+    return tuple(out), tuple(u for group in decode for u in group)

@@ -145,6 +145,14 @@ class ServerArgs:
     dp_size: int = 1  # > 1: replicas on internal ports, each on its own tp_size GPUs
     load_balance_method: str = "cache_aware"  # cache_aware | round_robin | shortest_queue | ...
     base_gpu_id: int = 0  # the first GPU used; replica i uses base_gpu_id + i * tp_size ...
+    # --- prefill/decode disaggregation (runtime/distributed/pd_transfer.py, scheduler/pd.py):
+    # None: colocated. A prefill server computes prompts' KV and sends it to the decode server
+    # the router names (`radixlm router --pd-disaggregation`); the decode server generates
+    disaggregation_mode: Optional[str] = None  # None | prefill | decode
+    disaggregation_transfer_backend: str = "gloo"  # gloo (any device, host staging) | nccl
+    disaggregation_bootstrap_port: int = 8998  # prefill: the handshake store's port
+    # a room (one request's KV hand-off) not complete in this many seconds fails its request
+    disaggregation_timeout: float = 300.0
     chat_template: Optional[str] = None
     tool_call_parser: Optional[str] = None  # hermes | llama3 | mistral; None: from the template
     served_model_name: Optional[str] = None

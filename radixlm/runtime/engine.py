@@ -54,6 +54,9 @@ class Engine:
             raise ValueError("dp_size > 1 is served by `radixlm serve --dp-size N` (replicas behind "
                              "a router); an Engine is one replica")
         spec_config.resolve(self.server_args)  # refused flags fail before the model loads
+        if self.server_args.disaggregation_mode not in (None, "null"):
+            raise ValueError("disaggregation_mode: prefill/decode disaggregation runs between "
+                             "servers (radixlm serve, radixlm router --pd-disaggregation)")
         logging.getLogger("radixlm").setLevel(self.server_args.log_level.upper())
         # tp_size > 1: this process is rank 0; the other ranks run in worker processes
         self._tp = tp_worker.start_tp(self.server_args)

@@ -103,6 +103,15 @@ _HELP = {
                             "batch's measured step cost (--no-speculative-adaptive: always the "
                             "longest draft found)",
     "speculative_ngram_capacity": "n-grams kept from finished requests' text for drafting",
+    "disaggregation_mode": "prefill | decode | null (colocated, the default): a prefill server "
+                           "computes prompts' KV and sends it to a decode server, which "
+                           "generates; requests come through `radixlm router "
+                           "--pd-disaggregation` (docs/parallelism.md)",
+    "disaggregation_transfer_backend": "how KV moves: gloo (host memory, any device) | nccl "
+                                       "(CUDA)",
+    "disaggregation_bootstrap_port": "prefill: the port of its handshake store (--host)",
+    "disaggregation_timeout": "seconds a request's KV hand-off may take (handshake, queueing "
+                              "on the prefill server, transfer); past it the request fails",
 }
 
 

@@ -21,7 +21,7 @@ from radixlm.server.io_struct import GenerateReqInput
 HONOURED, IGNORED, DEFAULT_ONLY = "honoured", "ignored", "default_only"
 
 _MM = "multimodal input other than images is not supported"
-_PD = "prefill/decode disaggregation is not supported"
+_PD = "only the PD router's bootstrap_host / bootstrap_port / bootstrap_room are used"
 _DP = "this server runs one data-parallel rank"
 FIELDS: dict[str, tuple[str, Any, str]] = {
     # name: (policy, default, why / what)
@@ -86,8 +86,12 @@ FIELDS: dict[str, tuple[str, Any, str]] = {
     "lora_id": (DEFAULT_ONLY, None, "LoRA adapters are not supported yet"),
     "custom_logit_processor": (DEFAULT_ONLY, None, "custom logit processors are not supported "
                                                    "(running client code is not allowed)"),
-    "bootstrap_host": (DEFAULT_ONLY, None, _PD), "bootstrap_port": (DEFAULT_ONLY, None, _PD),
-    "bootstrap_room": (DEFAULT_ONLY, None, _PD), "bootstrap_pair_key": (DEFAULT_ONLY, None, _PD),
+    "bootstrap_host": (HONOURED, None, "disaggregation: the prefill server's handshake host "
+                                       "(set by the PD router; needs --disaggregation-mode)"),
+    "bootstrap_port": (HONOURED, None, "disaggregation: its --disaggregation-bootstrap-port"),
+    "bootstrap_room": (HONOURED, None, "disaggregation: the request's room, the same on the "
+                                       "prefill and the decode server"),
+    "bootstrap_pair_key": (DEFAULT_ONLY, None, _PD),
     "decode_tp_size": (DEFAULT_ONLY, None, _PD),
     "background": (DEFAULT_ONLY, False, "background requests are not supported"),
     "require_reasoning": (DEFAULT_ONLY, False, "reasoning control is not supported on /generate"),
@@ -161,6 +165,8 @@ def parse_generate_body(body: Any) -> list[GenerateReqInput] | GenerateReqInput:
         if isinstance(fields.get("rid"), list):  # fuzzing: a list rid became a dict key (500)
             raise ValueError("rid: a list needs a batch of prompts")
         return GenerateReqInput(**fields)
+    if fields.get("bootstrap_room") is not None:
+        raise ValueError("bootstrap_room: a disaggregated request has one prompt, not a batch")
     items = text if text is not None else ids
     if not items:
         raise ValueError("text/input_ids: the batch is empty")

@@ -35,6 +35,11 @@ class GenerateReqInput:
     return_prompt_token_ids: bool = False
     # vision models: the prompt's images (one per image token): data: URLs, paths, base64
     image_data: Optional[Any] = None
+    # disaggregation (the PD router sets them): the prefill server's handshake address and
+    # the request's room number, the same on both servers
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
     # internal (not an HTTP field): "last" | "mean" makes this an embedding request
     embed_pooling: Optional[str] = None
 
@@ -51,6 +56,8 @@ class TokenizedGenerateReq:
     token_ids_logprob: Optional[list[int]] = None
     embed_pooling: Optional[str] = None
     mm: Any = None  # runtime.multimodal.MultimodalInputs: the preprocessed images
+    # disaggregation: (bootstrap_host, bootstrap_port, bootstrap_room) from the PD router
+    bootstrap: Optional[tuple] = None
 
 
 @dataclass

@@ -86,7 +86,14 @@ def launch_server(args: ServerArgs) -> None:
     dp_size > 1: replicas of this server behind the router instead (radixlm/router/dp.py)."""
     from radixlm.runtime.speculative import spec_config
 
+    from radixlm.runtime.distributed.pd_args import check_disaggregation_args
+
     spec_config.resolve(args)  # a flag that cannot run fails here, before any process starts
+    try:
+        args = check_disaggregation_args(args)
+    except ValueError as e:
+        print(f"radixlm: {e}", file=sys.stderr)
+        raise SystemExit(2)
     if args.dp_size > 1:
         from radixlm.router.dp import launch_dp
 

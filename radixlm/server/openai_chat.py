@@ -178,7 +178,7 @@ def register_chat_route(app: FastAPI, tm, run) -> None:
                                  **(plan.sampling_params() if plan is not None else {})},
                 return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                 return_text_in_logprobs=True, stream=req.stream,
-                image_data=images or None) for j in range(req.n)]
+                image_data=images or None, **req.bootstrap_fields(req.n)) for j in range(req.n)]
             states = [ChoiceState() for _ in objs]
             for st in states:
                 st.tools = plan.stream() if plan is not None else None

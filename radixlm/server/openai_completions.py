@@ -63,6 +63,7 @@ def register_completion_route(app: FastAPI, tm, run) -> None:
             req = P.CompletionRequest.model_validate(await read_json_object(request))
             P.check_model(tm, req.model)
             objs, states = [], []
+            pd = req.bootstrap_fields(len(req.prompts()) * req.n)
             for prompt in req.prompts():
                 is_text = isinstance(prompt, str)
                 echo = (prompt if is_text else tm.tokenizer.decode(prompt)) if req.echo else ""
@@ -75,7 +76,7 @@ def register_completion_route(app: FastAPI, tm, run) -> None:
                         # Echo with logprobs scores the prompt too: start at its first token.
                         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
                         top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True,
-                        stream=req.stream))
+                        stream=req.stream, **pd))
                     states.append(ChoiceState(echo))
             rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 

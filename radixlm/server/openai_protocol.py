@@ -90,6 +90,19 @@ class _SamplingFields(BaseModel):
     regex: Optional[str] = None
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
+    # disaggregation: set by the PD router (radixlm/router/pd.py), one prompt and n 1 only
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+
+    def bootstrap_fields(self, n_requests: int) -> dict[str, Any]:
+        """The GenerateReqInput fields of a disaggregated request ({} when colocated)."""
+        if self.bootstrap_room is None:
+            return {}
+        if n_requests != 1:
+            raise ValueError("bootstrap_room: a disaggregated request has one prompt and n 1")
+        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": self.bootstrap_room}
 
     @field_validator("stop")
     @classmethod

@@ -22,6 +22,8 @@ from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.models import loader
 from radixlm.server.child_process import watch_parent
 from radixlm.runtime.request import Req
+from radixlm.runtime.scheduler.pd_decode import DecodeSide
+from radixlm.runtime.scheduler.pd_prefill import PrefillSide
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.server.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq,
                                       ReqUpdate, TokenizedGenerateReq)
@@ -42,6 +44,10 @@ class SchedulerServer:
             fmt = "auto" if args.tokenizer_path or self.runner.load_format == "dummy" else self.runner.load_format
             tok = loader.load_tokenizer(tok_path, fmt)
         self.scheduler = Scheduler(args, self.runner, tok)
+        # disaggregation (scheduler/pd.py): the prefill or the decode role, or colocated
+        roles = {"prefill": PrefillSide, "decode": DecodeSide}
+        mode = args.disaggregation_mode
+        self.scheduler.pd = roles[mode](self.scheduler, args) if mode else None
         self.eos_token_ids = tuple(loader.eos_token_ids(self.runner.hf_config, tok))
         ctx = zmq.Context(2)
         self.recv = ctx.socket(zmq.PULL)
@@ -67,10 +73,12 @@ class SchedulerServer:
         poller = zmq.Poller()
         poller.register(self.recv, zmq.POLLIN)
         while True:
-            if sched.is_idle():
-                timeout = None
-            else:  # 0: keep stepping; 5 ms: only grammars are compiling
-                timeout = 0 if sched.has_runnable_work() else 5
+            if sched.is_idle():  # (a PD role also polls its handshake store)
+                timeout = None if sched.pd is None else 50
+            elif sched.has_runnable_work():  # keep stepping
+                timeout = 0
+            else:  # 1 ms: a request's KV is arriving; 5 ms: only grammars are compiling
+                timeout = 1 if sched.pd is not None and sched.pd.busy() else 5
             if poller.poll(timeout):
                 while True:
                     try:
@@ -79,6 +87,10 @@ class SchedulerServer:
                         break
                     if self.handle(msg) == "shutdown":
                         return
+            if sched.pd is not None:
+                failed = sched.pd.poll()
+                if failed:
+                    self.send_updates(failed)
             if sched.has_runnable_work():
                 touched = sched.step()
                 if touched:
@@ -93,9 +105,16 @@ class SchedulerServer:
                       msg.logprob_start_len, msg.top_logprobs_num, self.eos_token_ids,
                       token_ids_logprob=msg.token_ids_logprob, embed_pooling=msg.embed_pooling,
                       mm=msg.mm)
-            sched.add_request(req)
+            if msg.bootstrap is not None and sched.pd is not None:
+                failed = sched.pd.add_request(req, *msg.bootstrap)
+                if failed:
+                    self.send_updates(failed)
+            else:
+                sched.add_request(req)
         elif isinstance(msg, AbortReq):
             req = sched.abort_request(msg.rid)
+            if req is None and sched.pd is not None:  # held for its KV hand-off
+                req = sched.pd.abort(msg.rid)
             if req is not None:
                 self.send_updates([req])
         elif isinstance(msg, ControlReq):
@@ -211,6 +230,8 @@ def run_scheduler_process(args: ServerArgs, ipc: dict[str, str], ready_pipe) -> 
         server.serve_forever()
         if server.scheduler.tiered:
             server.scheduler.tree_cache.close()  # queued pages reach the store before we go
+        if server.scheduler.pd is not None:
+            server.scheduler.pd.close()
         if server.tp is not None:  # a shutdown request: the workers leave their loop too
             server.runner.release_cuda_graphs()
             server.tp.stop()

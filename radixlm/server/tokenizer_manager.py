@@ -163,10 +163,31 @@ class TokenizerManager:
                                      obj.return_logprob, obj.logprob_start_len,
                                      obj.top_logprobs_num, obj.rid or uuid.uuid4().hex, extra,
                                      embed_pooling=obj.embed_pooling)
+        bootstrap = self._bootstrap(obj, len(reqs))
         return [TokenizedGenerateReq(r.rid, r.origin_input_ids, r.sampling_params, r.return_logprob,
                                      r.logprob_start_len, r.top_logprobs_num, obj.stream,
-                                     r.token_ids_logprob, r.embed_pooling, r.mm)
+                                     r.token_ids_logprob, r.embed_pooling, r.mm, bootstrap)
                 for r in reqs]
+
+    def _bootstrap(self, obj: GenerateReqInput, n: int) -> Optional[tuple]:
+        """(host, port, room) of a disaggregated request (the PD router's fields), else None."""
+        if obj.bootstrap_room is None:
+            return None
+        mode = getattr(self.server_args, "disaggregation_mode", None)
+        if mode is None:
+            raise ValueError("bootstrap_room: this server runs colocated (no "
+                             "--disaggregation-mode); send the request without bootstrap fields")
+        room, port = obj.bootstrap_room, obj.bootstrap_port
+        if not isinstance(room, int) or isinstance(room, bool) or room < 0:
+            raise ValueError("bootstrap_room: a non-negative integer")
+        if mode == "decode" and (not isinstance(obj.bootstrap_host, str)
+                                 or not isinstance(port, int) or not 0 < port < 65536):
+            raise ValueError("bootstrap_host / bootstrap_port: the prefill server's handshake "
+                             "address (a host and a port) must come with bootstrap_room")
+        if n != 1 or obj.embed_pooling or obj.image_data is not None:
+            raise ValueError("bootstrap_room: a disaggregated request is one text generation "
+                             "(n 1, no images, no embeddings)")
+        return (obj.bootstrap_host, port, room)
 
     def _check_capacity(self, n: int) -> None:
         limit = self.server_args.max_queued_requests

@@ -61,6 +61,8 @@ class FaultIsolation:
         req.finished_at = time.perf_counter()
         if self.spec is not None:
             self.spec.on_finish(req)
+        if self.pd is not None:
+            self.pd.on_finish(req)
         self._free_kv(req)
 
     def _free_kv(self, req: Req) -> None:

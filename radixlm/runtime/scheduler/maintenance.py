@@ -42,6 +42,8 @@ class Maintenance:
         holders = self.running + ([self.chunked] if self.chunked else [])
         for req in holders:
             owned += req.kv_len - self.tree_cache.tree_owned_len(req)
+        if self.pd is not None:  # slots reserved for KV still on its way from a prefill server
+            owned += self.pd.held_slots()
         free = self.allocator.available_size()
         tree = self.tree_cache.total_size()
         cap = self.allocator.capacity

@@ -81,6 +81,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         # speculation only for steps that verify nothing: drafts need the previous step's tokens
         # on the host (the speculator's wants_verify says which steps those are)
         self.overlap = not args.disable_overlap_schedule and self.device.type == "cuda"
+        # disaggregation: pd_prefill.PrefillSide or pd_decode.DecodeSide, set by the server
+        self.pd = None
 
     # --- requests in and out --------------------------------------------------------------------
     def abort_request(self, rid: str) -> Optional[Req]:
@@ -103,7 +105,7 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
 
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked or self.inflight
-                    or self._deferred or self._failed)
+                    or self._deferred or self._failed or (self.pd is not None and self.pd.busy()))
 
     # --- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -213,6 +215,9 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
             elif result != AddResult.DEFERRED:
                 break
         admitted_ids = {id(r) for r in adder.admitted}
+        if self.pd is not None:  # their own prefix locks now hold what the hand-off locked
+            for req in adder.admitted:
+                self.pd.release_wait_lock(req)
         self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
         for req in self.waiting:
             req.match = None  # stale once the tree changes
@@ -245,6 +250,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         self.stats["extend_steps"] += 1
         for req in reqs + decoding:
             req.kv_len += req.extend_len
+        if self.pd is not None:  # prefill role: this step's KV starts for the decode side
+            self.pd.after_extend(reqs)
         if self.spec is not None:  # EAGLE-3 keeps the target features of these rows
             self.spec.after_extend(fb, reqs + decoding)
         if any(r.embed_pooling for r in reqs):
@@ -378,6 +385,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         req.finished_at = time.perf_counter()
         if self.spec is not None:
             self.spec.on_finish(req)
+        if self.pd is not None:
+            self.pd.on_finish(req)
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req, req.fill_ids[: req.kv_len])
             req.req_pool_idx = None

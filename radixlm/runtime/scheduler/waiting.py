@@ -35,6 +35,9 @@ class WaitingQueue:
         self.waiting.append(req)
 
     def _drop_prefetch(self, req: Req) -> None:
+        """The request leaves the waiting queue unadmitted: what it held while waiting goes."""
+        if self.pd is not None:  # the decode role's lock on its received prompt
+            self.pd.release_wait_lock(req)
         if req.prefetch is not None:
             self.tree_cache.cancel_prefetch(req.prefetch)
             req.prefetch = None
