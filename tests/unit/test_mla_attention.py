@@ -171,11 +171,14 @@ def test_yarn_tables_match_hf():
 def test_features_without_latent_support_are_refused():
     for kw, what in [(dict(attention_backend="cpu"), "attention_backend 'cpu'"),
                      (dict(enable_hierarchical_cache=True), "hierarchical-cache"),
-                     (dict(speculative_algorithm="NGRAM"), "speculative")]:
+                     (dict(speculative_algorithm="NGRAM"), "speculative"),
+                     (dict(disaggregation_mode="decode"), "disaggregation-mode")]:
         with pytest.raises(ValueError, match=what):
             check_mla_args(ServerArgs(**kw))
     with pytest.raises(ValueError, match="FP8"):
         check_mla_args(ServerArgs(), fp8_checkpoint=True)
+    with pytest.raises(ValueError, match="int4"):
+        check_mla_args(ServerArgs(), int4_checkpoint=True)
     check_mla_args(ServerArgs())  # the defaults run
     backend = _setup([3])[4]
     with pytest.raises(TypeError, match="forward_mla"):

@@ -52,6 +52,9 @@ def check_mla_args(args: ServerArgs, fp8_checkpoint: bool = False,
     if args.enable_hierarchical_cache:
         raise ValueError("--enable-hierarchical-cache is not supported with MLA models (the "
                          "host pool and its storage pages are laid out as K/V heads)")
+    if args.disaggregation_mode:
+        raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} is not supported with "
+                         "MLA models (its KV transfer sends K/V heads, not the latent)")
     if args.speculative_algorithm:
         raise ValueError(f"--speculative-algorithm {args.speculative_algorithm} is not supported "
                          "with MLA models (not implemented for the latent KV pool)")
