@@ -90,7 +90,8 @@ def main_server():
 
 @pytest.fixture(scope="session")
 def make_engine(smol_path):
-    """Factory for fp32 engines on SmolLM2; every engine made is shut down (and checked) at the end."""
+    """Factory for fp32 engines on SmolLM2 (or `model_path=`); every engine made is shut down (and
+    checked) at the end."""
     import radixlm
 
     made = []
@@ -99,7 +100,8 @@ def make_engine(smol_path):
         kwargs.setdefault("dtype", "float32")
         kwargs.setdefault("max_total_tokens", 20000)
         kwargs.setdefault("context_length", 2048)
-        eng = radixlm.Engine(model_path=smol_path, **kwargs)
+        kwargs.setdefault("model_path", smol_path)
+        eng = radixlm.Engine(**kwargs)
         made.append(eng)
         return eng
 

@@ -66,11 +66,14 @@ def write_tiny_llama(path: str, *, vocab: int, heads: int, kv_heads: int, tied: 
 
 
 def write_tiny_chat_model(path: str, *, seed: int = 0) -> str:
-    """A random Llama on SmolLM2's tokenizer: 6 query heads over 3 KV heads (SmolLM2's 3 KV heads
+    """A random Llama on SmolLM2's tokenizer (the bundled GGUF's, or the saved folder named by
+    RADIXLM_TEST_TOKENIZER on machines without it): 6 query heads over 3 KV heads (SmolLM2's 3 KV heads
     split 2 + 1 under TP=2 here too), hidden 96, 2 layers, tied embeddings."""
     from radixlm.runtime.models import loader
 
-    tok = loader.load_tokenizer(loader.default_model_path(), "gguf")
+    folder = os.environ.get("RADIXLM_TEST_TOKENIZER")  # a saved copy: GPU machines lack the GGUF
+    tok = (loader.load_tokenizer(folder, "auto") if folder
+           else loader.load_tokenizer(loader.default_model_path(), "gguf"))
     tok.save_pretrained(path)
     write_tiny_llama(path, vocab=49152, heads=6, kv_heads=3, tied=True, hidden=96, inter=192,
                      seed=seed)
