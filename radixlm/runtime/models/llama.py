@@ -171,7 +171,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gemv = _gemv(x)
-        if gemv is not None:  # batch-1 decode: the SiLU-and-mul runs in the GEMV's epilogue
+        # batch-1 decode: the SiLU-and-mul runs in the GEMV's epilogue (a dense weight only: an
+        # int4 or FP8 projection has its own kernel)
+        if gemv is not None and isinstance(self.gate_up_proj, Linear):
             h = gemv.gate_up_silu(x, self.gate_up_proj.weight)
             if h is not None:
                 return self.down_proj(h)
