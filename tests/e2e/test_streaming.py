@@ -123,7 +123,7 @@ def test_disconnect_non_streaming_aborts(main_server, case):
 
 N_CONCURRENT = 256
 N_PROMPTS = 16
-LOAD_TOKENS = 16
+LOAD_TOKENS = 8
 LOAD_PROMPTS = [f"Fact number {i}: the {w} is" for i, w in enumerate(
     ["sun", "moon", "ocean", "forest", "desert", "river", "mountain", "city", "violin", "engine",
      "library", "garden", "planet", "volcano", "bridge", "glacier"])]

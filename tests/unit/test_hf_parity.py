@@ -76,8 +76,10 @@ def test_greedy_matches_hf_one_batch(engine, prompts_ids, hf_outputs, integrity)
 
 
 def test_greedy_matches_hf_one_at_a_time(engine, prompts_ids, hf_outputs, integrity):
+    """Batch-1 steps (the batch above checks every prompt): four chat and four raw prompts."""
     engine.flush_cache()
-    for ids, ref in zip(prompts_ids, hf_outputs):
+    pick = [0, 2, 5, 8, 10, 11, 14, 19]
+    for ids, ref in zip([prompts_ids[i] for i in pick], [hf_outputs[i] for i in pick]):
         o = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW})
         assert o["output_ids"] == ref
     integrity(engine)

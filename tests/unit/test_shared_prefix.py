@@ -142,17 +142,18 @@ def test_merge_states_with_an_empty_side():
     torch.testing.assert_close(shared_prefix.merge_states(o, lse, torch.zeros_like(o), empty_lse), o)
 
 
-def test_engine_greedy_identical_with_prefix_groups(make_engine, integrity):
+def test_engine_greedy_identical_with_prefix_groups(make_engine, tiny_chat_path, integrity):
     """Requests sharing a long cached prefix decode through prefix groups (the reference ranged
-    ops of torch_native, forced on) with the same greedy tokens as plain decode."""
+    ops of torch_native, forced on) with the same greedy tokens as plain decode. The grouping is
+    the scheduler's and the attention's, not the model's: the tiny random chat model serves."""
     system = "You are a careful assistant. " * 40  # ~250 tokens shared by every request
     prompts = [system + f"Question {i}: name a colour and a number." for i in range(6)]
     params = {"temperature": 0, "max_new_tokens": 24}
     # torch_native plans no groups by itself: `plain` runs plain decode attention
-    plain = make_engine(attention_backend="torch_native")
+    plain = make_engine(attention_backend="torch_native", model_path=tiny_chat_path)
     assert plain.scheduler.prefix_grouper is None
     want = [o["output_ids"] for o in plain.generate(prompts, params)]
-    grouped = make_engine(attention_backend="torch_native")
+    grouped = make_engine(attention_backend="torch_native", model_path=tiny_chat_path)
     sched = grouped.scheduler
     sched.prefix_grouper = PrefixGrouper(sched.device, min_shared=64, min_saved_fraction=0.0)
     grouped.generate(prompts[0], {"max_new_tokens": 1})  # the prefix is cached first
