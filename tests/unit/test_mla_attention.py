@@ -11,7 +11,7 @@ import torch
 from triton_interpreter import import_interpreted  # tests/unit is on sys.path
 
 (triton_mla_decode,) = import_interpreted("radixlm.runtime.attention.triton_mla_decode",
-                                          gpu_tests="(none yet: GPU not measured)")
+                                          gpu_tests="tests/gpu/test_gpu_mla.py")
 from radixlm.runtime.attention.mla_backend import MLAAttention, check_mla_args  # noqa: E402
 from radixlm.runtime.config import ModelConfig, ServerArgs  # noqa: E402
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
