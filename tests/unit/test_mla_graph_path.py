@@ -4,7 +4,8 @@ batch and "replay" = the same forward again on the same static buffers, refilled
 own replay(). That is what a graph sees: a batch padded to its bucket (padding rows on the
 zero pool row, seq_len 1) whose host lists are placeholders (seq_lens_cpu = [1] * bucket), and
 device tensors whose values change between replays. The MLA backend's triton decode (Triton
-interpreter) must give HF's greedy tokens through it; the torch decode, which pads rows to
+interpreter), with the routed experts in torch or in the Triton grouped kernel as on CUDA,
+must give HF's greedy tokens through it; the torch decode, which pads rows to
 max(seq_lens_cpu), must not (the reason it keeps supports_cuda_graph False).
 The real capture runs in tests/gpu/test_gpu_mla.py."""
 
@@ -17,7 +18,7 @@ import arch_parity as ap
 from triton_interpreter import import_interpreted
 
 import_interpreted("radixlm.runtime.attention.triton_mla_decode",
-                   gpu_tests="tests/gpu/test_gpu_mla.py")
+                   "radixlm.runtime.layers.triton_moe", gpu_tests="tests/gpu/test_gpu_mla.py")
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner  # noqa: E402
 from test_model_parity_deepseek import CASES, MAX_NEW, prompts  # noqa: E402
 
@@ -68,7 +69,12 @@ def _engine_with_graphs(path, backend):
     return eng
 
 
-def test_triton_decode_through_the_graph_runner_matches_hf(case):
+@pytest.mark.parametrize("moe", ["torch", "triton"])
+def test_triton_decode_through_the_graph_runner_matches_hf(case, moe, monkeypatch):
+    """moe=triton: the routed experts run layers/triton_moe.py as on CUDA (interpreted)."""
+    from radixlm.runtime.models.moe import Experts
+
+    monkeypatch.setattr(Experts, "kernel_on_cpu", moe == "triton")
     path, ids, ref = case
     eng = _engine_with_graphs(path, "triton")
     try:

@@ -64,6 +64,9 @@ def _triton_moe():
 
 
 class Experts(nn.Module):
+    # tests set this (with TRITON_INTERPRET=1) to run the CUDA path's Triton kernel on CPU tensors
+    kernel_on_cpu = False
+
     def __init__(self, n_experts: int, hidden: int, inter: int):
         super().__init__()
         self.n_experts, self.inter = n_experts, inter
@@ -84,8 +87,8 @@ class Experts(nn.Module):
         t, k = idx.shape
         idx, perm = idx.sort(dim=-1)  # each token's experts ascending: HF's order of addition
         w = w.gather(-1, perm)
-        if x.is_cuda:
-            capturing = torch.cuda.is_current_stream_capturing()
+        if x.is_cuda or self.kernel_on_cpu:
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
             moe_kernel = _triton_moe()
             if moe_kernel is not None and (capturing or t <= TRITON_MAX_TOKENS):
                 return moe_kernel.experts(x.contiguous(), self.gate_up_proj, self.down_proj,
