@@ -95,4 +95,6 @@ def test_routing_covers_every_pair_once_without_host_sync(monkeypatch):
             assert int(flat[order[r]]) == e  # the block's rows are its expert's pairs
             seen.append(int(order[r]))
     assert sorted(seen) == list(range(flat.shape[0]))  # every pair once
+    ref = torch.argsort(flat, stable=True)  # expert order, pair order within an expert
+    assert torch.equal(order, ref)
     assert int((expert >= 0).sum()) < expert.shape[0]  # spare blocks exist and are unused

@@ -5,7 +5,8 @@ Why: models/moe.Experts' eager path loops over experts in Python after one host 
 on every token, a Python loop of E experts: at batch 1 it read all 64 of DeepSeek-V2-Lite's
 experts instead of the 6 routed ones (10x the bytes of the roofline) and put ~6 E kernels per
 layer into the graph. Here every shape comes from (T, k, E) alone and nothing syncs:
-- routing (torch): the T*k pairs sorted by expert; expert e's pairs padded to whole blocks of
+- routing (torch, `route_blocks`): the T*k pairs ordered by expert (prefix sums of a (T*k, E)
+  one-hot, no sort); expert e's pairs padded to whole blocks of
   BLOCK_M rows; block b -> (its expert or -1, its first sorted row, its expert's row end).
   NB = ceil(T*k / BLOCK_M) + E blocks bound any routing; the unused ones have expert -1 and run
   zero loop trips, so they read no weight.
@@ -109,16 +110,22 @@ def _down_kernel(Hbuf, W, Out, Pairs, Wts, BlkExpert, BlkStart, BlkEnd, H, I,
 def route_blocks(flat: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     """flat (P,) expert of each pair -> (pairs in expert order (P,), block expert (NB,) int32 with
     -1 for unused blocks, block first sorted row (NB,), block row end (NB,)), NB from shapes
-    only; no host sync (no bincount: its output size is data-dependent)."""
+    only. Elementwise ops and prefix sums only: no host sync (bincount and one_hot read the
+    data's range on the host) and no sort kernel inside a graph capture; pairs of one expert
+    keep their pair order (as a stable sort would)."""
     p = flat.shape[0]
-    order = torch.argsort(flat, stable=True)  # sorted position -> pair
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    dev = flat.device
+    hit = (flat[:, None] == torch.arange(n_experts, device=dev)).to(torch.int32)  # (P, E)
+    seen = torch.cumsum(hit, 0)  # (P, E): pairs of expert e up to and including row p
+    counts = seen[-1].to(torch.int64)  # (E,)
+    cum_rows = torch.cumsum(counts, 0)
+    rank = seen.gather(1, flat[:, None])[:, 0].to(torch.int64) - 1  # within its expert
+    pos = (cum_rows - counts)[flat] + rank  # (P,) its sorted position
+    order = torch.empty_like(flat).scatter_(0, pos, torch.arange(p, device=dev))
     blocks = (counts + block_m - 1) // block_m  # (E,)
     cum_blocks = torch.cumsum(blocks, 0)
-    cum_rows = torch.cumsum(counts, 0)
     nb = triton.cdiv(p, block_m) + n_experts
-    b = torch.arange(nb, device=flat.device)
+    b = torch.arange(nb, device=dev)
     e = torch.searchsorted(cum_blocks, b, right=True)  # (NB,) E past the last used block
     e_c = e.clamp(max=n_experts - 1)
     start = cum_rows[e_c] - counts[e_c] + (b - (cum_blocks[e_c] - blocks[e_c])) * block_m
