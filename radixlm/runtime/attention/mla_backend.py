@@ -171,14 +171,12 @@ class MLAAttention(TorchNativeAttention):
         buf = self.kv_pool.latent_buffers[layer][:, 0]  # (capacity + 1, r + dr), a view
         decode, segs = fb.attn_metadata
         if fb.mode == ForwardMode.DECODE:
-            return self._decode(q_nope, q_pe, buf, decode, fb.req_pool_indices, fb.seq_lens,
-                                w_uk, w_uv)
+            return self._decode(q_nope, q_pe, buf, decode, w_uk, w_uv)
         t, h, dv = q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]
         out = q_nope.new_empty(t, h, dv)
         if decode is not None:  # the mixed-in decode requests' rows come last
             n = fb.num_decode_tail
-            out[-n:] = self._decode(q_nope[-n:], q_pe[-n:], buf, decode,
-                                    fb.req_pool_indices[-n:], fb.seq_lens[-n:], w_uk, w_uv)
+            out[-n:] = self._decode(q_nope[-n:], q_pe[-n:], buf, decode, w_uk, w_uv)
         for seg in segs:
             rows = slice(seg.start, seg.end)
             lat = buf.index_select(0, seg.slots).to(q_nope.dtype)  # (S, r + dr)
@@ -219,8 +217,9 @@ class MLAAttention(TorchNativeAttention):
                                            scale=self.scale)  # (1, H, E, dv)
         return o[0].transpose(0, 1)
 
-    def _decode(self, q_nope, q_pe, buf, meta, req_pool_indices, seq_lens, w_uk, w_uv):
-        """Absorbed decode, one query per row: (B, H, dn), (B, H, dr) -> (B, H, dv)."""
+    def _decode(self, q_nope, q_pe, buf, meta, w_uk, w_uv):
+        """Absorbed decode, one query per row: (B, H, dn), (B, H, dr) -> (B, H, dv); meta is the
+        triton kernel's _TritonDecodeMeta (device views) or torch_native's _DecodeMeta."""
         q_lat = self._absorb_query(q_nope, q_pe, w_uk)  # (B, H, r + dr)
         if self.decode_kernel == "triton":
             from radixlm.runtime.attention import triton_mla_decode
