@@ -41,7 +41,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.gpu_suite_parts import copy_bandwidth_tbps, rand_ids, sync  # noqa: E402
-from benchmarks.offline_throughput import emit_result  # noqa: E402
+from benchmarks.offline_throughput import emit_result, git_commit  # noqa: E402
 
 # deepseek-ai/DeepSeek-V2-Lite config.json (the fields a model build reads)
 V2_LITE = {
@@ -226,7 +226,7 @@ def main(argv=None) -> dict:
     res: dict = {"device": name, "model": "tiny-v2-lite" if args.tiny else "DeepSeek-V2-Lite",
                  "dtype": args.dtype, "load_format": "dummy", "cuda_graph": not args.disable_cuda_graph,
                  "attention_backend": args.attention_backend,
-                 "git_commit": os.environ.get("RADIXLM_GIT_COMMIT", "unknown")}
+                 "git_commit": git_commit()}
     latent, expanded = kv_bytes(cfg)
     res.update(kv_bytes_per_token_formula=latent, kv_bytes_per_token_expanded=expanded,
                kv_ratio=round(latent / expanded, 4), kv_ratio_ok=latent * 6 <= expanded)
