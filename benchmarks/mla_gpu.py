@@ -224,7 +224,8 @@ def main(argv=None) -> dict:
     cuda = args.device.startswith("cuda")
     name = torch.cuda.get_device_name(0) if cuda else "cpu (dry run)"
     res: dict = {"device": name, "model": "tiny-v2-lite" if args.tiny else "DeepSeek-V2-Lite",
-                 "dtype": args.dtype, "load_format": "dummy", "cuda_graph": not args.disable_cuda_graph,
+                 "dtype": args.dtype, "load_format": "dummy",
+                 "cuda_graph": not args.disable_cuda_graph,
                  "attention_backend": args.attention_backend,
                  "git_commit": git_commit()}
     latent, expanded = kv_bytes(cfg)

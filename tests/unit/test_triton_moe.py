@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from triton_interpreter import import_interpreted  # tests/unit is on sys.path
 
-(tm,) = import_interpreted("radixlm.runtime.layers.triton_moe", gpu_tests="tests/gpu/test_gpu_mla.py")
+(tm,) = import_interpreted("radixlm.runtime.layers.triton_moe",
+                           gpu_tests="tests/gpu/test_gpu_mla.py")
 from radixlm.runtime.models.moe import Experts  # noqa: E402
 
 HID, INTER = 64, 48
