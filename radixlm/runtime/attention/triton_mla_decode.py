@@ -148,7 +148,8 @@ def decode(q_lat: torch.Tensor, buf: torch.Tensor, req_to_token: torch.Tensor,
     assert scratch.dtype == torch.float32 and scratch.numel() >= need, "MLA scratch too small"
     block_r = max(16, triton.next_power_of_2(r))
     n_o = bsz * h * splits * block_r
-    o_part, lse_part = scratch[:n_o], scratch[n_o:need]
+    # (B, H, S, BLOCK_R) and (B, H, S); one split writes `out` directly and never reads these
+    o_part, lse_part = (scratch[:n_o], scratch[n_o:need]) if splits > 1 else (scratch, scratch)
     dt = dot_dtype(q_lat.dtype, buf.dtype)
     if num_stages is None:
         # shared memory: a (BLOCK_N, 512) latent tile is 64 KB in fp32, 32 KB in bf16; one
