@@ -73,6 +73,20 @@ def test_matches_eager_and_reference(dtype, t, n_exp, k, skew):
             assert err < 0.03, f"relative error {err:.4f}"
 
 
+def test_block_size_per_model():
+    assert tm.block_m_for(64, 6) == 16  # DeepSeek-V2-Lite: 12 pairs per expert at batch 128
+    assert tm.block_m_for(256, 8) == 16  # V3
+    assert tm.block_m_for(8, 2) == 32  # Mixtral
+    assert tm.block_m_for(4, 4) == 64  # capped
+
+
+def test_block_size_does_not_change_a_row():
+    ex, x, idx, w = _setup(37, 4, 2, torch.float32, skew=True)
+    a = tm.experts(x, ex.gate_up_proj.data, ex.down_proj.data, idx, w, block_m=16)
+    b = tm.experts(x, ex.gate_up_proj.data, ex.down_proj.data, idx, w, block_m=64)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_routing_covers_every_pair_once_without_host_sync(monkeypatch):
     _, _, idx, _ = _setup(37, 8, 3, torch.float32, skew=True)
     flat = idx.reshape(-1)
@@ -82,7 +96,7 @@ def test_routing_covers_every_pair_once_without_host_sync(monkeypatch):
 
     for name in ("tolist", "item", "__bool__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    order, expert, start, end = tm.route_blocks(flat, 8, block_m=16)
+    order, expert, start, end = tm.route_blocks(flat, 8, 16)
     monkeypatch.undo()
     assert expert.shape[0] == -(-flat.shape[0] // 16) + 8  # from shapes only
     seen = []

@@ -6,8 +6,8 @@ on every token, a Python loop of E experts: at batch 1 it read all 64 of DeepSee
 experts instead of the 6 routed ones (10x the bytes of the roofline) and put ~6 E kernels per
 layer into the graph. Here every shape comes from (T, k, E) alone and nothing syncs:
 - routing (torch, `route_blocks`): the T*k pairs ordered by expert (prefix sums of a (T*k, E)
-  one-hot, no sort); expert e's pairs padded to whole blocks of
-  BLOCK_M rows; block b -> (its expert or -1, its first sorted row, its expert's row end).
+  one-hot, no sort); expert e's pairs padded to whole blocks of BLOCK_M rows (per model,
+  `block_m_for`); block b -> (its expert or -1, its first sorted row, its expert's row end).
   NB = ceil(T*k / BLOCK_M) + E blocks bound any routing; the unused ones have expert -1 and run
   zero loop trips, so they read no weight.
 - stage 1, grid (NB, ceil(I / BLOCK_N)): h = silu(x W_gate^T) * (x W_up^T) for the block's rows
@@ -33,7 +33,17 @@ import triton.language as tl
 from radixlm.runtime.attention.triton_decode import dot_dtype, dot_precision
 
 ENABLED = os.environ.get("RADIXLM_DISABLE_TRITON_MOE", "") in ("", "0")
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+BLOCK_N, BLOCK_K = 64, 64
+
+
+def block_m_for(n_experts: int, top_k: int, typical_batch: int = 128) -> int:
+    """Rows per block, fixed per model (not per call: a graph's padded batch and the eager batch
+    must tile alike): about the pairs an expert gets at a typical decode batch, 16..64. Each
+    block reads its expert's whole weights, so too small a block re-reads them (Mixtral, 8
+    experts top-2: 32 pairs each at batch 128) and too large wastes MMA rows (DeepSeek-V2-Lite,
+    64 experts top-6: 12; V3, 256 top-8: 4)."""
+    want = typical_batch * top_k // max(1, n_experts)
+    return min(64, max(16, triton.next_power_of_2(max(1, want))))
 
 
 @triton.jit
@@ -107,7 +117,7 @@ def _down_kernel(Hbuf, W, Out, Pairs, Wts, BlkExpert, BlkStart, BlkEnd, H, I,
              mask=r_ok[:, None] & n_ok[None, :] & (e >= 0))
 
 
-def route_blocks(flat: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+def route_blocks(flat: torch.Tensor, n_experts: int, block_m: int):
     """flat (P,) expert of each pair -> (pairs in expert order (P,), block expert (NB,) int32 with
     -1 for unused blocks, block first sorted row (NB,), block row end (NB,)), NB from shapes
     only. Elementwise ops and prefix sums only: no host sync (bincount and one_hot read the
@@ -134,22 +144,24 @@ def route_blocks(flat: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
 
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor,
-            w: torch.Tensor) -> torch.Tensor:
+            w: torch.Tensor, block_m: int = 0) -> torch.Tensor:
     """x (T, H); gate_up (E, 2I, H) rows [gate | up]; down (E, H, I); idx (T, k) experts, each
-    token's in ascending order; w (T, k) weights (fp32 or the model dtype) -> (T, H)."""
+    token's in ascending order; w (T, k) weights (fp32 or the model dtype) -> (T, H).
+    block_m 0: block_m_for(E, k)."""
     t, k = idx.shape
     n_exp, two_i, hid = gate_up.shape
     inter = two_i // 2
     assert x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()
     if t == 0:
         return x.new_zeros(0, hid)
-    order, expert, start, end = route_blocks(idx.reshape(-1), n_exp)
+    block_m = block_m or block_m_for(n_exp, k)
+    order, expert, start, end = route_blocks(idx.reshape(-1), n_exp, block_m)
     h = x.new_empty(t * k, inter)  # sorted order
     contrib = x.new_empty(t * k, hid)  # pair order
     wts = w.reshape(-1).contiguous()
     dt = dot_dtype(x.dtype, gate_up.dtype)
     nb = expert.shape[0]
-    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=dt,
+    common = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=dt,
                   PREC=dot_precision(dt), num_warps=4)
     _gate_up_kernel[(nb, triton.cdiv(inter, BLOCK_N))](
         x, gate_up, h, order, expert, start, end, hid, inter, k, **common)

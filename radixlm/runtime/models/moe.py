@@ -21,7 +21,7 @@ down_proj`, Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`); `load_weights` sta
 takes the stacked names as they are.
 
 The expert computation, on the CPU and for long CUDA inputs (more than TRITON_MAX_TOKENS rows:
-prefill), is one gather of all (token, expert) pairs sorted by expert, one GEMM pair per expert
+prefill chunks), is one gather of all (token, expert) pairs sorted by expert, one GEMM pair per expert
 that received tokens (a loop over experts, never over tokens), then one scatter back. Its slice
 bounds need the per-expert counts on the host (one sync per MoE layer). On CUDA, up to
 TRITON_MAX_TOKENS rows (every decode batch, eager or in a CUDA graph, so graphs on and off run
@@ -51,9 +51,13 @@ from radixlm.runtime.models.llama import Linear, LlamaForCausalLM, _fused_ops
 from radixlm.runtime.models.qwen3 import Qwen3ForCausalLM
 
 
-# CUDA rows up to which the Triton grouped experts run eagerly: above every decode batch a graph
-# captures (cuda_graph_max_bs <= 1024), so a decode step computes alike with graphs on and off
-TRITON_MAX_TOKENS = 1024
+# CUDA rows up to which the Triton grouped experts run eagerly: every decode batch a graph
+# captures by default (cuda_graph_max_bs 160), so a decode step computes alike with graphs on and
+# off. Longer inputs (prefill) run the per-expert cuBLAS loop: there an expert gets many rows and
+# the kernel's blocks would each re-read its weights. (With cuda_graph_max_bs above this, a
+# captured batch larger than it runs the kernel and the same batch eagerly the loop: equal up to
+# GEMM rounding.)
+TRITON_MAX_TOKENS = 256
 
 
 def _triton_moe():
