@@ -154,7 +154,20 @@ def timed(eng, prompts, n_out: int) -> tuple[float, int]:
 
 def run_radixlm(args, path: str, cfg: dict, prompts, res: dict) -> None:
     t0 = time.perf_counter()
-    eng = make_engine(args, path)
+    try:
+        eng = make_engine(args, path)
+    except Exception as e:  # noqa: BLE001 - a broken capture must not lose every other figure
+        if args.disable_cuda_graph:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        res.setdefault("errors", {})["engine"] = f"{type(e).__name__}: {e}"[:400]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        args.disable_cuda_graph = res["cuda_graph"] = False  # go on without graphs
+        eng = make_engine(args, path)
     res["engine_ready_s"] = round(time.perf_counter() - t0, 1)
     try:
         runner = eng.runner
