@@ -7,7 +7,7 @@
   on new lengths;
 - the Triton grouped experts (layers/triton_moe.py) at V2-Lite's expert shapes (64 experts,
   top-6, hidden 2048, intermediate 1408) against per-expert torch GEMMs, and captured in a
-  graph and replayed on a new routing.
+  graph and replayed on a new routing; greedy tokens with them on == off.
 Run: `pytest -q -m gpu tests/gpu/test_gpu_mla.py` (about 2 minutes on an H100)."""
 
 from __future__ import annotations
@@ -85,6 +85,19 @@ def test_graphs_on_equal_off_equal_hf(checkpoint, dtype):
     assert on == off, "CUDA graphs changed greedy tokens"
     assert on_one == off_one == on[2]
     assert on == ref, "radixlm != HF transformers"
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_triton_experts_on_equal_off(checkpoint, graphs, monkeypatch):
+    """RADIXLM_DISABLE_TRITON_MOE's path (per-expert cuBLAS loop eagerly, every expert on every
+    token inside a capture) gives the Triton grouped experts' greedy tokens (fp32)."""
+    from radixlm.runtime.layers import triton_moe
+
+    path, _ = checkpoint
+    ids = prompts()
+    on = _tokens(path, "float32", graphs, ids)
+    monkeypatch.setattr(triton_moe, "ENABLED", False)
+    assert _tokens(path, "float32", graphs, ids) == on
 
 
 def _kernel_case(lens, h, dtype, seed=0):
