@@ -25,9 +25,9 @@ prefill chunks), is one gather of all (token, expert) pairs sorted by expert, on
 expert that received tokens (a loop over experts, never over tokens), then one scatter back. Its
 slice bounds need the per-expert counts on the host (one sync per MoE layer). On CUDA, up to
 TRITON_MAX_TOKENS rows (every decode batch of the default graph buckets, eager or in a CUDA
-graph, so graphs on and off run the same arithmetic) and always inside a graph capture: layers/triton_moe.py, two grouped GEMMs
-over the pairs sorted by expert, shapes from (T, k, E) only, no sync, and only the routed
-experts' weights read. Without it (RADIXLM_DISABLE_TRITON_MOE=1) a capture runs every expert on
+graph, so graphs on and off run the same arithmetic) and always inside a graph capture:
+layers/triton_moe.py, two grouped GEMMs over the pairs sorted by expert, shapes from (T, k, E)
+only, no sync, and only the routed experts' weights read. Without it (RADIXLM_DISABLE_TRITON_MOE=1) a capture runs every expert on
 every token with weight 0 where not routed (`_dense`: same sums in the same order, E / k times
 the FLOPs and bytes).
 
