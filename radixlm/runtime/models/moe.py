@@ -27,9 +27,9 @@ slice bounds need the per-expert counts on the host (one sync per MoE layer). On
 TRITON_MAX_TOKENS rows (every decode batch of the default graph buckets, eager or in a CUDA
 graph, so graphs on and off run the same arithmetic) and always inside a graph capture:
 layers/triton_moe.py, two grouped GEMMs over the pairs sorted by expert, shapes from (T, k, E)
-only, no sync, and only the routed experts' weights read. Without it (RADIXLM_DISABLE_TRITON_MOE=1) a capture runs every expert on
-every token with weight 0 where not routed (`_dense`: same sums in the same order, E / k times
-the FLOPs and bytes).
+only, no sync, and only the routed experts' weights read. Without it
+(RADIXLM_DISABLE_TRITON_MOE=1) a capture runs every expert on every token with weight 0 where not
+routed (`_dense`: same sums in the same order, E / k times the FLOPs and bytes).
 
 CPU fp32-GEMM path (layers/cpu_linear, bf16 on AVX2): it swaps nn.Linear projections only; the
 stacked expert weights and the router are not nn.Linear and stay in the model dtype, computed by
