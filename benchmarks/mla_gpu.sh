@@ -5,9 +5,11 @@
 # to $OUT, so a hang in one leaves the others' results.
 #
 #   # here: ../shared/tools/gpu-wheels fastapi uvicorn pyzmq xgrammar gguf orjson pydantic jsonschema
-#   # device (one H100 or H200, carry [".whl"]):
-#   bash benchmarks/mla_gpu.sh                 # all steps, ~10 min at most (expected 5-7)
-#   bash benchmarks/mla_gpu.sh tests           # some of them: tests bench bench_nograph
+#   # device (one H100 or H200, carry [".whl"]); the step limits add up to 960 s, more than one
+#   # 600 s device call, so run them in separate calls on the same warm machine:
+#   bash benchmarks/mla_gpu.sh tests           # <= 300 s
+#   bash benchmarks/mla_gpu.sh bench           # <= 420 s
+#   bash benchmarks/mla_gpu.sh bench_nograph   # <= 240 s
 #
 # Expected (not yet measured): tests 2-4 min (Triton compiles dominate), bench 3-5 min (HF builds
 # 15.7 B random parameters and decodes 128 x 128 tokens through its per-expert loop; radixlm
