@@ -11,7 +11,7 @@ import torch
 from triton_interpreter import import_interpreted  # tests/unit is on sys.path
 
 (triton_mla_decode,) = import_interpreted("radixlm.runtime.attention.triton_mla_decode",
-                                          gpu_tests="(none yet: GPU not measured)")
+                                          gpu_tests="tests/gpu/test_gpu_mla.py")
 from radixlm.runtime.attention.mla_backend import MLAAttention, check_mla_args  # noqa: E402
 from radixlm.runtime.config import ModelConfig, ServerArgs  # noqa: E402
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -231,3 +231,27 @@ def test_dense_layers_and_config_defaults():
                               "q_lora_rank": None})
     assert [is_moe_layer(v2, i) for i in range(6)] == [False, False, True, False, True, False]
     assert fields(v2)["q_lora_rank"] is None and fields(v2)["routed_scaling_factor"] == 1.0
+
+
+def test_mixed_step_decode_tail_triton_equals_torch():
+    """An extend step with decode requests mixed in (num_decode_tail): the triton decode's
+    metadata for the tail (device views of the tail's rows) gives the torch decode's output."""
+    lens = [14, 7, 30]  # request 0 extends 4 tokens after a 10-token prefix; 1 and 2 decode
+    outs = []
+    for kernel in ("torch", "triton"):
+        pool, rt, w_uk, w_uv, backend, g = _setup(lens, seed=4)
+        backend.decode_kernel = kernel
+        backend.supports_cuda_graph = kernel == "triton"
+        loc = torch.cat((rt[1, 10:14], rt[3, 6:7], rt[5, 29:30]))
+        fb = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.zeros(6, dtype=torch.long),
+                          positions=torch.tensor([10, 11, 12, 13, 6, 29]), out_cache_loc=loc,
+                          req_pool_indices=torch.tensor([1, 3, 5]),
+                          seq_lens=torch.tensor(lens), logits_indices=torch.tensor([3, 4, 5]),
+                          seq_lens_cpu=lens, extend_prefix_lens_cpu=[10, 6, 29],
+                          extend_lens_cpu=[4, 1, 1], num_decode_tail=2)
+        backend.init_forward_metadata(fb)
+        new_lat = torch.randn(6, R + DR, generator=g)
+        q_nope, q_pe = torch.randn(6, H, DN, generator=g), torch.randn(6, H, DR, generator=g)
+        outs.append(backend.forward_mla(q_nope, q_pe, new_lat, 0, fb, w_uk, w_uv))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert outs[0][-2:].abs().sum() > 0

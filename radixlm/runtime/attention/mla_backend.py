@@ -21,11 +21,22 @@ the same numbers up to rounding.
 
 Decode runs absorbed in torch here (any device) or, with `decode_kernel="triton"`, in the Triton
 kernel attention/triton_mla_decode.py over the paged latent in place.
+
+CUDA graphs (executor/cuda_graph.py) need the triton decode: its DECODE metadata is views of
+fb.req_pool_indices / fb.seq_lens (device tensors the graph runner refills in place) and a split
+count from the batch size, its split-K scratch one persistent buffer sized for max_batch_size
+(allocated at the first decode, the eager warm-up before capture), so nothing inside the captured
+forward syncs, reads a host list or allocates by data. The torch decode pads every row to
+max(seq_lens_cpu), a host value the capture cannot see: that kernel runs eagerly only
+(`supports_cuda_graph` False), as torch_native does for K/V heads.
 Refused: sliding windows, logit soft-capping, shared-prefix groups (no DeepSeek model uses
 them), and the K/V `forward` of the base contract (`forward_mla` is this backend's call).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,12 +71,20 @@ def check_mla_args(args: ServerArgs, fp8_checkpoint: bool = False,
                          "with MLA models (not implemented for the latent KV pool)")
 
 
+@dataclass
+class _TritonDecodeMeta:
+    req_pool_indices: torch.Tensor  # (B,) device, a view of the ForwardBatch's tensor
+    seq_lens: torch.Tensor  # (B,) device
+    # (the key split count is picked per layer call from (B, H): shapes only, so one graph per
+    # batch size replays with the count it was captured with; H is first known there)
+
+
 class MLAAttention(TorchNativeAttention):
-    """init_forward_metadata is torch_native's (decode slots and masks, extend segments); the
-    attention itself is `forward_mla`."""
+    """init_forward_metadata is torch_native's (decode slots and masks, extend segments), except
+    the triton decode's (views, see the module docstring); the attention itself is
+    `forward_mla`."""
 
     supports_shared_prefix = False
-    supports_cuda_graph = False
 
     def __init__(self, kv_pool: MLAKVPool, req_to_token: torch.Tensor, scale: float, *,
                  max_batch_size: int = 256, max_context_len: int = 8192, windows=None,
@@ -80,6 +99,62 @@ class MLAAttention(TorchNativeAttention):
         self.decode_kernel = decode_kernel
         if decode_kernel not in ("torch", "triton"):
             raise ValueError(f"decode_kernel must be torch or triton (got {decode_kernel!r})")
+        # DECODE metadata + forward capture-safe: with the triton decode only (module docstring)
+        self.supports_cuda_graph = decode_kernel == "triton"
+        self.device = kv_pool.latent_buffers[0].device
+        self._scratch: Optional[torch.Tensor] = None  # flat fp32 split-K partials, see _scratch_for
+        self._split_count: dict[tuple[int, int], int] = {}  # (B, H) -> splits, host-side cache
+
+    def _splits(self, batch: int, num_heads: int) -> int:
+        key = (batch, num_heads)
+        if key not in self._split_count:
+            from radixlm.runtime.attention import triton_mla_decode as k
+
+            self._split_count[key] = k.num_splits(batch, num_heads, self.device,
+                                                  self.max_context_len)
+        return self._split_count[key]
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if self.decode_kernel != "triton":
+            return super().init_forward_metadata(fb)
+        if fb.mode == ForwardMode.DECODE:  # capture-safe: views only, no host list read
+            fb.attn_metadata = (_TritonDecodeMeta(fb.req_pool_indices, fb.seq_lens), [])
+            return
+        super().init_forward_metadata(fb)  # extend segments (eager: host lists are fine)
+        decode, segs = fb.attn_metadata
+        if decode is not None:  # the decode tail runs the kernel too
+            n = fb.num_decode_tail
+            fb.attn_metadata = (_TritonDecodeMeta(fb.req_pool_indices[-n:],
+                                                   fb.seq_lens[-n:]), segs)
+
+    def _scratch_for(self, num_heads: int) -> torch.Tensor:
+        """The persistent split-K scratch, sized for the largest batch * splits product any
+        batch up to max_batch_size asks for; allocated (and, on CUDA, every split variant
+        compiled) at the first decode, which is eager: the warm-up before graph capture."""
+        from radixlm.runtime.attention import triton_mla_decode as k
+
+        if self._scratch is None:
+            need = max(k.scratch_numel(b, num_heads, self.r, self._splits(b, num_heads))
+                       for b in range(1, self.max_batch_size + 1))
+            self._scratch = torch.empty(max(need, 1), dtype=torch.float32, device=self.device)
+            self._compile_variants(num_heads)
+        return self._scratch
+
+    def _compile_variants(self, num_heads: int) -> None:
+        """Launch every split count serving can use once on a one-key row (scratch slot 0), so
+        none compiles mid-serving (each is a Triton compile of both stages, ~0.5 s)."""
+        from radixlm.runtime.attention import triton_mla_decode as k
+
+        if self.device.type != "cuda":
+            return  # the interpreter compiles nothing
+        buf = self.kv_pool.latent_buffers[0][:, 0]
+        i64 = dict(dtype=torch.int64, device=self.device)
+        zero, one = torch.zeros(1, **i64), torch.ones(1, **i64)
+        q = torch.zeros((1, num_heads, buf.shape[-1]), dtype=buf.dtype, device=self.device)
+        splits = sorted({self._splits(b, num_heads) for b in range(1, self.max_batch_size + 1)})
+        for s in splits:
+            k.decode(q, buf, self.req_to_token, zero, one, self.r, self.scale,
+                     scratch=self._scratch, splits=s)
 
     def forward(self, q, k, v, layer, fb):
         raise TypeError("MLAAttention stores a latent, not K/V heads: call forward_mla")
@@ -96,14 +171,12 @@ class MLAAttention(TorchNativeAttention):
         buf = self.kv_pool.latent_buffers[layer][:, 0]  # (capacity + 1, r + dr), a view
         decode, segs = fb.attn_metadata
         if fb.mode == ForwardMode.DECODE:
-            return self._decode(q_nope, q_pe, buf, decode, fb.req_pool_indices, fb.seq_lens,
-                                w_uk, w_uv)
+            return self._decode(q_nope, q_pe, buf, decode, w_uk, w_uv)
         t, h, dv = q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]
         out = q_nope.new_empty(t, h, dv)
         if decode is not None:  # the mixed-in decode requests' rows come last
             n = fb.num_decode_tail
-            out[-n:] = self._decode(q_nope[-n:], q_pe[-n:], buf, decode,
-                                    fb.req_pool_indices[-n:], fb.seq_lens[-n:], w_uk, w_uv)
+            out[-n:] = self._decode(q_nope[-n:], q_pe[-n:], buf, decode, w_uk, w_uv)
         for seg in segs:
             rows = slice(seg.start, seg.end)
             lat = buf.index_select(0, seg.slots).to(q_nope.dtype)  # (S, r + dr)
@@ -144,14 +217,18 @@ class MLAAttention(TorchNativeAttention):
                                            scale=self.scale)  # (1, H, E, dv)
         return o[0].transpose(0, 1)
 
-    def _decode(self, q_nope, q_pe, buf, meta, req_pool_indices, seq_lens, w_uk, w_uv):
-        """Absorbed decode, one query per row: (B, H, dn), (B, H, dr) -> (B, H, dv)."""
+    def _decode(self, q_nope, q_pe, buf, meta, w_uk, w_uv):
+        """Absorbed decode, one query per row: (B, H, dn), (B, H, dr) -> (B, H, dv); meta is the
+        triton kernel's _TritonDecodeMeta (device views) or torch_native's _DecodeMeta."""
         q_lat = self._absorb_query(q_nope, q_pe, w_uk)  # (B, H, r + dr)
         if self.decode_kernel == "triton":
             from radixlm.runtime.attention import triton_mla_decode
 
-            o = triton_mla_decode.decode(q_lat, buf, self.req_to_token, req_pool_indices,
-                                         seq_lens, self.r, self.scale)  # (B, H, r)
+            bsz, h = q_lat.shape[:2]
+            o = triton_mla_decode.decode(q_lat, buf, self.req_to_token, meta.req_pool_indices,
+                                         meta.seq_lens, self.r, self.scale,
+                                         scratch=self._scratch_for(h),
+                                         splits=self._splits(bsz, h))  # (B, H, r)
         else:
             bsz = q_lat.shape[0]
             lat = buf.index_select(0, meta.slots.view(-1)).view(bsz, 1, -1, buf.shape[-1])

@@ -20,11 +20,16 @@ Expert weights are stacked per layer, as HF 5 holds them in memory: `experts.gat
 down_proj`, Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`); `load_weights` stacks those and also
 takes the stacked names as they are.
 
-The expert computation is one gather of all (token, expert) pairs sorted by expert, one GEMM pair
-per expert that received tokens (a loop over experts, never over tokens), then one scatter back.
-Its slice bounds need the per-expert counts on the host (one sync per MoE layer). Inside a CUDA
-graph capture (decode) that is impossible, so there every expert runs on every token with weight
-0 where not routed: same sums in the same order, more FLOPs, no data-dependent shapes.
+The expert computation, on the CPU and for long CUDA inputs (more than TRITON_MAX_TOKENS rows:
+prefill chunks), is one gather of all (token, expert) pairs sorted by expert, one GEMM pair per
+expert that received tokens (a loop over experts, never over tokens), then one scatter back. Its
+slice bounds need the per-expert counts on the host (one sync per MoE layer). On CUDA, up to
+TRITON_MAX_TOKENS rows (every decode batch of the default graph buckets, eager or in a CUDA
+graph, so graphs on and off run the same arithmetic) and always inside a graph capture:
+layers/triton_moe.py, two grouped GEMMs over the pairs sorted by expert, shapes from (T, k, E)
+only, no sync, and only the routed experts' weights read. Without it
+(RADIXLM_DISABLE_TRITON_MOE=1) a capture runs every expert on every token with weight 0 where not
+routed (`_dense`: same sums in the same order, E / k times the FLOPs and bytes).
 
 CPU fp32-GEMM path (layers/cpu_linear, bf16 on AVX2): it swaps nn.Linear projections only; the
 stacked expert weights and the router are not nn.Linear and stay in the model dtype, computed by
@@ -46,7 +51,26 @@ from radixlm.runtime.models.llama import Linear, LlamaForCausalLM, _fused_ops
 from radixlm.runtime.models.qwen3 import Qwen3ForCausalLM
 
 
+# CUDA rows up to which the Triton grouped experts run eagerly: every decode batch a graph
+# captures by default (cuda_graph_max_bs 160), so a decode step computes alike with graphs on and
+# off. Longer inputs (prefill) run the per-expert cuBLAS loop: there an expert gets many rows and
+# the kernel's blocks would each re-read its weights. (With cuda_graph_max_bs above this, a
+# captured batch larger than it runs the kernel and the same batch eagerly the loop: equal up to
+# GEMM rounding.)
+TRITON_MAX_TOKENS = 256
+
+
+def _triton_moe():
+    """layers/triton_moe (CUDA) unless RADIXLM_DISABLE_TRITON_MOE=1; imported only on CUDA."""
+    from radixlm.runtime.layers import triton_moe
+
+    return triton_moe if triton_moe.ENABLED else None
+
+
 class Experts(nn.Module):
+    # tests set this (with TRITON_INTERPRET=1) to run the CUDA path's Triton kernel on CPU tensors
+    kernel_on_cpu = False
+
     def __init__(self, n_experts: int, hidden: int, inter: int):
         super().__init__()
         self.n_experts, self.inter = n_experts, inter
@@ -67,8 +91,14 @@ class Experts(nn.Module):
         t, k = idx.shape
         idx, perm = idx.sort(dim=-1)  # each token's experts ascending: HF's order of addition
         w = w.gather(-1, perm)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._dense(x, idx, w)
+        if x.is_cuda or self.kernel_on_cpu:
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            moe_kernel = _triton_moe()
+            if moe_kernel is not None and (capturing or t <= TRITON_MAX_TOKENS):
+                return moe_kernel.experts(x.contiguous(), self.gate_up_proj, self.down_proj,
+                                          idx, w)
+            if capturing:
+                return self._dense(x, idx, w)
         flat = idx.reshape(-1)  # (T*k,) pair j = token j // k, slot j % k
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()  # the one host sync

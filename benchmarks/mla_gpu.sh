@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# DeepSeek / MLA on ONE GPU in one device call: the GPU tests (graphs on == off == HF, the compiled
+# MLA decode and grouped-expert kernels, the DeepSeek parity test) and benchmarks/mla_gpu.py with
+# CUDA graphs on, then its radixlm parts with graphs off. Each step has its own time limit and logs
+# to $OUT, so a hang in one leaves the others' results.
+#
+#   # here: ../shared/tools/gpu-wheels fastapi uvicorn pyzmq xgrammar gguf orjson pydantic jsonschema
+#   # device (one H100 or H200, carry [".whl"]); the step limits add up to 960 s, more than one
+#   # 600 s device call, so run them in separate calls on the same warm machine:
+#   bash benchmarks/mla_gpu.sh tests           # <= 300 s
+#   bash benchmarks/mla_gpu.sh bench           # <= 420 s
+#   bash benchmarks/mla_gpu.sh bench_nograph   # <= 240 s
+#
+# Expected (not yet measured): tests 2-4 min (Triton compiles dominate), bench 3-5 min (HF builds
+# 15.7 B random parameters and decodes 128 x 128 tokens through its per-expert loop; radixlm
+# captures 20 graphs), bench_nograph 1-2 min.
+set -u
+OUT=${OUT:-/tmp/mla_gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi -L
+t0=$(date +%s)
+STEPS=" ${*:-tests bench bench_nograph} "
+step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its tail and the clock
+  local name=$1 limit=$2
+  shift 2
+  [[ $STEPS == *" $name "* ]] || return 0
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: rc $? at $(( $(date +%s) - t0 )) s"
+  tail -n 15 "$OUT/$name.log"
+}
+step tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/gpu/test_gpu_mla.py tests/gpu/test_gpu_deepseek_parity.py
+step bench 420 python3 benchmarks/mla_gpu.py --result-file "$OUT/mla_gpu.jsonl"
+step bench_nograph 240 python3 benchmarks/mla_gpu.py --disable-cuda-graph --parts kv,batch128,bs1 \
+  --result-file "$OUT/mla_gpu.jsonl"
