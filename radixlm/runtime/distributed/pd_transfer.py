@@ -22,6 +22,7 @@ builds a new link.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import pickle
@@ -46,6 +47,17 @@ def _settle(device: torch.device) -> None:
     know the bytes moved before it reuses (sender) or hands over (receiver) the buffer."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def _own_stream(device: torch.device):
+    """nccl: a link thread's own CUDA stream. wait() makes the CURRENT stream wait for the
+    transfer, and a thread's current stream is by default the device's default stream, the one the
+    scheduler's forwards run on: a recv posted while the prefill side still computes (hundreds of
+    ms for a long prompt) would hold every decode step behind it (H200 x2, Llama-8B shape: ITL
+    p99 35 ms under PD against 6.7 ms colocated). On its own stream only the link waits."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(device))
 
 
 def _timeout(s: float) -> datetime.timedelta:
@@ -125,6 +137,10 @@ class SendLink(_Link):
         except Exception as e:
             self._fail(f"rendezvous: {type(e).__name__}: {e}")
             return
+        with _own_stream(self.device):
+            self._send_pages()
+
+    def _send_pages(self) -> None:
         while True:
             page = self.jobs.get()
             if page is None or self.dead is not None:
@@ -199,7 +215,8 @@ class RecvLink(_Link):
             return
         threading.Thread(target=self._control, name=f"pd-ctl-{host}:{port}",
                          daemon=True).start()
-        self._receive()
+        with _own_stream(self.device):
+            self._receive()
 
     def _control(self) -> None:
         """READY messages onto the prefill side's queue, in order."""

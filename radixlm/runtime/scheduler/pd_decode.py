@@ -115,6 +115,8 @@ class DecodeSide:
                 failed += self._drop(room, ev[2], 502)
                 continue
             r = self.rooms[room]
+            if ev[3].is_cuda:  # received on the link's stream: keep its block until ours used it
+                ev[3].record_stream(torch.cuda.current_stream(ev[3].device))
             kv = ev[3].view(self.pool.k_buffers[0].dtype)
             kv = kv.view(self.kv_shape[0], 2, -1, *self.kv_shape[2:])  # (L, 2, T, H_kv, D)
             kv = kv.to(self.sched.device, non_blocking=True)  # (pinned: ordered before scatter)
