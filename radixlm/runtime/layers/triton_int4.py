@@ -1,25 +1,37 @@
 """Triton kernels of the int4 weight-only linear layer (layers/int4_linear.py): the packed
 weights are read as stored and dequantized in registers.
 
-The layout they read (what int4_linear repacks every format into, K = in, N = out):
-  qweight (N, K/8) int32   nibble i of qweight[n, c] is q[n, 8c + i] in [0, 15] (packed along K:
-                           a row of W is K/2 contiguous bytes, streamed like a dense row)
-  scales  (N, G) float     G = K / GROUP groups per row, contiguous along K
+The layout they read (int4_linear.pack_rows makes it from every format, K = in, N = out):
+  qweight (N, K/8) int32   rows of W contiguous (K/2 bytes a row), cut in blocks of 4 words =
+                           32 values = 16 bytes (one thread's vector load). Within a block,
+                           nibble i of word j holds q[n, 32b + 4i + j]: the 4 words' nibble i
+                           are 4 CONSECUTIVE columns, so the x that nibble i multiplies is a
+                           contiguous run (a vector load, no gather) and one block never
+                           straddles a group (groups are multiples of 32).
+  scales  (N, G) float     G = K / GROUP groups per row
   zeros   (N, G) uint8     W[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP]
-(act-order checkpoints were permuted at load so that groups are contiguous; the layer permutes
-x's columns the same way before calling these.)
+  perm    (K,) int64 | None  act-order: stored column c is the checkpoint's column perm[c]; the
+                           kernels read x[:, perm[c]] themselves (no permuted copy of x)
 
-  gemv(x, ...)   M == 1 (batch-1 decode): each program owns BLOCK_N rows of W and streams them
-                 along K, BLOCK_K values (BLOCK_K / 2 bytes) a row per step; the integer (q - z)
-                 times x is summed per group chunk, then scaled: y[n] = sum_g s[n, g] *
-                 sum_{k in g} (q - z) x[k], all fp32, one rounding to the output dtype.
-  gemm(x, ...)   M > 1: (BLOCK_M, BLOCK_N) output tiles, K in steps of BLOCK_K <= GROUP (one
-                 group per step, so one scale and zero per column); the tile of W is
-                 dequantized to exactly the dequantized checkpoint's weight in x's dtype
-                 ((q - z) * s in fp32, one rounding) and fed to tl.dot with fp32 accumulation.
-Both need K % 32 == 0 (true of every model this serves) and GROUP a power of two or K.
-Tile choices are first guesses, not yet measured on a GPU (benchmarks/int4_decode.py times
-them); they run in Triton's interpreter (TRITON_INTERPRET=1) for the CPU tests.
+Nibble -> fp32 in 2 instructions and exact (the "magic number" trick): for j <= 4 the float
+whose bits are (w & (0xF << 4j)) | bits(2^(23-4j)) IS 2^(23-4j) + q (the nibble lands in the
+mantissa at weight 1), so q - z = that - (2^(23-4j) + z) exactly (one LOP3, one FADD); nibbles
+5..7 use j = 0..2 on w >> 20. Per value ~3 ALU ops (LOP3, FADD, FFMA): batch-1 int4 is
+ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old kernel spent
+~7 plus a register reshape through shared memory, and read 0.3-0.6 TB/s).
+
+  gemv(x, ...)   M == 1: program p owns BLOCK_N whole rows (no split-K: N / BLOCK_N programs,
+                 256 for N = 4096 at BLOCK_N 16, fill 132 SMs), streams them along K in steps
+                 of BLOCK_K values, tile (BLOCK_N, BLOCK_K/32 blocks, 4 words): a warp reads
+                 BLOCK_K/2 contiguous bytes of a row (512 at BLOCK_K 1024: 4 full 128-byte
+                 lines), each thread several rows so that one x load serves them all. Per block
+                 p = sum (q - z) x in fp32, then acc += p * s: y = sum_g s * sum_{k in g} (q-z) x,
+                 no rounding of W (closer to fp32 than the dequantized bf16 model).
+  gemm(x, ...)   M > 1: (BLOCK_M, BLOCK_N) output tiles, K in steps of BLOCK_K values (BLOCK_K/8
+                 words a row); per step 8 tl.dot calls, one per nibble i: A_i = x[:, the columns
+                 of nibble i] (BLOCK_M, BLOCK_K/8), W_i = ((q_i - z) * s) rounded once to x's
+                 dtype (BLOCK_K/8, BLOCK_N): exactly the dequantized checkpoint's weight; fp32
+                 accumulation.
 """
 
 from __future__ import annotations
@@ -30,151 +42,203 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _unpack_last(words):
-    # words (R, C) int32 -> (R, C, 8): nibble i of words[r, c] at [r, c, i] (so a reshape to
-    # (R, 8C) puts value 8c + i of row r at column 8c + i); >> is arithmetic, & 0xF fixes it
-    shifts = tl.arange(0, 8) * 4
-    return (words[:, :, None] >> shifts[None, None, :]) & 0xF
+# Batch sizes up to this run the GEMV, above it the GEMM. 1 from the H200 table of the
+# int4-perf brief (old kernels; GEMV only exists for one row). Re-measure with
+# benchmarks/int4_decode.py --kernels.
+GEMV_MAX_M = 1
 
 
 @triton.jit
-def _unpack_mid(words):
-    # words (C, R) int32 -> (C, 8, R): nibble i of words[c, r] at [c, i, r] (a reshape to
-    # (8C, R) puts value 8c + i at row 8c + i)
-    shifts = tl.arange(0, 8) * 4
-    return (words[:, None, :] >> shifts[None, :, None]) & 0xF
+def _nibble_minus_zero(w, whi, zf, I: tl.constexpr):
+    # (q_I - z) in fp32, exact: w / whi = words / words >> 20 (any shape), zf = z as fp32
+    # broadcastable to it. The magic float 2^(23-4j) has exponent field 150 - 4j, mantissa 0;
+    # nibble I < 5 is read in place (j = I), nibbles 5..7 from whi (j = I - 5).
+    if I < 5:
+        f = ((w & (0xF << (4 * I))) | ((150 - 4 * I) << 23)).to(tl.float32, bitcast=True)
+        d = f - (zf + (1 << (23 - 4 * I)))
+    else:
+        f = ((whi & (0xF << (4 * I - 20))) | ((170 - 4 * I) << 23)).to(tl.float32, bitcast=True)
+        d = f - (zf + (1 << (43 - 4 * I)))
+    return d
 
 
 @triton.jit
-def _int4_gemv_kernel(X, QW, S, Z, B, Y, N, K, stride_qw, stride_s,
-                      GROUP: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # SUB = min(GROUP, BLOCK_K): a tile of BLOCK_K columns is BLOCK_K // SUB chunks of one group
+def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s,
+                      GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
-    offs_w = tl.arange(0, BLOCK_K // 8)  # words of a tile row
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_c = tl.arange(0, BLOCK_K // SUB)  # chunks of a tile row
-    w_ptrs = QW + rows.to(tl.int64)[:, None] * stride_qw + offs_w[None, :]  # (BLOCK_N, BK/8)
-    s_row = rows.to(tl.int64)[:, None] * stride_s  # (BLOCK_N, 1)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # NUM_STAGES steps in flight
-        words = tl.load(w_ptrs + k0 // 8, mask=row_ok[:, None], other=0)
-        q = tl.reshape(_unpack_last(words), (BLOCK_N, BLOCK_K // SUB, SUB))  # k = 8c + i order
-        x = tl.reshape(tl.load(X + k0 + offs_k).to(tl.float32), (BLOCK_K // SUB, SUB))
-        g = (k0 + offs_c * SUB) // GROUP  # (BLOCK_K // SUB,) the group of each chunk
-        z = tl.load(Z + s_row + g[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-        s = tl.load(S + s_row + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        qz = (q - z[:, :, None]).to(tl.float32)  # exact small integers
-        part = tl.sum(qz * x[None, :, :], axis=2)  # (BLOCK_N, BLOCK_K // SUB)
-        acc += tl.sum(part * s, axis=1)
+    rows64 = rows.to(tl.int64)
+    ob = tl.arange(0, BLOCK_K // 32)  # (NB,) NB = BLOCK_K / 32 blocks of 4 words a step
+    oj = tl.arange(0, 4)
+    w_off = ob[:, None] * 4 + oj[None, :]  # (NB, 4) words of a step
+    w_ptrs = QW + rows64[:, None, None] * stride_qw + w_off[None, :, :]  # (BLOCK_N, NB, 4)
+    x_off = ob[:, None] * 32 + oj[None, :]  # (NB, 4) the column of nibble 0 of each word
+    s_row = rows64[:, None] * stride_s  # (BLOCK_N, 1)
+    n_blocks = K // 32
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
+    for kb in tl.range(0, n_blocks, BLOCK_K // 32, num_stages=NUM_STAGES):  # kb: first block of the step
+        blk_ok = kb + ob < n_blocks  # (NB,)
+        if EVEN_K:
+            words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None], other=0)
+        else:
+            words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None] & blk_ok[None, :, None],
+                            other=0)
+        g = ((kb + ob) * 32) // GROUP  # (NB,) each block's group
+        sz_ok = row_ok[:, None] & blk_ok[None, :]
+        zf = tl.load(Z + s_row + g[None, :], mask=sz_ok, other=0).to(tl.float32)[:, :, None]
+        s = tl.load(S + s_row + g[None, :], mask=sz_ok, other=0.0).to(tl.float32)
+        whi = words >> 20
+        p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
+        for i in tl.static_range(8):
+            cols = kb * 32 + x_off + 4 * i  # (NB, 4) stored columns of nibble i
+            if HAS_PERM:
+                cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
+            x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+            p += _nibble_minus_zero(words, whi, zf, i) * x[None, :, :]
+        acc += p * s[:, :, None]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # (BLOCK_N,)
     if HAS_BIAS:
-        acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=row_ok)
+        y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def _int4_gemm_kernel(X, QW, S, Z, B, Y, M, N, K, stride_xm, stride_ym, stride_qw, stride_s,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_gemm_kernel(X, QW, S, Z, P, B, Y, M, N, K, stride_xm, stride_ym, stride_qw, stride_s,
+                      GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     m_ok, n_ok = rm < M, rn < N
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    x_ptrs = X + rm.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
-    w_ptrs = QW + rn.to(tl.int64)[None, :] * stride_qw + offs_w[:, None]  # (BLOCK_K/8, BLOCK_N)
-    s_ptrs = rn.to(tl.int64) * stride_s  # (BLOCK_N,)
+    oc = tl.arange(0, BLOCK_K // 8)  # (BW,) BW = words of a row a step = K of each dot
+    w_ptrs = QW + rn.to(tl.int64)[None, :] * stride_qw + oc[:, None]  # (BW, BLOCK_N)
+    xcol = (oc // 4) * 32 + (oc % 4)  # (BW,) column of nibble 0 of each word of a step
+    x_row = X + rm.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
+    s_col = rn.to(tl.int64)[None, :] * stride_s  # (1, BLOCK_N)
+    n_words = K // 8
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-        words = tl.load(w_ptrs + k0 // 8, mask=n_ok[None, :], other=0)
-        q = tl.reshape(_unpack_mid(words), (BLOCK_K, BLOCK_N))  # row k = 8c + i
-        g = k0 // GROUP  # BLOCK_K <= GROUP: one group per step
-        z = tl.load(Z + s_ptrs + g, mask=n_ok, other=0).to(tl.int32)
-        s = tl.load(S + s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
-        w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(a.dtype)  # (BLOCK_K, BLOCK_N)
-        if IEEE:  # fp32 activations: no TF32 rounding of the inputs
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+    for kw in range(0, n_words, BLOCK_K // 8):
+        k_ok = kw + oc < n_words  # (BW,)
+        if EVEN_K:
+            words = tl.load(w_ptrs + kw, mask=n_ok[None, :], other=0)
         else:
-            acc = tl.dot(a, w, acc)
+            words = tl.load(w_ptrs + kw, mask=k_ok[:, None] & n_ok[None, :], other=0)
+        if GROUP % BLOCK_K == 0:  # the step inside one group: a scale, zero per column
+            g = (kw * 8) // GROUP
+            zf = tl.load(Z + s_col + g, mask=n_ok[None, :], other=0).to(tl.float32)
+            s = tl.load(S + s_col + g, mask=n_ok[None, :], other=0.0).to(tl.float32)
+        else:  # (BW, BLOCK_N): each word row's group
+            g = ((kw + (oc // 4) * 4) * 8) // GROUP
+            ok = k_ok[:, None] & n_ok[None, :]
+            zf = tl.load(Z + s_col + g[:, None], mask=ok, other=0).to(tl.float32)
+            s = tl.load(S + s_col + g[:, None], mask=ok, other=0.0).to(tl.float32)
+        whi = words >> 20
+        for i in tl.static_range(8):
+            cols = kw * 8 + xcol + 4 * i  # (BW,)
+            if HAS_PERM:
+                cols = tl.load(P + cols, mask=k_ok, other=0)
+            a = tl.load(x_row + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = (_nibble_minus_zero(words, whi, zf, i) * s).to(a.dtype)  # (BW, BLOCK_N)
+            if IEEE:  # fp32 activations: no TF32 rounding of the inputs
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _block_k(k: int, cap: int) -> int:
-    """The largest power of two <= cap dividing K (K % 32 == 0, so at least 32)."""
-    b = 1 << (cap.bit_length() - 1)
-    while k % b:
-        b //= 2
-    return b
-
-
-def _check(x, qweight, scales, zeros, group):
+def _check(x, qweight, scales, zeros, group, perm):
     m, k = x.shape
     n = qweight.shape[0]
-    assert k % 32 == 0 and qweight.shape[1] * 8 == k, (k, tuple(qweight.shape))
+    assert k % 32 == 0 and group % 32 == 0 and qweight.shape[1] * 8 == k, \
+        (k, group, tuple(qweight.shape))
     assert scales.shape == zeros.shape == (n, k // group), (tuple(scales.shape), group)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() \
         and zeros.is_contiguous()
-    assert group == k or (group & (group - 1)) == 0, group
+    assert perm is None or (perm.shape == (k,) and perm.is_contiguous())
     return m, n, k
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for M == 1: 8 rows of 128 bytes a step, 3
-    steps in flight, N / 8 programs (512 for N = 4096: every SM busy without split-K). A first
-    guess, not yet swept (benchmarks/int4_decode.py --kernels sweeps it)."""
-    return 8, _block_k(k, 256), 4, 3
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for M == 1, by reasoning (not yet measured:
+    benchmarks/int4_decode.py --kernels sweeps GEMV_SWEEP around it):
+    - BLOCK_K 1024 values = 512 bytes of a row a step: one warp covers a row's step in 4 full
+      128-byte lines (32 threads x one 16-byte block), the width the bf16 GEMV streams.
+    - BLOCK_N 16 with 4 warps: each thread owns 4 rows, so each x value it loads (and converts)
+      serves 4 rows; 8 KB a step per program, 3 steps in flight: with the >= 2 programs an SM
+      holds, ~48 KB in flight per SM, what HBM latency x bandwidth asks (4.8 TB/s x ~1 us / 132).
+    - N / 16 programs: 256 for N = 4096 (all 132 SMs busy, within 3% of an even split),
+      1792 for gate_up. K = 14336 (down) is 14 steps of the same tile.
+    Smaller K (tests, small models): BLOCK_K the largest power of two <= 1024 dividing K/32
+    blocks is not needed (ragged K is masked); capped at K rounded up to a power of two."""
+    bk = min(1024, triton.next_power_of_2(k))
+    return 16, max(bk, 32), 4, 3
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None,
-         config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
-    """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring)."""
-    m, n, k = _check(x, qweight, scales, zeros, group)
+         config: Optional[tuple[int, int, int, int]] = None,
+         perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring). perm: act-order,
+    the stored column -> x column map (K,) int64."""
+    m, n, k = _check(x, qweight, scales, zeros, group, perm)
     assert m == 1
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or gemv_config(n, k)
+    assert block_k % 32 == 0 and block_k & (block_k - 1) == 0, block_k
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y, n, k,
-        qweight.stride(0), scales.stride(0), GROUP=group,
-        SUB=min(group, block_k), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=stages, num_warps=warps)
+        x, qweight, scales, zeros, perm if perm is not None else qweight,
+        bias if bias is not None else scales, y, n, k, qweight.stride(0), scales.stride(0),
+        GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
+        num_warps=warps)
     return y
 
 
 def gemm_config(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). A first guess, not yet swept.
-    Decode batches (M <= 64) are one row of tiles: narrow BLOCK_N so that N / BLOCK_N programs
-    (128 for N = 4096) spread the weight stream over the SMs; larger M has programs enough."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), by reasoning (not yet measured).
+    Decode batches (M <= 64): one row of tiles, BLOCK_M the batch rounded up (>= 16, the
+    smallest dot); BLOCK_K 256 values = 128 bytes of each of BLOCK_N rows a step (8 dots of
+    K = 32); BLOCK_N 32 for N <= 8192 (128 programs for N = 4096, ~ one per SM), 64 above
+    (448 for gate_up); 4 steps in flight. Prefill (M > 64): 64 x 128 tiles, programs enough."""
+    bk = 256 if k >= 256 else 128
     if m <= 64:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        return block_m, 32 if n <= 8192 else 64, _block_k(k, min(group, 128)), 4, 4
-    return 64, 128, _block_k(k, min(group, 64)), 4, 3
+        block_m = max(16, triton.next_power_of_2(m))
+        return block_m, 32 if n <= 8192 else 64, bk, 4, 4
+    return 64, 128, bk, 4, 3
 
 
 def gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None,
-         config: Optional[tuple[int, int, int, int, int]] = None) -> torch.Tensor:
+         config: Optional[tuple[int, int, int, int, int]] = None,
+         perm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x (M, K) -> y (M, N) in x's dtype (layout in the module docstring)."""
-    m, n, k = _check(x, qweight, scales, zeros, group)
+    m, n, k = _check(x, qweight, scales, zeros, group, perm)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     block_m, block_n, block_k, warps, stages = config or gemm_config(m, n, k, group)
-    assert group % block_k == 0, (group, block_k)
+    assert block_k >= 128 and block_k & (block_k - 1) == 0, block_k  # dots of K >= 16
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y, m, n, k,
-        x.stride(0), y.stride(0), qweight.stride(0), scales.stride(0), GROUP=group,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        x, qweight, scales, zeros, perm if perm is not None else qweight,
+        bias if bias is not None else scales, y, m, n, k, x.stride(0), y.stride(0),
+        qweight.stride(0), scales.stride(0), GROUP=group, HAS_PERM=perm is not None,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return y
+
+
+def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+           group: int, bias: Optional[torch.Tensor] = None,
+           perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The per-call dispatch: GEMV for M <= GEMV_MAX_M, GEMM above."""
+    fn = gemv if x.shape[0] <= GEMV_MAX_M else gemm
+    return fn(x, qweight, scales, zeros, group, bias, perm=perm)
