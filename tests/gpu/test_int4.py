@@ -134,8 +134,9 @@ def test_int4_kernels_cuda():
     shapes = [(6144, 4096, 128, 1), (4096, 14336, 128, 1), (4096, 4096, 32, 1),
               (1000, 512, 64, 1), (6144, 4096, 128, 64), (4096, 14336, 128, 7),
               (1000, 512, 64, 300), (512, 96 * 32, 96 * 32, 1), (512, 96 * 32, 96 * 32, 33)]
-    check_int4_kernels("cuda", shapes, gemv_configs=(None, (4, 128, 4, 2), (16, 512, 8, 4)),
-                       gemm_configs=(None, (64, 64, 32, 4, 4)))
+    check_int4_kernels("cuda", shapes, gemv_configs=(None, (4, 128, 4, 2), (16, 512, 8, 4),
+                                                      (32, 2048, 8, 2)),
+                       gemm_configs=(None, (64, 64, 128, 4, 4), (64, 128, 512, 8, 2)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
