@@ -39,11 +39,25 @@ def test_int4_gemv_interpreted():
 
 def test_int4_gemm_interpreted():
     # one group a step (group 256 / 128 >= BLOCK_K 128), several groups a step (32, 64), K
-    # ragged against BLOCK_K (96, 352), M and N ragged against the tile
+    # ragged against BLOCK_K (96, 352), M and N ragged against the tile; split-K (2 and 3
+    # splits, a ragged last split; the counters reset: every shape calls it more than once)
     _checks.check_int4_kernels("cpu", [(37, 256, 32, 5), (16, 256, 128, 17), (20, 96, 96, 3),
-                                       (24, 512, 256, 2), (11, 352, 32, 4)],
+                                       (24, 512, 256, 2), (11, 352, 32, 4), (40, 640, 128, 3)],
                                dtypes=(torch.float16, torch.float32),
-                               gemm_configs=(None, (16, 32, 128, 4, 2)))
+                               gemm_configs=(None, (16, 32, 128, 4, 2), (16, 32, 128, 4, 2, 2),
+                                             (16, 16, 128, 4, 2, 3)))
+
+
+def test_int4_gemm_split_k_default_and_counters():
+    """The default config splits K where tiles are few (N = 4096-like at small scale is not
+    reachable here, so force it) and leaves every counter at zero after the call."""
+    m, n, k = 4, 128, 2048
+    cfg = triton_int4.gemm_config(m, 4096, 4096, 128)
+    assert cfg[5] > 1 and cfg[1] == 128, cfg  # N = 4096 decode: split-K on
+    assert triton_int4.gemm_config(m, 28672, 4096, 128)[5] == 1  # programs enough already
+    _checks.check_int4_kernels("cpu", [(n, k, 128, m)], dtypes=(torch.float32,),
+                               gemm_configs=((16, 32, 128, 4, 2, 4),))
+    assert int(triton_int4._COUNTERS[torch.device("cpu")].abs().sum()) == 0
 
 
 def test_int4_gemv_reads_every_nibble():

@@ -35,20 +35,22 @@ for n, kk in ((4096, 4096), (4096, 14336)):
             "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages}),
             target=target, options={"num_warps": warps})
         assert "cubin" in k.asm
-gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-        "stride_xm": "i32", "stride_ym": "i32", "stride_qw": "i32", "stride_s": "i32",
+gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",
+        "M": "i32", "N": "i32", "K": "i32", "words_per_split": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_qw": "i32", "stride_s": "i32",
         "GROUP": "constexpr", "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr",
         "IEEE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
-        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr"}
 # the decode-batch tiles (M 16 / 64) and the prefill tile; group 128 (one group a step) and
 # group 32 (a group per word row)
+# (split-K at N = 4096, none at 28672 and for prefill)
 for m, n, group in ((64, 4096, 128), (16, 28672, 128), (512, 4096, 128), (64, 4096, 32)):
-    bm, bn, bk, warps, stages = T.gemm_config(m, n, 4096, group)
+    bm, bn, bk, warps, stages, split = T.gemm_config(m, n, 4096, group)
     k = triton.compile(ASTSource(T._int4_gemm_kernel, gemm, {
         "GROUP": group, "HAS_PERM": group == 32, "HAS_BIAS": False, "IEEE": False,
-        "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}),
+        "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}),
         target=target, options={"num_warps": warps, "num_stages": stages})
     assert "cubin" in k.asm
+    assert (split > 1) == (n == 4096 and m <= 64), (m, n, split)
 print("compiled")
 """
 
