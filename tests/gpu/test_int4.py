@@ -100,6 +100,36 @@ def check_int4_layer(device, dtype, ms=(1, 5)) -> None:
         _check_close(lin(x.to(device)), x.float(), w, lin.bias.cpu(), dtype, ("layer", m, dtype))
 
 
+def check_int4_gate_up_silu(device, shapes, dtypes=(torch.bfloat16, torch.float16),
+                            act_order=False) -> None:
+    """The int4 GEMV with the SiLU-and-mul epilogue (Int4Linear.gate_up_silu, shapes (2I, K,
+    group)) against the plain int4 GEMV then SiLU-and-mul with the same roundings (layers/
+    triton_ops' silu_and_mul): equal up to an output ulp or two (the same per-row sums)."""
+    from radixlm.runtime.layers import int4_linear
+
+    for n2, k, group in shapes:
+        qw, s, z, _ = random_layer(n2, k, group, seed=n2 + k)
+        for dtype in dtypes:
+            lin = int4_linear.Int4Linear(k, n2, group, False, dtype, device, act_order=act_order)
+            lin.qweight.copy_(qw), lin.scales.copy_(s), lin.zeros.copy_(z)
+            if act_order:
+                lin.perm.copy_(torch.randperm(k, generator=torch.Generator().manual_seed(k)))
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+            y = lin.gate_up_silu(x)
+            gu = lin(x).float()
+            g, u = gu[:, : n2 // 2], gu[:, n2 // 2:]
+            ref = ((g / (1 + torch.exp(-g))).to(dtype).float() * u).to(dtype)
+            assert y.shape == (1, n2 // 2) and y.dtype == dtype
+            ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+            torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * ulp)
+            assert lin.gate_up_silu(x.repeat(2, 1)) is None  # batch > 1: the unfused ops
+
+
+def test_int4_gate_up_silu_cuda():
+    check_int4_gate_up_silu("cuda", [(28672, 4096, 128), (2 * 1000, 512, 64)])
+    check_int4_gate_up_silu("cuda", [(2 * 96, 256, 32)], act_order=True)
+
+
 def check_int4_torch(device, shapes=((64, 256, 32, 1), (48, 512, 128, 7), (32, 128, 64, 64))):
     """use_torch_kernels (torch's _weight_int4pack_mm after layers/int4_torch's repack) against
     the reference. Its own tolerance: it rounds the scale and the zero term (8 - z) * s to bf16

@@ -93,6 +93,14 @@ def test_pack_rows_layout():
     assert int((w[1, 4 * b + j] >> (4 * i)) & 0xF) == int(q[1, 32 * b + 4 * i + j])
 
 
+def test_int4_gate_up_silu_interpreted():
+    """The GEMV's SiLU-and-mul epilogue (the MLP's batch-1 int4 gate_up), act-order too."""
+    _checks.check_int4_gate_up_silu("cpu", [(2 * 37, 256, 64), (2 * 8, 96, 96)],
+                                    dtypes=(torch.float16,))
+    _checks.check_int4_gate_up_silu("cpu", [(2 * 24, 128, 32)], dtypes=(torch.float16,),
+                                    act_order=True)
+
+
 def test_int4_layer_interpreted():
     """Act-order permutation of x (read by the kernels through perm), bias, GEMV and GEMM
     through Int4Linear.forward."""

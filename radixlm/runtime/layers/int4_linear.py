@@ -203,6 +203,24 @@ class Int4Linear(nn.Module):
                                self.perm)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def gate_up_silu(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu(x W_gate^T) * (x W_up^T) for this layer = [gate | up] (2I, K), one launch (the
+        GEMV with the SiLU-and-mul epilogue): x (1, K) on CUDA -> (1, I); None where the call
+        is not taken (more rows, not CUDA, torch's kernels, a bias): the caller runs the
+        unfused ops."""
+        from radixlm.runtime.layers import triton_int4
+
+        x2 = x.reshape(-1, self.in_features)
+        if (x2.shape[0] != 1 or x2.shape[0] > triton_int4.GEMV_MAX_M or self.bias is not None
+                or self.out_features % 2 or self.torch_packed is not None
+                or not (x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            return None
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = triton_int4.gemv(x2, self.qweight, self.scales, self.zeros, self.group,
+                             perm=self.perm, silu=True)
+        return y.view(*x.shape[:-1], self.out_features // 2)
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, int4 group={self.group}, "
                 f"act_order={self.perm is not None}, bias={self.bias is not None}, "

@@ -63,13 +63,10 @@ def _nibble_minus_zero(w, whi, zf, I: tl.constexpr):
 
 
 @triton.jit
-def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s,
-                      GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    row_ok = rows < N
+def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, GROUP: tl.constexpr,
+               HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # x (1, K) . W[rows]: (BLOCK_N,) fp32 (the module docstring's GEMV)
     rows64 = rows.to(tl.int64)
     ob = tl.arange(0, BLOCK_K // 32)  # (NB,) NB = BLOCK_K / 32 blocks of 4 words a step
     oj = tl.arange(0, 4)
@@ -79,7 +76,7 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s,
     s_row = rows64[:, None] * stride_s  # (BLOCK_N, 1)
     n_blocks = K // 32
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
-    for kb in tl.range(0, n_blocks, BLOCK_K // 32, num_stages=NUM_STAGES):  # kb: first block of the step
+    for kb in tl.range(0, n_blocks, BLOCK_K // 32, num_stages=NUM_STAGES):  # first block
         blk_ok = kb + ob < n_blocks  # (NB,)
         if EVEN_K:
             words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None], other=0)
@@ -99,8 +96,31 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s,
             x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
             p += _nibble_minus_zero(words, whi, zf, i) * x[None, :, :]
         acc += p * s[:, :, None]
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # (BLOCK_N,)
-    if HAS_BIAS:
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s,
+                      GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
+    # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
+    # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = rows < N
+    y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, GROUP, HAS_PERM,
+                   EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+    if SILU:
+        u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, stride_qw, stride_s, GROUP,
+                       HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+        # the roundings of the unfused path (gate_up stored in Y's dtype, F.silu rounded, the
+        # product rounded: layers/triton_ops' silu_and_mul)
+        g = y.to(Y.dtype.element_ty).to(tl.float32)
+        u = u.to(Y.dtype.element_ty).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32) * u
+    elif HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
@@ -210,18 +230,20 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None,
          config: Optional[tuple[int, int, int, int]] = None,
-         perm: Optional[torch.Tensor] = None) -> torch.Tensor:
+         perm: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
     """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring). perm: act-order,
-    the stored column -> x column map (K,) int64."""
+    the stored column -> x column map (K,) int64. silu: W is [gate | up] (2I, K), y (1, I) =
+    silu(gate) * up (no bias)."""
     m, n, k = _check(x, qweight, scales, zeros, group, perm)
-    assert m == 1
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    assert m == 1 and not (silu and (bias is not None or n % 2))
+    n_out = n // 2 if silu else n
+    y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or gemv_config(n, k)
     assert block_k % 32 == 0 and block_k & (block_k - 1) == 0, block_k
-    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _int4_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, qweight, scales, zeros, perm if perm is not None else qweight,
-        bias if bias is not None else scales, y, n, k, qweight.stride(0), scales.stride(0),
-        GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        bias if bias is not None else scales, y, n_out, k, qweight.stride(0), scales.stride(0),
+        GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
         num_warps=warps)
     return y
