@@ -206,7 +206,7 @@ def graph_time_us(fn, n_calls: int, reps: int = 10) -> float:
 def kernels(m_meta: dict, ms=(1, 64)) -> list[dict]:
     import torch.nn.functional as F
 
-    from radixlm.runtime.layers import int4_linear, triton_int4
+    from radixlm.runtime.layers import int4_linear, triton_int4, triton_int4_gemm
 
     rows = []
     for label, (n, k) in SHAPES.items():
@@ -220,7 +220,8 @@ def kernels(m_meta: dict, ms=(1, 64)) -> list[dict]:
             row = {"bench": "int4_kernel", "shape": label, "N": n, "K": k, "M": m}
             bf = graph_time_us(lambda i: F.linear(x, w16[i % len(w16)]), len(w16))
             q4 = graph_time_us(lambda i: layers[i](x), copies)
-            fn, sweep = (triton_int4.gemv, GEMV_SWEEP) if m == 1 else (triton_int4.gemm, GEMM_SWEEP)
+            fn, sweep = ((triton_int4.gemv, GEMV_SWEEP) if m == 1
+                         else (triton_int4_gemm.gemm, GEMM_SWEEP))
             if m not in (1, 64):  # other batch sizes: the layer's default only
                 sweep = ()
             best = (None, q4)

@@ -61,7 +61,7 @@ def check_int4_kernels(device, shapes, dtypes=(torch.bfloat16, torch.float16),
                        gemv_configs=(None,), gemm_configs=(None,)) -> None:
     """triton_int4.gemv (M == 1) and gemm (M > 1) against the reference at shapes (N, K,
     group, M), every second shape with a bias."""
-    from radixlm.runtime.layers import triton_int4
+    from radixlm.runtime.layers import triton_int4, triton_int4_gemm
 
     for i, (n, k, group, m) in enumerate(shapes):
         qw, s, z, w = random_layer(n, k, group, seed=n + k + m)
@@ -70,7 +70,7 @@ def check_int4_kernels(device, shapes, dtypes=(torch.bfloat16, torch.float16),
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt)
             b = torch.randn(n).to(dt) if i % 2 else None
             for cfg in (gemv_configs if m == 1 else gemm_configs):
-                fn = triton_int4.gemv if m == 1 else triton_int4.gemm
+                fn = triton_int4.gemv if m == 1 else triton_int4_gemm.gemm
                 y = fn(x.to(device), qw, s, z, group, None if b is None else b.to(device),
                        config=cfg)
                 assert y.shape == (m, n) and y.dtype == dt

@@ -14,8 +14,9 @@ import torch
 
 from triton_interpreter import import_interpreted  # tests/unit is on sys.path
 
-(triton_int4,) = import_interpreted("radixlm.runtime.layers.triton_int4",
-                                    gpu_tests="tests/gpu/test_int4.py")
+triton_int4, triton_int4_gemm = import_interpreted("radixlm.runtime.layers.triton_int4",
+                                                  "radixlm.runtime.layers.triton_int4_gemm",
+                                                  gpu_tests="tests/gpu/test_int4.py")
 _spec = importlib.util.spec_from_file_location(
     "_int4_checks", os.path.join(os.path.dirname(__file__), "..", "gpu", "test_int4.py"))
 _checks = importlib.util.module_from_spec(_spec)
@@ -52,12 +53,12 @@ def test_int4_gemm_split_k_default_and_counters():
     """The default config splits K where tiles are few (N = 4096-like at small scale is not
     reachable here, so force it) and leaves every counter at zero after the call."""
     m, n, k = 4, 128, 2048
-    cfg = triton_int4.gemm_config(m, 4096, 4096, 128)
+    cfg = triton_int4_gemm.gemm_config(m, 4096, 4096, 128)
     assert cfg[5] > 1 and cfg[1] == 128, cfg  # N = 4096 decode: split-K on
-    assert triton_int4.gemm_config(m, 28672, 4096, 128)[5] == 1  # programs enough already
+    assert triton_int4_gemm.gemm_config(m, 28672, 4096, 128)[5] == 1  # programs enough already
     _checks.check_int4_kernels("cpu", [(n, k, 128, m)], dtypes=(torch.float32,),
                                gemm_configs=((16, 32, 128, 4, 2, 4),))
-    assert int(triton_int4._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+    assert int(triton_int4_gemm._COUNTERS[torch.device("cpu")].abs().sum()) == 0
 
 
 def test_int4_gemv_reads_every_nibble():
@@ -74,7 +75,7 @@ def test_int4_gemv_reads_every_nibble():
         qw = int4_linear.pack_rows(q)
         s = torch.full((n, k // 32), 0.5, dtype=torch.float16)
         z = torch.full((n, k // 32), 8, dtype=torch.uint8)
-        for fn, arg in ((triton_int4.gemv, x), (triton_int4.gemm, x.repeat(2, 1))):
+        for fn, arg in ((triton_int4.gemv, x), (triton_int4_gemm.gemm, x.repeat(2, 1))):
             y = fn(arg, qw, s, z, 32)
             want = torch.zeros(n)
             want[1] = 0.5 * (1 + c % 7) * x[0, c]

@@ -19,7 +19,7 @@ SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from radixlm.runtime.layers import triton_int4 as T
+from radixlm.runtime.layers import triton_int4 as T, triton_int4_gemm as TG
 
 target = GPUTarget("cuda", 90, 32)
 common = {"QW": "*i32", "S": "*fp16", "Z": "*u8", "P": "*i64"}
@@ -37,7 +37,8 @@ for n, kk, silu in ((4096, 4096, False), (4096, 14336, False), (28672, 4096, Tru
             target=target, options={"num_warps": warps})
         assert "cubin" in k.asm
 gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",
-        "M": "i32", "N": "i32", "K": "i32", "words_per_split": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_qw": "i32", "stride_s": "i32",
+        "M": "i32", "N": "i32", "K": "i32", "words_per_split": "i32",
+        "stride_xm": "i32", "stride_ym": "i32", "stride_qw": "i32", "stride_s": "i32",
         "GROUP": "constexpr", "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr",
         "IEEE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr"}
@@ -45,8 +46,8 @@ gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT"
 # group 32 (a group per word row)
 # (split-K at N = 4096, none at 28672 and for prefill)
 for m, n, group in ((64, 4096, 128), (16, 28672, 128), (512, 4096, 128), (64, 4096, 32)):
-    bm, bn, bk, warps, stages, split = T.gemm_config(m, n, 4096, group)
-    k = triton.compile(ASTSource(T._int4_gemm_kernel, gemm, {
+    bm, bn, bk, warps, stages, split = TG.gemm_config(m, n, 4096, group)
+    k = triton.compile(ASTSource(TG._int4_gemm_kernel, gemm, {
         "GROUP": group, "HAS_PERM": group == 32, "HAS_BIAS": False, "IEEE": False,
         "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}),
         target=target, options={"num_warps": warps, "num_stages": stages})

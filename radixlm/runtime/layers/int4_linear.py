@@ -3,9 +3,9 @@ are dequantized in registers by the Triton kernels of layers/triton_int4.py.
 
 What the layer computes (K = in_features, N = out_features, G = K / group groups per row):
     y (M, N) = x (M, K) @ W^T (+ bias),  W[n, k] = (q[n, k] - zeros[n, k // group]) * scales[..]
-  (triton_int4.linear picks by M: GEMV_MAX_M there)
+  (forward picks by M: triton_int4.GEMV_MAX_M)
   batch 1 (M == 1)  triton_int4.gemv: fp32 products and sums, the scale applied per 32-column block
-  M > 1             triton_int4.gemm: each W tile dequantized to x's dtype exactly as the
+  M > 1             triton_int4_gemm.gemm: each W tile dequantized to x's dtype exactly as the
                     dequantized checkpoint would hold it, then tl.dot (fp32 accumulation)
 So the layer is the dequantized model's matmul up to summation order (GEMM) or up to the
 rounding of W to x's dtype, which the GEMV never does (it is closer to fp32).
@@ -187,7 +187,7 @@ class Int4Linear(nn.Module):
                 or self.torch_packed is not None):  # torch emulation
             y = F.linear(x2, self.dequantized_weight(x.dtype), self.bias)
             return y.view(*x.shape[:-1], self.out_features)
-        from radixlm.runtime.layers import int4_torch, triton_int4
+        from radixlm.runtime.layers import int4_torch, triton_int4, triton_int4_gemm
 
         if self.torch_packed is not None:
             if self.perm is not None:  # act-order: x's columns in the stored (group) order
@@ -198,9 +198,10 @@ class Int4Linear(nn.Module):
             return y.view(*x.shape[:-1], self.out_features)
         if x2.stride(1) != 1:  # (the kernels take any row stride; a view of x is no copy)
             x2 = x2.contiguous()
-        # one launch a call: act-order's permutation and the bias are read inside the kernel
-        y = triton_int4.linear(x2, self.qweight, self.scales, self.zeros, self.group, self.bias,
-                               self.perm)
+        # one launch a call: act-order's permutation and the bias are read inside the kernel;
+        # GEMV (bandwidth-bound, fp32 FMAs) for M <= GEMV_MAX_M, tensor-core GEMM above
+        fn = triton_int4.gemv if x2.shape[0] <= triton_int4.GEMV_MAX_M else triton_int4_gemm.gemm
+        y = fn(x2, self.qweight, self.scales, self.zeros, self.group, self.bias, perm=self.perm)
         return y.view(*x.shape[:-1], self.out_features)
 
     def gate_up_silu(self, x: torch.Tensor) -> Optional[torch.Tensor]:
