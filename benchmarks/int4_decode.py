@@ -63,16 +63,19 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 COLD_BYTES = 256 << 20  # > 5x the H100's 50 MB L2
 # GEMV (BLOCK_N, BLOCK_K values, num_warps, num_stages); the default (triton_int4.gemv_config)
-# is (16, 1024, 4, 3) for these shapes: around it rows/program, bytes/step, stages, warps
-GEMV_SWEEP = ((16, 1024, 4, 3), (16, 1024, 4, 2), (16, 1024, 4, 4), (8, 1024, 4, 3),
-              (8, 1024, 2, 4), (32, 1024, 8, 3), (32, 1024, 4, 3), (16, 512, 4, 4),
-              (32, 512, 4, 3), (16, 2048, 8, 2), (8, 512, 2, 4), (64, 512, 8, 3),
-              (4, 1024, 1, 4))
-# GEMM (BLOCK_M, BLOCK_N, BLOCK_K values >= 128, num_warps, num_stages); default for M = 64:
-# (64, 32, 256, 4, 4) for N <= 8192, (64, 64, 256, 4, 4) above
-GEMM_SWEEP = ((64, 32, 256, 4, 4), (64, 32, 256, 4, 3), (64, 64, 256, 4, 3),
-              (64, 64, 128, 4, 4), (64, 128, 256, 8, 3), (64, 128, 128, 4, 3),
-              (64, 16, 256, 4, 4), (64, 32, 512, 4, 2), (64, 64, 512, 8, 2), (64, 32, 128, 4, 4))
+# is (8, 2048, 2, 3) for these shapes. num_warps = BLOCK_K / 1024 keeps x's load in the tile's
+# layout; (16, 1024, 4, 3) is the mismatched one (x through shared memory) for comparison,
+# (16, 2048, 2, 2) the one that spills
+GEMV_SWEEP = ((8, 2048, 2, 3), (8, 2048, 2, 4), (8, 2048, 2, 2), (4, 2048, 2, 4),
+              (8, 1024, 1, 4), (8, 1024, 1, 3), (4, 1024, 1, 4), (4, 4096, 4, 2),
+              (8, 4096, 4, 2), (2, 2048, 2, 4), (16, 1024, 4, 3), (16, 2048, 2, 2))
+# GEMM (BLOCK_M, BLOCK_N, BLOCK_K values >= 128, num_warps, num_stages, SPLIT_K) at M = 64; the
+# default (triton_int4_gemm.gemm_config) is (64, 128, 128, 4, 3, split) with split 4 for
+# N = 4096, 2 for 6144, 1 for 28672: the sweep crosses BLOCK_N with the split
+GEMM_SWEEP = ((64, 128, 128, 4, 3, 1), (64, 128, 128, 4, 3, 2), (64, 128, 128, 4, 3, 4),
+              (64, 128, 128, 4, 4, 4), (64, 128, 128, 8, 3, 4), (64, 64, 128, 4, 3, 1),
+              (64, 64, 128, 4, 3, 2), (64, 64, 128, 4, 3, 4), (64, 128, 256, 8, 3, 2),
+              (64, 256, 128, 8, 3, 4), (64, 32, 256, 4, 4, 1))
 
 
 def meta(command: str) -> dict:

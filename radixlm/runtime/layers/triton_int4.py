@@ -21,10 +21,10 @@ ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old 
 ~7 plus a register reshape through shared memory, and read 0.3-0.6 TB/s).
 
   gemv(x, ...)   M == 1: program p owns BLOCK_N whole rows (no split-K: N / BLOCK_N programs,
-                 256 for N = 4096 at BLOCK_N 16, fill 132 SMs), streams them along K in steps
+                 512 for N = 4096 at BLOCK_N 8, fill 132 SMs), streams them along K in steps
                  of BLOCK_K values, tile (BLOCK_N, BLOCK_K/32 blocks, 4 words): a warp reads
-                 BLOCK_K/2 contiguous bytes of a row (512 at BLOCK_K 1024: 4 full 128-byte
-                 lines), each thread several rows so that one x load serves them all. Per block
+                 512 contiguous bytes of a row (32 threads x one 16-byte block: 4 full 128-byte
+                 lines), each thread BLOCK_N rows so that one x load serves them all. Per block
                  p = sum (q - z) x in fp32, then acc += p * s: y = sum_g s * sum_{k in g} (q-z) x,
                  no rounding of W (closer to fp32 than the dequantized bf16 model).
                  gemv(..., silu=True): the MLP's [gate | up] with the SiLU-and-mul epilogue.
@@ -136,19 +136,22 @@ def _check(x, qweight, scales, zeros, group, perm):
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for M == 1, by reasoning (not yet measured:
-    benchmarks/int4_decode.py --kernels sweeps GEMV_SWEEP around it):
-    - BLOCK_K 1024 values = 512 bytes of a row a step: one warp covers a row's step in 4 full
-      128-byte lines (32 threads x one 16-byte block), the width the bf16 GEMV streams.
-    - BLOCK_N 16 with 4 warps: each thread owns 4 rows, so each x value it loads (and converts)
-      serves 4 rows; 8 KB a step per program, 3 steps in flight: with the >= 2 programs an SM
-      holds, ~48 KB in flight per SM, what HBM latency x bandwidth asks (4.8 TB/s x ~1 us / 132).
-    - N / 16 programs: 256 for N = 4096 (all 132 SMs busy, within 3% of an even split),
-      1792 for gate_up. K = 14336 (down) is 14 steps of the same tile.
-    Smaller K (tests, small models): BLOCK_K the largest power of two <= 1024 dividing K/32
-    blocks is not needed (ragged K is masked); capped at K rounded up to a power of two."""
-    bk = min(1024, triton.next_power_of_2(k))
-    return 16, max(bk, 32), 4, 3
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for M == 1, by reasoning and by reading the
+    sm_90 compile (not yet timed: benchmarks/int4_decode.py --kernels sweeps GEMV_SWEEP):
+    - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
+      one 16-byte block per thread, 32 threads along a row, warps along the row too; x's
+      (BLOCK_K/32, 4) load then has 4 values a thread in exactly that layout. With fewer
+      blocks than 32 x warps (e.g. 1024 values on 4 warps) Triton loads x one value a thread
+      and converts it through shared memory with a barrier, 8 times a step (the TTGIR shows
+      11 convert_layout against 3).
+    - BLOCK_N 8: each thread holds 8 rows x 4 words, so one x load serves 8 rows and z, s per
+      (row, block) serve 32 values; 147 registers, no spills (16 rows: 255 and spills).
+    - BLOCK_K 2048 = 1 KB of a row a step, 8 KB a program a step, 3 stages: K = 4096 is 2
+      steps, all of a program's 16 KB requested at once; N = 4096 gives 512 programs of 2
+      warps (~4 an SM: ~64 KB in flight an SM, what 4.8 TB/s x ~1 us of latency / 132 asks).
+    Smaller K: BLOCK_K the power of two >= K (ragged K is masked), warps accordingly."""
+    bk = max(32, min(2048, triton.next_power_of_2(k)))
+    return 8, bk, max(1, bk // 1024), 3
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
