@@ -24,9 +24,9 @@ from radixlm.runtime.layers import triton_int4 as T, triton_int4_gemm as TG
 target = GPUTarget("cuda", 90, 32)
 common = {"QW": "*i32", "S": "*fp16", "Z": "*u8", "P": "*i64"}
 gemv = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "N": "i32", "K": "i32",
-        "stride_qw": "i32", "stride_s": "i32", "GROUP": "constexpr", "HAS_PERM": "constexpr",
-        "HAS_BIAS": "constexpr", "SILU": "constexpr", "EVEN_K": "constexpr",
-        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "NUM_STAGES": "constexpr"}
+        "stride_qw": "i32", "stride_s": "i32", "magic": "i32", "GROUP": "constexpr",
+        "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr",
+        "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "NUM_STAGES": "constexpr"}
 for n, kk, silu in ((4096, 4096, False), (4096, 14336, False), (28672, 4096, True)):
     bn, bk, warps, stages = T.gemv_config(n, kk)
     for perm in (False, True):
@@ -39,6 +39,7 @@ for n, kk, silu in ((4096, 4096, False), (4096, 14336, False), (28672, 4096, Tru
 gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",
         "M": "i32", "N": "i32", "K": "i32", "words_per_split": "i32",
         "stride_xm": "i32", "stride_ym": "i32", "stride_qw": "i32", "stride_s": "i32",
+        "magic": "i32",
         "GROUP": "constexpr", "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr",
         "IEEE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr"}

@@ -47,21 +47,27 @@ GEMV_MAX_M = 1
 
 
 @triton.jit
-def _nibble_minus_zero(w, whi, zf, I: tl.constexpr):
+def _nibble_minus_zero(w, whi, zf, magic, I: tl.constexpr):
     # (q_I - z) in fp32, exact: w / whi = words / words >> 20 (any shape), zf = z as fp32
     # broadcastable to it. The magic float 2^(23-4j) has exponent field 150 - 4j, mantissa 0;
-    # nibble I < 5 is read in place (j = I), nibbles 5..7 from whi (j = I - 5).
+    # nibble I < 5 is read in place (j = I), nibbles 5..7 from whi (j = I - 5). `magic` is the
+    # RUNTIME int32 MAGIC (bits of 2^23): were it a literal, ptxas would emit the & and the |
+    # as two LOP3s (one immediate each, seen in the sm_90 SASS); from a register it is one.
     if I < 5:
-        f = ((w & (0xF << (4 * I))) | ((150 - 4 * I) << 23)).to(tl.float32, bitcast=True)
+        f = ((w & (0xF << (4 * I))) | (magic - ((4 * I) << 23))).to(tl.float32, bitcast=True)
         d = f - (zf + (1 << (23 - 4 * I)))
     else:
-        f = ((whi & (0xF << (4 * I - 20))) | ((170 - 4 * I) << 23)).to(tl.float32, bitcast=True)
+        f = ((whi & (0xF << (4 * I - 20))) | (magic - ((4 * I - 20) << 23))).to(
+            tl.float32, bitcast=True)
         d = f - (zf + (1 << (43 - 4 * I)))
     return d
 
 
+MAGIC = 0x4B000000  # bits of the float 2^23, passed to the kernels as a runtime argument
+
+
 @triton.jit
-def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, GROUP: tl.constexpr,
+def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROUP: tl.constexpr,
                HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     # x (1, K) . W[rows]: (BLOCK_N,) fp32 (the module docstring's GEMV)
@@ -92,13 +98,13 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, GROUP: tl.c
             if HAS_PERM:
                 cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
             x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
-            p += _nibble_minus_zero(words, whi, zf, i) * x[None, :, :]
+            p += _nibble_minus_zero(words, whi, zf, magic, i) * x[None, :, :]
         acc += p * s[:, :, None]
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
-def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s,
+def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, magic,
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -108,10 +114,10 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s,
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
-    y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, GROUP, HAS_PERM,
+    y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROUP, HAS_PERM,
                    EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
     if SILU:
-        u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, stride_qw, stride_s, GROUP,
+        u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, stride_qw, stride_s, magic, GROUP,
                        HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
         # the roundings of the unfused path (gate_up stored in Y's dtype, F.silu rounded, the
         # product rounded: layers/triton_ops' silu_and_mul)
@@ -170,7 +176,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     _int4_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, qweight, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else scales, y, n_out, k, qweight.stride(0), scales.stride(0),
-        GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
+        MAGIC, GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
         num_warps=warps)
     return y

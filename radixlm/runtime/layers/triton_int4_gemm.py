@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.runtime.layers.triton_int4 import _check, _nibble_minus_zero
+from radixlm.runtime.layers.triton_int4 import MAGIC, _check, _nibble_minus_zero
 
 
 @triton.jit
 def _int4_gemm_kernel(X, QW, S, Z, P, B, Y, WS, CNT, M, N, K, words_per_split,
-                      stride_xm, stride_ym, stride_qw, stride_s,
+                      stride_xm, stride_ym, stride_qw, stride_s, magic,
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                       IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -61,7 +61,7 @@ def _int4_gemm_kernel(X, QW, S, Z, P, B, Y, WS, CNT, M, N, K, words_per_split,
             if HAS_PERM:
                 cols = tl.load(P + cols, mask=k_ok, other=0)
             a = tl.load(x_row + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = (_nibble_minus_zero(words, whi, zf, i) * s).to(a.dtype)  # (BW, BLOCK_N)
+            w = (_nibble_minus_zero(words, whi, zf, magic, i) * s).to(a.dtype)  # (BW, BLOCK_N)
             if IEEE:  # fp32 activations: no TF32 rounding of the inputs
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
@@ -161,7 +161,7 @@ def gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         x, qweight, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else scales, y, ws, cnt if cnt is not None else qweight,
         m, n, k, per_split, x.stride(0), y.stride(0),
-        qweight.stride(0), scales.stride(0), GROUP=group, HAS_PERM=perm is not None,
+        qweight.stride(0), scales.stride(0), MAGIC, GROUP=group, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
         num_stages=stages)
