@@ -39,10 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-# int4_linear's dispatch (int4_linear=auto or triton): batch sizes up to this run the GEMV,
-# above it the GEMM. 1 from the H200 table the int4-perf work started from (GEMV only exists
-# for one row; the old GEMM at M = 64 was 1.5-2x slower than bf16, torch's tinygemm 4-8x, so
-# it never wins above one row). Re-measure with benchmarks/int4_decode.py --kernels --ms.
+# Int4Linear's dispatch (int4_linear=auto or triton): batch sizes up to this run the GEMV,
+# above it the GEMM. 1: the GEMV takes one row (at M = 2..16 the GEMM does the same dequant
+# work a weight and leaves the MACs to the tensor cores, so a multi-row GEMV should not win
+# by much). Constant from reasoning and the H200 table of the old kernels (GEMM 23-97 us at
+# M = 64, tinygemm 79-519 us: torch never wins above one row, nor is auto allowed it);
+# re-measure with benchmarks/int4_decode.py --kernels --ms 1 2 4 8 16 64.
 GEMV_MAX_M = 1
 
 
@@ -151,7 +153,8 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
       and converts it through shared memory with a barrier, 8 times a step (the TTGIR shows
       11 convert_layout against 3).
     - BLOCK_N 8: each thread holds 8 rows x 4 words, so one x load serves 8 rows and z, s per
-      (row, block) serve 32 values; 147 registers, no spills (16 rows: 255 and spills).
+      (row, block) serve 32 values; 147 registers, no spills (16 rows at BLOCK_K 2048: 255
+      registers and spills).
     - BLOCK_K 2048 = 1 KB of a row a step, 8 KB a program a step, 3 stages: K = 4096 is 2
       steps, all of a program's 16 KB requested at once; N = 4096 gives 512 programs of 2
       warps (~4 an SM: ~64 KB in flight an SM, what 4.8 TB/s x ~1 us of latency / 132 asks).
