@@ -131,3 +131,30 @@ def test_int4_formats_repacked_interpreted(fmt):
     for m in (1, 3):
         x = torch.randn(m, k)
         _checks._check_close(lin(x), x, w, None, torch.float32, (fmt, m))
+
+
+def test_llama_mlp_takes_the_int4_silu_gemv(monkeypatch):
+    """llama's MLP at batch 1 runs an int4 gate_up through gate_up_silu (one launch) and gives
+    the unfused result (the plain int4 GEMV, then SiLU-and-mul with the same roundings)."""
+    from torch import nn
+
+    from radixlm.runtime.layers import int4_linear
+    from radixlm.runtime.models import llama
+
+    torch.manual_seed(0)
+    mlp = llama.MLP.__new__(llama.MLP)
+    nn.Module.__init__(mlp)
+    mlp.inter = 64
+    mlp.gate_up_proj = int4_linear.Int4Linear.quantize(torch.randn(128, 96) * 0.2, 32)
+    mlp.down_proj = int4_linear.Int4Linear.quantize(torch.randn(96, 64) * 0.2, 32)
+    calls = []
+    real = int4_linear.Int4Linear.gate_up_silu
+    monkeypatch.setattr(int4_linear.Int4Linear, "gate_up_silu",
+                        lambda self, x: calls.append(x.shape) or real(self, x))
+    x = torch.randn(1, 96).half()
+    y = mlp(x)
+    assert calls == [(1, 96)]
+    gu = mlp.gate_up_proj(x).float()
+    g, u = gu[:, :64], gu[:, 64:]
+    ref = mlp.down_proj(((g / (1 + torch.exp(-g))).half().float() * u).half())
+    torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 ** -9)
