@@ -16,7 +16,8 @@ Two parts, JSON lines on stdout (and appended to `--result-file`):
            bf16 cuBLAS (F.linear) vs the int4 layer (GEMV at M = 1, GEMM above), timed inside
            CUDA graphs with weights cycled through copies totalling > 256 MB (from HBM, as in a
            forward); at M = 1 a small sweep of GEMV tiles, at M = 64 of GEMM tiles, reporting
-           the best (so the defaults in triton_int4 can be set from a measurement).
+           the best (to set triton_int4's defaults); gate_up at M = 1 also with the SiLU epilogue
+           (int4_gate_up_silu_us). `--ms` adds batch sizes (default kernel only): GEMV_MAX_M.
 `--tiny` runs the e2e part on a small config (hidden 256, 2 layers) on whatever device there is
 (on the CPU the int4 arms run Int4Linear's torch emulation): a dry run that the script works.
 
@@ -62,16 +63,13 @@ TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 COLD_BYTES = 256 << 20  # > 5x the H100's 50 MB L2
-# GEMV (BLOCK_N, BLOCK_K values, num_warps, num_stages); the default (triton_int4.gemv_config)
-# is (8, 2048, 2, 3) for these shapes. num_warps = BLOCK_K / 1024 keeps x's load in the tile's
-# layout; (16, 1024, 4, 3) is the mismatched one (x through shared memory) for comparison,
-# (16, 2048, 2, 2) the one that spills
+# GEMV (BLOCK_N, BLOCK_K, warps, stages), default (8, 2048, 2, 3); (16, 1024, 4, 3): x through
+# shared memory (warps != BLOCK_K / 1024), (16, 2048, 2, 2): spills. triton_int4.gemv_config
 GEMV_SWEEP = ((8, 2048, 2, 3), (8, 2048, 2, 4), (8, 2048, 2, 2), (4, 2048, 2, 4),
               (8, 1024, 1, 4), (8, 1024, 1, 3), (4, 1024, 1, 4), (4, 4096, 4, 2),
               (8, 4096, 4, 2), (2, 2048, 2, 4), (16, 1024, 4, 3), (16, 2048, 2, 2))
-# GEMM (BLOCK_M, BLOCK_N, BLOCK_K values >= 128, num_warps, num_stages, SPLIT_K) at M = 64; the
-# default (triton_int4_gemm.gemm_config) is (64, 128, 128, 4, 3, split) with split 4 for
-# N = 4096, 2 for 6144, 1 for 28672: the sweep crosses BLOCK_N with the split
+# GEMM (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) at M = 64: BLOCK_N x split-K around
+# the default (64, 128, 128, 4, 3, split 4 / 2 / 1 for N 4096 / 6144 / 28672)
 GEMM_SWEEP = ((64, 128, 128, 4, 3, 1), (64, 128, 128, 4, 3, 2), (64, 128, 128, 4, 3, 4),
               (64, 128, 128, 4, 4, 4), (64, 128, 128, 8, 3, 4), (64, 64, 128, 4, 3, 1),
               (64, 64, 128, 4, 3, 2), (64, 64, 128, 4, 3, 4), (64, 128, 256, 8, 3, 2),
@@ -249,6 +247,9 @@ def kernels(m_meta: dict, ms=(1, 64)) -> list[dict]:
                         "rel_err_vs_dequant": round(float((layers[0](x).float() - ref).norm()
                                                           / ref.norm()), 5),
                         **{key: m_meta[key] for key in ("device", "git_commit", "date")}})
+            if label == "gate_up" and m == 1:  # what llama's MLP runs: + SiLU-and-mul, fused
+                row["int4_gate_up_silu_us"] = round(graph_time_us(
+                    lambda i: layers[i].gate_up_silu(x), copies), 2)
             try:  # the same layers on torch's int4 kernel (layers/int4_torch.py)
                 for lyr in layers:
                     lyr.use_torch_kernels()
