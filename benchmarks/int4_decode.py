@@ -16,7 +16,8 @@ Two parts, JSON lines on stdout (and appended to `--result-file`):
            bf16 cuBLAS (F.linear) vs the int4 layer (GEMV at M = 1, GEMM above), timed inside
            CUDA graphs with weights cycled through copies totalling > 256 MB (from HBM, as in a
            forward); at M = 1 a small sweep of GEMV tiles, at M = 64 of GEMM tiles, reporting
-           the best (so the defaults in triton_int4 can be set from a measurement).
+           the best (to set triton_int4's defaults); gate_up at M = 1 also with the SiLU epilogue
+           (int4_gate_up_silu_us). `--ms` adds batch sizes (default kernel only): GEMV_MAX_M.
 `--tiny` runs the e2e part on a small config (hidden 256, 2 layers) on whatever device there is
 (on the CPU the int4 arms run Int4Linear's torch emulation): a dry run that the script works.
 
@@ -62,10 +63,17 @@ TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 COLD_BYTES = 256 << 20  # > 5x the H100's 50 MB L2
-GEMV_SWEEP = ((4, 256, 4, 3), (8, 256, 4, 4), (16, 256, 4, 3), (8, 512, 8, 3), (4, 512, 4, 4),
-              (16, 128, 4, 4), (32, 256, 8, 3), (8, 256, 4, 1))
-GEMM_SWEEP = ((64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 32, 64, 4, 5), (64, 128, 64, 4, 3),
-              (64, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 256, 32, 8, 3), (64, 16, 128, 4, 4))
+# GEMV (BLOCK_N, BLOCK_K, warps, stages), default (8, 2048, 2, 3); (16, 1024, 4, 3): x through
+# shared memory (warps != BLOCK_K / 1024), (16, 2048, 2, 2): spills. triton_int4.gemv_config
+GEMV_SWEEP = ((8, 2048, 2, 3), (8, 2048, 2, 4), (8, 2048, 2, 2), (4, 2048, 2, 4),
+              (8, 1024, 1, 4), (8, 1024, 1, 3), (4, 1024, 1, 4), (4, 4096, 4, 2),
+              (8, 4096, 4, 2), (2, 2048, 2, 4), (16, 1024, 4, 3), (16, 2048, 2, 2))
+# GEMM (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) at M = 64: BLOCK_N x split-K around
+# the default (64, 128, 128, 4, 3, split 4 / 2 / 1 for N 4096 / 6144 / 28672)
+GEMM_SWEEP = ((64, 128, 128, 4, 3, 1), (64, 128, 128, 4, 3, 2), (64, 128, 128, 4, 3, 4),
+              (64, 128, 128, 4, 4, 4), (64, 128, 128, 8, 3, 4), (64, 64, 128, 4, 3, 1),
+              (64, 64, 128, 4, 3, 2), (64, 64, 128, 4, 3, 4), (64, 128, 256, 8, 3, 2),
+              (64, 256, 128, 8, 3, 4), (64, 32, 256, 4, 4, 1))
 
 
 def meta(command: str) -> dict:
@@ -196,10 +204,10 @@ def graph_time_us(fn, n_calls: int, reps: int = 10) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * n_calls)
 
 
-def kernels(m_meta: dict) -> list[dict]:
+def kernels(m_meta: dict, ms=(1, 64)) -> list[dict]:
     import torch.nn.functional as F
 
-    from radixlm.runtime.layers import int4_linear, triton_int4
+    from radixlm.runtime.layers import int4_linear, triton_int4, triton_int4_gemm
 
     rows = []
     for label, (n, k) in SHAPES.items():
@@ -208,12 +216,15 @@ def kernels(m_meta: dict) -> list[dict]:
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))))]
         layers = [int4_linear.Int4Linear.quantize(w16[i % len(w16)], 128) for i in range(copies)]
-        for m in (1, 64):
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"bench": "int4_kernel", "shape": label, "N": n, "K": k, "M": m}
             bf = graph_time_us(lambda i: F.linear(x, w16[i % len(w16)]), len(w16))
             q4 = graph_time_us(lambda i: layers[i](x), copies)
-            fn, sweep = (triton_int4.gemv, GEMV_SWEEP) if m == 1 else (triton_int4.gemm, GEMM_SWEEP)
+            fn, sweep = ((triton_int4.gemv, GEMV_SWEEP) if m == 1
+                         else (triton_int4_gemm.gemm, GEMM_SWEEP))
+            if m not in (1, 64):  # other batch sizes: the layer's default only
+                sweep = ()
             best = (None, q4)
             for cfg in sweep:
                 try:
@@ -236,6 +247,9 @@ def kernels(m_meta: dict) -> list[dict]:
                         "rel_err_vs_dequant": round(float((layers[0](x).float() - ref).norm()
                                                           / ref.norm()), 5),
                         **{key: m_meta[key] for key in ("device", "git_commit", "date")}})
+            if label == "gate_up" and m == 1:  # what llama's MLP runs: + SiLU-and-mul, fused
+                row["int4_gate_up_silu_us"] = round(graph_time_us(
+                    lambda i: layers[i].gate_up_silu(x), copies), 2)
             try:  # the same layers on torch's int4 kernel (layers/int4_torch.py)
                 for lyr in layers:
                     lyr.use_torch_kernels()
@@ -263,6 +277,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small config: a dry run (CPU ok)")
     ap.add_argument("--kernels", action="store_true", help="also the per-shape kernel timings")
     ap.add_argument("--no-e2e", action="store_true", help="skip the Engine arms")
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 64],
+                    help="batch sizes of the kernel part (sweeps at 1 and 64; others time the "
+                         "layer's default kernel: bf16 vs int4 per batch size)")
     ap.add_argument("--result-file", help="append the JSON lines here")
     ap.add_argument("--arm-child", choices=list(ARMS), help=argparse.SUPPRESS)  # e2e's child
     args = ap.parse_args(argv)
@@ -276,7 +293,7 @@ def main(argv=None) -> int:
     m = meta("python " + " ".join(shlex.quote(a) for a in sys.argv))
     rows = [] if args.no_e2e else e2e(args, m)
     if args.kernels and torch.cuda.is_available():
-        rows += kernels(m)
+        rows += kernels(m, tuple(args.ms))
     if args.result_file:
         with open(args.result_file, "a") as f:
             for r in rows:

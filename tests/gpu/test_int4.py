@@ -61,7 +61,7 @@ def check_int4_kernels(device, shapes, dtypes=(torch.bfloat16, torch.float16),
                        gemv_configs=(None,), gemm_configs=(None,)) -> None:
     """triton_int4.gemv (M == 1) and gemm (M > 1) against the reference at shapes (N, K,
     group, M), every second shape with a bias."""
-    from radixlm.runtime.layers import triton_int4
+    from radixlm.runtime.layers import triton_int4, triton_int4_gemm
 
     for i, (n, k, group, m) in enumerate(shapes):
         qw, s, z, w = random_layer(n, k, group, seed=n + k + m)
@@ -70,7 +70,7 @@ def check_int4_kernels(device, shapes, dtypes=(torch.bfloat16, torch.float16),
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt)
             b = torch.randn(n).to(dt) if i % 2 else None
             for cfg in (gemv_configs if m == 1 else gemm_configs):
-                fn = triton_int4.gemv if m == 1 else triton_int4.gemm
+                fn = triton_int4.gemv if m == 1 else triton_int4_gemm.gemm
                 y = fn(x.to(device), qw, s, z, group, None if b is None else b.to(device),
                        config=cfg)
                 assert y.shape == (m, n) and y.dtype == dt
@@ -98,6 +98,36 @@ def check_int4_layer(device, dtype, ms=(1, 5)) -> None:
     for m in ms:
         x = torch.randn(m, k).to(dtype)
         _check_close(lin(x.to(device)), x.float(), w, lin.bias.cpu(), dtype, ("layer", m, dtype))
+
+
+def check_int4_gate_up_silu(device, shapes, dtypes=(torch.bfloat16, torch.float16),
+                            act_order=False) -> None:
+    """The int4 GEMV with the SiLU-and-mul epilogue (Int4Linear.gate_up_silu, shapes (2I, K,
+    group)) against the plain int4 GEMV then SiLU-and-mul with the same roundings (layers/
+    triton_ops' silu_and_mul): equal up to an output ulp or two (the same per-row sums)."""
+    from radixlm.runtime.layers import int4_linear
+
+    for n2, k, group in shapes:
+        qw, s, z, _ = random_layer(n2, k, group, seed=n2 + k)
+        for dtype in dtypes:
+            lin = int4_linear.Int4Linear(k, n2, group, False, dtype, device, act_order=act_order)
+            lin.qweight.copy_(qw), lin.scales.copy_(s), lin.zeros.copy_(z)
+            if act_order:
+                lin.perm.copy_(torch.randperm(k, generator=torch.Generator().manual_seed(k)))
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+            y = lin.gate_up_silu(x)
+            gu = lin(x).float()
+            g, u = gu[:, : n2 // 2], gu[:, n2 // 2:]
+            ref = ((g / (1 + torch.exp(-g))).to(dtype).float() * u).to(dtype)
+            assert y.shape == (1, n2 // 2) and y.dtype == dtype
+            ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+            torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * ulp)
+            assert lin.gate_up_silu(x.repeat(2, 1)) is None  # batch > 1: the unfused ops
+
+
+def test_int4_gate_up_silu_cuda():
+    check_int4_gate_up_silu("cuda", [(28672, 4096, 128), (2 * 1000, 512, 64)])
+    check_int4_gate_up_silu("cuda", [(2 * 96, 256, 32)], act_order=True)
 
 
 def check_int4_torch(device, shapes=((64, 256, 32, 1), (48, 512, 128, 7), (32, 128, 64, 64))):
@@ -134,8 +164,9 @@ def test_int4_kernels_cuda():
     shapes = [(6144, 4096, 128, 1), (4096, 14336, 128, 1), (4096, 4096, 32, 1),
               (1000, 512, 64, 1), (6144, 4096, 128, 64), (4096, 14336, 128, 7),
               (1000, 512, 64, 300), (512, 96 * 32, 96 * 32, 1), (512, 96 * 32, 96 * 32, 33)]
-    check_int4_kernels("cuda", shapes, gemv_configs=(None, (4, 128, 4, 2), (16, 512, 8, 4)),
-                       gemm_configs=(None, (64, 64, 32, 4, 4)))
+    check_int4_kernels("cuda", shapes, gemv_configs=(None, (4, 128, 4, 2), (16, 512, 8, 4),
+                                                      (32, 2048, 8, 2)),
+                       gemm_configs=(None, (64, 64, 128, 4, 4), (64, 128, 512, 8, 2)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -14,8 +14,9 @@ import torch
 
 from triton_interpreter import import_interpreted  # tests/unit is on sys.path
 
-(triton_int4,) = import_interpreted("radixlm.runtime.layers.triton_int4",
-                                    gpu_tests="tests/gpu/test_int4.py")
+triton_int4, triton_int4_gemm = import_interpreted("radixlm.runtime.layers.triton_int4",
+                                                  "radixlm.runtime.layers.triton_int4_gemm",
+                                                  gpu_tests="tests/gpu/test_int4.py")
 _spec = importlib.util.spec_from_file_location(
     "_int4_checks", os.path.join(os.path.dirname(__file__), "..", "gpu", "test_int4.py"))
 _checks = importlib.util.module_from_spec(_spec)
@@ -28,20 +29,132 @@ def _interpret(monkeypatch):
 
 
 def test_int4_gemv_interpreted():
-    # N not a multiple of BLOCK_N, group 32 / 64 / 128 and one group per row (K = 96)
+    # N not a multiple of BLOCK_N, group 32 / 64 / 128 and one group per row (K = 96: ragged
+    # against BLOCK_K, a group that is not a power of two); steps over several groups
     _checks.check_int4_kernels("cpu", [(37, 256, 32, 1), (16, 512, 128, 1), (20, 96, 96, 1),
                                        (9, 256, 64, 1)], dtypes=(torch.float16,))
-    _checks.check_int4_kernels("cpu", [(9, 128, 32, 1), (7, 256, 128, 1)],
-                               dtypes=(torch.float32,), gemv_configs=((4, 64, 4, 2), (2, 32, 2, 1)))
+    _checks.check_int4_kernels("cpu", [(9, 128, 32, 1), (7, 256, 128, 1), (5, 352, 32, 1)],
+                               dtypes=(torch.float32,),
+                               gemv_configs=((4, 64, 4, 2), (2, 32, 2, 1), (16, 256, 4, 3)))
 
 
 def test_int4_gemm_interpreted():
-    _checks.check_int4_kernels("cpu", [(37, 256, 32, 5), (16, 256, 128, 17), (20, 96, 96, 3)],
+    # one group a step (group 256 / 128 >= BLOCK_K 128), several groups a step (32, 64), K
+    # ragged against BLOCK_K (96, 352), M and N ragged against the tile; split-K (2 and 3
+    # splits, a ragged last split; the counters reset: every shape calls it more than once)
+    _checks.check_int4_kernels("cpu", [(37, 256, 32, 5), (16, 256, 128, 17), (20, 96, 96, 3),
+                                       (24, 512, 256, 2), (11, 352, 32, 4), (40, 640, 128, 3)],
                                dtypes=(torch.float16, torch.float32),
-                               gemm_configs=(None, (16, 32, 32, 4, 2)))
+                               gemm_configs=(None, (16, 32, 128, 4, 2), (16, 32, 128, 4, 2, 2),
+                                             (16, 16, 128, 4, 2, 3)))
+
+
+def test_int4_gemm_split_k_default_and_counters():
+    """The default config splits K where tiles are few (N = 4096-like at small scale is not
+    reachable here, so force it) and leaves every counter at zero after the call."""
+    m, n, k = 4, 128, 2048
+    cfg = triton_int4_gemm.gemm_config(m, 4096, 4096, 128)
+    assert cfg[5] > 1 and cfg[1] == 128, cfg  # N = 4096 decode: split-K on
+    assert triton_int4_gemm.gemm_config(m, 28672, 4096, 128)[5] == 1  # programs enough already
+    _checks.check_int4_kernels("cpu", [(n, k, 128, m)], dtypes=(torch.float32,),
+                               gemm_configs=((16, 32, 128, 4, 2, 4),))
+    assert int(triton_int4_gemm._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+
+
+def test_int4_gemv_reads_every_nibble():
+    """One code at a time: a 1 at column c of an otherwise all-8 (zero) layer must move y by
+    exactly s * x[c]. Catches a nibble or block read from the wrong column (a layout error a
+    random test could still pass within tolerance only by luck, never for all columns)."""
+    from radixlm.runtime.layers import int4_linear
+
+    n, k = 4, 64
+    x = torch.randn(1, k, dtype=torch.float32)
+    for c in range(k):
+        q = torch.full((n, k), 8)
+        q[1, c] = 9 + (c % 7)
+        qw = int4_linear.pack_rows(q)
+        s = torch.full((n, k // 32), 0.5, dtype=torch.float16)
+        z = torch.full((n, k // 32), 8, dtype=torch.uint8)
+        for fn, arg in ((triton_int4.gemv, x), (triton_int4_gemm.gemm, x.repeat(2, 1))):
+            y = fn(arg, qw, s, z, 32)
+            want = torch.zeros(n)
+            want[1] = 0.5 * (1 + c % 7) * x[0, c]
+            assert torch.allclose(y[0], want, atol=1e-6), (fn.__name__, c)
+
+
+def test_pack_rows_layout():
+    from radixlm.runtime.layers import int4_linear
+
+    q = torch.randint(0, 16, (3, 96))
+    w = int4_linear.pack_rows(q)
+    assert w.shape == (3, 12) and w.dtype == torch.int32
+    assert torch.equal(int4_linear.unpack_rows(w), q.to(torch.uint8))
+    # nibble i of word 4b + j is column 32b + 4i + j (the layout triton_int4 reads)
+    b, i, j = 2, 7, 3
+    assert int((w[1, 4 * b + j] >> (4 * i)) & 0xF) == int(q[1, 32 * b + 4 * i + j])
+
+
+def test_int4_gate_up_silu_interpreted():
+    """The GEMV's SiLU-and-mul epilogue (the MLP's batch-1 int4 gate_up), act-order too."""
+    _checks.check_int4_gate_up_silu("cpu", [(2 * 37, 256, 64), (2 * 8, 96, 96)],
+                                    dtypes=(torch.float16,))
+    _checks.check_int4_gate_up_silu("cpu", [(2 * 24, 128, 32)], dtypes=(torch.float16,),
+                                    act_order=True)
 
 
 def test_int4_layer_interpreted():
-    """Act-order permutation of x, bias, GEMV and GEMM through Int4Linear.forward."""
+    """Act-order permutation of x (read by the kernels through perm), bias, GEMV and GEMM
+    through Int4Linear.forward."""
     _checks.check_int4_layer("cpu", torch.float32, ms=(1, 4))
     _checks.check_int4_layer("cpu", torch.float16, ms=(1, 4))
+
+
+@pytest.mark.parametrize("fmt", ["awq-g128", "gptq-v1-asym-act-g64", "gptq-v2-sym-act-g128",
+                                 "ct-asym-g32"])
+def test_int4_formats_repacked_interpreted(fmt):
+    """Each checkpoint format (tests/unit/int4_ckpt.py) read and repacked by from_weights, then
+    the kernels (GEMV and GEMM) against the format's own dequantized weight."""
+    import int4_ckpt as ic
+
+    from radixlm.runtime.layers import int4_linear
+    from radixlm.runtime.models import int4_config, int4_formats
+
+    c = ic.CASES[fmt]
+    k, n = 256, 40
+    g_idx = ic.act_g_idx(k, c.group, seed=3) if c.act else None
+    q, z, s = ic.quantize(torch.randn(n, k) * 0.05, c, g_idx, torch.float16)
+    t = ic.pack(c, q, z, s, g_idx, torch.float16)
+    scheme = int4_config.parse({"quantization_config": ic.quantization_config(c)})
+    piece = int4_formats.read(scheme, "l", lambda sfx: t.get(sfx))
+    lin = int4_linear.Int4Linear.from_weights([piece], False, torch.float32, "cpu")
+    w = piece.dequantize(torch.float32)
+    for m in (1, 3):
+        x = torch.randn(m, k)
+        _checks._check_close(lin(x), x, w, None, torch.float32, (fmt, m))
+
+
+def test_llama_mlp_takes_the_int4_silu_gemv(monkeypatch):
+    """llama's MLP at batch 1 runs an int4 gate_up through gate_up_silu (one launch) and gives
+    the unfused result (the plain int4 GEMV, then SiLU-and-mul with the same roundings)."""
+    from torch import nn
+
+    from radixlm.runtime.layers import int4_linear
+    from radixlm.runtime.models import llama
+
+    torch.manual_seed(0)
+    mlp = llama.MLP.__new__(llama.MLP)
+    nn.Module.__init__(mlp)
+    mlp.inter = 64
+    mlp.gate_up_proj = int4_linear.Int4Linear.quantize(torch.randn(128, 96) * 0.2, 32)
+    mlp.down_proj = int4_linear.Int4Linear.quantize(torch.randn(96, 64) * 0.2, 32)
+    calls = []
+    real = int4_linear.Int4Linear.gate_up_silu
+    monkeypatch.setattr(int4_linear.Int4Linear, "gate_up_silu",
+                        lambda self, x: calls.append(x.shape) or real(self, x))
+    x = torch.randn(1, 96).half()
+    y = mlp(x)
+    assert calls == [(1, 96)]
+    gu = mlp.gate_up_proj(x).float()
+    g, u = gu[:, :64], gu[:, 64:]
+    ref = mlp.down_proj(((g / (1 + torch.exp(-g))).half().float() * u).half())
+    torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 ** -9)

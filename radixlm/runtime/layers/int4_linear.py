@@ -3,8 +3,9 @@ are dequantized in registers by the Triton kernels of layers/triton_int4.py.
 
 What the layer computes (K = in_features, N = out_features, G = K / group groups per row):
     y (M, N) = x (M, K) @ W^T (+ bias),  W[n, k] = (q[n, k] - zeros[n, k // group]) * scales[..]
-  batch 1 (M == 1)  triton_int4.gemv: fp32 products and sums, the scale applied per group chunk
-  M > 1             triton_int4.gemm: each W tile dequantized to x's dtype exactly as the
+  (forward picks by M: triton_int4.GEMV_MAX_M)
+  batch 1 (M == 1)  triton_int4.gemv: fp32 products and sums, the scale applied per 32-column block
+  M > 1             triton_int4_gemm.gemm: each W tile dequantized to x's dtype exactly as the
                     dequantized checkpoint would hold it, then tl.dot (fp32 accumulation)
 So the layer is the dequantized model's matmul up to summation order (GEMM) or up to the
 rounding of W to x's dtype, which the GEMV never does (it is closer to fp32).
@@ -12,13 +13,15 @@ rounding of W to x's dtype, which the GEMV never does (it is closer to fp32).
 Buffers (one common layout for AWQ, GPTQ and compressed-tensors: models/int4_formats.py unpacks
 each format into (q, z, s), `from_weights` repacks; buffers, not parameters, so that the model's
 load_weights and `.to(dtype)` leave them alone):
-  qweight (N, K/8) int32   nibble i of qweight[n, c] = q[n, 8c + i] (rows of W contiguous)
+  qweight (N, K/8) int32   rows of W contiguous, in blocks of 4 words (32 columns): nibble i
+                           of word 4b + j = q[n, 32b + 4i + j] (pack_rows; why: triton_int4)
   scales  (N, G)           the checkpoint's float dtype (fp16 scales are not rounded to bf16)
   zeros   (N, G) uint8     0..16 (GPTQ v1 checkpoints can mean 16)
   perm    (K,) int64 | None  act-order (GPTQ desc_act, compressed-tensors actorder group): the
                            columns sorted by group; W's columns are stored in that order and
-                           forward permutes x's columns the same way (x[:, perm] @ W[:, perm]^T
-                           = x @ W^T), so groups are contiguous runs of `group` columns again
+                           the kernels read x's columns the same way (x[:, perm] @ W[:, perm]^T
+                           = x @ W^T, no permuted copy of x), so groups are contiguous runs of
+                           `group` columns again
   bias    (N,) parameter in the model dtype, or None (filled by the model's load_weights)
 
 `use_torch_kernels()` switches a layer to torch's tinygemm (layers/int4_torch.py, bf16, within
@@ -46,17 +49,21 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # llama.py's 
 
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """q (N, K) values in [0, 15] -> (N, K/8) int32, nibble i of word c = q[:, 8c + i]."""
+    """q (N, K) values in [0, 15] -> (N, K/8) int32 in the kernels' layout (layers/triton_int4):
+    blocks of 4 words = 32 columns; nibble i of word 4b + j holds q[:, 32b + 4i + j]."""
     n, k = q.shape
-    q = q.to(torch.int32).reshape(n, k // 8, 8)
+    q = q.to(torch.int32).reshape(n, k // 32, 8, 4)  # [.., b, i, j]
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
-    return (q << shifts).sum(dim=2, dtype=torch.int32)  # disjoint bits: sum == or
+    words = (q << shifts[:, None]).sum(dim=2, dtype=torch.int32)  # disjoint bits: sum == or
+    return words.reshape(n, k // 8)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """pack_rows undone: (N, K/8) int32 -> (N, K) uint8."""
+    n, kw = packed.shape
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8).reshape(packed.shape[0], -1)
+    q = (packed.reshape(n, kw // 4, 1, 4) >> shifts[:, None]) & 0xF  # (N, K/32, 8, 4)
+    return q.to(torch.uint8).reshape(n, kw * 8)
 
 
 def act_order(g_idx: torch.Tensor, group: int) -> torch.Tensor:
@@ -77,10 +84,10 @@ class Int4Linear(nn.Module):
                  dtype: torch.dtype, device, scale_dtype: torch.dtype = torch.float16,
                  act_order: bool = False):
         super().__init__()
-        if in_features % 32 or in_features % group or not (group == in_features or
-                                                            group & (group - 1) == 0):
+        if in_features % 32 or in_features % group or group % 32:
             raise ValueError(f"int4 layer {out_features} x {in_features}: in_features must be "
-                             f"a multiple of 32 and of the group size {group}")
+                             f"a multiple of 32 and of the group size {group}, itself a "
+                             "multiple of 32 (the kernels' 32-column blocks)")
         self.in_features, self.out_features, self.group = in_features, out_features, group
         g = in_features // group
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 8,
@@ -180,20 +187,40 @@ class Int4Linear(nn.Module):
                 or self.torch_packed is not None):  # torch emulation
             y = F.linear(x2, self.dequantized_weight(x.dtype), self.bias)
             return y.view(*x.shape[:-1], self.out_features)
-        from radixlm.runtime.layers import int4_torch, triton_int4
+        from radixlm.runtime.layers import int4_torch, triton_int4, triton_int4_gemm
 
-        if self.perm is not None:  # act-order: x's columns in the stored (group) order
-            x2 = x2.index_select(1, self.perm)
-        else:
-            x2 = x2.contiguous()
         if self.torch_packed is not None:
+            if self.perm is not None:  # act-order: x's columns in the stored (group) order
+                x2 = x2.index_select(1, self.perm)
             y = int4_torch.matmul(x2, self.torch_packed, self.torch_sz, self.group).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
-        fn = triton_int4.gemv if x2.shape[0] == 1 else triton_int4.gemm
-        y = fn(x2, self.qweight, self.scales, self.zeros, self.group, self.bias)
+        if x2.stride(1) != 1:  # (the kernels take any row stride; a view of x is no copy)
+            x2 = x2.contiguous()
+        # one launch a call: act-order's permutation and the bias are read inside the kernel;
+        # GEMV (bandwidth-bound, fp32 FMAs) for M <= GEMV_MAX_M, tensor-core GEMM above
+        fn = triton_int4.gemv if x2.shape[0] <= triton_int4.GEMV_MAX_M else triton_int4_gemm.gemm
+        y = fn(x2, self.qweight, self.scales, self.zeros, self.group, self.bias, perm=self.perm)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def gate_up_silu(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu(x W_gate^T) * (x W_up^T) for this layer = [gate | up] (2I, K), one launch (the
+        GEMV with the SiLU-and-mul epilogue): x (1, K) on CUDA -> (1, I); None where the call
+        is not taken (more rows, not CUDA, torch's kernels, a bias): the caller runs the
+        unfused ops."""
+        from radixlm.runtime.layers import triton_int4
+
+        x2 = x.reshape(-1, self.in_features)
+        if (x2.shape[0] != 1 or x2.shape[0] > triton_int4.GEMV_MAX_M or self.bias is not None
+                or self.out_features % 2 or self.torch_packed is not None
+                or not (x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            return None
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = triton_int4.gemv(x2, self.qweight, self.scales, self.zeros, self.group,
+                             perm=self.perm, silu=True)
+        return y.view(*x.shape[:-1], self.out_features // 2)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, int4 group={self.group}, "

@@ -1,25 +1,34 @@
 """Triton kernels of the int4 weight-only linear layer (layers/int4_linear.py): the packed
 weights are read as stored and dequantized in registers.
 
-The layout they read (what int4_linear repacks every format into, K = in, N = out):
-  qweight (N, K/8) int32   nibble i of qweight[n, c] is q[n, 8c + i] in [0, 15] (packed along K:
-                           a row of W is K/2 contiguous bytes, streamed like a dense row)
-  scales  (N, G) float     G = K / GROUP groups per row, contiguous along K
+The layout they read (int4_linear.pack_rows makes it from every format, K = in, N = out):
+  qweight (N, K/8) int32   rows of W contiguous (K/2 bytes a row), cut in blocks of 4 words =
+                           32 values = 16 bytes (one thread's vector load). Within a block,
+                           nibble i of word j holds q[n, 32b + 4i + j]: the 4 words' nibble i
+                           are 4 CONSECUTIVE columns, so the x that nibble i multiplies is a
+                           contiguous run (a vector load, no gather) and one block never
+                           straddles a group (groups are multiples of 32).
+  scales  (N, G) float     G = K / GROUP groups per row
   zeros   (N, G) uint8     W[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP]
-(act-order checkpoints were permuted at load so that groups are contiguous; the layer permutes
-x's columns the same way before calling these.)
+  perm    (K,) int64 | None  act-order: stored column c is the checkpoint's column perm[c]; the
+                           kernels read x[:, perm[c]] themselves (no permuted copy of x)
 
-  gemv(x, ...)   M == 1 (batch-1 decode): each program owns BLOCK_N rows of W and streams them
-                 along K, BLOCK_K values (BLOCK_K / 2 bytes) a row per step; the integer (q - z)
-                 times x is summed per group chunk, then scaled: y[n] = sum_g s[n, g] *
-                 sum_{k in g} (q - z) x[k], all fp32, one rounding to the output dtype.
-  gemm(x, ...)   M > 1: (BLOCK_M, BLOCK_N) output tiles, K in steps of BLOCK_K <= GROUP (one
-                 group per step, so one scale and zero per column); the tile of W is
-                 dequantized to exactly the dequantized checkpoint's weight in x's dtype
-                 ((q - z) * s in fp32, one rounding) and fed to tl.dot with fp32 accumulation.
-Both need K % 32 == 0 (true of every model this serves) and GROUP a power of two or K.
-Tile choices are first guesses, not yet measured on a GPU (benchmarks/int4_decode.py times
-them); they run in Triton's interpreter (TRITON_INTERPRET=1) for the CPU tests.
+Nibble -> fp32 in 2 instructions and exact (the "magic number" trick): for j <= 4 the float
+whose bits are (w & (0xF << 4j)) | bits(2^(23-4j)) IS 2^(23-4j) + q (the nibble lands in the
+mantissa at weight 1), so q - z = that - (2^(23-4j) + z) exactly (one LOP3, one FADD); nibbles
+5..7 use j = 0..2 on w >> 20. Per value ~3 ALU ops (LOP3, FADD, FFMA): batch-1 int4 is
+ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old kernel spent
+~7 plus a register reshape through shared memory, and read 0.3-0.6 TB/s).
+
+  gemv(x, ...)   M == 1: program p owns BLOCK_N whole rows (no split-K: N / BLOCK_N programs,
+                 512 for N = 4096 at BLOCK_N 8, fill 132 SMs), streams them along K in steps
+                 of BLOCK_K values, tile (BLOCK_N, BLOCK_K/32 blocks, 4 words): a warp reads
+                 512 contiguous bytes of a row (32 threads x one 16-byte block: 4 full 128-byte
+                 lines), each thread BLOCK_N rows so that one x load serves them all. Per block
+                 p = sum (q - z) x in fp32, then acc += p * s: y = sum_g s * sum_{k in g} (q-z) x,
+                 no rounding of W (closer to fp32 than the dequantized bf16 model).
+                 gemv(..., silu=True): the MLP's [gate | up] with the SiLU-and-mul epilogue.
+  M > 1: layers/triton_int4_gemm.py (tensor cores on the same layout).
 """
 
 from __future__ import annotations
@@ -30,151 +39,147 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _unpack_last(words):
-    # words (R, C) int32 -> (R, C, 8): nibble i of words[r, c] at [r, c, i] (so a reshape to
-    # (R, 8C) puts value 8c + i of row r at column 8c + i); >> is arithmetic, & 0xF fixes it
-    shifts = tl.arange(0, 8) * 4
-    return (words[:, :, None] >> shifts[None, None, :]) & 0xF
-
-
-@triton.jit
-def _unpack_mid(words):
-    # words (C, R) int32 -> (C, 8, R): nibble i of words[c, r] at [c, i, r] (a reshape to
-    # (8C, R) puts value 8c + i at row 8c + i)
-    shifts = tl.arange(0, 8) * 4
-    return (words[:, None, :] >> shifts[None, :, None]) & 0xF
+# Int4Linear's dispatch (int4_linear=auto or triton): batch sizes up to this run the GEMV,
+# above it the GEMM. 1: the GEMV takes one row (at M = 2..16 the GEMM does the same dequant
+# work a weight and leaves the MACs to the tensor cores, so a multi-row GEMV should not win
+# by much). Constant from reasoning and the H200 table of the old kernels (GEMM 23-97 us at
+# M = 64, tinygemm 79-519 us: torch never wins above one row, nor is auto allowed it);
+# re-measure with benchmarks/int4_decode.py --kernels --ms 1 2 4 8 16 64.
+GEMV_MAX_M = 1
 
 
 @triton.jit
-def _int4_gemv_kernel(X, QW, S, Z, B, Y, N, K, stride_qw, stride_s,
-                      GROUP: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    # SUB = min(GROUP, BLOCK_K): a tile of BLOCK_K columns is BLOCK_K // SUB chunks of one group
+def _nibble_minus_zero(w, whi, zf, magic, I: tl.constexpr):
+    # (q_I - z) in fp32, exact: w / whi = words / words >> 20 (any shape), zf = z as fp32
+    # broadcastable to it. The magic float 2^(23-4j) has exponent field 150 - 4j, mantissa 0;
+    # nibble I < 5 is read in place (j = I), nibbles 5..7 from whi (j = I - 5). `magic` is the
+    # RUNTIME int32 MAGIC (bits of 2^23): were it a literal, ptxas would emit the & and the |
+    # as two LOP3s (one immediate each, seen in the sm_90 SASS); from a register it is one.
+    if I < 5:
+        f = ((w & (0xF << (4 * I))) | (magic - ((4 * I) << 23))).to(tl.float32, bitcast=True)
+        d = f - (zf + (1 << (23 - 4 * I)))
+    else:
+        f = ((whi & (0xF << (4 * I - 20))) | (magic - ((4 * I - 20) << 23))).to(
+            tl.float32, bitcast=True)
+        d = f - (zf + (1 << (43 - 4 * I)))
+    return d
+
+
+MAGIC = 0x4B000000  # bits of the float 2^23, passed to the kernels as a runtime argument
+
+
+@triton.jit
+def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROUP: tl.constexpr,
+               HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # x (1, K) . W[rows]: (BLOCK_N,) fp32 (the module docstring's GEMV)
+    rows64 = rows.to(tl.int64)
+    ob = tl.arange(0, BLOCK_K // 32)  # (NB,) NB = BLOCK_K / 32 blocks of 4 words a step
+    oj = tl.arange(0, 4)
+    w_off = ob[:, None] * 4 + oj[None, :]  # (NB, 4) words of a step
+    w_ptrs = QW + rows64[:, None, None] * stride_qw + w_off[None, :, :]  # (BLOCK_N, NB, 4)
+    x_off = ob[:, None] * 32 + oj[None, :]  # (NB, 4) the column of nibble 0 of each word
+    s_row = rows64[:, None] * stride_s  # (BLOCK_N, 1)
+    n_blocks = K // 32
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
+    for kb in tl.range(0, n_blocks, BLOCK_K // 32, num_stages=NUM_STAGES):  # first block
+        blk_ok = kb + ob < n_blocks  # (NB,)
+        if EVEN_K:
+            words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None], other=0)
+        else:
+            words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None] & blk_ok[None, :, None],
+                            other=0)
+        g = ((kb + ob) * 32) // GROUP  # (NB,) each block's group
+        sz_ok = row_ok[:, None] & blk_ok[None, :]
+        zf = tl.load(Z + s_row + g[None, :], mask=sz_ok, other=0).to(tl.float32)[:, :, None]
+        s = tl.load(S + s_row + g[None, :], mask=sz_ok, other=0.0).to(tl.float32)
+        whi = words >> 20
+        p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
+        for i in tl.static_range(8):
+            cols = kb * 32 + x_off + 4 * i  # (NB, 4) stored columns of nibble i
+            if HAS_PERM:
+                cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
+            x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+            p += _nibble_minus_zero(words, whi, zf, magic, i) * x[None, :, :]
+        acc += p * s[:, :, None]
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, magic,
+                      GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
+    # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
+    # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
-    offs_w = tl.arange(0, BLOCK_K // 8)  # words of a tile row
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_c = tl.arange(0, BLOCK_K // SUB)  # chunks of a tile row
-    w_ptrs = QW + rows.to(tl.int64)[:, None] * stride_qw + offs_w[None, :]  # (BLOCK_N, BK/8)
-    s_row = rows.to(tl.int64)[:, None] * stride_s  # (BLOCK_N, 1)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):  # NUM_STAGES steps in flight
-        words = tl.load(w_ptrs + k0 // 8, mask=row_ok[:, None], other=0)
-        q = tl.reshape(_unpack_last(words), (BLOCK_N, BLOCK_K // SUB, SUB))  # k = 8c + i order
-        x = tl.reshape(tl.load(X + k0 + offs_k).to(tl.float32), (BLOCK_K // SUB, SUB))
-        g = (k0 + offs_c * SUB) // GROUP  # (BLOCK_K // SUB,) the group of each chunk
-        z = tl.load(Z + s_row + g[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-        s = tl.load(S + s_row + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        qz = (q - z[:, :, None]).to(tl.float32)  # exact small integers
-        part = tl.sum(qz * x[None, :, :], axis=2)  # (BLOCK_N, BLOCK_K // SUB)
-        acc += tl.sum(part * s, axis=1)
-    if HAS_BIAS:
-        acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=row_ok)
+    y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROUP, HAS_PERM,
+                   EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+    if SILU:
+        u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, stride_qw, stride_s, magic, GROUP,
+                       HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+        # the roundings of the unfused path (gate_up stored in Y's dtype, F.silu rounded, the
+        # product rounded: layers/triton_ops' silu_and_mul)
+        g = y.to(Y.dtype.element_ty).to(tl.float32)
+        u = u.to(Y.dtype.element_ty).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32) * u
+    elif HAS_BIAS:
+        y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
-def _int4_gemm_kernel(X, QW, S, Z, B, Y, M, N, K, stride_xm, stride_ym, stride_qw, stride_s,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    m_ok, n_ok = rm < M, rn < N
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    x_ptrs = X + rm.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
-    w_ptrs = QW + rn.to(tl.int64)[None, :] * stride_qw + offs_w[:, None]  # (BLOCK_K/8, BLOCK_N)
-    s_ptrs = rn.to(tl.int64) * stride_s  # (BLOCK_N,)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-        words = tl.load(w_ptrs + k0 // 8, mask=n_ok[None, :], other=0)
-        q = tl.reshape(_unpack_mid(words), (BLOCK_K, BLOCK_N))  # row k = 8c + i
-        g = k0 // GROUP  # BLOCK_K <= GROUP: one group per step
-        z = tl.load(Z + s_ptrs + g, mask=n_ok, other=0).to(tl.int32)
-        s = tl.load(S + s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
-        w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(a.dtype)  # (BLOCK_K, BLOCK_N)
-        if IEEE:  # fp32 activations: no TF32 rounding of the inputs
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    if HAS_BIAS:
-        acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _block_k(k: int, cap: int) -> int:
-    """The largest power of two <= cap dividing K (K % 32 == 0, so at least 32)."""
-    b = 1 << (cap.bit_length() - 1)
-    while k % b:
-        b //= 2
-    return b
-
-
-def _check(x, qweight, scales, zeros, group):
+def _check(x, qweight, scales, zeros, group, perm):
     m, k = x.shape
     n = qweight.shape[0]
-    assert k % 32 == 0 and qweight.shape[1] * 8 == k, (k, tuple(qweight.shape))
+    assert k % 32 == 0 and group % 32 == 0 and qweight.shape[1] * 8 == k, \
+        (k, group, tuple(qweight.shape))
     assert scales.shape == zeros.shape == (n, k // group), (tuple(scales.shape), group)
     assert x.stride(1) == 1 and qweight.is_contiguous() and scales.is_contiguous() \
         and zeros.is_contiguous()
-    assert group == k or (group & (group - 1)) == 0, group
+    assert perm is None or (perm.shape == (k,) and perm.is_contiguous())
     return m, n, k
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for M == 1: 8 rows of 128 bytes a step, 3
-    steps in flight, N / 8 programs (512 for N = 4096: every SM busy without split-K). A first
-    guess, not yet swept (benchmarks/int4_decode.py --kernels sweeps it)."""
-    return 8, _block_k(k, 256), 4, 3
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for M == 1, by reasoning and by reading the
+    sm_90 compile (not yet timed: benchmarks/int4_decode.py --kernels sweeps GEMV_SWEEP):
+    - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
+      one 16-byte block per thread, 32 threads along a row, warps along the row too; x's
+      (BLOCK_K/32, 4) load then has 4 values a thread in exactly that layout. With fewer
+      blocks than 32 x warps (e.g. 1024 values on 4 warps) Triton loads x one value a thread
+      and converts it through shared memory with a barrier, 8 times a step (the TTGIR shows
+      11 convert_layout against 3).
+    - BLOCK_N 8: each thread holds 8 rows x 4 words, so one x load serves 8 rows and z, s per
+      (row, block) serve 32 values; 147 registers, no spills (16 rows at BLOCK_K 2048: 255
+      registers and spills).
+    - BLOCK_K 2048 = 1 KB of a row a step, 8 KB a program a step, 3 stages: K = 4096 is 2
+      steps, all of a program's 16 KB requested at once; N = 4096 gives 512 programs of 2
+      warps (~4 an SM: ~64 KB in flight an SM, what 4.8 TB/s x ~1 us of latency / 132 asks).
+    Smaller K: BLOCK_K the power of two >= K (ragged K is masked), warps accordingly."""
+    bk = max(32, min(2048, triton.next_power_of_2(k)))
+    return 8, bk, max(1, bk // 1024), 3
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None,
-         config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
-    """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring)."""
-    m, n, k = _check(x, qweight, scales, zeros, group)
-    assert m == 1
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+         config: Optional[tuple[int, int, int, int]] = None,
+         perm: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
+    """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring). perm: act-order,
+    the stored column -> x column map (K,) int64. silu: W is [gate | up] (2I, K), y (1, I) =
+    silu(gate) * up (no bias)."""
+    m, n, k = _check(x, qweight, scales, zeros, group, perm)
+    assert m == 1 and not (silu and (bias is not None or n % 2))
+    n_out = n // 2 if silu else n
+    y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or gemv_config(n, k)
-    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y, n, k,
-        qweight.stride(0), scales.stride(0), GROUP=group,
-        SUB=min(group, block_k), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=stages, num_warps=warps)
-    return y
-
-
-def gemm_config(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). A first guess, not yet swept.
-    Decode batches (M <= 64) are one row of tiles: narrow BLOCK_N so that N / BLOCK_N programs
-    (128 for N = 4096) spread the weight stream over the SMs; larger M has programs enough."""
-    if m <= 64:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        return block_m, 32 if n <= 8192 else 64, _block_k(k, min(group, 128)), 4, 4
-    return 64, 128, _block_k(k, min(group, 64)), 4, 3
-
-
-def gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-         group: int, bias: Optional[torch.Tensor] = None,
-         config: Optional[tuple[int, int, int, int, int]] = None) -> torch.Tensor:
-    """x (M, K) -> y (M, N) in x's dtype (layout in the module docstring)."""
-    m, n, k = _check(x, qweight, scales, zeros, group)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y
-    block_m, block_n, block_k, warps, stages = config or gemm_config(m, n, k, group)
-    assert group % block_k == 0, (group, block_k)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, bias if bias is not None else scales, y, m, n, k,
-        x.stride(0), y.stride(0), qweight.stride(0), scales.stride(0), GROUP=group,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    assert block_k % 32 == 0 and block_k & (block_k - 1) == 0, block_k
+    _int4_gemv_kernel[(triton.cdiv(n_out, block_n),)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight,
+        bias if bias is not None else scales, y, n_out, k, qweight.stride(0), scales.stride(0),
+        MAGIC, GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
+        EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
+        num_warps=warps)
     return y

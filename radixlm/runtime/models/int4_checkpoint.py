@@ -6,7 +6,10 @@ Formats: models/int4_config.py (which quantization_configs load) and models/int4
 or `<layer>.weight_packed`), so `modules_to_not_convert` / `ignore` need no interpretation.
 Two ways to run them (ServerArgs.int4_linear, env RADIXLM_INT4_LINEAR wins):
   triton   (auto on CUDA with tp_size 1) decoder projections whose pieces are all int4 become
-           Int4Linear (packed weights, Triton kernels); other int4 tensors are dequantized
+           Int4Linear (packed weights, Triton kernels picked per call by M: the GEMV for
+           M <= triton_int4.GEMV_MAX_M, the tensor-core GEMM above); other int4 tensors are
+           dequantized. Auto never takes torch's kernel: its bf16-rounded scales miss the
+           tolerance of the dequantized weights the Triton kernels hold to
   torch    the same layers on torch's int4 kernel (_weight_int4pack_mm, bf16; layers/
            int4_torch.py: within a tolerance, not bit-equal to the dequantized weights), to
            measure against the Triton kernels; layers it cannot take keep Triton
@@ -194,13 +197,22 @@ def load_weights(model: torch.nn.Module, model_path: str, dtype: torch.dtype, p:
     _torch_kernels(model, p)
     n_deq = len(ckpt.layers) - len(kept)
     if p.keep:
-        logger.info("int4 checkpoint (%s, group %s): %d layers kept int4 (%s kernels), %d "
+        logger.info("int4 checkpoint (%s, group %s): %d layers kept int4 (%s), %d "
                     "dequantized at load to %s", p.scheme.method, p.scheme.group_size or "row",
-                    len(kept), p.mode, n_deq, dtype)
+                    len(kept), _kernels_note(p.mode), n_deq, dtype)
     else:
         logger.info("int4 checkpoint (%s, group %s) on %s: all %d int4 layers dequantized at "
                     "load to %s (int4_linear=dequant)", p.scheme.method,
                     p.scheme.group_size or "row", device, n_deq, dtype)
+
+
+def _kernels_note(mode: str) -> str:
+    if mode != "triton":
+        return f"{mode} kernels"
+    from radixlm.runtime.layers import triton_int4  # (CUDA: triton is there)
+
+    return (f"triton kernels: GEMV for batch <= {triton_int4.GEMV_MAX_M}, tensor-core GEMM "
+            "above, one packed copy")
 
 
 def init_dummy(model: torch.nn.Module, p: Int4Plan) -> None:

@@ -177,6 +177,11 @@ class MLP(nn.Module):
             h = gemv.gate_up_silu(x, self.gate_up_proj.weight)
             if h is not None:
                 return self.down_proj(h)
+        fused = getattr(self.gate_up_proj, "gate_up_silu", None)  # an int4 layer's own GEMV
+        if fused is not None:
+            h = fused(x)
+            if h is not None:
+                return self.down_proj(h)
         h = cpu_packed.silu_linear(x, self.gate_up_proj)  # the CPU GEMM's SiLU epilogue
         if h is not None:
             return self.down_proj(h)
