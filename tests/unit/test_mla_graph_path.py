@@ -51,7 +51,9 @@ class EmulatedGraphRunner(CudaGraphRunner):
             self.graphs[bs], self.outputs[bs] = _Replay(replay), out
 
 
-@pytest.fixture(scope="module", params=["v2-lite", "v3"])
+# V3's shape only (q LoRA, sigmoid grouped routing, a dense first layer): the graph path is the
+# runner's and the decode kernel's; both shapes' model code is test_model_parity_deepseek's
+@pytest.fixture(scope="module", params=["v3"])
 def case(request, tmp_path_factory):
     cls, config = CASES[request.param]
     path = tmp_path_factory.mktemp(request.param)
