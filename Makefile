@@ -50,11 +50,15 @@ install: $(STAMP) $(KERNELS)
 # The portable quantized GEMM (-march=x86-64-v2, its own cache entry) that test_quant_gemm checks
 # is built in the background too: one source file, ~15 CPU-s, beside the native quantized GEMM's
 # one file, which leaves a core idle; the test then loads it (or waits on its build lock).
+# The native kernels build in the background as well, while pytest's workers start and collect
+# (~20 CPU-s each, imports and assertion rewriting on a fresh clone): a test that needs them
+# waits on their build lock (cpu_kernels.load_or_build), and a failed build fails those tests.
 test: $(STAMP)
 	($(PY) tests/sglang_compat/clients_venv.py > $(VENV)/clients-venv.log 2>&1 &)
 	(RADIXLM_KERNEL_CFLAGS=-march=x86-64-v2 $(PY) -m radixlm.runtime.layers.quant_kernels \
 		> $(VENV)/portable-quant-kernels.log 2>&1 &)
-	$(MAKE) --no-print-directory $(KERNELS)
+	(($(PY) -m radixlm.runtime.attention.cpu_kernels; $(PY) -m radixlm.runtime.layers.quant_kernels) \
+		> $(VENV)/cpu-kernels.log 2>&1 &)
 	$(PY) -m pytest -q -m "not gpu" --ignore=tests/gpu -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)

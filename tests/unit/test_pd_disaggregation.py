@@ -142,15 +142,17 @@ def test_stop_strings_logprobs_and_streaming_match(pd):
         for (va, ta, _), (vb, tb, _) in zip(flat(a), flat(b)):
             assert ta == tb and (va is None and vb is None or abs(va - vb) < 1e-4), key
 
-    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 24},
-            "stream": True, **lp}
+    # 160 tokens: the tiny model writes 24 faster than the first chunk leaves (one chunk only)
+    sp = {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}
+    ref_long = _gen(pd["prefill"], prompt, sp=sp, **lp)
+    body = {"text": prompt, "sampling_params": sp, "stream": True, **lp}
     with httpx.stream("POST", pd["router"].url + "/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
         chunks = list(sse_events(r))
     assert len(chunks) > 1 and all("error" not in c for c in chunks)
-    assert chunks[-1]["text"] == ref_lp["text"]
-    assert chunks[-1]["output_ids"] == ref_lp["output_ids"]
-    assert chunks[0]["meta_info"]["input_token_logprobs"] == ref_lp["meta_info"][
+    assert chunks[-1]["text"] == ref_long["text"]
+    assert chunks[-1]["output_ids"] == ref_long["output_ids"]
+    assert chunks[0]["meta_info"]["input_token_logprobs"] == ref_long["meta_info"][
         "input_token_logprobs"]
 
 
