@@ -46,6 +46,8 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from benchmarks.fp8_linear import graph_time_us  # noqa: E402 (CUDA-graph timing of a call)
+
 CONFIG_DIR = os.path.join(_HERE, "configs", "llama-3.1-8b")
 _AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
         "version": "gemm"}
@@ -179,31 +181,6 @@ def e2e(args, m: dict) -> list[dict]:
 
 
 # --- kernels ----------------------------------------------------------------------------------
-def graph_time_us(fn, n_calls: int, reps: int = 10) -> float:
-    """Per call: `fn(i)` for i in range(n_calls) captured in one CUDA graph, replayed `reps`
-    times between CUDA events."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # compile outside the capture
-        for i in range(min(n_calls, 2)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * n_calls)
-
-
 def kernels(m_meta: dict, ms=(1, 64)) -> list[dict]:
     import torch.nn.functional as F
 

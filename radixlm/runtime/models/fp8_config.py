@@ -27,20 +27,12 @@ run approximately.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from radixlm.runtime.models import int4_config
-
-
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(f"quantization_config.{field}={value!r} is not supported: {why}")
-
-
-def _check_keys(d: dict, where: str, allowed: set[str]) -> None:
-    for k in d:
-        if k not in allowed:
-            _refuse(f"{where}{k}", d[k], "unknown field (a quantization detail this loader "
-                    "does not know could change the numbers)")
+from radixlm.runtime.models.quant_config_common import check_keys as _check_keys
+from radixlm.runtime.models.quant_config_common import compressed_tensors_groups
+from radixlm.runtime.models.quant_config_common import refuse as _refuse
 
 
 def _parse_fp8(q: dict) -> bool:
@@ -85,26 +77,12 @@ def _check_fp8_args(a: dict, where: str) -> None:
 
 
 def _parse_compressed_tensors(q: dict) -> bool:
-    _check_keys(q, "", {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme",
-                        "quantization_status", "global_compression_ratio", "provider", "version",
-                        "sparsity_config", "transform_config"})
     if q.get("format") != "float-quantized":
         _refuse("format", q.get("format"), "FP8 checkpoints in 'float-quantized' format only")
-    if q.get("quantization_status", "compressed") != "compressed":
-        _refuse("quantization_status", q["quantization_status"], "'compressed' only")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if q.get(field):
-            _refuse(field, q[field], "not implemented")
-    groups = q.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        _refuse("config_groups", groups, "needs at least one group")
+    groups = compressed_tensors_groups(q, "float-quantized")
     statics = set()
     for gname, g in groups.items():
         w = f"config_groups.{gname}."
-        _check_keys(g, w, {"targets", "weights", "input_activations", "output_activations",
-                           "format"})
-        if g.get("format") not in (None, "float-quantized"):
-            _refuse(w + "format", g["format"], "'float-quantized' only")
         if g.get("output_activations") is not None:
             _refuse(w + "output_activations", g["output_activations"], "not implemented")
         wa = g.get("weights")

@@ -29,6 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from radixlm.runtime.models.quant_config_common import check_keys as _check_keys
+from radixlm.runtime.models.quant_config_common import compressed_tensors_groups
+from radixlm.runtime.models.quant_config_common import refuse as _refuse
+
 GROUP_SIZES = (32, 64, 128)
 METHODS = ("awq", "gptq", "compressed-tensors")
 
@@ -40,17 +44,6 @@ class Int4Scheme:
     sym: bool  # symmetric: the zero is 8 (GPTQ / compressed-tensors), checked at load
     g_idx: bool  # the checkpoint stores a per-column group index (act-order)
     zero_offset: int = 0  # added to stored zeros: 1 for GPTQ v1 ("gptq") checkpoints
-
-
-def _refuse(field: str, value: Any, why: str) -> None:
-    raise ValueError(f"quantization_config.{field}={value!r} is not supported: {why}")
-
-
-def _check_keys(d: dict, where: str, allowed: set[str]) -> None:
-    for k in d:
-        if k not in allowed:
-            _refuse(f"{where}{k}", d[k], "unknown field (a quantization detail this loader "
-                    "does not know could change the numbers)")
 
 
 def _group(where: str, value: Any, per_row: tuple = ()) -> int:
@@ -164,24 +157,10 @@ def _parse_ct_weights(a: dict, where: str) -> Int4Scheme:
 
 
 def _parse_compressed_tensors(q: dict) -> Int4Scheme:
-    _check_keys(q, "", {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme",
-                        "quantization_status", "global_compression_ratio", "provider", "version",
-                        "sparsity_config", "transform_config"})
-    if q.get("quantization_status", "compressed") != "compressed":
-        _refuse("quantization_status", q["quantization_status"], "'compressed' only")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if q.get(field):
-            _refuse(field, q[field], "not implemented")
-    groups = q.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        _refuse("config_groups", groups, "needs at least one group")
+    groups = compressed_tensors_groups(q, "pack-quantized")
     schemes = set()
     for gname, g in groups.items():
         w = f"config_groups.{gname}."
-        _check_keys(g, w, {"targets", "weights", "input_activations", "output_activations",
-                           "format"})
-        if g.get("format") not in (None, "pack-quantized"):
-            _refuse(w + "format", g["format"], "'pack-quantized' only")
         for field in ("input_activations", "output_activations"):
             if g.get(field) is not None:
                 _refuse(w + field, g[field], "weight-only int4 (W4A16) only")
