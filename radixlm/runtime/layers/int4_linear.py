@@ -42,10 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# llama.py's decoder projections, found as FP8 finds them (int4_checkpoint uses both)
+from radixlm.runtime.layers.fp8_linear import projection_modules  # noqa: F401
+
 if TYPE_CHECKING:  # (the type only: layers do not import models)
     from radixlm.runtime.models.int4_formats import Int4Weight
 
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # llama.py's decoder layers
 
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
@@ -226,17 +228,6 @@ class Int4Linear(nn.Module):
         return (f"in={self.in_features}, out={self.out_features}, int4 group={self.group}, "
                 f"act_order={self.perm is not None}, bias={self.bias is not None}, "
                 f"kernels={'torch' if self.torch_packed is not None else 'triton'}")
-
-
-def projection_modules(model: nn.Module):
-    """(path, parent, attr, module) of every decoder projection that is a dense linear layer."""
-    for path, mod in model.named_modules():
-        if not path.startswith("layers."):
-            continue
-        for attr in PROJECTIONS:
-            child = mod._modules.get(attr)
-            if isinstance(child, nn.Linear):
-                yield f"{path}.{attr}", mod, attr, child
 
 
 def quantize_model(model: nn.Module, group: int, sym: bool = False) -> int:
