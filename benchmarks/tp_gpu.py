@@ -6,6 +6,8 @@ Each TP size runs in a fresh subprocess (its own CUDA context and process group)
 workloads as benchmarks/gpu_suite.py:
   bs1        1 request, 128 in / 256 out: output tokens / wall time, and the prefill alone
   batch128   128 x (512 in, 128 out) offline: output tokens / wall time
+A size written "2n" is TP=2 with --disable-custom-all-reduce (NCCL for every all-reduce), so
+`--sizes 1,2,2n` compares the symmetric-memory all-reduce with NCCL in one run.
 Prints one JSON line: each size's figures and the ratios tp2 / tp1. Both sizes use CUDA graphs
 for decode (every rank replays the same bucket; the NCCL all-reduces are inside the graphs).
 """
@@ -37,11 +39,12 @@ def run_one(args) -> dict:
     import radixlm
     from benchmarks.gpu_suite_parts import rand_ids, timed_generate
 
-    res: dict = {"tp_size": args.tp}
+    res: dict = {"tp_size": args.tp, "custom_all_reduce": not args.nccl_only}
     t0 = time.perf_counter()
     eng = radixlm.Engine(model_path=args.model_path, load_format="dummy", dtype="bfloat16",
                          tokenizer_path=args.tokenizer_path, context_length=4096,
-                         tp_size=args.tp, disable_cuda_graph=args.disable_cuda_graph)
+                         tp_size=args.tp, disable_cuda_graph=args.disable_cuda_graph,
+                         disable_custom_all_reduce=args.nccl_only)
     res["engine_ready_s"] = round(time.perf_counter() - t0, 1)
     print(f"PROGRESS tp{args.tp} engine ready in {res['engine_ready_s']}s", flush=True)
     try:
@@ -79,7 +82,7 @@ def main(argv=None) -> dict:
     p.add_argument("--sizes", default="1,2", help="comma list of TP sizes")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--result-file", default=None)
-    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: a size
     p.add_argument("--timeout-s", type=float, default=240.0, help="per TP size")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."),
                    help="each TP size's output (default $OUT or .)")
@@ -87,7 +90,7 @@ def main(argv=None) -> dict:
     if args.one is not None:
         import faulthandler
 
-        args.tp = args.one
+        args.tp, args.nccl_only = int(args.one.rstrip("n")), args.one.endswith("n")
         # a hang shows where it is: every thread's stack shortly before the parent's timeout
         faulthandler.dump_traceback_later(max(5.0, args.timeout_s - 10), exit=False)
         print("RESULT " + json.dumps(run_one(args)), flush=True)
@@ -102,7 +105,7 @@ def main(argv=None) -> dict:
     from benchmarks.offline_throughput import git_commit
 
     res["commit"] = git_commit()
-    for tp in [int(x) for x in args.sizes.split(",")]:
+    for tp in [x.strip() for x in args.sizes.split(",") if x.strip()]:
         t_size = time.perf_counter()
         cmd = [sys.executable, os.path.abspath(__file__), "--one", str(tp), "--timeout-s",
                str(args.timeout_s), "--model-path", args.model_path,
@@ -128,10 +131,10 @@ def main(argv=None) -> dict:
                 f"{why} after {time.perf_counter() - t_size:.0f}s; log {log_path}, tail: "
                 + text[-3000:])
         print("PARTIAL " + json.dumps(res), flush=True)
-    one, two = res.get("tp1"), res.get("tp2")
-    if one and two:
-        res["ratio_tp2_tp1"] = {k: round(two[k] / one[k], 3) for k in
-                                ("bs1_tok_s", "bs1_decode_tok_s", "batch128_out_tok_s")}
+    keys = ("bs1_tok_s", "bs1_decode_tok_s", "batch128_out_tok_s")
+    for a, b in (("tp2", "tp1"), ("tp2n", "tp1"), ("tp2", "tp2n")):
+        if res.get(a) and res.get(b):
+            res[f"ratio_{a}_{b}"] = {k: round(res[a][k] / res[b][k], 3) for k in keys}
     print(json.dumps(res), flush=True)
     if args.result_file:
         with open(args.result_file, "a") as f:

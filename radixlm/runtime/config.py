@@ -138,6 +138,8 @@ class ServerArgs:
     int4_linear: str = "auto"  # auto | triton | torch | dequant
     # --- tensor parallelism (runtime/distributed): one process per rank, rank 0 schedules ---
     tp_size: int = 1
+    # CUDA, one node: small TP all-reduces through symmetric memory, not NCCL (custom_all_reduce)
+    disable_custom_all_reduce: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: Optional[str] = None  # host:port of rank 0's TCP store; None: a free local port

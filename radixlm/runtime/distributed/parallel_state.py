@@ -33,11 +33,14 @@ class TPGroup:
     size: int
     group: Optional[object] = None  # a torch.distributed ProcessGroup; None when size == 1
     backend: str = "gloo"
+    fast: Optional[object] = None  # custom_all_reduce.SymmMemAllReduce (one node, CUDA) or None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks; returns a tensor of x's shape and dtype (x may be reused)."""
         if self.size == 1:
             return x
+        if self.fast is not None and self.fast.takes(x):
+            return self.fast(x)
         if self.backend == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
             acc = x.float()
             dist.all_reduce(acc, group=self.group)
@@ -79,10 +82,12 @@ def default_backend(device: torch.device | str) -> str:
 
 
 def init_distributed(tp_size: int, tp_rank: int, init_method: str,
-                     device: torch.device | str = "cpu", timeout_s: float = 300.0) -> TPGroup:
+                     device: torch.device | str = "cpu", timeout_s: float = 300.0,
+                     custom_all_reduce: bool = False) -> TPGroup:
     """Join the TP process group (every rank calls this with the same tp_size and init_method,
     e.g. tcp://host:port or file:///path) and make it this process's group. Idempotent for the
-    same (rank, size)."""
+    same (rank, size). custom_all_reduce (CUDA, one node): small all-reduces through symmetric
+    memory (custom_all_reduce.py) instead of NCCL."""
     global _TP
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
@@ -104,8 +109,13 @@ def init_distributed(tp_size: int, tp_rank: int, init_method: str,
             torch.cuda.set_device(index)
         dist.init_process_group(backend, init_method=init_method, world_size=tp_size,
                                 rank=tp_rank, timeout=timedelta(seconds=timeout_s))
+    fast = None
+    if custom_all_reduce and dist.get_backend() == "nccl":
+        from radixlm.runtime.distributed import custom_all_reduce as car
+
+        fast = car.try_create(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
     _TP = TPGroup(rank=tp_rank, size=tp_size, group=dist.group.WORLD,
-                  backend=dist.get_backend())
+                  backend=dist.get_backend(), fast=fast)
     return _TP
 
 

@@ -43,6 +43,11 @@ def _init_method(args: ServerArgs) -> str:
     return f"tcp://{args.dist_init_addr}"
 
 
+def _custom_ar(args: ServerArgs) -> bool:
+    """Symmetric-memory all-reduce: one node only (P2P between its GPUs), unless disabled."""
+    return not args.disable_custom_all_reduce and args.nnodes == 1
+
+
 def worker_main(args: ServerArgs, rank: int, threads: Optional[int] = None) -> None:
     """A worker rank's process: follow rank 0's batches until it says stop."""
     from radixlm.runtime.executor.model_runner import ModelRunner  # it imports this package
@@ -53,7 +58,8 @@ def worker_main(args: ServerArgs, rank: int, threads: Optional[int] = None) -> N
     if threads:
         torch.set_num_threads(threads)
     try:
-        tp = parallel_state.init_distributed(args.tp_size, rank, _init_method(args), _device(args))
+        tp = parallel_state.init_distributed(args.tp_size, rank, _init_method(args), _device(args),
+                                              custom_all_reduce=_custom_ar(args))
         runner = ModelRunner(args)
         r2t = runner.req_to_token_pool.req_to_token
         while (fb := batch_sync.recv_batch(tp, r2t, runner.device)) is not None:
@@ -134,7 +140,8 @@ def spawn_workers(args: ServerArgs, daemon: bool = True) -> list:
 def join_rank0(args: ServerArgs, procs: list = ()) -> TPHandle:
     """Join the group as rank 0 (args from prepare_args); `procs`: workers this process owns."""
     try:
-        tp = parallel_state.init_distributed(args.tp_size, 0, _init_method(args), _device(args))
+        tp = parallel_state.init_distributed(args.tp_size, 0, _init_method(args), _device(args),
+                                              custom_all_reduce=_custom_ar(args))
     except BaseException:
         for p in procs:
             p.kill()
