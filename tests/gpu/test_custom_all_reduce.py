@@ -20,7 +20,7 @@ pytestmark = [
                        reason="needs 2 CUDA devices"),
 ]
 
-SIZES = [1, 3, 64, 4096, 4096 * 3 + 5, 65536, 1 << 20]  # elements; 1 << 20 bf16 = 2 MB
+SIZES = [2, 64, 4096, 4096 * 3 + 6, 65536, 1 << 20]  # elements (bf16: even, 4-byte words)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -56,7 +56,8 @@ def _worker(rank: int, init: str, out: "mp.Queue") -> None:
         assert tp.fast is not None, "the custom all-reduce was not set up"
         dev = torch.device("cuda", rank)
         bad = []
-        for name, dtype in DTYPES.items():
+        for (name, dtype), one_shot in [(d, o) for d in DTYPES.items() for o in (False, True)]:
+            tp.fast.one_shot = one_shot
             for n in SIZES:
                 g = torch.Generator(device=dev).manual_seed(1000 * n + rank)
                 x = torch.randn(n, generator=g, device=dev).to(dtype)
@@ -64,7 +65,9 @@ def _worker(rank: int, init: str, out: "mp.Queue") -> None:
                 dist.all_reduce(want, group=tp.group)
                 got = tp.all_reduce(x.clone().view(1, -1)).view(-1)
                 if not torch.equal(got, want):
-                    bad.append(f"{name} n={n}: max diff {(got.float() - want.float()).abs().max()}")
+                    bad.append(f"{name} one_shot={one_shot} n={n}: "
+                               f"max diff {(got.float() - want.float()).abs().max()}")
+        tp.fast.one_shot = False
         # replayed from a CUDA graph with new inputs: the barriers and buffers survive replays
         x = torch.empty(1, 4096, dtype=torch.bfloat16, device=dev)
         y = torch.empty_like(x)
@@ -85,11 +88,16 @@ def _worker(rank: int, init: str, out: "mp.Queue") -> None:
             torch.cuda.synchronize()
             if not torch.equal(y, want):
                 bad.append(f"graph replay {step}")
+        assert not tp.fast.takes(torch.empty(3, dtype=torch.bfloat16, device=dev))  # 6 bytes
         times = {}
         for n in (4096, 8 * 4096, 64 * 4096):
             t = torch.randn(1, n, device=dev).to(torch.bfloat16)
-            times[n * 2] = (_graph_us(lambda: tp.fast(t)),
-                            _graph_us(lambda: dist.all_reduce(t, group=tp.group)))
+            row = [_graph_us(lambda: dist.all_reduce(t, group=tp.group))]
+            for one_shot in (False, True):
+                tp.fast.one_shot = one_shot
+                row.append(_graph_us(lambda: tp.fast(t)))
+            tp.fast.one_shot = False
+            times[n * 2] = tuple(row)
         out.put((rank, bad, times))
         parallel_state.destroy_distributed(timeout_s=30)
     except BaseException as e:  # noqa: BLE001 - reported to the test
@@ -108,6 +116,7 @@ def test_custom_all_reduce_equals_nccl():
         for p in procs:
             p.join(60)
     for rank, bad, times in sorted(results):
-        for nbytes, (ours, nccl) in sorted(times.items()):
-            print(f"rank {rank} {nbytes} B: custom {ours:.1f} us, NCCL {nccl:.1f} us per call")
+        for nbytes, (nccl, two, one) in sorted(times.items()):
+            print(f"rank {rank} {nbytes} B per call: NCCL {nccl:.1f} us, two-shot {two:.1f} us, "
+                  f"one-shot {one:.1f} us")
         assert not bad, (rank, bad)

@@ -23,6 +23,7 @@ the GPUs, an older torch), one warning names the reason and NCCL serves every ca
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -47,23 +48,29 @@ class SymmMemAllReduce:
         # bytes, viewed as the call's dtype: one buffer serves bf16 activations and fp32 sums
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.handle = None
-        self.op = torch.ops.symm_mem.two_shot_all_reduce_
+        # RADIXLM_CUSTOM_ALL_REDUCE_OP=one_shot: one_shot_all_reduce (each rank reads every
+        # peer's whole buffer; out of place) instead of two_shot_all_reduce_ (in place)
+        self.one_shot = os.environ.get("RADIXLM_CUSTOM_ALL_REDUCE_OP", "two_shot") == "one_shot"
 
     def rendezvous(self) -> None:
         """Map the peers' buffers (collective: every rank, same order)."""
         self.handle = self.symm_mem.rendezvous(self.buffer, self.group_name)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.dtype in DTYPES
-                and x.numel() * x.element_size() <= self.buffer.numel())
+        nbytes = x.numel() * x.element_size()  # the kernels move 4-byte words
+        return x.is_cuda and x.dtype in DTYPES and nbytes % 4 == 0 and nbytes <= self.buffer.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks of x (any shape); the result in x's shape (x itself when contiguous)."""
         buf = self.buffer.view(x.dtype)[: x.numel()]
         buf.copy_(x.reshape(-1))
-        self.op(buf, "sum", self.group_name)
+        if self.one_shot:
+            res = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+            res = buf
         out = x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
-        out.view(-1).copy_(buf)  # out of the shared buffer before the next call reuses it
+        out.view(-1).copy_(res)  # out of the shared buffer before the next call reuses it
         return out
 
 
