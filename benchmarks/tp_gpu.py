@@ -6,8 +6,8 @@ Each TP size runs in a fresh subprocess (its own CUDA context and process group)
 workloads as benchmarks/gpu_suite.py:
   bs1        1 request, 128 in / 256 out: output tokens / wall time, and the prefill alone
   batch128   128 x (512 in, 128 out) offline: output tokens / wall time
-A size written "2n" is TP=2 with --disable-custom-all-reduce (NCCL for every all-reduce), so
-`--sizes 1,2,2n` compares the symmetric-memory all-reduce with NCCL in one run.
+A size written "2c" is TP=2 with the symmetric-memory all-reduce on (--no-disable-custom-all-reduce;
+off by default), so `--sizes 1,2,2c` compares it with NCCL in one run.
 Prints one JSON line: each size's figures and the ratios tp2 / tp1. Both sizes use CUDA graphs
 for decode (every rank replays the same bucket; the NCCL all-reduces are inside the graphs).
 """
@@ -39,12 +39,12 @@ def run_one(args) -> dict:
     import radixlm
     from benchmarks.gpu_suite_parts import rand_ids, timed_generate
 
-    res: dict = {"tp_size": args.tp, "custom_all_reduce": not args.nccl_only}
+    res: dict = {"tp_size": args.tp, "custom_all_reduce": args.custom_ar}
     t0 = time.perf_counter()
     eng = radixlm.Engine(model_path=args.model_path, load_format="dummy", dtype="bfloat16",
                          tokenizer_path=args.tokenizer_path, context_length=4096,
                          tp_size=args.tp, disable_cuda_graph=args.disable_cuda_graph,
-                         disable_custom_all_reduce=args.nccl_only)
+                         disable_custom_all_reduce=not args.custom_ar)
     res["engine_ready_s"] = round(time.perf_counter() - t0, 1)
     print(f"PROGRESS tp{args.tp} engine ready in {res['engine_ready_s']}s", flush=True)
     try:
@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     if args.one is not None:
         import faulthandler
 
-        args.tp, args.nccl_only = int(args.one.rstrip("n")), args.one.endswith("n")
+        args.tp, args.custom_ar = int(args.one.rstrip("c")), args.one.endswith("c")
         # a hang shows where it is: every thread's stack shortly before the parent's timeout
         faulthandler.dump_traceback_later(max(5.0, args.timeout_s - 10), exit=False)
         print("RESULT " + json.dumps(run_one(args)), flush=True)
@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
                 + text[-3000:])
         print("PARTIAL " + json.dumps(res), flush=True)
     keys = ("bs1_tok_s", "bs1_decode_tok_s", "batch128_out_tok_s")
-    for a, b in (("tp2", "tp1"), ("tp2n", "tp1"), ("tp2", "tp2n")):
+    for a, b in (("tp2", "tp1"), ("tp2c", "tp1"), ("tp2c", "tp2")):
         if res.get(a) and res.get(b):
             res[f"ratio_{a}_{b}"] = {k: round(res[a][k] / res[b][k], 3) for k in keys}
     print(json.dumps(res), flush=True)
