@@ -148,3 +148,41 @@ def test_other_family_gemma2_windows_and_softcaps(tmp_path, integrity):
     finally:
         for e in engines:
             e.shutdown()
+
+
+def test_a_failure_in_one_verified_request_fails_it_alone(spec_engine, monkeypatch):
+    """An exception in one request's handling of its verified tokens (injected into its stop
+    check) fails that request with a 500 abort; the others keep the tokens of a clean run; the
+    step's draft slots go back (integrity) and the engine serves on."""
+    from radixlm.runtime.scheduler import token_processing
+
+    eng = spec_engine
+    prompts = [LIST, CODE, DOC]
+    sp = _params(ignore_eos=True)
+    clean = [o["output_ids"] for o in eng.generate(prompts, sp)]
+    before = eng.get_stats()
+    real = token_processing.check_finish
+
+    def failing(req, *a, **kw):
+        if req.rid == "spec-fail-1" and len(req.output_ids) >= 8:
+            raise RuntimeError("injected failure")
+        return real(req, *a, **kw)
+
+    monkeypatch.setattr(token_processing, "check_finish", failing)
+    outs = eng.generate(prompts, sp, rid=[f"spec-fail-{i}" for i in range(3)])
+    monkeypatch.undo()
+    after = eng.get_stats()
+    assert after["spec_verify_steps"] > before["spec_verify_steps"]  # it failed inside verifies
+    for i, o in enumerate(outs):
+        reason = o["meta_info"]["finish_reason"]
+        if i == 1:
+            assert reason["type"] == "abort" and reason["status_code"] == 500, reason
+            assert "verified tokens" in reason["message"] and "injected" in reason["message"]
+        else:
+            assert o["output_ids"] == clean[i]
+    assert after["request_failures"] == before.get("request_failures", 0) + 1
+    eng.wait_idle()
+    eng.check_integrity()
+    assert eng.generate(CODE, sp)["output_ids"] == clean[1]
+    eng.wait_idle()
+    eng.check_integrity()

@@ -167,7 +167,15 @@ class Speculator:
         for b, req in enumerate(breqs):
             k, off = len(bdrafts[b]), plan.offsets[b]
             state = req.spec_draft  # (a finish below hands it to on_finish)
-            m, alive = _append(sched, req, res.tokens[b], plan.kv_lens[b], res.logprobs, off)
+            try:
+                m, alive = _append(sched, req, res.tokens[b], plan.kv_lens[b], res.logprobs, off)
+            except Exception as e:  # its own tokens' handling: it fails alone (isolation.py)
+                # rows [off, off + m) lie inside its kv_len, which the failure frees; the rest
+                # of its rows are this step's to free, as after a finish
+                m = req.kv_len - plan.kv_lens[b]
+                free.extend(range(off + m, off + k + 1))
+                sched._fail_request(req, e, "processing its verified tokens")
+                continue
             free.extend(range(off + m, off + k + 1))
             i = order[b]
             counts[i] = m
