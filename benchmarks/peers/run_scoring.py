@@ -98,6 +98,11 @@ def run_side(side: str, workloads: list[ScoringWorkload], port: int, hf_model: s
     out = {"side": side, "command": cmd, "results": []}
     try:
         out["startup_s"] = round(sr.wait_healthy(base_url, proc, startup_timeout_s), 3)
+        status, body = sr._get(base_url + ("/version" if side == "vllm" else "/get_server_info"))
+        try:
+            out["version"] = json.loads(body).get("version") if status == 200 else None
+        except (ValueError, AttributeError):
+            out["version"] = None
         for w in workloads:
             before = _counters(side, base_url)
             res = score_round(base_url, w, concurrency, max_tokens)
@@ -163,5 +168,6 @@ def scoring_lines(workloads: list[ScoringWorkload], rl: dict, v: dict) -> list[d
             "radixlm_counters": a.get("server_counters"), "vllm_counters": b.get("server_counters"),
             "radixlm_load_avg": a.get("load_avg"), "vllm_load_avg": b.get("load_avg"),
             "radixlm_startup_s": rl.get("startup_s"), "vllm_startup_s": v.get("startup_s"),
+            "radixlm": rl.get("version"), "vllm": v.get("version"),
         })
     return lines
