@@ -10,7 +10,8 @@ commit, command}. Program workloads add the radixlm native-API time (`radixlm_na
 
 Order (never two engines at once): the offline workloads in radixlm's Engine (one process, every
 workload and round), then in vLLM's `LLM` (one process); then the program workloads against
-radixlm's server, then against vLLM's server. Start-up is paid once per side and reported apart.
+radixlm's server, then against vLLM's server; then the scoring workloads (echo + prompt logprobs
+over /v1/completions, run_scoring.py) against each server in turn. Start-up is paid once per side and reported apart.
 Logs and raw per-side JSON (with output ids) go to --work-dir.
 """
 
@@ -170,6 +171,26 @@ def program_lines(rl: dict, v: dict) -> list[dict]:
     return lines
 
 
+def run_scoring_sides(args, names: list[str], rounds: list[int], gguf: str, hf_model: str,
+                      work: str) -> list[dict]:
+    from benchmarks import datasets as ds
+    from benchmarks.peers import run_scoring as rs
+    from benchmarks.peers import scoring_workloads as sw
+
+    sz = wl.sizes(args.size)
+    ws = sw.scoring_workloads(names, rounds, sw.TextPool(ds.load_tokenizer(gguf)), sz, args.seed)
+    conc = args.concurrency or sz.scoring_concurrency
+    with open(os.path.join(work, "scoring-workloads.json"), "w") as f:
+        json.dump([w.to_json() for w in ws], f)
+    sides = {}
+    for side, port in (("radixlm", 30100), ("vllm", 30200)):
+        sides[side] = rs.run_side(side, ws, port, hf_model, conc, args.scoring_max_tokens,
+                                  log_path=os.path.join(work, f"server-scoring-{side}.log"))
+        with open(os.path.join(work, f"scoring-{side}.json"), "w") as f:
+            json.dump(sides[side], f)
+    return rs.scoring_lines(ws, sides["radixlm"], sides["vllm"])
+
+
 # ---------------------------------------------------------------------------------------- main
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -185,6 +206,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="programs: skip radixlm's extra run through sgl.RuntimeEndpoint")
     p.add_argument("--work-dir", default=None, help="logs + raw JSON (default: .cache/runs/<time>)")
     p.add_argument("--timeout", type=float, default=3600.0, help="per offline side, seconds")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="scoring: requests in flight (default: the size preset's, 16)")
+    p.add_argument("--scoring-max-tokens", type=int, default=0,
+                   help="scoring: max_tokens sent with echo (0: prompt logprobs only)")
     p.add_argument("--save", action="store_true", help="append the lines to --result-file")
     p.add_argument("--result-file", default=DEFAULT_RESULT_FILE)
     return p.parse_args(argv)
@@ -242,6 +267,9 @@ def main(argv=None) -> list[dict]:
             with open(os.path.join(work, name), "w") as f:
                 json.dump(doc, f)
         lines += program_lines(rl, v)
+    scoring = [n for n in names if n in wl.SCORING]
+    if scoring:
+        lines += run_scoring_sides(args, scoring, rounds, gguf, hf_model, work)
 
     context = {
         "size": args.size, "seed": args.seed, "dtype": "bfloat16", **versions, **cpu_info(),

@@ -10,6 +10,10 @@ Program workloads (text, run through the frontend over HTTP; see run_programs.py
 - `multi-turn-chat`: N conversations of 4 user turns, each answered by a gen
 - `tree-of-thought`: N questions, each forking into plans, forking again into steps, joined
 
+Scoring workloads (token ids, echo + prompt logprobs over /v1/completions; scoring_workloads.py):
+- `hellaswag-style`: N questions x 4 endings after one shared ~1.4k-token few-shot context
+- `scoring`:         C long contexts (~1k tokens) x 8 continuations each
+
 "Fresh prompts" per round: round r uses a seed derived from (base seed, r, workload), so round 2
 shares nothing with round 1 that is not meant to be shared (the shared-prefix workload draws a new
 shared prefix, the few-shot workload new shots). The compare script writes each offline workload
@@ -36,7 +40,8 @@ from benchmarks import datasets as ds  # noqa: E402
 
 OFFLINE = ("shared-prefix", "short", "sharegpt")
 PROGRAMS = ("few-shot", "multi-turn-chat", "tree-of-thought")
-ALL = OFFLINE + PROGRAMS
+SCORING = ("hellaswag-style", "scoring")  # prompt logprobs over HTTP (scoring_workloads.py)
+ALL = OFFLINE + PROGRAMS + SCORING
 ROUNDS = (1, 2)
 
 # each workload gets its own seed stream so adding one does not change the others
@@ -77,6 +82,17 @@ class Sizes:
     tot_sub_branches: int = 2
     tot_question_words: int = 48
     tot_max_tokens: int = 32
+    # scoring (scoring_workloads.py): token counts, [lo, hi] ranges drawn per item
+    hs_num: int = 32
+    hs_shared_len: int = 1435
+    hs_ctx_len: tuple = (40, 80)
+    hs_ending_len: tuple = (10, 30)
+    hs_endings: int = 4
+    sc_num_contexts: int = 4
+    sc_context_len: int = 1000
+    sc_continuations: int = 8
+    sc_continuation_len: tuple = (12, 32)
+    scoring_concurrency: int = 16
 
 
 def sizes(preset: str = "full", **overrides) -> Sizes:
@@ -85,7 +101,8 @@ def sizes(preset: str = "full", **overrides) -> Sizes:
     elif preset == "small":
         s = Sizes(sp_num=8, sp_shared_len=256, short_num=8, short_input_len=64, short_output_len=16,
                   sharegpt_num=8, sharegpt_output_cap=32, fewshot_num=8, chat_num=4, chat_turns=4,
-                  chat_max_tokens=8, tot_num=2, tot_max_tokens=8)
+                  chat_max_tokens=8, tot_num=2, tot_max_tokens=8, hs_num=4, hs_shared_len=300,
+                  sc_num_contexts=2, sc_context_len=200, sc_continuations=4)
     else:
         raise ValueError(f"unknown size preset {preset!r} (full, small)")
     for k, v in overrides.items():

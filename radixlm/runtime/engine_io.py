@@ -195,7 +195,7 @@ class RequestBuilder:
 _TOKEN_TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _token_text(tokenizer):
+def token_text_fn(tokenizer):
     """t -> tokenizer.decode([t]), memoized per tokenizer."""
     try:
         memo = _TOKEN_TEXTS.setdefault(tokenizer, {})
@@ -213,14 +213,14 @@ def _token_text(tokenizer):
 def _lp_triples(vals, ids, tokenizer, with_text: bool):
     if not (with_text and tokenizer is not None):
         return [(v, t, None) for v, t in zip(vals, ids)]
-    text = _token_text(tokenizer)
+    text = token_text_fn(tokenizer)
     return [(v, t, text(t)) for v, t in zip(vals, ids)]  # v is None for the first prompt token
 
 
 def _top_triples(tops, tokenizer, with_text: bool):
     if not (with_text and tokenizer):  # the common case, one comprehension (echo: ~1e5 entries)
         return [None if e is None else [(v, t, None) for v, t in e] for e in tops]
-    text = _token_text(tokenizer)
+    text = token_text_fn(tokenizer)
     return [None if e is None else [(v, t, text(t)) for v, t in e] for e in tops]
 
 

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Optional
 import zmq
 import zmq.asyncio
 
-from radixlm.runtime.engine_io import RequestBuilder, spec_meta
+from radixlm.runtime.engine_io import RequestBuilder, spec_meta, token_text_fn
 from radixlm.runtime.multimodal import image_processor_for
 from radixlm.runtime.request_limits import RequestLimits
 from radixlm.server.errors import QueueFullError, RuntimeGoneError, server_abort
@@ -262,7 +262,10 @@ class TokenizerManager:
             "weight_version": self.weight_version, "total_retractions": state.retractions,
         }
         if obj.return_logprob:
-            text = self._token_text if obj.return_text_in_logprobs else (lambda t: None)
+            # memoized per token id: an echo answer has a text per prompt token and per top-k
+            # entry (~3k per 1.5k-token prompt), each a tokenizer.decode call unmemoized
+            text = (token_text_fn(self.tokenizer) if obj.return_text_in_logprobs
+                    and self.tokenizer is not None else (lambda t: None))
             triple = lambda pair: (pair[0], pair[1], text(pair[1]))  # logprob None: first token
             tops = lambda lst: [None if not e else [(v, t, text(t)) for v, t in e] for e in lst]
             meta["input_token_logprobs"] = [triple(p) for p in (state.in_lp or [])]
@@ -286,9 +289,6 @@ class TokenizerManager:
         if obj.return_prompt_token_ids:
             out["prompt_token_ids"] = list(state.prompt_ids)
         return out
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def fail_all(self, message: str) -> None:
         """The runtime is gone (`message` names the dead process) or the server stops: finish every

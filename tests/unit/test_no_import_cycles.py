@@ -20,6 +20,8 @@ def module_files() -> dict[str, Path]:
     out = {}
     for path in sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if any(part.startswith(".") for part in parts):  # no module: a venv (peers/.venv-vllm)
+            continue
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path

@@ -85,7 +85,7 @@ def test_the_newest_complete_run_is_taken(tmp_path):
     path = os.path.join(results, "peers-cpu.jsonl")
     last = plot_data.read_lines(path)[-1]
     newer = dict(last, started="2099-01-01T00:00:00+00:00", date="2099-01-01T00:10:00+00:00",
-                 commit="fffffff", workload="only-this-one")
+                 commit="fffffff", workload="only-this-one", kind="offline")
     broken = {k: v for k, v in newer.items() if k != "vllm_s"}
     broken["date"] = broken["started"] = "2100-01-01T00:00:00+00:00"
     with open(path, "a") as f:
