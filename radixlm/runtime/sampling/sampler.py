@@ -46,6 +46,16 @@ class SampleOutput:
     # (B, V) the unpenalized logits, kept when logprobs are asked for: token_ids_logprob reads them
     raw_logits: Optional[torch.Tensor] = None
 
+    def take_rows(self, rows: list[int]) -> "SampleOutput":
+        """The output of the given rows only (host tensors; raw_logits is not carried: a batch
+        that needs it never loses rows this way, see scheduler._complete_decode)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        pick = (lambda t: None if t is None else t.index_select(0, index))
+        return SampleOutput(next_token_ids=pick(self.next_token_ids),
+                            logprobs=pick(self.logprobs),
+                            top_logprobs_vals=pick(self.top_logprobs_vals),
+                            top_logprobs_ids=pick(self.top_logprobs_ids))
+
 
 class Sampler:
     def __call__(

@@ -337,7 +337,7 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
             # (such a batch never overlaps, see _overlappable, so they are not overwritten yet)
             out.raw_logits = step.out.raw_logits
         if len(live) != len(step.reqs):
-            out = _take_rows(out, live)
+            out = out.take_rows(live)
         reqs = [step.reqs[i] for i in live]
         self._retire(reqs, set(self._process_tokens(reqs, out)))
         return reqs
@@ -391,12 +391,3 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
             self.tree_cache.cache_finished_req(req, req.fill_ids[: req.kv_len])
             req.req_pool_idx = None
             req.last_node = None
-
-
-def _take_rows(out, rows: list[int]):
-    """The SampleOutput of the given rows only (host tensors)."""
-    index = torch.tensor(rows, dtype=torch.int64)
-    pick = (lambda t: None if t is None else t.index_select(0, index))
-    return type(out)(next_token_ids=pick(out.next_token_ids), logprobs=pick(out.logprobs),
-                     top_logprobs_vals=pick(out.top_logprobs_vals),
-                     top_logprobs_ids=pick(out.top_logprobs_ids))
