@@ -167,7 +167,9 @@ def _q(triton_fp8, x, layer):
 
 
 def timed(eng, prompts, n_out) -> float:
-    torch.cuda.synchronize()
+    """Wall seconds of one greedy generate of `n_out` tokens per prompt (ids)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n_out,
                                                      "temperature": 0, "ignore_eos": True})

@@ -46,7 +46,7 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.fp8_linear import graph_time_us  # noqa: E402 (CUDA-graph timing of a call)
+from benchmarks.fp8_linear import graph_time_us, timed  # noqa: E402 (timers shared with FP8's)
 
 CONFIG_DIR = os.path.join(_HERE, "configs", "llama-3.1-8b")
 _AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
@@ -90,15 +90,6 @@ def meta(command: str) -> dict:
 
 
 # --- e2e --------------------------------------------------------------------------------------
-def _timed(eng, prompts, n_out) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n_out,
-                                                     "temperature": 0, "ignore_eos": True})
-    return time.perf_counter() - t0
-
-
 def e2e_arm(arm: str, path: str, tiny: bool) -> dict:
     """One arm in this process: the engine on `path` (dummy weights), decode tok/s at batch 1
     and batch 64 (prefill time measured apart and subtracted)."""
@@ -124,18 +115,18 @@ def e2e_arm(arm: str, path: str, tiny: bool) -> dict:
                                       list(model.parameters()) + list(model.buffers())
                                       if t is not None) / 1e9, 3)
         row["int4_layers"] = sum(type(m).__name__ == "Int4Linear" for m in model.modules())
-        _timed(eng, [ids(plen) for _ in range(4)], 4)  # warm-up (kernels compile)
+        timed(eng, [ids(plen) for _ in range(4)], 4)  # warm-up (kernels compile)
         p1 = ids(plen)
         eng.flush_cache()
-        t_pref = _timed(eng, [p1], 1)
+        t_pref = timed(eng, [p1], 1)
         eng.flush_cache()
-        t_all = _timed(eng, [p1], n1)
+        t_all = timed(eng, [p1], n1)
         row["bs1_decode_tok_s"] = round((n1 - 1) / (t_all - t_pref), 1)
         batch = [ids(plen) for _ in range(bs)]
         eng.flush_cache()
-        t_pref = _timed(eng, batch, 1)
+        t_pref = timed(eng, batch, 1)
         eng.flush_cache()
-        t_all = _timed(eng, batch, n64)
+        t_all = timed(eng, batch, n64)
         row[f"bs{bs}_decode_tok_s"] = round(bs * (n64 - 1) / (t_all - t_pref), 1)
         eng.wait_idle()
         eng.check_integrity()

@@ -24,25 +24,11 @@ SIZES = [2, 64, 4096, 4096 * 3 + 6, 65536, 1 << 20]  # elements (bf16: even, 4-b
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _graph_us(fn, calls: int = 64, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (reps * calls)
+def _graph_us(fn) -> float:
+    """Per call: 64 calls of fn() captured in one CUDA graph (benchmarks/fp8_linear's timer)."""
+    from benchmarks.fp8_linear import graph_time_us
+
+    return graph_time_us(lambda i: fn(), 64, reps=20)
 
 
 def _worker(rank: int, init: str, out: "mp.Queue") -> None:
