@@ -142,6 +142,19 @@ def _not_zombie(pid: int) -> bool:
         return False
 
 
+def _device_name(server_device) -> str:
+    """The machine in words: the GPU's name when the server ran on CUDA, else the CPU."""
+    cpu = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if not str(server_device or "").startswith("cuda"):
+        return cpu
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"{out.strip() or 'cuda'} ({cpu})"
+
+
 def start_server(args, port: int, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "radixlm.launch_server", "--host", "127.0.0.1",
            "--port", str(port), "--context-length", str(args.context_length), "--enable-metrics",
@@ -214,7 +227,7 @@ def main(argv=None) -> int:
         "server_exit_code": code, "processes_left": left, "server_log": log.name,
         "load_avg_start": load_start, "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "model": args.model_path or "bundled SmolLM2-135M-Instruct Q4_1 GGUF",
-        "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "device": _device_name(result.get("server_device")),
         "git_commit": git_commit(),
     })
     emit_result(result, args.result_file, __file__)  # + date and command; one JSON line
