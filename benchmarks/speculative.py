@@ -144,9 +144,9 @@ def main(argv=None) -> list[dict]:
             kw[name] = getattr(args, name)
     eng = radixlm.Engine(**kw)
     if args.drafts == "random":
-        from radixlm.runtime.speculative import worker
+        from radixlm.runtime.speculative import ngram_drafter
 
-        worker.propose = _random_drafts(len(tok), args.seed)
+        ngram_drafter.propose = _random_drafts(len(tok), args.seed)
     arms = [(args.speculative_num_draft_tokens, not args.no_speculative_adaptive)]
     if args.arms:
         arms = [(int(a.split(":")[0]), not a.endswith(":fixed")) for a in args.arms.split(",")]

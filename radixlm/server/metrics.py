@@ -68,7 +68,11 @@ class ServerMetrics:
         self.request_failures = Gauge(q + "request_failures", "Requests failed alone by an "
                                       "exception in their own handling", registry=r)
         self.oom_steps = Gauge(q + "oom_steps", "Forwards that ran out of GPU memory (their "
-                               "batch failed, the server went on)", registry=r)
+                               "batch failed, or a speculative step ran again without drafts; "
+                               "the server went on)", registry=r)
+        self.spec_draft_failures = Gauge(q + "spec_draft_failures", "Speculative steps whose "
+                                         "batched drafting raised (they ran without drafts)",
+                                         registry=r)
 
     def on_request(self, prompt_tokens: int) -> None:
         self.requests.inc()
@@ -110,4 +114,5 @@ class ServerMetrics:
         self.spec_verify_steps.set(stats.get("spec_verify_steps", 0))
         self.request_failures.set(stats.get("request_failures", 0))
         self.oom_steps.set(stats.get("oom_steps", 0))
+        self.spec_draft_failures.set(stats.get("spec_draft_failures", 0))
         return generate_latest(self.registry)

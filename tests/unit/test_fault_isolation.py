@@ -272,8 +272,10 @@ def test_update_building_failure_in_the_server(eng, clean, monkeypatch, caplog):
 
 
 def test_failures_on_metrics():
-    text = ServerMetrics("m").render({"request_failures": 3, "oom_steps": 1}).decode()
+    text = ServerMetrics("m").render({"request_failures": 3, "oom_steps": 1,
+                                      "spec_draft_failures": 2}).decode()
     assert "radixlm:request_failures 3.0" in text and "radixlm:oom_steps 1.0" in text
+    assert "radixlm:spec_draft_failures 2.0" in text
 
 
 def test_embedding_pooling_failure(eng, monkeypatch, caplog):

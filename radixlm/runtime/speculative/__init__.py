@@ -7,7 +7,10 @@ prefill, retraction, jump-forward, finishing) is the scheduler's own code.
 
   spec_config.py     the SGLang flags, resolved and checked (refusals name the flag)
   worker.py          the step every drafter shares (Speculator): draft -> verify -> append
-                     through the plain per-token code -> free; NgramSpeculator (NGRAM)
+                     through the plain per-token code -> free
+  isolation.py       a failure in drafting fails its request (or the step runs without drafts);
+                     an out-of-memory in the verify runs the step again without drafts
+  ngram_drafter.py   NGRAM (NgramSpeculator): per request, a lookup in the n-gram tables
   ngram.py           NGRAM drafts: the request's own n-gram index and the finished requests' table
   standalone.py      STANDALONE drafts: a draft model's batched chain (catch-up extend, then one
                      decode per depth), q processed as the target's p, its KV kept / freed
@@ -56,6 +59,6 @@ def create(args, sched):
         from radixlm.runtime.speculative.standalone import StandaloneSpeculator
 
         return StandaloneSpeculator(cfg, sched)
-    from radixlm.runtime.speculative.worker import NgramSpeculator
+    from radixlm.runtime.speculative.ngram_drafter import NgramSpeculator
 
     return NgramSpeculator(cfg, sched)

@@ -41,7 +41,7 @@ from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.request import Req
-from radixlm.runtime.speculative import eagle3_config, grammar_drafts
+from radixlm.runtime.speculative import eagle3_config, grammar_drafts, isolation
 from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
 from radixlm.runtime.speculative.eagle3_model import build_head
 from radixlm.runtime.speculative.spec_config import SpecConfig
@@ -107,18 +107,30 @@ class Eagle3Speculator(StandaloneSpeculator):
     def after_extend(self, fb, reqs: list[Req]) -> None:
         if fb.aux_hidden is None:
             return
-        g = self.head.project(fb.aux_hidden)  # (T, H)
+        try:
+            g = self.head.project(fb.aux_hidden)  # (T, H)
+        except Exception as e:
+            return self._lost(reqs, e, "after an extend")
         off = 0
         for req, start, n in zip(reqs, fb.extend_prefix_lens_cpu, fb.extend_lens_cpu):
             self._state(req).add(start, g[off : off + n])
             off += n
 
     def after_verify(self, fb, plan, kept: list[int]) -> None:
-        g = self.head.project(fb.aux_hidden)  # (R, H), rows of plan
+        try:
+            g = self.head.project(fb.aux_hidden)  # (R, H), rows of plan
+        except Exception as e:
+            return self._lost(plan.reqs, e, "after a verify")
         for b, req in enumerate(plan.reqs):
             if kept[b] > 0 and not req.finished:
                 off = plan.offsets[b]
                 self._state(req).add(plan.kv_lens[b], g[off : off + kept[b]])
+
+    def _lost(self, reqs: list[Req], exc: BaseException, when: str) -> None:
+        """The features of `reqs`' new rows are lost: their pending rows go (drafts afresh)."""
+        isolation.drafting_lost(self, exc, f"the head's features of {len(reqs)} requests {when}")
+        for req in reqs:
+            req.spec_draft = None
 
     def _state(self, req: Req) -> Eagle3State:
         if req.spec_draft is None:
@@ -132,13 +144,21 @@ class Eagle3Speculator(StandaloneSpeculator):
 
     def step(self, sched) -> list[Req]:
         t0 = time.perf_counter()
-        reqs = list(sched.running)
-        drafts = self.draft(sched, reqs)
+        reqs, drafts = isolation.draft_batch(self, sched, list(sched.running))
+        if not reqs:  # (each failed in its own drafting)
+            return []
         tokens = len(reqs) + sum(map(len, drafts))
+        ooms = sched.stats["spec_verify_ooms"]
         done = self._verify(sched, reqs, drafts)  # (with no drafts: a verify of last tokens)
+        if sched.stats["spec_verify_ooms"] != ooms:  # (its time is no verify's cost)
+            return done
         self.policy.observe_step(tokens, time.perf_counter() - t0 - self.draft_elapsed(),
                                  len(reqs) if tokens > len(reqs) else None)
         return done
+
+    def no_draft_step(self, sched, reqs: list[Req]) -> list[Req]:
+        """A verify of the last tokens: a plain decode would give the head no features."""
+        return self._verify(sched, reqs, [[] for _ in reqs])
 
     def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
         t0 = time.perf_counter()
@@ -183,7 +203,7 @@ class Eagle3Speculator(StandaloneSpeculator):
         return self.head(fb, g)
 
     def _run(self, sched, reqs, states, ks, chain, catch):
-        dev, V = sched.device, sched.vocab_size
+        dev = sched.device
         # extend order: multi-row catch-ups first, one-row ones last (the backends' decode tail)
         entries = sorted(catch, key=lambda i: catch[i] == 1)
         ids, rows, pos, ends, g = [], [], [], {}, []
@@ -194,6 +214,7 @@ class Eagle3Speculator(StandaloneSpeculator):
             pos += range(st.start, st.start + n)
             ends[i] = len(pos) - 1
         pre_lens = [states[i].start for i in entries]
+        self.undo.append(isolation.snapshot(states, "start", "rows", "n"))  # (a failed chain)
         for i in entries:
             g.append(states[i].take(catch[i]))
         F = len(chain)
@@ -216,16 +237,25 @@ class Eagle3Speculator(StandaloneSpeculator):
         if not F:
             return [[] for _ in reqs], forwards
         chain_k = [ks[i] for i in chain]
-        depth = max(chain_k)
         creqs = [reqs[i] for i in chain]
-        base = torch.tensor([r.kv_len for r in creqs], device=dev)  # (F,) first draft position
         n_temp = sum(k - 1 for k in chain_k)  # the chain's own K/V, past each kv_len
         temp = sched.allocator.alloc(n_temp) if n_temp else None
         assert temp is not None or not n_temp, "draft() checked the free slots"
+        try:
+            return self._chain(sched, creqs, reqs, chain, chain_k, c_rows, normed[:F], out[:F],
+                               temp, forwards)
+        finally:  # (the verify computes those positions for real; a failed chain frees too)
+            if temp is not None:
+                sched.allocator.free(temp)
+
+    def _chain(self, sched, creqs, reqs, chain, chain_k, c_rows, normed, out, temp, forwards):
+        """Depths 1..k of the chain from the catch-up's last rows (normed, out: (F, H))."""
+        dev, V, depth = sched.device, sched.vocab_size, max(chain_k)
+        base = torch.tensor([r.kv_len for r in creqs], device=dev)  # (F,) first draft position
         info = sched.running_info.take(chain)
-        grammar = grammar_drafts.ChainGrammar(creqs, self.masks)
+        grammar = grammar_drafts.ChainGrammar(creqs, self.masks, self.draft_failed)
+        self.undo.append(grammar.rollback)
         toks, qs, used = [], [], 0
-        normed, out = normed[:F], out[:F]
         for j in range(1, depth + 1):
             active = sum(1 for k in chain_k if k >= j)
             if j > 1:  # (d_{j-1}, o_{j-1}) at position kv_len + j - 2
@@ -244,8 +274,6 @@ class Eagle3Speculator(StandaloneSpeculator):
                 forwards += 1
             logits = self.head.to_target(self.head.logits(normed), V)  # (active, V)
             self._sample_step(logits, grammar, info, creqs, active, sched, toks, qs)
-        if temp is not None:  # (the verify computes those positions for real)
-            sched.allocator.free(temp)
         self.stats["spec_draft_forwards"] += forwards
         return self._collect(reqs, chain, chain_k, toks, qs, grammar), forwards
 

@@ -10,6 +10,9 @@ The simplest exact scheme: walk the matcher through the draft and roll it back.
 Per draft token that is two matcher steps on the host, the same kind of work plain decoding does
 per token; only requests with a grammar pay it. A draft model's chain (`ChainGrammar`) masks its
 q the same way, walking each depth's drafts before the next depth.
+A matcher that raises in `masker` or `ChainGrammar` is its request's own failure: `fail(req,
+exc, where)` records it (the step fails that request alone, speculative/isolation.py) and the
+other requests' rows are masked as before.
 """
 
 from __future__ import annotations
@@ -36,41 +39,55 @@ def truncate(req, draft: list[int]) -> list[int]:
 
 
 def masker(reqs: list, drafts: list[list[int]], offsets: list[int], rows: int,
-           masks: MaskBuffer) -> Callable[[torch.Tensor], None]:
-    """A function that masks the (rows, V) verify logits of the constrained requests in place."""
+           masks: MaskBuffer, fail: Callable) -> Callable[[torch.Tensor], None]:
+    """A function that masks the (rows, V) verify logits of the constrained requests in place.
+    A request whose matcher raises goes to `fail`; its rows are left unmasked (never kept)."""
     if not any(r.grammar is not None for r in reqs):
         return lambda logits: None
     bitmask = masks.get(rows)
     bitmask.fill_(-1)  # every token allowed on rows without a grammar (or after termination)
     constrained: list[int] = []
     for req, d, off in zip(reqs, drafts, offsets):
-        m = req.grammar
-        if m is None:
+        if req.grammar is None:
             continue
-        walked = 0
-        for j in range(len(d) + 1):
-            if m.is_terminated():  # a draft ended the grammar: rows after it are never kept
-                break
-            m.fill_next_token_bitmask(bitmask, off + j)
-            constrained.append(off + j)
-            if j < len(d):
-                accepted = m.accept_token(d[j])
-                assert accepted, "truncate() kept only drafts the grammar allows"
-                walked += 1
-        if walked:
-            m.rollback(walked)
+        try:
+            constrained += fill_rows(req, d, off, bitmask)
+        except Exception as e:
+            bitmask[off : off + len(d) + 1].fill_(-1)
+            fail(req, e, "its grammar's masks of its verify rows")
 
     return lambda logits: apply_bitmask_rows(logits, bitmask, constrained, masks.vocab_size)
+
+
+def fill_rows(req, d: list[int], off: int, bitmask: torch.Tensor) -> list[int]:
+    """Fill the masks of `req`'s verify rows off .. off + len(d) (its matcher walked along its
+    draft d and rolled back). Returns the rows it filled."""
+    m = req.grammar
+    walked = 0
+    rows = []
+    for j in range(len(d) + 1):
+        if m.is_terminated():  # a draft ended the grammar: rows after it are never kept
+            break
+        m.fill_next_token_bitmask(bitmask, off + j)
+        rows.append(off + j)
+        if j < len(d):
+            accepted = m.accept_token(d[j])
+            assert accepted, "truncate() kept only drafts the grammar allows"
+            walked += 1
+    if walked:
+        m.rollback(walked)
+    return rows
 
 
 class ChainGrammar:
     """Grammar masks along a draft model's chain (standalone.py), so its q is masked as the
     target's p will be: before depth j each constrained request's matcher has walked
     d_1..d_{j-1} (undone by `rollback`). A draft that ends its grammar ends its chain (`cut`:
-    drafts kept per chain request). Without grammars: nothing, no sync."""
+    drafts kept per chain request). Without grammars: nothing, no sync. A matcher that raises
+    goes to `fail` and ends its chain request's drafts (the request fails after the chain)."""
 
-    def __init__(self, creqs: list, masks: MaskBuffer):
-        self.creqs, self.masks = creqs, masks
+    def __init__(self, creqs: list, masks: MaskBuffer, fail: Callable):
+        self.creqs, self.masks, self.fail = creqs, masks, fail
         self.rows = [a for a, r in enumerate(creqs) if r.grammar is not None]
         self.cut = [1 << 30] * len(creqs)
         self.walked = [0] * len(creqs)
@@ -81,8 +98,12 @@ class ChainGrammar:
         if not live:
             return
         bitmask = self.masks.get(active)
-        for a in live:
-            self.creqs[a].grammar.fill_next_token_bitmask(bitmask, a)
+        for a in list(live):
+            try:
+                self.creqs[a].grammar.fill_next_token_bitmask(bitmask, a)
+            except Exception as e:
+                live.remove(a)
+                self._failed(a, e)
         apply_bitmask_rows(logits, bitmask, live, self.masks.vocab_size)
 
     def walk(self, tok: torch.Tensor, active: int) -> None:
@@ -93,15 +114,32 @@ class ChainGrammar:
         for a in self.rows:
             if a >= active or self.cut[a] <= self.walked[a]:
                 continue
-            m = self.creqs[a].grammar
-            ok = m.accept_token(toks[a])
-            assert ok, "the draft was sampled under the grammar's mask"
-            self.walked[a] += 1
-            if m.is_terminated():
-                self.cut[a] = self.walked[a]
+            try:
+                self.walk_row(a, toks[a])
+            except Exception as e:
+                self._failed(a, e)
+
+    def walk_row(self, a: int, tok: int) -> None:
+        """Chain request a's matcher accepts its draft `tok`."""
+        m = self.creqs[a].grammar
+        ok = m.accept_token(tok)
+        assert ok, "the draft was sampled under the grammar's mask"
+        self.walked[a] += 1
+        if m.is_terminated():
+            self.cut[a] = self.walked[a]
 
     def rollback(self) -> None:
         for a in self.rows:
-            if self.walked[a]:
-                self.creqs[a].grammar.rollback(self.walked[a])
-                self.walked[a] = 0
+            walked, self.walked[a] = self.walked[a], 0
+            if walked and self.cut[a] >= 0:
+                try:
+                    self.creqs[a].grammar.rollback(walked)
+                except Exception as e:
+                    self._failed(a, e)
+
+    def _failed(self, a: int, exc: BaseException) -> None:
+        """Chain request a's matcher raised: no drafts from it (cut -1: no more matcher calls,
+        not even a rollback: the request fails and its matcher goes with it)."""
+        if self.cut[a] >= 0:
+            self.fail(self.creqs[a], exc, "its grammar in the draft chain")
+        self.cut[a] = -1

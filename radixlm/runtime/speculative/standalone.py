@@ -33,7 +33,7 @@ import torch
 from radixlm.runtime.constrained.grammar import MaskBuffer
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.request import Req
-from radixlm.runtime.speculative import grammar_drafts
+from radixlm.runtime.speculative import grammar_drafts, isolation
 from radixlm.runtime.speculative.draft_runner import DraftKV, build_draft_runner
 from radixlm.runtime.speculative.rejection import sample_draft
 from radixlm.runtime.speculative.spec_config import SpecConfig
@@ -149,6 +149,9 @@ class StandaloneSpeculator(Speculator):
         F, depth = len(chain), max(chain_k, default=1)
         slots = kv.allocator.alloc(n_catch + sum(k - 1 for k in chain_k))
         assert slots is not None, "_plan fitted the draft pool"
+        # a failed chain (isolation.py) frees the slots it took and puts the states back
+        self.undo += [lambda: kv.allocator.free(slots),
+                      isolation.snapshot(states, "kv_len", "base", "chain")]
         ids, rows, pos, ends = [], [], [], {}
         for i in entries:
             st, req = states[i], reqs[i]
@@ -193,7 +196,8 @@ class StandaloneSpeculator(Speculator):
         c_grid = c_grid.view(F, depth - 1)
         creqs = [reqs[i] for i in chain]
         info = sched.running_info.take(chain)
-        grammar = grammar_drafts.ChainGrammar(creqs, self.masks)
+        grammar = grammar_drafts.ChainGrammar(creqs, self.masks, self.draft_failed)
+        self.undo.append(grammar.rollback)
         toks, qs = [], []
         for j in range(1, depth + 1):
             active = sum(1 for k in chain_k if k >= j)
@@ -248,6 +252,9 @@ class StandaloneSpeculator(Speculator):
             for a, i in enumerate(chain):
                 self._q_rows[id(reqs[i])] = [offs[j] + a for j in range(len(drafts[i]))]
         return drafts
+
+    def drop_draft(self) -> None:
+        self._q, self._q_rows, self._grid, self._grid_row = None, {}, None, {}
 
     # --- the verify's view and the aftermath ------------------------------------------------------
     def device_drafts(self, reqs: list[Req]) -> Optional[torch.Tensor]:

@@ -2,7 +2,7 @@
 
   draft    the drafter proposes each running request's draft, cut by its grammar and its
            length limits, its length picked by the adaptive policy (0: none): n-gram lookups
-           (NgramSpeculator here, ngram.py) or a draft model's chain (standalone.py)
+           (ngram_drafter.py) or a draft model's chain (standalone.py, eagle3.py)
   verify   no draft anywhere: the plain decode step (the scheduler's own code, unchanged).
            Otherwise one extend forward over [last token + drafts] of every request
            (verify.py) and one acceptance pass over all rows (rejection.py)
@@ -13,7 +13,8 @@
            b keeps the slots of the m_b tokens it appended (its kv_len grows by m_b), so the
            accounting free + tree + owned == capacity holds after every step
 One device -> host sync per verify (tokens and accept counts together); a draft model adds one
-for its drafts (standalone.py).
+for its drafts (standalone.py). A failure in drafting or an out-of-memory in the verify: see
+isolation.py.
 """
 
 from __future__ import annotations
@@ -24,25 +25,13 @@ from typing import Optional
 import torch
 
 from radixlm.runtime.request import Req
-from radixlm.runtime.speculative import grammar_drafts
-from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
-from radixlm.runtime.speculative.ngram import OwnIndex, SharedIndex, propose
+from radixlm.runtime.speculative import grammar_drafts, isolation
+from radixlm.runtime.speculative.adaptive import AdaptivePolicy
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.verify import build_verify, verify
 
 STAT_KEYS = ("spec_verify_steps", "spec_verify_reqs", "spec_verify_tokens", "spec_draft_tokens",
-             "spec_accepted_tokens")
-
-
-class DraftState:
-    """A request's n-gram drafting state (`Req.spec_draft`): its index and acceptance record."""
-
-    __slots__ = ("own", "record", "match")
-
-    def __init__(self, req: Req, cfg: SpecConfig, lazy: bool = False):
-        self.own = OwnIndex(req.vocab_input_ids(), cfg.min_match, cfg.max_match, lazy)
-        self.record = Acceptance()
-        self.match = 0  # suffix length of the current draft's match
+             "spec_accepted_tokens", "spec_draft_failures", "spec_verify_ooms")
 
 
 class Speculator:
@@ -60,6 +49,9 @@ class Speculator:
                                               and not sched.args.disable_overlap_schedule))
         # wants_verify's decision, its step, when it was made and for how many requests
         self._decided, self._wants, self._decided_at, self._batch = None, True, 0.0, 0
+        self.stats = sched.stats
+        self.undo: list = []  # what a failed draft() undoes (isolation.py)
+        self.failures: list = []  # (req, exception, where): failed in drafting, failed after it
         for key in STAT_KEYS:
             sched.stats[key] = 0
 
@@ -82,21 +74,39 @@ class Speculator:
         t0 = time.perf_counter()
         reqs = list(sched.running)
         drafts = [[] for _ in reqs]
-        if self.wants_verify(sched):
-            drafts = self.draft(sched, reqs)
+        if self.wants_verify(sched):  # (the requests whose drafting failed have left the batch)
+            reqs, drafts = isolation.draft_batch(self, sched, reqs)
+            if not reqs:
+                return []
         tokens = len(reqs) + sum(len(d) for d in drafts)
         if tokens > len(reqs) and sched.allocator.available_size() < tokens:
             # never evict cached prefixes for guesses
             drafts, tokens = [[] for _ in reqs], len(reqs)
+        ooms = sched.stats["spec_verify_ooms"]
         if tokens == len(reqs):
-            done = sched._complete_decode(sched._launch_decode(reqs))
-            self.settle(reqs, [0] * len(reqs))
+            done = self.no_draft_step(sched, reqs)
         else:
             done = self._verify(sched, reqs, drafts)
+        if sched.stats["spec_verify_ooms"] != ooms:  # (its time is no verify's cost)
+            return done
         # the target's part of the step: a draft model's forwards are timed on their own
         self.policy.observe_step(tokens, time.perf_counter() - t0 - self.draft_elapsed(),
                                  len(reqs) if tokens > len(reqs) else None)
         return done
+
+    def no_draft_step(self, sched, reqs: list[Req]) -> list[Req]:
+        """The step of `reqs` (== sched.running) without drafts: the scheduler's plain decode."""
+        step = sched._launch_decode(reqs)
+        done = [] if step is None else sched._complete_decode(step)  # None: an OOM failed them
+        self.settle(reqs, [0] * len(reqs))
+        return done
+
+    def draft_failed(self, req: Req, exc: BaseException, where: str) -> None:
+        """`req`'s own drafting raised: it fails once the batch's drafting is done."""
+        self.failures.append((req, exc, where))
+
+    def drop_draft(self) -> None:
+        """Forget this step's drafts (the verify will not run): what a drafter keeps for it."""
 
     # --- what a drafter provides ------------------------------------------------------------------
     def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
@@ -149,13 +159,21 @@ class Speculator:
         fb, plan = build_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
                                 sched.device, self.device_drafts(breqs),
                                 as_decode=sched.runner.replays_decode_graph(rows))
-        logits = sched.runner.forward(fb)  # (R, V) float32
-        sched.stats["forward_steps"] += 1
-        mask = grammar_drafts.masker(breqs, bdrafts, plan.offsets, plan.num_rows, sched.masks)
-        lp_reqs = [r for r in reqs if r.return_logprob]
-        res = verify(logits, plan, sched.running_info, sched.sampler, mask, bool(lp_reqs),
-                     max((r.top_logprobs_num for r in lp_reqs), default=0),
-                     self.draft_probs(plan))
+        try:
+            logits = sched.runner.forward(fb)  # (R, V) float32
+            sched.stats["forward_steps"] += 1
+            mask = grammar_drafts.masker(breqs, bdrafts, plan.offsets, plan.num_rows,
+                                         sched.masks, self.draft_failed)
+            lp_reqs = [r for r in reqs if r.return_logprob]
+            res = verify(logits, plan, sched.running_info, sched.sampler, mask, bool(lp_reqs),
+                         max((r.top_logprobs_num for r in lp_reqs), default=0),
+                         self.draft_probs(plan))
+        except torch.cuda.OutOfMemoryError as e:  # again without drafts, or the batch fails
+            if sched.args.tp_size > 1:  # the other ranks are in the same collective
+                raise
+            return isolation.verify_oom(self, sched, reqs, plan, e)
+        masked_out = {id(r): (e, f"the verify ({where})") for r, e, where in self.failures}
+        self.failures = []
 
         kept_kv = [-1] * len(breqs)  # per batch row b: KV rows it keeps (-1: gone)
         free: list[int] = []  # rows of plan.slots whose tokens were not kept
@@ -167,6 +185,10 @@ class Speculator:
         for b, req in enumerate(breqs):
             k, off = len(bdrafts[b]), plan.offsets[b]
             state = req.spec_draft  # (a finish below hands it to on_finish)
+            if id(req) in masked_out:  # its grammar's masks failed: all of its rows go back
+                free.extend(range(off, off + k + 1))
+                sched._fail_request(req, *masked_out[id(req)])
+                continue
             try:
                 m, alive = _append(sched, req, res.tokens[b], plan.kv_lens[b], res.logprobs, off)
             except Exception as e:  # its own tokens' handling: it fails alone (isolation.py)
@@ -202,75 +224,6 @@ class Speculator:
         sched._retire(reqs, keep)
         self.settle(reqs, accepted)
         return reqs
-
-
-LOOKUP_BUILD = 256  # prompt tokens a lookup indexes (~0.8 ms) before it gives up for the step
-IDLE_BUDGET_S = 0.0015  # host time `idle_work` spends per overlapped step
-MAX_PENDING_FINISHED = 256  # finished outputs waiting for the shared table (oldest dropped)
-
-
-class NgramSpeculator(Speculator):
-    """Where a skipped step overlaps (a GPU), the n-gram tables are built off the critical path:
-    a request's prompt is indexed by `idle_work` while a step is in flight (a lookup indexes
-    at most LOOKUP_BUILD tokens and drafts nothing until its prompt is done), and a finished
-    request's output joins the shared table there too. Elsewhere both happen when needed."""
-
-    def __init__(self, cfg: SpecConfig, sched):
-        super().__init__(cfg, sched)
-        self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
-        self.lazy = self.policy.fast_skips
-        self.finished: list[tuple[list[int], int]] = []  # (prompt + output, prompt length)
-
-    def idle_work(self, sched) -> None:
-        """Index what the next lookups need, for at most IDLE_BUDGET_S (a step is in flight)."""
-        deadline = time.perf_counter() + IDLE_BUDGET_S
-        while self.finished and time.perf_counter() < deadline:
-            self.shared.add(*self.finished.pop(0))
-        for req in sched.running:
-            if time.perf_counter() >= deadline:
-                return
-            if req.spec_draft is None:
-                req.spec_draft = DraftState(req, self.cfg, lazy=True)
-            own = req.spec_draft.own
-            while not own.ready and time.perf_counter() < deadline:
-                own.build(64)
-
-    def draft(self, sched, reqs: list[Req]) -> list[list[int]]:
-        drafts = [self._lookup(req, sched.context_len) for req in reqs]
-        ks = self.policy.choose([r.spec_draft.record for r in reqs], [len(d) for d in drafts],
-                                [r.spec_draft.match for r in reqs], verify_rows(sched))
-        return [d[:k] for d, k in zip(drafts, ks)]
-
-    def on_finish(self, req: Req) -> None:
-        """A request is done: its output's n-grams join the shared table; its index goes."""
-        state = req.spec_draft
-        if state is None:
-            return
-        own = state.own
-        prompt = own.prompt if own.prompt is not None else own.tokens[: own.n_prompt]
-        item = (prompt + list(req.output_ids), own.n_prompt)
-        req.spec_draft = None
-        if not self.lazy:
-            self.shared.add(*item)
-            return
-        self.finished.append(item)
-        if len(self.finished) > MAX_PENDING_FINISHED:
-            self.finished.pop(0)
-
-    def _lookup(self, req: Req, context_len: int) -> list[int]:
-        state = req.spec_draft
-        if state is None:
-            state = req.spec_draft = DraftState(req, self.cfg, self.lazy)
-        if not state.own.ready:
-            state.own.build(LOOKUP_BUILD)
-            if not state.own.ready:  # the rest next step (or in idle_work)
-                state.match = 0
-                return []
-        state.own.sync(req.output_ids, req.jumps)
-        # a verify appends up to k + 1 tokens: within max_new_tokens and the context
-        draft, state.match = propose(state.own, self.shared, draft_room(req, self.cfg.max_draft,
-                                                                        context_len))
-        return grammar_drafts.truncate(req, draft)
 
 
 def draft_room(req: Req, max_draft: int, context_len: int) -> int:
