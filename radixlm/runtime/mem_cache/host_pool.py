@@ -1,24 +1,33 @@
 """L2: the host-memory KV pool, and the copies between it and the device pool (L1).
 
-`HostKVPool.kv` is (layers, 2 [K, V], capacity + 1, KV heads, head dim) in the device pool's dtype,
+`HostKVPool.kv` is (capacity + 1, layers, 2 [K, V], KV heads, head dim) in the device pool's dtype,
 indexed by host slot (slot 0 unused, as on the device); its slots come from its own
-`TokenSlotAllocator`. Layer-major, so one layer's K and V of a run of slots gather into one
-contiguous (2, n, H, D) block: the unit a per-layer copy moves. On the CPU it is a second RAM pool
-(lazily mapped, like the device pool); on CUDA it is pinned, so copies are DMA.
+`TokenSlotAllocator`. Slot-major: a slot's K and V of every layer lie together, so a run of
+consecutive host slots is ONE contiguous block (run length x token_bytes), the unit a copy moves.
+(It was layer-major until 2026-11-27: a run cost 2 x layers copies of a few hundred KB each, and an
+H200 host loaded at ~13 GB/s effective where PCIe 5 moves ~50 GB/s in large copies.) On the CPU it
+is a second RAM pool (lazily mapped, like the device pool); on CUDA it is pinned, so copies are
+DMA. Store pages (file format 3) are the same layout: a page's bytes are its host rows.
+
+The device pool stays layer-major (its kernels read one layer's K or V at a time); KVPool keeps it
+in one tensor so that `slot_view()` gathers or scatters a run of slots of all layers in one kernel.
 
 `KVMover` does the copies:
 - CPU: synchronous index copies (the forward runs after them on the same thread).
-- CUDA: on its own stream. A load (host -> device) copies each run of consecutive host slots up
-  by DMA from the pinned pool (a scattered load gathers the rows into a pinned staging block
-  first) and scatters it into the device slots, recording one event per layer; the next forward's
-  attention waits, at each layer, for that layer's event only (`LayerWaitingBackend`), so layer
-  l's load overlaps layers < l of the forward. A backup (device -> host) gathers on the copy
-  stream after the compute stream's pending work and copies each run straight into the host rows
-  (a scattered one into pinned staging, landed in the rows by `complete()`); `complete()` runs
-  before any host read or write and waits for the copies in flight, and the compute stream waits
-  for a backup before a freed device slot can be written again (`guard_device_reuse`). Loads and
-  backups share the one copy stream, so a backup into slots that a queued load still reads
-  runs after it.
+- CUDA: on its own stream. A load (host -> device) DMAs each run of consecutive host slots into a
+  device staging block (n, layers, 2, H, D) (a scattered load gathers the rows into a pinned
+  staging block on the CPU first, then one DMA), then waits for the compute stream (the device
+  slots may have been freed by evictions whose readers are still queued: the DMA into staging
+  touches none, so it overlaps that work) and scatters the block into the device slots with one
+  kernel; the next forward's attention waits, at its first layer, for that event
+  (`LayerWaitingBackend`; every layer's event is the load's one). Staging is bounded
+  (STAGING_BYTES): a longer load goes in chunks. A backup (device -> host) gathers on the copy
+  stream after the compute stream's pending work (one kernel) and DMAs each run straight into the
+  host rows (a scattered one into pinned staging, landed in the rows by `complete()`);
+  `complete()` runs before any host read or write and waits for the copies in flight, and the
+  compute stream waits for a backup before a freed device slot can be written again
+  (`guard_device_reuse`). Loads and backups share the one copy stream, so a backup into slots
+  that a queued load still reads runs after it.
 """
 
 from __future__ import annotations
@@ -33,21 +42,21 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool, zeros_lazy
 
 
 # A copy whose host slots form at most this many runs of consecutive slots moves each run by DMA
-# straight from / to the pinned pool (2 x layers x runs copies); a more scattered one goes through
-# a pinned staging block gathered on the CPU. The host allocator hands out and frees whole nodes'
-# slots, so runs are long: a 5k-token load of an 8B model is 640 MB, ~0.1 s of CPU gather.
+# straight from / to the pinned pool (one copy a run); a more scattered one goes through a pinned
+# staging block gathered (or landed) on the CPU, then one DMA.
 MAX_DIRECT_RUNS = 8
-# ... or more runs when they average at least this many tokens: a run costs 2 x layers DMA calls
-# (~4 us each to issue), gathering costs every byte once more on the scheduler's thread (an 8B
-# model's token is 128 KiB: 16 tokens ~0.3 ms at 8 GB/s). Multi-turn chats come back in one run
-# per turn and answer; with the 8-run limit their loads were gathered on the CPU, and an H200
-# host loaded 196 GB in a 53 s run at ~7 GB/s (1.23x over recomputing everything).
-MIN_RUN_TOKENS = 16
+# ... or more runs when they average at least this many bytes: a DMA costs ~5-10 us to issue and
+# set up, the CPU gather costs every byte once more on the scheduler's thread (~8 GB/s: 64 KiB
+# ~8 us). An 8B model's token is 128 KiB, so its runs always go direct.
+MIN_RUN_BYTES = 64 << 10
+# Device staging of one chunk of a load or backup: large enough that each DMA runs at PCIe speed
+# (a 128 MiB copy is ~2.5 ms at 50 GB/s), small enough to fit beside a full KV pool.
+STAGING_BYTES = 128 << 20
 
 
-def direct_runs(idx: torch.Tensor) -> Optional[list[tuple[int, int, int]]]:
+def direct_runs(idx: torch.Tensor, token_bytes: int) -> Optional[list[tuple[int, int, int]]]:
     """idx's runs (contiguous_runs) when a copy of them by DMA beats gathering them first."""
-    return contiguous_runs(idx, max(MAX_DIRECT_RUNS, idx.numel() // MIN_RUN_TOKENS))
+    return contiguous_runs(idx, max(MAX_DIRECT_RUNS, idx.numel() * token_bytes // MIN_RUN_BYTES))
 
 
 def contiguous_runs(idx: torch.Tensor, max_runs: int) -> Optional[list[tuple[int, int, int]]]:
@@ -64,72 +73,82 @@ def contiguous_runs(idx: torch.Tensor, max_runs: int) -> Optional[list[tuple[int
     return [(a, first, b - a) for a, b, first in zip(starts, starts[1:] + [n], firsts)]
 
 
+def split_runs(runs: list[tuple[int, int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The parts of runs (offset, first slot, length) inside offsets [lo, hi), offsets from lo."""
+    out = []
+    for off, first, length in runs:
+        a, b = max(off, lo), min(off + length, hi)
+        if a < b:
+            out.append((a - lo, first + a - off, b - a))
+    return out
+
+
 class HostKVPool:
     def __init__(self, capacity: int, device_pool: KVPool, device: torch.device):
+        if getattr(device_pool, "kind", "mha") != "mha":
+            raise ValueError("the host pool holds K/V heads; an MLA latent pool is not supported")
         heads, head_dim = device_pool.k_buffers[0].shape[1:]
         self.num_layers = device_pool.num_layers
         self.dtype = device_pool.dtype
         self.capacity = capacity
         self.pinned = device.type == "cuda"
-        shape = (self.num_layers, 2, capacity + 1, heads, head_dim)
+        shape = (capacity + 1, self.num_layers, 2, heads, head_dim)
         self.kv = (torch.empty(shape, dtype=self.dtype, pin_memory=True) if self.pinned
                    else zeros_lazy(shape, self.dtype, "cpu"))
         self.allocator = TokenSlotAllocator(capacity, "cpu")
         self.token_bytes = KVPool.bytes_per_token(self.num_layers, heads, head_dim, self.dtype)
 
     def block_shape(self, n: int) -> tuple[int, ...]:
-        """Shape of n tokens' KV gathered out of the pool: (layers, 2, n, H, D)."""
-        return (self.num_layers, 2, n) + tuple(self.kv.shape[3:])
+        """Shape of n tokens' KV gathered out of the pool (and of a stored page): (n, L, 2, H, D)."""
+        return (n,) + tuple(self.kv.shape[1:])
 
 
 class KVMover:
     def __init__(self, device_pool: KVPool, host: HostKVPool, device: torch.device):
         self.dev, self.host, self.device = device_pool, host, device
+        self.slots = device_pool.slot_view()  # (capacity + 1, L, 2, H, D) view of the device pool
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.chunk = max(1, STAGING_BYTES // host.token_bytes)  # tokens per staging chunk
         self._backups: deque = deque()  # (pinned staging, host slots, event), in issue order
-        self._staged_loads: deque = deque()  # (pinned staging, last event): alive until copied
-        self._direct_loads: deque = deque()  # last events of loads that read the host rows
+        self._staged_loads: deque = deque()  # (pinned staging, event): alive until copied
+        self._direct_loads: deque = deque()  # events of loads that read the host rows
         self._last_backup = None
         self._layer_events: Optional[list] = None
+
+    def _gather(self, dev_idx: torch.Tensor) -> torch.Tensor:
+        """(n, L, 2, H, D) contiguous copy of device slots dev_idx: one kernel."""
+        return self.slots.index_select(0, dev_idx)
+
+    def _scatter(self, dev_idx: torch.Tensor, block: torch.Tensor) -> None:
+        self.slots.index_copy_(0, dev_idx, block)
 
     # --- device -> host ------------------------------------------------------------------------
     def to_host(self, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
         """Copy the KV at device slots dev_idx (n,) into host slots host_idx (n,)."""
         kv = self.host.kv
         if not self.cuda:
-            for layer in range(self.host.num_layers):
-                kv[layer, 0].index_copy_(0, host_idx, self.dev.k_buffers[layer].index_select(0, dev_idx))
-                kv[layer, 1].index_copy_(0, host_idx, self.dev.v_buffers[layer].index_select(0, dev_idx))
+            kv.index_copy_(0, host_idx, self._gather(dev_idx))
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV's forwards first
-        runs = direct_runs(host_idx)
-        if runs is not None:  # straight into the pinned host rows: no staging, no CPU copy
-            with torch.cuda.stream(self.stream):
-                for layer in range(self.host.num_layers):
-                    for i, buf in ((0, self.dev.k_buffers[layer]), (1, self.dev.v_buffers[layer])):
-                        rows = buf.index_select(0, dev_idx)  # (n, H, D)
-                        for off, start, length in runs:
-                            kv[layer, i, start:start + length].copy_(rows[off:off + length],
-                                                                     non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            dev_idx.record_stream(self.stream)
-            self._backups.append((None, None, event))
-            self._last_backup = event
-            return
-        staging = torch.empty(self.host.block_shape(host_idx.numel()), dtype=kv.dtype,
-                              pin_memory=True)
+        runs = direct_runs(host_idx, self.host.token_bytes)
+        n = host_idx.numel()
+        staging = None
+        if runs is None:
+            staging = torch.empty(self.host.block_shape(n), dtype=kv.dtype, pin_memory=True)
         with torch.cuda.stream(self.stream):
-            for layer in range(self.host.num_layers):
-                staging[layer, 0].copy_(self.dev.k_buffers[layer].index_select(0, dev_idx),
-                                        non_blocking=True)
-                staging[layer, 1].copy_(self.dev.v_buffers[layer].index_select(0, dev_idx),
-                                        non_blocking=True)
+            for lo in range(0, n, self.chunk):
+                hi = min(n, lo + self.chunk)
+                block = self._gather(dev_idx[lo:hi])  # on the copy stream, freed back to it
+                if staging is not None:
+                    staging[lo:hi].copy_(block, non_blocking=True)
+                    continue
+                for off, start, length in split_runs(runs, lo, hi):  # straight into the rows
+                    kv[start:start + length].copy_(block[off:off + length], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         dev_idx.record_stream(self.stream)
-        self._backups.append((staging, host_idx, event))
+        self._backups.append((staging, None if staging is None else host_idx, event))
         self._last_backup = event
 
     def backups_in_flight(self) -> bool:
@@ -154,7 +173,7 @@ class KVMover:
             staging, host_idx, event = self._backups.popleft()
             event.synchronize()
             if staging is not None:  # direct backups are in the host rows already
-                self.host.kv.index_copy_(2, host_idx, staging)
+                self.host.kv.index_copy_(0, host_idx, staging)
         while self._staged_loads and self._staged_loads[0][1].query():
             self._staged_loads.popleft()
 
@@ -162,54 +181,47 @@ class KVMover:
     def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
         """Copy host slots host_idx (n,) into device slots dev_idx (n,). On CUDA asynchronous: the
         next forward must be handed `take_layer_events()`."""
-        if not self.cuda or any(staging is not None for staging, _, _ in self._backups):
+        if not self.cuda:
+            self._scatter(dev_idx, self.host.kv.index_select(0, host_idx))
+            return
+        if any(staging is not None for staging, _, _ in self._backups):
             self.complete()  # a gathered backup lands in its host rows on the CPU: first
         while self._staged_loads and self._staged_loads[0][1].query():
             self._staged_loads.popleft()
         # (not waiting for earlier loads: this one only reads host rows, and the one copy stream
         # orders it after them and after the direct backups, which DMA into the rows themselves)
-        if not self.cuda:
-            kv = self.host.kv
-            for layer in range(self.host.num_layers):
-                self.dev.k_buffers[layer].index_copy_(0, dev_idx, kv[layer, 0].index_select(0, host_idx))
-                self.dev.v_buffers[layer].index_copy_(0, dev_idx, kv[layer, 1].index_select(0, host_idx))
-            return
-        # the slots may have been freed by evictions whose readers are still queued
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        runs = direct_runs(host_idx)
-        if runs is not None:  # DMA from the pinned host rows themselves: no CPU gather
-            kv, events, n = self.host.kv, [], host_idx.numel()
-            with torch.cuda.stream(self.stream):
-                for layer in range(self.host.num_layers):
-                    for i, buf in ((0, self.dev.k_buffers[layer]), (1, self.dev.v_buffers[layer])):
-                        # each run's rows DMA'd into one device block (n, H, D), scattered
-                        # into the slots by one index_copy (allocated on the copy stream)
-                        up = torch.empty((n, *buf.shape[1:]), dtype=buf.dtype, device=self.device)
-                        for off, start, length in runs:
-                            up[off:off + length].copy_(kv[layer, i, start:start + length],
-                                                       non_blocking=True)
-                        buf.index_copy_(0, dev_idx, up)
-                    events.append(torch.cuda.Event())
-                    events[-1].record(self.stream)
-            dev_idx.record_stream(self.stream)
-            self._direct_loads.append(events[-1])
-            self._layer_events = events
-            return
-        staging = torch.empty(self.host.block_shape(host_idx.numel()), dtype=self.host.dtype,
-                              pin_memory=True)
-        torch.index_select(self.host.kv, 2, host_idx, out=staging)  # (L, 2, n, H, D)
-        events = []
+        kv, n = self.host.kv, host_idx.numel()
+        runs = direct_runs(host_idx, self.host.token_bytes)
+        staging = None
+        if runs is None:  # scattered: gathered on the CPU into pinned memory, then one DMA
+            staging = torch.empty(self.host.block_shape(n), dtype=kv.dtype, pin_memory=True)
+            torch.index_select(kv, 0, host_idx, out=staging)
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
-            for layer in range(self.host.num_layers):
-                block = staging[layer].to(self.device, non_blocking=True)  # (2, n, H, D)
-                self.dev.k_buffers[layer].index_copy_(0, dev_idx, block[0])
-                self.dev.v_buffers[layer].index_copy_(0, dev_idx, block[1])
-                events.append(torch.cuda.Event())
-                events[-1].record(self.stream)
+            for lo in range(0, n, self.chunk):
+                hi = min(n, lo + self.chunk)
+                up = torch.empty(self.host.block_shape(hi - lo), dtype=kv.dtype, device=self.device)
+                if staging is not None:
+                    up.copy_(staging[lo:hi], non_blocking=True)
+                else:
+                    for off, start, length in split_runs(runs, lo, hi):
+                        up[off:off + length].copy_(kv[start:start + length], non_blocking=True)
+                if lo == 0:
+                    # the device slots may have been freed by evictions whose readers are still
+                    # queued: the scatter waits for them; the DMA above touches no slot, so it
+                    # overlaps them
+                    self.stream.wait_stream(compute)
+                self._scatter(dev_idx[lo:hi], up)
+            event = torch.cuda.Event()
+            event.record(self.stream)
         dev_idx.record_stream(self.stream)
-        self._staged_loads.append((staging, events[-1]))
-        # one copy stream: the last load's event l implies every earlier load is done too
-        self._layer_events = events
+        if staging is None:
+            self._direct_loads.append(event)
+        else:
+            self._staged_loads.append((staging, event))
+        # one copy stream: this load's event implies every earlier load is done too; the layers
+        # all wait for it (a slot-major run moves every layer in one copy)
+        self._layer_events = [event] * self.host.num_layers
 
     def take_layer_events(self) -> Optional[list]:
         events, self._layer_events = self._layer_events, None
@@ -217,20 +229,18 @@ class KVMover:
 
     # --- host rows for storage -------------------------------------------------------------------
     def read_host(self, host_idx: torch.Tensor) -> torch.Tensor:
-        """(L, 2, n, H, D) copy of host slots host_idx."""
+        """(n, L, 2, H, D) copy of host slots host_idx."""
         self.complete()
-        return self.host.kv.index_select(2, host_idx)
+        return self.host.kv.index_select(0, host_idx)
 
     def write_host(self, host_idx: torch.Tensor, block: torch.Tensor) -> None:
-        """block (L, 2, n, H, D) -> host slots host_idx."""
+        """block (n, L, 2, H, D) -> host slots host_idx."""
         self.complete()
-        self.host.kv.index_copy_(2, host_idx, block)
+        self.host.kv.index_copy_(0, host_idx, block)
 
     def read_device(self, dev_idx: torch.Tensor) -> torch.Tensor:
-        """(L, 2, n, H, D) host copy of device slots dev_idx (synchronous)."""
-        k = torch.stack([b.index_select(0, dev_idx) for b in self.dev.k_buffers])
-        v = torch.stack([b.index_select(0, dev_idx) for b in self.dev.v_buffers])
-        return torch.stack((k, v), dim=1).cpu()
+        """(n, L, 2, H, D) host copy of device slots dev_idx (synchronous)."""
+        return self._gather(dev_idx).cpu()
 
 
 class LayerWaitingBackend:
