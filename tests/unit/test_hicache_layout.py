@@ -139,3 +139,22 @@ def test_the_host_pool_refuses_mla():
     pool = MLAKVPool(8, 2, 16, 4, torch.float32, CPU)
     with pytest.raises(ValueError, match="MLA"):
         HostKVPool(16, pool, CPU)
+
+
+def test_rows_land_from_a_misaligned_buffer():
+    """A store page read into a bytearray need not be 8-byte aligned: it lands by the dtype's own
+    copy instead of as words, with the same bits."""
+    pool, host, mover, gen = _pools(torch.bfloat16)
+    want = _random_bits(host.block_shape(5), torch.bfloat16, gen)
+    raw = bytearray(want.numel() * 2 + 2)
+    block = torch.frombuffer(raw, dtype=torch.uint8)[2:].view(torch.bfloat16).view(want.shape)
+    block.copy_(want)
+    assert block.data_ptr() % 8 != 0
+    idx = torch.tensor([9, 10, 11, 40, 2])
+    host.put_rows(idx, block)
+    assert torch.equal(_bits(host.rows(idx)), _bits(want))
+    out = torch.frombuffer(bytearray(want.numel() * 2 + 2), dtype=torch.uint8)[2:]
+    assert torch.equal(_bits(host.rows(idx, out=out.view(torch.bfloat16).view(want.shape))),
+                       _bits(want))
+    mover.to_device(idx, torch.arange(1, 6))
+    assert torch.equal(_bits(_device_rows(pool, torch.arange(1, 6))), _bits(want))

@@ -194,7 +194,7 @@ class PageReader:
             return None
         page = decode_page(payload, self.host.block_shape(self.page), self.host.dtype)
         # (P, L, 2, H, D) into the op's own slots: no other thread reads or writes these rows
-        self.host.kv.index_copy_(0, op.slots[j * self.page:(j + 1) * self.page], page)
+        self.host.put_rows(op.slots[j * self.page:(j + 1) * self.page], page)
         return len(payload)
 
     def _read_ahead(self, job: "_Job") -> None:

@@ -203,7 +203,7 @@ class PageWriter:
             lo, hi = max(a, off), min(b, off + n)
             if lo < hi:
                 if seg.dim() == 1:  # host slots: gathered now, under their pins
-                    parts.append(self.host.kv.index_select(0, seg[lo - off:hi - off]))
+                    parts.append(self.host.rows(seg[lo - off:hi - off]))
                 else:
                     parts.append(seg[lo - off:hi - off])
             off += n
