@@ -16,14 +16,18 @@ in one tensor so that `slot_view()` gathers or scatters a run of slots of all la
 - CPU: synchronous index copies (the forward runs after them on the same thread).
 - CUDA: on its own stream. A load (host -> device) DMAs each run of consecutive host slots into a
   device staging block (n, layers, 2, H, D) (a scattered load gathers the rows into a pinned
-  staging block on the CPU first, then one DMA), then waits for the compute stream (the device
-  slots may have been freed by evictions whose readers are still queued: the DMA into staging
-  touches none, so it overlaps that work) and scatters the block into the device slots with one
-  kernel; the next forward's attention waits, at its first layer, for that event
-  (`LayerWaitingBackend`; every layer's event is the load's one). Staging is bounded
-  (STAGING_BYTES): a longer load goes in chunks. A backup (device -> host) gathers on the copy
-  stream after the compute stream's pending work (one kernel) and DMAs each run straight into the
-  host rows (a scattered one into pinned staging, landed in the rows by `complete()`);
+  staging block on the CPU first, then one DMA), records an event, and the compute stream waits
+  for it and scatters the block into the device slots with one kernel: the copy stream never
+  waits for compute on a load, so the DMAs of every load of a round overlap the work queued
+  before them, and the forward that follows on the compute stream is ordered after the scatter
+  (no per-layer events; with the layer-major pool, layer l's copies were awaited by layer l).
+  Staging blocks awaiting their scatter are bounded (STAGING_BYTES); past that a load goes in
+  chunks whose scatters run on the copy stream after it waits for the compute stream (evictions'
+  readers of the device slots may still be queued), and the next forward's attention waits for
+  that load's event at its first layer (`LayerWaitingBackend`). A backup (device -> host)
+  gathers on the copy stream after the compute stream's pending work (one kernel a chunk) and
+  DMAs each run straight into the host rows (a scattered one into pinned staging, landed in the
+  rows by `complete()`);
   `complete()` runs before any host read or write and waits for the copies in flight, and the
   compute stream waits for a backup before a freed device slot can be written again
   (`guard_device_reuse`). Loads and backups share the one copy stream, so a backup into slots
@@ -49,9 +53,12 @@ MAX_DIRECT_RUNS = 8
 # set up, the CPU gather costs every byte once more on the scheduler's thread (~8 GB/s: 64 KiB
 # ~8 us). An 8B model's token is 128 KiB, so its runs always go direct.
 MIN_RUN_BYTES = 64 << 10
-# Device staging of one chunk of a load or backup: large enough that each DMA runs at PCIe speed
-# (a 128 MiB copy is ~2.5 ms at 50 GB/s), small enough to fit beside a full KV pool.
-STAGING_BYTES = 128 << 20
+# Device staging: loads whose blocks await their scatter on the compute stream hold at most this
+# much (a longer load, or one past the budget, goes in chunks of this size through copy-stream
+# memory that is reused at once); also the chunk of a backup's gather. Large enough for a long
+# chat's history (4k tokens of an 8B model) in one DMA a run, small beside the activations'
+# share of device memory (1 - mem_fraction_static).
+STAGING_BYTES = 512 << 20
 
 
 def direct_runs(idx: torch.Tensor, token_bytes: int) -> Optional[list[tuple[int, int, int]]]:
@@ -143,12 +150,15 @@ class KVMover:
             self.slot_words, self.host_words = device_pool.slot_view(), host.kv
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.staging_bytes = STAGING_BYTES
         self.chunk = max(1, STAGING_BYTES // host.token_bytes)  # tokens per staging chunk
         self._backups: deque = deque()  # (pinned staging, host slots, event), in issue order
         self._staged_loads: deque = deque()  # (pinned staging, event): alive until copied
         self._direct_loads: deque = deque()  # events of loads that read the host rows
         self._last_backup = None
         self._layer_events: Optional[list] = None
+        # loads scattered on the compute stream: (event after the scatter, staging bytes)
+        self._compute_staged: deque = deque()
 
     def _gather(self, dev_idx: torch.Tensor) -> torch.Tensor:
         """(n, L, 2, H, D) contiguous copy of device slots dev_idx: one kernel."""
@@ -223,7 +233,8 @@ class KVMover:
     # --- host -> device ------------------------------------------------------------------------
     def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
         """Copy host slots host_idx (n,) into device slots dev_idx (n,). On CUDA asynchronous: the
-        next forward must be handed `take_layer_events()`."""
+        next forward must be handed `take_layer_events()` (events only for a chunked load; a
+        load scattered on the compute stream is ordered before the forward already)."""
         kv, n = self.host.kv, host_idx.numel()
         runs = direct_runs(host_idx, self.host.token_bytes)
         if not self.cuda:  # each run scattered straight from its host rows, no block in between
@@ -246,31 +257,55 @@ class KVMover:
             staging = torch.empty(self.host.block_shape(n), dtype=kv.dtype, pin_memory=True)
             self.host.rows(host_idx, out=staging)
         compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
-            for lo in range(0, n, self.chunk):
-                hi = min(n, lo + self.chunk)
-                up = torch.empty(self.host.block_shape(hi - lo), dtype=kv.dtype, device=self.device)
-                if staging is not None:
-                    up.copy_(staging[lo:hi], non_blocking=True)
-                else:
-                    for off, start, length in split_runs(runs, lo, hi):
-                        up[off:off + length].copy_(kv[start:start + length], non_blocking=True)
-                if lo == 0:
-                    # the device slots may have been freed by evictions whose readers are still
-                    # queued: the scatter waits for them; the DMA above touches no slot, so it
-                    # overlaps them
-                    self.stream.wait_stream(compute)
-                self._scatter(dev_idx[lo:hi], up)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        dev_idx.record_stream(self.stream)
+        while self._compute_staged and self._compute_staged[0][0].query():
+            self._compute_staged.popleft()
+        nbytes = n * self.host.token_bytes
+        if nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
+            # DMA on the copy stream, scatter on the compute stream: the copy stream never waits
+            # for compute, so the DMAs of every load of a round overlap the work queued before
+            # them, and the forward, queued after the scatter, needs no event of its own
+            with torch.cuda.stream(self.stream):
+                up = self._dma_up(runs, staging, 0, n)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            compute.wait_event(event)
+            up.record_stream(compute)  # its memory waits for the scatter before reuse
+            self._scatter(dev_idx, up)
+            done = torch.cuda.Event()
+            done.record(compute)
+            self._compute_staged.append((done, nbytes))
+        else:  # past the staging budget: chunks through copy-stream memory, reused at once
+            with torch.cuda.stream(self.stream):
+                for lo in range(0, n, self.chunk):
+                    hi = min(n, lo + self.chunk)
+                    up = self._dma_up(runs, staging, lo, hi)
+                    if lo == 0:
+                        # the device slots may have been freed by evictions whose readers are
+                        # still queued: the scatter waits for them; the DMA above touches no
+                        # slot, so it overlaps them
+                        self.stream.wait_stream(compute)
+                    self._scatter(dev_idx[lo:hi], up)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            dev_idx.record_stream(self.stream)
+            # one copy stream: this load's event implies every earlier load is done too; every
+            # layer waits for it (a slot-major run moves all layers in one copy)
+            self._layer_events = [event] * self.host.num_layers
         if staging is None:
-            self._direct_loads.append(event)
+            self._direct_loads.append(event)  # (the DMAs' end: host rows read)
         else:
             self._staged_loads.append((staging, event))
-        # one copy stream: this load's event implies every earlier load is done too; the layers
-        # all wait for it (a slot-major run moves every layer in one copy)
-        self._layer_events = [event] * self.host.num_layers
+
+    def _dma_up(self, runs, staging, lo: int, hi: int) -> torch.Tensor:
+        """Copy stream: rows [lo, hi) of a load into a new device block, from the pinned staging
+        block or run by run from the host rows."""
+        up = torch.empty(self.host.block_shape(hi - lo), dtype=self.host.dtype, device=self.device)
+        if staging is not None:
+            up.copy_(staging[lo:hi], non_blocking=True)
+        else:
+            for off, start, length in split_runs(runs, lo, hi):
+                up[off:off + length].copy_(self.host.kv[start:start + length], non_blocking=True)
+        return up
 
     def take_layer_events(self) -> Optional[list]:
         events, self._layer_events = self._layer_events, None
