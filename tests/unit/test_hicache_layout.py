@@ -158,3 +158,59 @@ def test_rows_land_from_a_misaligned_buffer():
                        _bits(want))
     mover.to_device(idx, torch.arange(1, 6))
     assert torch.equal(_bits(_device_rows(pool, torch.arange(1, 6))), _bits(want))
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _FakeStream:
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_cuda_paths_move_the_right_rows(monkeypatch, chunked):
+    """The CUDA branches of KVMover (DMA run by run, the pinned staging of a scattered copy,
+    chunks that cut runs, the compute-stream scatter) run here with streams and events faked:
+    every copy is synchronous, so this checks which rows go where, not the streams' ordering
+    (tests/gpu/test_hicache_gpu.py does that on a GPU)."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    pool, host, mover, gen = _pools(torch.bfloat16, capacity=400, host_capacity=400)
+    mover.cuda, mover.stream = True, _FakeStream()
+    host.kv.copy_(_random_bits(host.kv.shape, torch.bfloat16, gen))
+    if chunked:  # no staging budget: loads go in chunks of 25 tokens on the copy stream
+        mover.staging_bytes, mover.chunk = 0, 25
+    for name, host_idx in _layouts(gen).items():
+        n = host_idx.numel()
+        want = host.kv[host_idx].clone()
+        a = torch.randperm(200, generator=gen)[:n] + 1
+        b = torch.randperm(200, generator=gen)[:n] + 201
+        mover.to_device(host_idx, a)
+        mover.to_device(host_idx, b)
+        events = mover.take_layer_events()
+        assert (events is not None) == chunked, name
+        back = host_idx.flip(0)  # a backup into the rows a load read (staged when scattered)
+        mover.to_host(a, back)
+        mover.complete()
+        for slots in (a, b):
+            assert torch.equal(_bits(_device_rows(pool, slots)), _bits(want)), name
+        assert torch.equal(_bits(host.kv[back]), _bits(want)), name
