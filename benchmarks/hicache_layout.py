@@ -5,7 +5,8 @@ alternated so that a loaded machine slows both alike. One JSON line per arm to s
 benchmarks/results/hicache_layout-<cpu|gpu>.jsonl with --save).
 
     python benchmarks/hicache_layout.py                       # CPU: 8B shape, 16 runs x 128
-    python benchmarks/hicache_layout.py --device cuda --runs 16 32 --run-tokens 64 1536
+    python benchmarks/hicache_layout.py --device cuda --runs 16 32 --run-tokens 64 1536 \
+        --baseline-file old_host_pool.py   # a copy without git history
 
 The baseline's KVMover runs on this checkout's device pool (its k_buffers are views of one tensor
 now; each is still a contiguous (capacity + 1, H, D) buffer, as the old mover expects)."""
@@ -33,9 +34,13 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool  # noqa: E402
 MODULE = "radixlm/runtime/mem_cache/host_pool.py"
 
 
-def load_baseline(rev: str):
-    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{MODULE}"], check=True,
-                         capture_output=True, text=True).stdout
+def load_baseline(rev: str, path=None):
+    """The old host_pool module: from a file (a machine without the git history), else git."""
+    if path is not None:
+        src = open(path).read()
+    else:
+        src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{MODULE}"], check=True,
+                             capture_output=True, text=True).stdout
     spec = importlib.util.spec_from_loader("baseline_host_pool", loader=None)
     mod = importlib.util.module_from_spec(spec)
     exec(compile(src, f"{rev}:{MODULE}", "exec"), mod.__dict__)
@@ -65,6 +70,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--baseline", default="5ead5ac",
                     help="git revision of the old host pool (5ead5ac: the last layer-major one)")
+    ap.add_argument("--baseline-file", help="the old host_pool.py itself (`git show "
+                    "5ead5ac:radixlm/runtime/mem_cache/host_pool.py > FILE`), where git is not")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -77,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    old_host_pool = load_baseline(args.baseline)
+    old_host_pool = load_baseline(args.baseline, args.baseline_file)
     need = max(r * t for r in args.runs for t in args.run_tokens)
     capacity = 2 * need + 64  # runs spaced by a gap, so they stay separate runs
     pool = KVPool(capacity, args.layers, args.kv_heads, args.head_dim, dtype, device)
@@ -89,8 +96,7 @@ def main() -> None:
     token_bytes = movers["new"].host.token_bytes
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
-    base = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.baseline],
-                          capture_output=True, text=True).stdout.strip()
+    base = args.baseline if args.baseline_file is None else f"{args.baseline} (file)"
     lines = []
     for runs in args.runs:
         for run_tokens in args.run_tokens:
