@@ -51,7 +51,8 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool, zeros_lazy
 MAX_DIRECT_RUNS = 8
 # ... or more runs when they average at least this many bytes: a DMA costs ~5-10 us to issue and
 # set up, the CPU gather costs every byte once more on the scheduler's thread (~8 GB/s: 64 KiB
-# ~8 us). An 8B model's token is 128 KiB, so its runs always go direct.
+# ~8 us; both estimates, not measured here). An 8B model's token is 128 KiB, so its runs always
+# go direct.
 MIN_RUN_BYTES = 64 << 10
 # Device staging: loads whose blocks await their scatter on the compute stream hold at most this
 # much (a longer load, or one past the budget, goes in chunks of this size through copy-stream
