@@ -75,43 +75,55 @@ def test_tiers_on_cuda_match_the_plain_engine(tiny_llama_path, tmp_path):
     assert all(d["storage"] > 0 for d in details.values()), details
 
 
-@pytest.mark.parametrize("layout", ["one_run", "many_runs", "scattered"])
+@pytest.mark.parametrize("layout", ["one_run", "many_runs", "scattered", "chunked"])
 def test_mover_loads_and_backs_up_any_slot_layout(layout):
-    """KVMover on CUDA: host rows -> device slots and back, for one run of host slots, 24 runs of
-    20 (the direct DMA path past MAX_DIRECT_RUNS) and a random scatter (the CPU gather path),
-    with loads queued back to back (no wait between them) and a backup in between."""
+    """KVMover on CUDA, slot-major host pool: host rows -> device slots and back, bit for bit (bf16
+    random bits, so NaN payloads too), for one run of host slots, 24 runs of 20 (the direct DMA
+    path past MAX_DIRECT_RUNS), a random scatter (the CPU gather into pinned staging), and runs
+    cut across staging chunks (a chunk of 90 tokens); loads queued back to back (no wait between
+    them) and a backup in between."""
     from radixlm.runtime.mem_cache import host_pool
     from radixlm.runtime.mem_cache.host_pool import HostKVPool, KVMover
     from radixlm.runtime.mem_cache.kv_pool import KVPool
 
     dev = torch.device("cuda")
-    pool = KVPool(2048, 3, 2, 8, torch.float32, dev)
+    pool = KVPool(2048, 3, 8, 64, torch.bfloat16, dev)  # 6 KiB a token: 20-token runs go by DMA
     host = HostKVPool(2048, pool, dev)
     mover = KVMover(pool, host, dev)
+    if layout == "chunked":
+        mover.staging_bytes = 0  # no load scattered on the compute stream: chunks of 90 tokens,
+        mover.chunk = 90  # cutting runs of 20 (at offsets 80..100, 180..200, ...)
     gen = torch.Generator().manual_seed(0)
-    host.kv.copy_(torch.randn(host.kv.shape, generator=gen))
+    host.kv.view(torch.int16).copy_(torch.randint(-2**15, 2**15 - 1, host.kv.shape, generator=gen,
+                                                  dtype=torch.int16))
     n = 480
     if layout == "one_run":
         host_idx = torch.arange(100, 100 + n)
-    elif layout == "many_runs":
+    elif layout in ("many_runs", "chunked"):
         host_idx = torch.cat([torch.arange(s, s + 20) for s in range(1, 1 + 24 * 70, 70)])
-        assert host_pool.direct_runs(host_idx) is not None
+        assert host_pool.direct_runs(host_idx, host.token_bytes) is not None
     else:
         host_idx = torch.randperm(2047, generator=gen)[:n] + 1
-        assert host_pool.direct_runs(host_idx) is None
-    expect = host.kv[:, :, host_idx].clone()  # (L, 2, n, H, D)
+        assert host_pool.direct_runs(host_idx, host.token_bytes) is None
+    expect = host.kv[host_idx].clone().view(torch.int16)  # (n, L, 2, H, D)
     dev_a = (torch.randperm(1000, generator=gen)[:n] + 1).to(dev)
     dev_b = (torch.randperm(1000, generator=gen)[:n] + 1001).to(dev)
     mover.to_device(host_idx, dev_a)
     mover.to_device(host_idx, dev_b)  # queued right behind the first
-    events = mover.take_layer_events()  # the second load's, one a layer
-    assert events is not None and len(events) == pool.num_layers
+    events = mover.take_layer_events()  # a chunked load's: one a layer (the same event)
+    if layout == "chunked":
+        assert events is not None and len(events) == pool.num_layers
+        torch.cuda.current_stream().wait_event(events[0])  # as the forward's first layer does
+    else:  # scattered on the compute stream: the forward is ordered after it already
+        assert events is None
     back = torch.arange(1, n + 1) + 1500 if layout != "scattered" else host_idx.flip(0)
     mover.to_host(dev_a, back)  # and a backup of the first into other host rows
     mover.complete()
     torch.cuda.synchronize()
     for layer in range(pool.num_layers):
         for slots in (dev_a, dev_b):
-            assert torch.equal(pool.k_buffers[layer][slots].cpu(), expect[layer, 0])
-            assert torch.equal(pool.v_buffers[layer][slots].cpu(), expect[layer, 1])
-        assert torch.equal(host.kv[layer, :, back], expect[layer])
+            assert torch.equal(pool.k_buffers[layer][slots].cpu().view(torch.int16),
+                               expect[:, layer, 0])
+            assert torch.equal(pool.v_buffers[layer][slots].cpu().view(torch.int16),
+                               expect[:, layer, 1])
+    assert torch.equal(host.kv[back].view(torch.int16), expect)

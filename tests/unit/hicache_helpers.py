@@ -113,6 +113,6 @@ def check_contents(cache, pool) -> None:
             if child.value is not None:
                 assert torch.equal(pool.k_buffers[0][child.value, 0, 0], want), child
             if child.host_value is not None:
-                host = cache.host.kv[0, :, child.host_value, 0, 0]  # (2, n)
+                host = cache.host.kv[child.host_value, 0, :, 0, 0].T  # (2, n)
                 assert torch.equal(host[0], want) and torch.equal(host[1], -want), child
             stack.append((child, path))

@@ -287,7 +287,7 @@ class PrefetchMachine(TieredMachine):
             for j in range(op.released, op.landed):
                 a = (op.first + j) * page
                 want = torch.tensor([kv_value(tokens[:p + 1]) for p in range(a, a + page)])
-                got = self.cache.host.kv[0, :, op.slots[j * page:(j + 1) * page], 0, 0]
+                got = self.cache.host.kv[op.slots[j * page:(j + 1) * page], 0, :, 0, 0].T  # (2, P)
                 assert torch.equal(got[0], want) and torch.equal(got[1], -want), op
 
 

@@ -80,7 +80,8 @@ def test_restart_finds_pages_past_the_tree(tmp_path):
     cache.check_integrity()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "foreign", "header", "format1"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "foreign", "header", "format1",
+                                    "format2"])
 def test_bad_page_is_never_served(tmp_path, damage):
     cache, pool, alloc = make_tiered(storage_dir=str(tmp_path))
     put(cache, pool, alloc, SEQ)
@@ -101,6 +102,8 @@ def test_bad_page_is_never_served(tmp_path, damage):
         data = open(files[0][1], "rb").read()
     elif damage == "format1":  # a page of the BLAKE2b format: another layout, not served
         data = b"RLMKVPG1" + data[8:]
+    elif damage == "format2":  # the layer-major payload of the old host layout: same length
+        data = b"RLMKVPG2" + data[8:]
     else:
         data = b"NOTAPAGE" + data[8:]
     open(second, "wb").write(data)

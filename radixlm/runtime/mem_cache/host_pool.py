@@ -1,24 +1,37 @@
 """L2: the host-memory KV pool, and the copies between it and the device pool (L1).
 
-`HostKVPool.kv` is (layers, 2 [K, V], capacity + 1, KV heads, head dim) in the device pool's dtype,
+`HostKVPool.kv` is (capacity + 1, layers, 2 [K, V], KV heads, head dim) in the device pool's dtype,
 indexed by host slot (slot 0 unused, as on the device); its slots come from its own
-`TokenSlotAllocator`. Layer-major, so one layer's K and V of a run of slots gather into one
-contiguous (2, n, H, D) block: the unit a per-layer copy moves. On the CPU it is a second RAM pool
-(lazily mapped, like the device pool); on CUDA it is pinned, so copies are DMA.
+`TokenSlotAllocator`. Slot-major: a slot's K and V of every layer lie together, so a run of
+consecutive host slots is ONE contiguous block (run length x token_bytes), the unit a copy moves.
+(It was layer-major until 2026-11-27: a run cost 2 x layers copies of a few hundred KB each, and an
+H200 host loaded at ~13 GB/s effective where PCIe 5 moves ~50 GB/s in large copies.) On the CPU it
+is a second RAM pool (lazily mapped, like the device pool); on CUDA it is pinned, so copies are
+DMA. Store pages (file format 3) are the same layout: a page's bytes are its host rows.
+
+The device pool stays layer-major (its kernels read one layer's K or V at a time); KVPool keeps it
+in one tensor so that `slot_view()` gathers or scatters a run of slots of all layers in one kernel.
 
 `KVMover` does the copies:
 - CPU: synchronous index copies (the forward runs after them on the same thread).
-- CUDA: on its own stream. A load (host -> device) copies each run of consecutive host slots up
-  by DMA from the pinned pool (a scattered load gathers the rows into a pinned staging block
-  first) and scatters it into the device slots, recording one event per layer; the next forward's
-  attention waits, at each layer, for that layer's event only (`LayerWaitingBackend`), so layer
-  l's load overlaps layers < l of the forward. A backup (device -> host) gathers on the copy
-  stream after the compute stream's pending work and copies each run straight into the host rows
-  (a scattered one into pinned staging, landed in the rows by `complete()`); `complete()` runs
-  before any host read or write and waits for the copies in flight, and the compute stream waits
-  for a backup before a freed device slot can be written again (`guard_device_reuse`). Loads and
-  backups share the one copy stream, so a backup into slots that a queued load still reads
-  runs after it.
+- CUDA: on its own stream. A load (host -> device) DMAs each run of consecutive host slots into a
+  device staging block (n, layers, 2, H, D) (a scattered load gathers the rows into a pinned
+  staging block on the CPU first, then one DMA), records an event, and the compute stream waits
+  for it and scatters the block into the device slots with one kernel: the copy stream never
+  waits for compute on a load, so the DMAs of every load of a round overlap the work queued
+  before them, and the forward that follows on the compute stream is ordered after the scatter
+  (no per-layer events; with the layer-major pool, layer l's copies were awaited by layer l).
+  Staging blocks awaiting their scatter are bounded (STAGING_BYTES); past that a load goes in
+  chunks whose scatters run on the copy stream after it waits for the compute stream (evictions'
+  readers of the device slots may still be queued), and the next forward's attention waits for
+  that load's event at its first layer (`LayerWaitingBackend`). A backup (device -> host)
+  gathers on the copy stream after the compute stream's pending work (one kernel a chunk) and
+  DMAs each run straight into the host rows (a scattered one into pinned staging, landed in the
+  rows by `complete()`);
+  `complete()` runs before any host read or write and waits for the copies in flight, and the
+  compute stream waits for a backup before a freed device slot can be written again
+  (`guard_device_reuse`). Loads and backups share the one copy stream, so a backup into slots
+  that a queued load still reads runs after it.
 """
 
 from __future__ import annotations
@@ -33,21 +46,25 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool, zeros_lazy
 
 
 # A copy whose host slots form at most this many runs of consecutive slots moves each run by DMA
-# straight from / to the pinned pool (2 x layers x runs copies); a more scattered one goes through
-# a pinned staging block gathered on the CPU. The host allocator hands out and frees whole nodes'
-# slots, so runs are long: a 5k-token load of an 8B model is 640 MB, ~0.1 s of CPU gather.
+# straight from / to the pinned pool (one copy a run); a more scattered one goes through a pinned
+# staging block gathered (or landed) on the CPU, then one DMA.
 MAX_DIRECT_RUNS = 8
-# ... or more runs when they average at least this many tokens: a run costs 2 x layers DMA calls
-# (~4 us each to issue), gathering costs every byte once more on the scheduler's thread (an 8B
-# model's token is 128 KiB: 16 tokens ~0.3 ms at 8 GB/s). Multi-turn chats come back in one run
-# per turn and answer; with the 8-run limit their loads were gathered on the CPU, and an H200
-# host loaded 196 GB in a 53 s run at ~7 GB/s (1.23x over recomputing everything).
-MIN_RUN_TOKENS = 16
+# ... or more runs when they average at least this many bytes: a DMA costs ~5-10 us to issue and
+# set up, the CPU gather costs every byte once more on the scheduler's thread (~8 GB/s: 64 KiB
+# ~8 us; both estimates, not measured here). An 8B model's token is 128 KiB, so its runs always
+# go direct.
+MIN_RUN_BYTES = 64 << 10
+# Device staging: loads whose blocks await their scatter on the compute stream hold at most this
+# much (a longer load, or one past the budget, goes in chunks of this size through copy-stream
+# memory that is reused at once); also the chunk of a backup's gather. Large enough for a long
+# chat's history (4k tokens of an 8B model) in one DMA a run, small beside the activations'
+# share of device memory (1 - mem_fraction_static).
+STAGING_BYTES = 512 << 20
 
 
-def direct_runs(idx: torch.Tensor) -> Optional[list[tuple[int, int, int]]]:
+def direct_runs(idx: torch.Tensor, token_bytes: int) -> Optional[list[tuple[int, int, int]]]:
     """idx's runs (contiguous_runs) when a copy of them by DMA beats gathering them first."""
-    return contiguous_runs(idx, max(MAX_DIRECT_RUNS, idx.numel() // MIN_RUN_TOKENS))
+    return contiguous_runs(idx, max(MAX_DIRECT_RUNS, idx.numel() * token_bytes // MIN_RUN_BYTES))
 
 
 def contiguous_runs(idx: torch.Tensor, max_runs: int) -> Optional[list[tuple[int, int, int]]]:
@@ -64,72 +81,128 @@ def contiguous_runs(idx: torch.Tensor, max_runs: int) -> Optional[list[tuple[int
     return [(a, first, b - a) for a, b, first in zip(starts, starts[1:] + [n], firsts)]
 
 
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as 8-byte words along its last dim, when its row bytes allow: a gather or scatter
+    kernel moves one element a thread, so bf16 KV copied as int64 takes 4x fewer (bit-exact)."""
+    if (t.element_size() < 8 and (t.shape[-1] * t.element_size()) % 8 == 0
+            and t.data_ptr() % 8 == 0 and t.stride(-1) == 1):
+        return t.view(torch.int64)
+    return t
+
+
+def split_runs(runs: list[tuple[int, int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The parts of runs (offset, first slot, length) inside offsets [lo, hi), offsets from lo."""
+    out = []
+    for off, first, length in runs:
+        a, b = max(off, lo), min(off + length, hi)
+        if a < b:
+            out.append((a - lo, first + a - off, b - a))
+    return out
+
+
 class HostKVPool:
     def __init__(self, capacity: int, device_pool: KVPool, device: torch.device):
+        if getattr(device_pool, "kind", "mha") != "mha":
+            raise ValueError("the host pool holds K/V heads; an MLA latent pool is not supported")
         heads, head_dim = device_pool.k_buffers[0].shape[1:]
         self.num_layers = device_pool.num_layers
         self.dtype = device_pool.dtype
         self.capacity = capacity
         self.pinned = device.type == "cuda"
-        shape = (self.num_layers, 2, capacity + 1, heads, head_dim)
+        shape = (capacity + 1, self.num_layers, 2, heads, head_dim)
         self.kv = (torch.empty(shape, dtype=self.dtype, pin_memory=True) if self.pinned
                    else zeros_lazy(shape, self.dtype, "cpu"))
         self.allocator = TokenSlotAllocator(capacity, "cpu")
         self.token_bytes = KVPool.bytes_per_token(self.num_layers, heads, head_dim, self.dtype)
 
+        self.words = as_words(self.kv)  # the same memory as 8-byte words (see as_words)
+
     def block_shape(self, n: int) -> tuple[int, ...]:
-        """Shape of n tokens' KV gathered out of the pool: (layers, 2, n, H, D)."""
-        return (self.num_layers, 2, n) + tuple(self.kv.shape[3:])
+        """Shape of n tokens' KV gathered out of the pool (and of a stored page): (n, L, 2, H, D)."""
+        return (n,) + tuple(self.kv.shape[1:])
+
+    def rows(self, idx: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(n, L, 2, H, D) copy of host slots idx (into `out` when given)."""
+        if out is None:
+            return self.words.index_select(0, idx).view(self.dtype)
+        words = as_words(out)
+        if words.dtype == self.words.dtype:
+            torch.index_select(self.words, 0, idx, out=words)
+        else:
+            torch.index_select(self.kv, 0, idx, out=out)
+        return out
+
+    def put_rows(self, idx: torch.Tensor, block: torch.Tensor) -> None:
+        """block (n, L, 2, H, D) -> host slots idx."""
+        words = as_words(block)  # (a page read into a bytearray may not be 8-byte aligned)
+        if words.dtype == self.words.dtype:
+            self.words.index_copy_(0, idx, words)
+        else:
+            self.kv.index_copy_(0, idx, block)
 
 
 class KVMover:
     def __init__(self, device_pool: KVPool, host: HostKVPool, device: torch.device):
         self.dev, self.host, self.device = device_pool, host, device
+        # (capacity + 1, L, 2, H, D) view of the device pool, and the host pool, as words
+        # (as_words) when both can be (the CPU paths copy between the two directly)
+        self.slot_words, self.host_words = as_words(device_pool.slot_view()), host.words
+        if self.slot_words.dtype != self.host_words.dtype:
+            self.slot_words, self.host_words = device_pool.slot_view(), host.kv
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.staging_bytes = STAGING_BYTES
+        self.chunk = max(1, STAGING_BYTES // host.token_bytes)  # tokens per staging chunk
         self._backups: deque = deque()  # (pinned staging, host slots, event), in issue order
-        self._staged_loads: deque = deque()  # (pinned staging, last event): alive until copied
-        self._direct_loads: deque = deque()  # last events of loads that read the host rows
+        self._staged_loads: deque = deque()  # (pinned staging, event): alive until copied
+        self._direct_loads: deque = deque()  # events of loads that read the host rows
         self._last_backup = None
         self._layer_events: Optional[list] = None
+        # loads scattered on the compute stream: (event after the scatter, staging bytes)
+        self._compute_staged: deque = deque()
+
+    def _gather(self, dev_idx: torch.Tensor) -> torch.Tensor:
+        """(n, L, 2, H, D) contiguous copy of device slots dev_idx: one kernel."""
+        return self.slot_words.index_select(0, dev_idx).view(self.host.dtype)
+
+    def _scatter(self, dev_idx: torch.Tensor, block: torch.Tensor) -> None:
+        """block (n, L, 2, H, D) -> device slots dev_idx: one kernel."""
+        words = as_words(block)
+        if words.dtype == self.slot_words.dtype:
+            self.slot_words.index_copy_(0, dev_idx, words)
+        else:
+            self.slot_words.view(self.host.dtype).index_copy_(0, dev_idx, block)
 
     # --- device -> host ------------------------------------------------------------------------
     def to_host(self, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
         """Copy the KV at device slots dev_idx (n,) into host slots host_idx (n,)."""
         kv = self.host.kv
-        if not self.cuda:
-            for layer in range(self.host.num_layers):
-                kv[layer, 0].index_copy_(0, host_idx, self.dev.k_buffers[layer].index_select(0, dev_idx))
-                kv[layer, 1].index_copy_(0, host_idx, self.dev.v_buffers[layer].index_select(0, dev_idx))
+        runs = direct_runs(host_idx, self.host.token_bytes)
+        n = host_idx.numel()
+        if not self.cuda:  # each run gathered straight into its host rows, no block in between
+            if runs is None:
+                self.host.put_rows(host_idx, self._gather(dev_idx))
+            for off, start, length in runs or ():
+                torch.index_select(self.slot_words, 0, dev_idx[off:off + length],
+                                   out=self.host_words[start:start + length])
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV's forwards first
-        runs = direct_runs(host_idx)
-        if runs is not None:  # straight into the pinned host rows: no staging, no CPU copy
-            with torch.cuda.stream(self.stream):
-                for layer in range(self.host.num_layers):
-                    for i, buf in ((0, self.dev.k_buffers[layer]), (1, self.dev.v_buffers[layer])):
-                        rows = buf.index_select(0, dev_idx)  # (n, H, D)
-                        for off, start, length in runs:
-                            kv[layer, i, start:start + length].copy_(rows[off:off + length],
-                                                                     non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            dev_idx.record_stream(self.stream)
-            self._backups.append((None, None, event))
-            self._last_backup = event
-            return
-        staging = torch.empty(self.host.block_shape(host_idx.numel()), dtype=kv.dtype,
-                              pin_memory=True)
+        staging = None
+        if runs is None:
+            staging = torch.empty(self.host.block_shape(n), dtype=kv.dtype, pin_memory=True)
         with torch.cuda.stream(self.stream):
-            for layer in range(self.host.num_layers):
-                staging[layer, 0].copy_(self.dev.k_buffers[layer].index_select(0, dev_idx),
-                                        non_blocking=True)
-                staging[layer, 1].copy_(self.dev.v_buffers[layer].index_select(0, dev_idx),
-                                        non_blocking=True)
+            for lo in range(0, n, self.chunk):
+                hi = min(n, lo + self.chunk)
+                block = self._gather(dev_idx[lo:hi])  # on the copy stream, freed back to it
+                if staging is not None:
+                    staging[lo:hi].copy_(block, non_blocking=True)
+                    continue
+                for off, start, length in split_runs(runs, lo, hi):  # straight into the rows
+                    kv[start:start + length].copy_(block[off:off + length], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         dev_idx.record_stream(self.stream)
-        self._backups.append((staging, host_idx, event))
+        self._backups.append((staging, None if staging is None else host_idx, event))
         self._last_backup = event
 
     def backups_in_flight(self) -> bool:
@@ -154,62 +227,86 @@ class KVMover:
             staging, host_idx, event = self._backups.popleft()
             event.synchronize()
             if staging is not None:  # direct backups are in the host rows already
-                self.host.kv.index_copy_(2, host_idx, staging)
+                self.host.put_rows(host_idx, staging)
         while self._staged_loads and self._staged_loads[0][1].query():
             self._staged_loads.popleft()
 
     # --- host -> device ------------------------------------------------------------------------
     def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
         """Copy host slots host_idx (n,) into device slots dev_idx (n,). On CUDA asynchronous: the
-        next forward must be handed `take_layer_events()`."""
-        if not self.cuda or any(staging is not None for staging, _, _ in self._backups):
-            self.complete()  # a gathered backup lands in its host rows on the CPU: first
+        next forward must be handed `take_layer_events()` (events only for a chunked load; a
+        load scattered on the compute stream is ordered before the forward already)."""
+        kv, n = self.host.kv, host_idx.numel()
+        runs = direct_runs(host_idx, self.host.token_bytes)
+        if not self.cuda:  # each run scattered straight from its host rows, no block in between
+            if runs is None:
+                self._scatter(dev_idx, self.host.rows(host_idx))
+            for off, start, length in runs or ():
+                self.slot_words.index_copy_(0, dev_idx[off:off + length],
+                                            self.host_words[start:start + length])
+            return
+        # a gathered backup lands in its host rows on the CPU, and a scattered load reads them
+        # on the CPU: either waits for the backups in flight first
+        if self._backups and (runs is None or any(b[0] is not None for b in self._backups)):
+            self.complete()
         while self._staged_loads and self._staged_loads[0][1].query():
             self._staged_loads.popleft()
-        # (not waiting for earlier loads: this one only reads host rows, and the one copy stream
-        # orders it after them and after the direct backups, which DMA into the rows themselves)
-        if not self.cuda:
-            kv = self.host.kv
-            for layer in range(self.host.num_layers):
-                self.dev.k_buffers[layer].index_copy_(0, dev_idx, kv[layer, 0].index_select(0, host_idx))
-                self.dev.v_buffers[layer].index_copy_(0, dev_idx, kv[layer, 1].index_select(0, host_idx))
-            return
-        # the slots may have been freed by evictions whose readers are still queued
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        runs = direct_runs(host_idx)
-        if runs is not None:  # DMA from the pinned host rows themselves: no CPU gather
-            kv, events, n = self.host.kv, [], host_idx.numel()
+        # (a load by DMA waits for no earlier copy: it only reads host rows, and the one copy
+        # stream orders it after earlier loads and the direct backups into those rows)
+        staging = None
+        if runs is None:  # scattered: gathered on the CPU into pinned memory, then one DMA
+            staging = torch.empty(self.host.block_shape(n), dtype=kv.dtype, pin_memory=True)
+            self.host.rows(host_idx, out=staging)
+        compute = torch.cuda.current_stream(self.device)
+        while self._compute_staged and self._compute_staged[0][0].query():
+            self._compute_staged.popleft()
+        nbytes = n * self.host.token_bytes
+        if nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
+            # DMA on the copy stream, scatter on the compute stream: the copy stream never waits
+            # for compute, so the DMAs of every load of a round overlap the work queued before
+            # them, and the forward, queued after the scatter, needs no event of its own
             with torch.cuda.stream(self.stream):
-                for layer in range(self.host.num_layers):
-                    for i, buf in ((0, self.dev.k_buffers[layer]), (1, self.dev.v_buffers[layer])):
-                        # each run's rows DMA'd into one device block (n, H, D), scattered
-                        # into the slots by one index_copy (allocated on the copy stream)
-                        up = torch.empty((n, *buf.shape[1:]), dtype=buf.dtype, device=self.device)
-                        for off, start, length in runs:
-                            up[off:off + length].copy_(kv[layer, i, start:start + length],
-                                                       non_blocking=True)
-                        buf.index_copy_(0, dev_idx, up)
-                    events.append(torch.cuda.Event())
-                    events[-1].record(self.stream)
+                up = self._dma_up(runs, staging, 0, n)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            compute.wait_event(event)
+            up.record_stream(compute)  # its memory waits for the scatter before reuse
+            self._scatter(dev_idx, up)
+            done = torch.cuda.Event()
+            done.record(compute)
+            self._compute_staged.append((done, nbytes))
+        else:  # past the staging budget: chunks through copy-stream memory, reused at once
+            with torch.cuda.stream(self.stream):
+                for lo in range(0, n, self.chunk):
+                    hi = min(n, lo + self.chunk)
+                    up = self._dma_up(runs, staging, lo, hi)
+                    if lo == 0:
+                        # the device slots may have been freed by evictions whose readers are
+                        # still queued: the scatter waits for them; the DMA above touches no
+                        # slot, so it overlaps them
+                        self.stream.wait_stream(compute)
+                    self._scatter(dev_idx[lo:hi], up)
+                event = torch.cuda.Event()
+                event.record(self.stream)
             dev_idx.record_stream(self.stream)
-            self._direct_loads.append(events[-1])
-            self._layer_events = events
-            return
-        staging = torch.empty(self.host.block_shape(host_idx.numel()), dtype=self.host.dtype,
-                              pin_memory=True)
-        torch.index_select(self.host.kv, 2, host_idx, out=staging)  # (L, 2, n, H, D)
-        events = []
-        with torch.cuda.stream(self.stream):
-            for layer in range(self.host.num_layers):
-                block = staging[layer].to(self.device, non_blocking=True)  # (2, n, H, D)
-                self.dev.k_buffers[layer].index_copy_(0, dev_idx, block[0])
-                self.dev.v_buffers[layer].index_copy_(0, dev_idx, block[1])
-                events.append(torch.cuda.Event())
-                events[-1].record(self.stream)
-        dev_idx.record_stream(self.stream)
-        self._staged_loads.append((staging, events[-1]))
-        # one copy stream: the last load's event l implies every earlier load is done too
-        self._layer_events = events
+            # one copy stream: this load's event implies every earlier load is done too; every
+            # layer waits for it (a slot-major run moves all layers in one copy)
+            self._layer_events = [event] * self.host.num_layers
+        if staging is None:
+            self._direct_loads.append(event)  # (the DMAs' end: host rows read)
+        else:
+            self._staged_loads.append((staging, event))
+
+    def _dma_up(self, runs, staging, lo: int, hi: int) -> torch.Tensor:
+        """Copy stream: rows [lo, hi) of a load into a new device block, from the pinned staging
+        block or run by run from the host rows."""
+        up = torch.empty(self.host.block_shape(hi - lo), dtype=self.host.dtype, device=self.device)
+        if staging is not None:
+            up.copy_(staging[lo:hi], non_blocking=True)
+        else:
+            for off, start, length in split_runs(runs, lo, hi):
+                up[off:off + length].copy_(self.host.kv[start:start + length], non_blocking=True)
+        return up
 
     def take_layer_events(self) -> Optional[list]:
         events, self._layer_events = self._layer_events, None
@@ -217,20 +314,18 @@ class KVMover:
 
     # --- host rows for storage -------------------------------------------------------------------
     def read_host(self, host_idx: torch.Tensor) -> torch.Tensor:
-        """(L, 2, n, H, D) copy of host slots host_idx."""
+        """(n, L, 2, H, D) copy of host slots host_idx."""
         self.complete()
-        return self.host.kv.index_select(2, host_idx)
+        return self.host.rows(host_idx)
 
     def write_host(self, host_idx: torch.Tensor, block: torch.Tensor) -> None:
-        """block (L, 2, n, H, D) -> host slots host_idx."""
+        """block (n, L, 2, H, D) -> host slots host_idx."""
         self.complete()
-        self.host.kv.index_copy_(2, host_idx, block)
+        self.host.put_rows(host_idx, block)
 
     def read_device(self, dev_idx: torch.Tensor) -> torch.Tensor:
-        """(L, 2, n, H, D) host copy of device slots dev_idx (synchronous)."""
-        k = torch.stack([b.index_select(0, dev_idx) for b in self.dev.k_buffers])
-        v = torch.stack([b.index_select(0, dev_idx) for b in self.dev.v_buffers])
-        return torch.stack((k, v), dim=1).cpu()
+        """(n, L, 2, H, D) host copy of device slots dev_idx (synchronous)."""
+        return self._gather(dev_idx).cpu()
 
 
 class LayerWaitingBackend:

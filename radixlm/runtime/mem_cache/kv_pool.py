@@ -3,7 +3,9 @@
 Slot 0 is scratch (padding writes land there); real slots are 1..capacity, handed out by
 `TokenSlotAllocator`. Two kinds (`kind`), one per attention family:
 - `KVPool` ("mha"): per layer, K and V buffers: k_buffers[layer], v_buffers[layer]:
-  (capacity + 1, H_kv, D).
+  (capacity + 1, H_kv, D), each contiguous. They are views of one tensor `kv` (layers, 2, capacity
+  + 1, H_kv, D), so that `slot_view()` can index every layer's K and V of a slot at once: the host
+  pool's copies gather or scatter a run of slots with one kernel instead of one per layer.
 - `MLAKVPool` ("mla", DeepSeek's multi-head latent attention): per layer ONE buffer of the
   compressed latent, latent_buffers[layer]: (capacity + 1, 1, kv_lora_rank + rope_dim): the
   normalized c_kv (kv_lora_rank) then the rotated shared rope key (rope_dim). K and V of every
@@ -42,9 +44,13 @@ class KVPool:
         self.capacity = capacity
         self.num_layers = num_layers
         self.dtype = dtype
-        shape = (capacity + 1, num_kv_heads, head_dim)
-        self.k_buffers = [zeros_lazy(shape, dtype, device) for _ in range(num_layers)]
-        self.v_buffers = [zeros_lazy(shape, dtype, device) for _ in range(num_layers)]
+        self.kv = zeros_lazy((num_layers, 2, capacity + 1, num_kv_heads, head_dim), dtype, device)
+        self.k_buffers = [self.kv[layer, 0] for layer in range(num_layers)]
+        self.v_buffers = [self.kv[layer, 1] for layer in range(num_layers)]
+
+    def slot_view(self) -> torch.Tensor:
+        """(capacity + 1, layers, 2, H_kv, D): the pool indexed by slot first (a strided view)."""
+        return self.kv.permute(2, 0, 1, 3, 4)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

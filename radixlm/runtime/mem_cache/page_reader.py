@@ -193,8 +193,8 @@ class PageReader:
         if payload is None:
             return None
         page = decode_page(payload, self.host.block_shape(self.page), self.host.dtype)
-        # (L, 2, P, H, D) into the op's own slots: no other thread reads or writes these rows
-        self.host.kv.index_copy_(2, op.slots[j * self.page:(j + 1) * self.page], page)
+        # (P, L, 2, H, D) into the op's own slots: no other thread reads or writes these rows
+        self.host.put_rows(op.slots[j * self.page:(j + 1) * self.page], page)
         return len(payload)
 
     def _read_ahead(self, job: "_Job") -> None:
@@ -240,7 +240,7 @@ class _Job:
 
 
 def decode_page(payload, page_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A page's bytes -> its (L, 2, P, H, D) tensor: a view of the payload when it is a bytearray
+    """A page's bytes -> its (P, L, 2, H, D) tensor: a view of the payload when it is a bytearray
     (the file store reads into one), else of a private copy (torch views only writable buffers)."""
     buf = payload if isinstance(payload, bytearray) else bytearray(payload)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(tuple(page_shape))

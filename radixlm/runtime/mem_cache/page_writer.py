@@ -5,8 +5,8 @@ What runs where:
   queues a `PageWriteJob`: a few tensor ops on slot indices, no KV bytes touched (a part of the
   range that has no host copy, only under write_back, is copied out of the device there, as
   before: those slots are not pinned and could be reused the moment the job is queued).
-- writer thread: gathers each page's rows out of the host pool ((L, 2, P, H, D), one
-  index_select, already the page's layout), hands them to the store (`batch_put`; the file store
+- writer thread: gathers each page's rows out of the host pool ((P, L, 2, H, D), one
+  index_select of P slot rows, already the page's layout), hands them to the store (`batch_put`; the file store
   checksums and writes them on a thread of its own) and reports (job, pages accepted).
 - scheduler thread again (`take_done`, at the start of a step): the completions unpin the slots,
   and only then does the cache mark the pages stored on the tree. The writer never touches the
@@ -52,7 +52,7 @@ class PageWriteJob:
     tokens: tuple  # the path's tokens (at least up to the last page): to find its nodes again
     lo: int
     # the rows of [lo, lo + len(keys)*P) in order: host slots int64 (n,) or a KV block
-    # (L, 2, n, H, D) already copied out of the device
+    # (n, L, 2, H, D) already copied out of the device
     segments: list
     pinned: torch.Tensor  # the host slots among the segments, int64
     cancelled: bool = False  # set by the scheduler thread; the writer then skips the job
@@ -196,15 +196,15 @@ class PageWriter:
             return 0
 
     def _page_rows(self, segments: list, a: int, b: int) -> torch.Tensor:
-        """Rows [a, b) of the job's range: (L, 2, b - a, H, D), contiguous."""
+        """Rows [a, b) of the job's range: (b - a, L, 2, H, D), contiguous."""
         parts, off = [], 0
         for seg in segments:
-            n = seg.numel() if seg.dim() == 1 else seg.shape[2]
+            n = seg.shape[0]
             lo, hi = max(a, off), min(b, off + n)
             if lo < hi:
                 if seg.dim() == 1:  # host slots: gathered now, under their pins
-                    parts.append(self.host.kv.index_select(2, seg[lo - off:hi - off]))
+                    parts.append(self.host.rows(seg[lo - off:hi - off]))
                 else:
-                    parts.append(seg[:, :, lo - off:hi - off])
+                    parts.append(seg[lo - off:hi - off])
             off += n
-        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)

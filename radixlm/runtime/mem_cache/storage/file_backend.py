@@ -1,8 +1,11 @@
 """The `file` storage backend: one file per page under DIR/<namespace>/<kk>/<key>.kv.
 
 File layout (64-byte header, then the payload):
-    magic b"RLMKVPG2" | key (32 bytes) | payload length (u64 LE) | CRC-32 of the payload (u32 LE,
+    magic b"RLMKVPG3" | key (32 bytes) | payload length (u64 LE) | CRC-32 of the payload (u32 LE,
     12 zero bytes) | payload
+The payload is the page's KV as the host pool holds it (mem_cache/host_pool.py): slot-major,
+(page tokens, layers, 2 [K, V], KV heads, head dim) in the KV dtype. Format 2 had the same header
+and a layer-major payload (layers, 2, page tokens, heads, dim), the host pool's old layout.
 A read checks all four against what it asked for; a file that fails (truncated by a crash, bytes
 flipped, a page of another key copied or renamed into place, another format) is reported missing,
 deleted, and its tokens are recomputed: a bad page is never served.
@@ -13,7 +16,8 @@ wrong place. Format 1 used BLAKE2b-128, ~0.2-0.5 GB/s a thread: below the rate a
 loads KV for an 8B model (one page of 64 tokens is 8 MiB), so the store dropped pages it could
 not write in time and read slower than a prefill recomputes them. zlib's CRC-32 runs at ~2-4
 GB/s a thread and, like file reads and writes, releases the GIL, so the store's threads run in
-parallel. A format-1 file reads as "not a radixlm page file": removed and recomputed.
+parallel. A format-1 or format-2 file reads as "not a radixlm page file": removed and recomputed
+(its payload has the same length as a format-3 one, so the magic is what tells them apart).
 
 Writes run on WRITER_THREADS background threads of the store's own (pages come from the cache's
 page writer thread, mem_cache/page_writer.py): each page goes to a temporary file in the same folder and is renamed into place, so a
@@ -38,7 +42,7 @@ from radixlm.runtime.mem_cache.storage.base import StorageBackend
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"RLMKVPG2"
+MAGIC = b"RLMKVPG3"
 _HEADER = struct.Struct("<8s32sQ16s")
 WRITER_THREADS = 4  # pages written at once: each thread's CRC + write runs without the GIL
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
