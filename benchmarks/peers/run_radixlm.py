@@ -26,6 +26,11 @@ if _ROOT not in sys.path:
 
 from benchmarks.peers import workloads as wl  # noqa: E402
 
+# RADIXLM_PEERS_TREE (serve_and_run.radixlm_tree): radixlm imported from another tree, the harness
+# (already imported above) from this one
+if os.environ.get("RADIXLM_PEERS_TREE"):
+    sys.path.insert(0, os.path.abspath(os.environ["RADIXLM_PEERS_TREE"]))
+
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -75,6 +80,7 @@ def main(argv=None) -> dict:
     finally:
         engine.shutdown()
     doc = {"engine": "radixlm", "version": getattr(radixlm, "__version__", "?"),
+           "package_dir": os.path.dirname(os.path.abspath(radixlm.__file__)),
            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
            "dtype": args.dtype, "startup_s": round(startup_s, 3), "engine_stats": stats,
            "results": results}

@@ -93,7 +93,8 @@ def run_side(side: str, workloads: list[ScoringWorkload], port: int, hf_model: s
     env = sr.vllm_env() if side == "vllm" else dict(os.environ)
     cmd = sr.server_command(side, port, hf_model)
     log = open(log_path or os.devnull, "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=sr._ROOT,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=sr.radixlm_tree() if side == "radixlm" else sr._ROOT,
                             start_new_session=True)
     out = {"side": side, "command": cmd, "results": []}
     try:

@@ -39,6 +39,12 @@ VLLM_VENV = os.path.join(_HERE, ".venv-vllm")
 DEFAULT_HF_MODEL = os.path.join(_HERE, ".cache", "SmolLM2-135M-Instruct")
 
 
+def radixlm_tree() -> str:
+    """The source tree whose radixlm package the radixlm side runs: this checkout, or another
+    named by RADIXLM_PEERS_TREE (a before/after of radixlm alone under the same harness)."""
+    return os.path.abspath(os.environ.get("RADIXLM_PEERS_TREE") or _ROOT)
+
+
 def vllm_env(kv_cache_gib: int = 4) -> dict:
     from benchmarks.peers.run_vllm import cpu_env_defaults
 
@@ -118,7 +124,8 @@ def run_side(side: str, size: str, workloads: list[str], rounds: list[int], port
     log = open(log_path or os.devnull, "ab")
     t0 = time.perf_counter()
     proc = subprocess.Popen(server_command(side, port, hf_model), stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=_ROOT, start_new_session=True)
+                            env=env, cwd=radixlm_tree() if side == "radixlm" else _ROOT,
+                            start_new_session=True)
     out = {"side": side, "command": server_command(side, port, hf_model), "results": []}
     try:
         out["startup_s"] = round(wait_healthy(base_url, proc, startup_timeout_s), 3)
