@@ -121,7 +121,7 @@ def test_never_accepted_drafts_at_batch_64_cost_no_verify_and_few_lookups(clock,
 def test_a_copying_request_is_verified_within_a_bounded_number_of_steps(clock, monkeypatch):
     """63 requests whose text never repeats (lookups find nothing) run for 96 steps; then one
     that copies its prompt joins just behind the shadows' turn. Its drafts are looked up within
-    ceil(64 / SHADOW_ROWS) steps, scored over MAX_DRAFT steps, and the next step verifies."""
+    ceil(64 / SHADOW_ROWS) steps, scored over SHADOW_SPAN steps, and the next step verifies."""
     calls = _counting_propose(monkeypatch, worker.propose)
     fresh = iter(range(10_000, 1 << 30))
     running = [FakeReq(list(range(1000 * j, 1000 * j + 50)), lambda i, f=fresh: next(f))
@@ -136,15 +136,15 @@ def test_a_copying_request_is_verified_within_a_bounded_number_of_steps(clock, m
     c = spec.shadow.cursor % len(running)  # it joins just behind the turn: looked up last
     running.insert(c, copier)
     spec.shadow.cursor = c + 1
-    bound = math.ceil(len(running) / shadow.SHADOW_ROWS) + MAX_DRAFT + 1
+    bound = math.ceil(len(running) / shadow.SHADOW_ROWS) + shadow.SHADOW_SPAN + 1
     for n in range(1, bound + 1):
         verified, drafted = _step(spec, sched, clock)
         if verified:
             break
     else:
         raise AssertionError(f"no verify within {bound} steps of the copier's arrival")
-    assert n > MAX_DRAFT and drafted >= 1  # (it took the shadow's scoring, not luck)
-    assert copier.spec_draft.record.succ >= MAX_DRAFT - 1
+    assert n > shadow.SHADOW_SPAN and drafted >= 1  # (it took the shadow's scoring, not luck)
+    assert copier.spec_draft.record.succ >= shadow.SHADOW_SPAN
 
 
 def test_shadows_in_the_scheduler_keep_greedy_tokens_and_find_copies(engine, make_engine,

@@ -40,8 +40,8 @@ seen plain takes one first; on a GPU the first verify is as small as a probe (a 
 every request at batch 64 cost about 3 plain steps).
 Shadows (NGRAM where a skipped step overlaps; shadow.py): drafts scored against the tokens plain
 steps produced instead of verified. Then no probe runs, the global record starts at no evidence
-(every step hopeless: no lookup, no verify, until some draft was seen to pass), and a shadow
-whose request could now pay ends the dry steps.
+(every step hopeless: no lookup, no verify, until some draft was seen to pass), one dry lookup
+step stops the lookups, and a shadow that passed where the batch could now pay resumes them.
 Global acceptance is kept per match length and pooled; a match length with little record of its
 own takes the pooled rate (its 0.5 start would otherwise keep every step from being hopeless).
 """
@@ -168,7 +168,9 @@ class AdaptivePolicy:
         probe_interval such steps, True with `probing` set."""
         self.probing = False
         self.quiet = self.hopeless(recs)
-        if self.dry_steps < DRY_STEPS and not self.quiet:
+        # with shadows one dry lookup step ends the lookups: the shadows go on looking, off
+        # the critical path (a lookup step cannot overlap: 8% of a step at batch 1)
+        if self.dry_steps < (1 if self.shadows else DRY_STEPS) and not self.quiet:
             self.skipped_steps = 0
             return True
         if not self.adaptive:

@@ -16,7 +16,7 @@ the lookups before it and the plain step it was measured against could not overl
 that were never accepted that was 3.6% of a 128-token run. A shadow costs host time inside a
 step in flight and nothing on the device.
 Bound: a running request whose prompt is indexed is looked up within ceil(B / SHADOW_ROWS) off
-steps, and its draft scored as soon as a token differs from it or all its tokens came. Prompts
+steps, and its draft scored as soon as a token differs from it or SHADOW_SPAN tokens matched. Prompts
 are indexed in the same turn, within the step's host budget (the worker's IDLE_BUDGET_S).
 """
 
@@ -25,6 +25,9 @@ from __future__ import annotations
 import time
 
 SHADOW_ROWS = 4  # requests looked up per off step (each a suffix lookup, ~20 us in Python)
+# draft tokens a shadow scores: its outcome is known SHADOW_SPAN steps after the lookup at the
+# latest, so a copy that starts is verified a few steps later, not a full draft's length
+SHADOW_SPAN = 4
 
 
 class ShadowDrafts:
@@ -80,5 +83,6 @@ class ShadowDrafts:
                 self.lookups += 1
                 draft, match = found
                 if draft:
-                    self.pending[id(req)] = [req, draft, match, len(req.output_ids), req.jumps]
+                    self.pending[id(req)] = [req, draft[:SHADOW_SPAN], match,
+                                             len(req.output_ids), req.jumps]
             self.cursor = (self.cursor + 1) % n
