@@ -192,3 +192,19 @@ def test_adaptive_prices_the_draft_forwards():
     assert policy(0.05).choose([rec], [3], [1]) == [3]
     assert policy(1.0).choose([rec], [3], [1]) == [0]
     assert policy(1.0).hopeless([rec]) and not policy(0.05).hopeless([rec])
+
+
+def test_one_good_request_cannot_pay_a_big_batchs_verify_overhead():
+    """hopeless() sums the requests' chain bounds against B * ov: at batch 64 with a verify
+    costing 2 plain steps more, one request whose drafts nearly always pass (~20 tokens a chain
+    at most) cannot pay the 128 steps' worth, so the lookups stop; 64 such requests can, and at
+    batch 1 the one can."""
+    pol = AdaptivePolicy(adaptive=True, device_type="cuda")
+    for _ in range(40):
+        pol.observe_step(64, 0.007)
+        pol.record(Acceptance(), 4, 2, 0)  # the global rate: ~0
+    pol.ov, pol.ov_measured = 2.0, True
+    good = _records(40, 42, 1)[0]
+    assert pol.hopeless([good] + [None] * 63)
+    assert not pol.hopeless(_records(40, 42, 64))
+    assert not pol.hopeless([good])

@@ -25,6 +25,8 @@ prefill, retraction, jump-forward, finishing) is the scheduler's own code.
                      how many draft tokens each request verifies (0: plain decode): the
                      verify's overhead and a draft model's forwards priced in
   step_cost.py       the step-cost line c0 + c1 * T it fits online
+  shadow.py          NGRAM on a GPU: drafts scored against the tokens plain (overlapped) steps
+                     produced, the evidence that turns verifies on (no probes)
   grammar_drafts.py  drafts cut by the grammar, per-row grammar masks
   verify.py          the verify batch (an extend of [last + drafts] per request, or a decode
                      batch of one row per token where a CUDA graph takes it) and acceptance

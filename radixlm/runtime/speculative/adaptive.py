@@ -38,6 +38,10 @@ least 200 steps, so hopeless probing costs <= 1%; at batch 1 a verify's ~0.2 ste
 PROBE_MIN). A verify is measured against a plain step of its batch size, so a batch size never
 seen plain takes one first; on a GPU the first verify is as small as a probe (a first verify of
 every request at batch 64 cost about 3 plain steps).
+Shadows (NGRAM where a skipped step overlaps; shadow.py): drafts scored against the tokens plain
+steps produced instead of verified. Then no probe runs, the global record starts at no evidence
+(every step hopeless: no lookup, no verify, until some draft was seen to pass), one dry lookup
+step stops the lookups, and a shadow that passed where the batch could now pay resumes them.
 Global acceptance is kept per match length and pooled; a match length with little record of its
 own takes the pooled rate (its 0.5 start would otherwise keep every step from being hopeless).
 """
@@ -100,6 +104,8 @@ class AdaptivePolicy:
         self.probing = False  # this step is a probe (see `wants_verify`)
         self.probe_found = False
         self.draft_forward_s: Optional[float] = None  # a draft model's seconds per forward
+        self.shadows = False  # drafts are scored without verifies (use_shadows)
+        self.quiet = False  # the last wants_verify found the step hopeless
 
     def _bucket_rate(self, b: int) -> float:
         s, t = self.glob[b]
@@ -130,34 +136,47 @@ class AdaptivePolicy:
         return (rec.succ + PRIOR_WEIGHT * prior) / (rec.trials + PRIOR_WEIGHT)
 
     def hopeless(self, recs: list) -> bool:
-        """True when no draft could pay this step whatever the lookups find: every acceptance
-        estimate's upper bound (`recs`: the running requests' records, None for one that never
-        drafted) is below the first token's threshold rho * B / (1 + rho * B), or so low that
-        even an endless chain (b / (1 - b) expected tokens a request) cannot pay the verify's
-        overhead ov. The step then skips the lookups."""
+        """True when no draft could pay this step whatever the lookups find (the step then
+        skips the lookups). `recs`: the running requests' records (None: never drafted). Each
+        request's acceptance is at most u = (succ + 4 top) / (trials + 4), top the best global
+        rate; no draft pays when every u is below the first token's threshold
+        rho B / (1 + rho B), or when endless chains (u / (1 - u) expected tokens a request)
+        together cannot pay the verify's overhead: a verify pays only if its extra tokens exceed
+        B * ov (choose's test with no token cost), so one good request among 64 does not."""
         if not self.adaptive:
             return False
         rho, B = self.cost.ratio(), len(recs)
         top = max(self._bucket_rate(b) for b in range(_MATCH_BUCKETS))
-        bound = top
-        for rec in recs:
-            if rec is not None and rec.trials > 0:
-                bound = max(bound, (rec.succ + PRIOR_WEIGHT * top) / (rec.trials + PRIOR_WEIGHT))
+        bound, gain, w = top, 0.0, PRIOR_WEIGHT * top
+        g_top = top / (1.0 - top) if top < 1.0 else math.inf
+        for rec in recs:  # (once a step over the batch: kept lean, ~0.3 us a request)
+            if rec is None or not rec.trials:
+                gain += g_top
+                continue
+            u = (rec.succ + w) / (rec.trials + PRIOR_WEIGHT)
+            if u > bound:
+                bound = u
+            gain += u / (1.0 - u) if u < 1.0 else math.inf
         rho_d = self.draft_ratio()  # the first draft token also opens the chain
         if bound <= (rho + rho_d) * B / (1.0 + rho * B):
             return True
-        return bound < 1.0 and bound / (1.0 - bound) <= self.ov
+        return gain <= self.ov * B
 
     def wants_verify(self, recs: list) -> bool:
         """Called once per decode step: False runs the plain step without lookups, when no
         draft could pay (`hopeless`) or the last DRY_STEPS lookups found nothing; every
         probe_interval such steps, True with `probing` set."""
         self.probing = False
-        if self.dry_steps < DRY_STEPS and not self.hopeless(recs):
+        self.quiet = self.hopeless(recs)
+        # with shadows one dry lookup step ends the lookups: the shadows go on looking, off
+        # the critical path (a lookup step cannot overlap: 8% of a step at batch 1)
+        if self.dry_steps < (1 if self.shadows else DRY_STEPS) and not self.quiet:
             self.skipped_steps = 0
             return True
         if not self.adaptive:
             return True
+        if self.shadows:  # (the drafts are scored in the off steps: no probe)
+            return False
         self.skipped_steps += 1
         if self.skipped_steps < max(self.probe_interval, self._probe_floor()):
             return False
@@ -250,6 +269,20 @@ class AdaptivePolicy:
             g[1] = g[1] * 0.99 + trials
         if self.probing and accepted:
             self.probe_found = True
+
+    def use_shadows(self) -> None:
+        """The drafter scores drafts without verifying them (shadow.py): no evidence yet, so
+        every step is hopeless until a draft is seen to pass (the pooled rate starts at 0)."""
+        self.shadows = True
+        self.pooled = [0.0, 1.0]
+
+    def record_shadow(self, rec: Acceptance, match_len: int, drafted: int, accepted: int,
+                      recs: list) -> None:
+        """A shadow draft's outcome, recorded as a verify's; where it passed and the batch
+        (`recs`, as for `hopeless`) could now pay, the lookups resume (the dry steps end)."""
+        self.record(rec, match_len, drafted, accepted)
+        if accepted and self.dry_steps and not self.hopeless(recs):
+            self.dry_steps = 0
 
     def observe_step(self, tokens: int, seconds: float, batch: Optional[int] = None) -> None:
         """A step's wall time; `batch` given for a verify step (its B requests, `tokens` >= B).

@@ -16,6 +16,7 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.speculative import grammar_drafts, isolation
 from radixlm.runtime.speculative.adaptive import Acceptance
 from radixlm.runtime.speculative.ngram import OwnIndex, SharedIndex, propose
+from radixlm.runtime.speculative.shadow import ShadowDrafts
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
 
@@ -39,19 +40,31 @@ class NgramSpeculator(Speculator):
     """Where a skipped step overlaps (a GPU), the n-gram tables are built off the critical path:
     a request's prompt is indexed by `idle_work` while a step is in flight (a lookup indexes
     at most LOOKUP_BUILD tokens and drafts nothing until its prompt is done), and a finished
-    request's output joins the shared table there too. Elsewhere both happen when needed."""
+    request's output joins the shared table there too. Elsewhere both happen when needed.
+    There, with the adaptive policy, drafts are also scored there without verifies (shadow.py);
+    while no draft could pay (`policy.quiet`) only those few requests' prompts are indexed."""
 
     def __init__(self, cfg: SpecConfig, sched):
         super().__init__(cfg, sched)
         self.shared = SharedIndex(cfg.min_match, cfg.max_match, cfg.max_draft, cfg.capacity)
         self.lazy = self.policy.fast_skips
         self.finished: list[tuple[list[int], int]] = []  # (prompt + output, prompt length)
+        self.shadow = ShadowDrafts() if self.lazy and cfg.adaptive else None
+        if self.shadow is not None:
+            self.policy.use_shadows()
 
     def idle_work(self, sched) -> None:
         """Index what the next lookups need, for at most IDLE_BUDGET_S (a step is in flight)."""
         deadline = time.perf_counter() + IDLE_BUDGET_S
         while self.finished and time.perf_counter() < deadline:
             self._share(self.finished.pop(0))
+        if self.shadow is not None:
+            self.shadow.score(self.policy, sched.running)
+            self.shadow.look_up(sched.running,
+                                lambda r, t: self._shadow_lookup(r, sched.context_len, t),
+                                deadline)
+            if self.policy.quiet:
+                return
         for req in sched.running:
             if time.perf_counter() >= deadline:
                 return
@@ -82,8 +95,31 @@ class NgramSpeculator(Speculator):
             out[i] = drafts[i][:k]
         return out
 
+    def _shadow_lookup(self, req: Req, context_len: int, deadline: float):
+        """(draft, match length) for a shadow (its prompt indexed first, 64 tokens at a time),
+        None when the deadline comes first."""
+        try:
+            if req.spec_draft is None:
+                req.spec_draft = DraftState(req, self.cfg, lazy=True)
+            own = req.spec_draft.own
+            while not own.ready:
+                if time.perf_counter() >= deadline:
+                    return None
+                own.build(64)
+            return self._lookup(req, context_len), req.spec_draft.match
+        except Exception as e:  # (a step is in flight: the lookup fails it if it recurs)
+            req.spec_draft = None
+            isolation.drafting_lost(self, e, f"the shadow draft of request {req.rid}")
+            return None
+
+    def on_retract(self, req: Req) -> None:
+        if self.shadow is not None:
+            self.shadow.drop(req)
+
     def on_finish(self, req: Req) -> None:
         """A request is done: its output's n-grams join the shared table; its index goes."""
+        if self.shadow is not None:
+            self.shadow.drop(req)
         state = req.spec_draft
         if state is None:
             return
