@@ -19,11 +19,28 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 
 import torch
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+
+# One capture stream per device for the whole process. cuBLAS keeps a workspace (32 MiB on an
+# H200) for every stream it has run on until the process ends, so a new stream per bucket left
+# 4 x 32 MiB behind each engine created and shut down (tests/gpu/test_engine_lifecycle_gpu.py);
+# with one stream the workspace is made once and reused. The lock keeps two captures (engines
+# built from two threads) off the one stream at the same time.
+_CAPTURE_STREAMS: dict = {}
+_CAPTURE_LOCK = threading.Lock()
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = torch.device(device).index
+    key = torch.cuda.current_device() if index is None else index
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[key]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +99,8 @@ class CudaGraphRunner:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            self._capture_buckets()
+            with _CAPTURE_LOCK:
+                self._capture_buckets()
         finally:
             if was_enabled:
                 gc.enable()
@@ -90,9 +108,9 @@ class CudaGraphRunner:
     def _capture_buckets(self) -> None:
         t0 = time.perf_counter()
         # largest first: smaller graphs then fit into the memory pool the largest one reserved
+        stream = _capture_stream(self.device)
         for bs in reversed(self.buckets):
             fb = self._batch(bs)
-            stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up outside capture (autotuning, lazy init)
                 for _ in range(2):
