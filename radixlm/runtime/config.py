@@ -186,7 +186,9 @@ class ServerArgs:
     stop_regex_timeout: float = 0.05  # seconds one stop_regex search may take; over: abort
     max_top_logprobs_num: int = 64
     max_token_ids_logprob: int = 1024
-    max_request_tokens: int = 1 << 20  # (prompt + max_new_tokens) * n, summed over a call
+    # (prompt + max_new_tokens) * n, summed over a call; None: 1 << 20 over HTTP, no bound for
+    # an in-process Engine's calls (request_limits.SERVER_REQUEST_TOKENS)
+    max_request_tokens: Optional[int] = None
     max_images_per_request: int = 16
     max_image_pixels: int = 4096 * 4096  # width x height of one image (from its header)
     # constrained decoding: a grammar not compiled in this many seconds aborts its request

@@ -106,7 +106,7 @@ class Engine:
                                      self.runner.model_config.vocab_size)
         self.builder = RequestBuilder(self.tokenizer, self.runner.model_config.vocab_size,
                                       self.runner.context_len, self.runner.capacity, eos, images,
-                                      RequestLimits.from_args(self.server_args))
+                                      RequestLimits.from_args(self.server_args, in_process=True))
         self.scheduler = Scheduler(self.server_args, self.runner, self.tokenizer)
         reader = getattr(self.scheduler.tree_cache, "reader", None)
         if reader is not None:  # a storage prefetch's lookup or read ended: wake the loop

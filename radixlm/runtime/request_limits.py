@@ -10,6 +10,12 @@ scheduler/output.py and the scheduler's grammar wait.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
+
+# --max-request-tokens' bound over HTTP when the flag is not given. An in-process Engine has
+# none by default: its caller owns the process, and an offline batch of a million tokens or more
+# (SGLang's and vLLM's offline engines take one) is work it asked for, not a hostile request.
+SERVER_REQUEST_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -21,17 +27,22 @@ class RequestLimits:
     stop_regex_timeout: float = 0.05  # seconds one stop_regex search may take; over: abort
     max_top_logprobs_num: int = 64  # top_logprobs_num (OpenAI's routes: 20 by their spec)
     max_token_ids_logprob: int = 1024  # entries of token_ids_logprob
-    # prompt tokens + max_new_tokens, summed over a call's prompts and their n samples
-    max_request_tokens: int = 1 << 20
+    # prompt tokens + max_new_tokens, summed over a call's prompts and their n samples (None:
+    # no bound; ServerArgs' None means SERVER_REQUEST_TOKENS over HTTP and no bound in-process)
+    max_request_tokens: Optional[int] = SERVER_REQUEST_TOKENS
     max_images_per_request: int = 16  # images of one call (all its prompts)
     max_image_pixels: int = 4096 * 4096  # width x height of one image, read from its header
 
     @staticmethod
-    def from_args(args) -> "RequestLimits":
-        """The limits of a ServerArgs (any object with these attributes; missing: default)."""
+    def from_args(args, in_process: bool = False) -> "RequestLimits":
+        """The limits of a ServerArgs (any object with these attributes; missing: default). A
+        max_request_tokens of None is SERVER_REQUEST_TOKENS for the server's callers and no
+        bound for `in_process` ones (Engine.generate)."""
         d = RequestLimits()
-        return RequestLimits(**{f.name: getattr(args, f.name, getattr(d, f.name))
-                                for f in fields(RequestLimits)})
+        kw = {f.name: getattr(args, f.name, getattr(d, f.name)) for f in fields(RequestLimits)}
+        if kw["max_request_tokens"] is None and not in_process:
+            kw["max_request_tokens"] = SERVER_REQUEST_TOKENS
+        return RequestLimits(**kw)
 
     # --- checks (ValueError naming the field) ---------------------------------------------------
     def check_n(self, n) -> None:
@@ -64,7 +75,7 @@ class RequestLimits:
 
     def check_request_tokens(self, total: int, field: str = "sampling_params.max_new_tokens"
                              ) -> None:
-        if total > self.max_request_tokens:
+        if self.max_request_tokens is not None and total > self.max_request_tokens:
             raise ValueError(f"{field}: the call asks for {total} tokens (prompt + "
                              f"max_new_tokens, times n, over all its prompts), over the limit of "
                              f"{self.max_request_tokens} (see --max-request-tokens)")

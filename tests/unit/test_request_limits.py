@@ -13,7 +13,7 @@ import pytest
 from radixlm.runtime.config import ServerArgs
 from radixlm.runtime.engine_io import RequestBuilder
 from radixlm.runtime.request import FinishReason, Req
-from radixlm.runtime.request_limits import RequestLimits
+from radixlm.runtime.request_limits import SERVER_REQUEST_TOKENS, RequestLimits
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler.output import StopStringState
 from radixlm.server.cli_args import parse_server_args
@@ -32,9 +32,24 @@ def _build(b: RequestBuilder, sp: dict, **kw):
 
 def test_every_limit_is_a_flag_with_its_default():
     args = parse_server_args([])
-    for name, default in vars(RequestLimits()).items():
-        assert getattr(args, name) == default, name
+    for name, default in vars(RequestLimits.from_args(args)).items():
+        assert default == getattr(RequestLimits(), name), name
     assert parse_server_args(["--max-n", "4"]).max_n == 4
+
+
+def test_request_tokens_bound_the_server_by_default_and_in_process_only_when_given():
+    """Over HTTP a call is bounded at SERVER_REQUEST_TOKENS unless the flag says otherwise; an
+    in-process Engine's offline batch is not (its caller owns the process), unless given."""
+    args = parse_server_args([])
+    assert RequestLimits.from_args(args).max_request_tokens == SERVER_REQUEST_TOKENS
+    assert RequestLimits.from_args(args, in_process=True).max_request_tokens is None
+    RequestLimits.from_args(args, in_process=True).check_request_tokens(SERVER_REQUEST_TOKENS * 4)
+    with pytest.raises(ValueError, match="--max-request-tokens"):
+        RequestLimits.from_args(args).check_request_tokens(SERVER_REQUEST_TOKENS + 1)
+    given = parse_server_args(["--max-request-tokens", "100"])
+    for in_process in (False, True):
+        with pytest.raises(ValueError, match="over the limit of 100"):
+            RequestLimits.from_args(given, in_process).check_request_tokens(101)
     assert args.grammar_compile_timeout == 30.0 and args.grammar_cache_size == 256
 
 
