@@ -23,7 +23,8 @@ import re
 CHAT_TEMPLATE = "chatml"  # both frontends render roles the same way (SGLang: RuntimeEndpoint's
 # chat_template_name; the model's own name matches no SGLang template)
 PROGRAMS = {}
-# program -> why it needs a real model (a random model repeats one token until max_tokens)
+# program -> what its checks need of a real model (the tiny random one repeats a token until
+# max_tokens, never emits EOS, and has no clear favourite among choices)
 REAL_MODEL = {
     # the two frontends score a choice over different spans (SGLang's takes in the prompt's last
     # tokens), so they pick the same choice only when one clearly wins; on the tiny model they

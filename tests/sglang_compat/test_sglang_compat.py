@@ -204,6 +204,7 @@ CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.sta
 
 def test_every_program_has_a_check():
     assert set(CHECKS) == set(NAMES)
+    assert set(programs.REAL_MODEL) <= set(NAMES)  # a misspelt name would run on the tiny model
 
 
 @pytest.mark.parametrize("name", NAMES)
