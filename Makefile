@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 KERNELS := $(VENV)/.cpu-kernels
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`, one module each at a time (--dist loadfile: a module's
-# fixtures are built once); tests/conftest.py gives each one torch thread. 0 runs in-process.
+# fixtures are built once; the modules on the shared servers go to one worker together, see
+# tests/conftest.py); tests/conftest.py gives each one torch thread. 0 runs in-process.
 TEST_WORKERS ?= 2
 
 .PHONY: install test test-gpu serve bench clean

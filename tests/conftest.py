@@ -42,7 +42,35 @@ def _import_triton_interpreted() -> None:
 _import_triton_interpreted()
 
 
+# The modules that take a session server (main_server, tiny_server). `make test` (--dist loadfile,
+# with the scheduler at the end of this file) hands them to one worker as one unit of work, so
+# that each server starts once per run, not once per worker (a start costs ~9 CPU-s). Collection
+# fails when this list and the modules' fixtures disagree.
+SHARED_SERVERS = ("main_server", "tiny_server")
+SHARED_SERVER_MODULES = frozenset({
+    "tests/e2e/test_acceptance.py", "tests/e2e/test_acceptance_ops.py",
+    "tests/e2e/test_frontend_api_backends.py", "tests/e2e/test_streaming.py",
+    "tests/e2e/test_tool_calling.py", "tests/e2e/test_validation.py",
+    "tests/sglang_compat/test_sglang_compat.py",
+})
+
+
+def _check_shared_server_modules(items) -> None:
+    using, seen = set(), set()
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        seen.add(module)
+        if any(name in item.fixturenames for name in SHARED_SERVERS):
+            using.add(module)
+    missing, stale = using - SHARED_SERVER_MODULES, (SHARED_SERVER_MODULES & seen) - using
+    if missing or stale:
+        raise pytest.UsageError(
+            f"tests/conftest.py SHARED_SERVER_MODULES is out of date: add {sorted(missing)}, "
+            f"remove {sorted(stale)} (the modules that take {' or '.join(SHARED_SERVERS)})")
+
+
 def pytest_collection_modifyitems(config, items):
+    _check_shared_server_modules(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the lent H100/H200: pytest -m gpu)")
@@ -89,6 +117,21 @@ def main_server():
 
 
 @pytest.fixture(scope="session")
+def tiny_server(tiny_chat_path):
+    """A server on the tiny random chat model (server_harness.py TINY_ARGS), shared like
+    `main_server`, for server and frontend checks that hold for any model: tool calling and the
+    SGLang compatibility programs whose checks do not read the model's text."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "e2e"))
+    from server_harness import TINY_ARGS, start_server, stop_and_check
+
+    srv = start_server(["--model-path", tiny_chat_path, *TINY_ARGS], name="tiny")
+    yield srv
+    stop_and_check(srv)
+
+
+@pytest.fixture(scope="session")
 def make_engine(smol_path):
     """Factory for fp32 engines on SmolLM2 (or `model_path=`); every engine made is shut down (and
     checked) at the end."""
@@ -126,3 +169,18 @@ def integrity():
         eng.check_integrity()
 
     return check
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, except that the modules of SHARED_SERVER_MODULES are one unit of work
+    together (one worker runs them all, on one main_server and one tiny_server)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServersTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "shared servers" if module in SHARED_SERVER_MODULES else module
+
+    return SharedServersTogether(config, log)

@@ -8,6 +8,8 @@ never leaks processes into the rest of the run.
 Servers are expensive on a 2-core CPU (~20 s to start), so tests share them:
 - `main_server` (session): fp32, metrics and cache report on, a small context and payload
   limit; every test whose settings allow it runs here (acceptance, validation, streaming, disconnects, load).
+- `tiny_server` (session): the tiny random chat model, for checks that hold for any model (tool
+  calling, most of the SGLang compatibility programs).
 - modules with special flags (--api-key, --max-queued-requests) start their own;
 - tests that kill or stop the server start a private one.
 """
@@ -38,6 +40,11 @@ MAIN_CONTEXT_LEN = 1024
 MAIN_MAX_PAYLOAD = 64 * 1024
 MAIN_ARGS = ["--dtype", "float32", "--enable-metrics", "--context-length", str(MAIN_CONTEXT_LEN),
              "--max-total-tokens", "24576", "--max-payload-size", str(MAIN_MAX_PAYLOAD),
+             "--timeout-graceful-shutdown", "10", "--enable-cache-report"]
+# Settings of the shared tiny-model server (tests/conftest.py `tiny_server`; the model path comes
+# first): room for the tool-calling batch (150 concurrent forced calls), the cache report for the
+# SGLang compatibility programs' cached-token facts.
+TINY_ARGS = ["--dtype", "float32", "--context-length", "2048", "--max-total-tokens", "65536",
              "--timeout-graceful-shutdown", "10", "--enable-cache-report"]
 
 

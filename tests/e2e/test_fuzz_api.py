@@ -28,7 +28,7 @@ DEADLINE_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_chat_path, tmp_path_factory):
+def fuzz_server(tiny_chat_path, tmp_path_factory):
     # /start_profile without an output_dir writes to $SGLANG_TORCH_PROFILER_DIR (else the temp
     # folder, where every run of this test left its traces): a folder of this session's
     traces = str(tmp_path_factory.mktemp("fuzz-traces"))
@@ -47,15 +47,15 @@ def tiny_server(tiny_chat_path, tmp_path_factory):
     stop_and_check(srv)
 
 
-def test_fuzz_every_route(tiny_server):
-    ops = fuzz_api.operations(tiny_server.url)
+def test_fuzz_every_route(fuzz_server):
+    ops = fuzz_api.operations(fuzz_server.url)
     paths = {op.path for op in ops}
     # every API family is in the schema, with its request body
     assert {"/generate", "/v1/chat/completions", "/v1/messages", "/v1/responses",
             "/v1/responses/{response_id}", "/flush_cache", "/abort_request"} <= paths
     assert all(op.body for op in ops if op.path in ("/generate", "/v1/messages"))
     report = fuzz_api.Report()
-    caller = fuzz_api.Caller(tiny_server.url, DEADLINE_S, report, {})
+    caller = fuzz_api.Caller(fuzz_server.url, DEADLINE_S, report, {})
     try:
         caller.prime()
         assert caller.response_ids, "no stored response to chain the routes with"
@@ -66,8 +66,8 @@ def test_fuzz_every_route(tiny_server):
     assert report.requests >= 100, summary
     bad = [f for f in report.findings if f["problem"] in ("5xx", "hang", "no_message")]
     assert not bad, json.dumps(bad[:5], indent=1)
-    tiny_server.assert_serving()
-    tiny_server.check_integrity()
+    fuzz_server.assert_serving()
+    fuzz_server.check_integrity()
 
 
 # What the long runs found (each a 500 or an error without a JSON message before its fix)
@@ -90,9 +90,9 @@ FOUND = [
 
 
 @pytest.mark.parametrize("method,path,body,status,message", FOUND)
-def test_fuzz_findings_stay_fixed(tiny_server, method, path, body, status, message):
+def test_fuzz_findings_stay_fixed(fuzz_server, method, path, body, status, message):
     import httpx
 
-    r = httpx.request(method, tiny_server.url + path, json=body, timeout=30)
+    r = httpx.request(method, fuzz_server.url + path, json=body, timeout=30)
     assert r.status_code == status, r.text
     assert message in r.json()["error"]["message"], r.text

@@ -22,8 +22,6 @@ import jsonschema
 import openai
 import pytest
 
-from server_harness import start_server, stop_and_check
-
 pytestmark = pytest.mark.slow
 
 N_FORCED = 50
@@ -79,13 +77,9 @@ def _no_markup(text) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_path):
-    srv = start_server(["--model-path", tiny_chat_path, "--dtype", "float32", "--context-length", "2048", "--max-total-tokens", "65536",
-                        "--timeout-graceful-shutdown", "10"], name="tools")
-    try:
-        yield srv
-    finally:
-        stop_and_check(srv)
+def server(tiny_server):
+    """The session's shared tiny-model server (tests/conftest.py)."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,10 @@ neither itself, and returns a JSON-able dict:
 
 Every program starts by flushing the server's cache, so its cache hits are its own. Generation is
 greedy (temperature 0) wherever the two frontends' outputs are compared.
+
+The programs run on the tiny random chat model (tests/tiny_models.py): what they check is the
+frontend's and the runtime's behaviour, which holds for any model. The ones in REAL_MODEL run on
+the bundled SmolLM2, because their checks need a real model's text.
 """
 
 from __future__ import annotations
@@ -19,6 +23,19 @@ import re
 CHAT_TEMPLATE = "chatml"  # both frontends render roles the same way (SGLang: RuntimeEndpoint's
 # chat_template_name; the model's own name matches no SGLang template)
 PROGRAMS = {}
+# program -> what its checks need of a real model (the tiny random one repeats a token until
+# max_tokens, never emits EOS, and has no clear favourite among choices)
+REAL_MODEL = {
+    # the two frontends score a choice over different spans (SGLang's takes in the prompt's last
+    # tokens), so they pick the same choice only when one clearly wins; on the tiny model they
+    # do not (Banana vs Keyboard)
+    "select_choices": "one choice must clearly win",
+    # the tiny model writes all 8 tokens before the first chunk leaves the server
+    "streaming_logprobs": "the answer must stream in more than one chunk",
+    "regex_json": "the JSON object and the integer must end within max_tokens",
+    "min_tokens": "the free answer must end (EOS) before min_tokens",
+    "tool_use": "the regex-constrained expression must end within max_tokens",
+}
 
 
 def program(fn):

@@ -4,9 +4,11 @@ radixlm as sgl`) and (b) by the real SGLang frontend (PyPI `sglang`, in the clie
 
 Each program's `same` part (greedy text, variables, decisions) must be equal between the two
 frontends; its `facts` (cache hits, token counts, constraint satisfaction) are checked for each
-frontend on its own. The server runs in float32 so that greedy decoding does not flip between two
-runs whose requests met the cache at different points (in bf16 a cached prefix can decode
-differently from the same prefix computed afresh).
+frontend on its own. The programs run on the shared tiny-model server, except those whose checks
+need a real model's text (compat_programs.REAL_MODEL), which run on the shared SmolLM2 server. Both
+servers run in float32 so that greedy decoding does not flip between two runs whose requests met
+the cache at different points (in bf16 a cached prefix can decode differently from the same
+prefix computed afresh).
 
 The same module drives radixlm's LiteLLM backend (real `litellm`, against the server's `/v1`)
 and VertexAI/Gemini backend (real `google-genai`, against fake_gemini.py) in the clients venv:
@@ -43,17 +45,23 @@ SGLANG_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
-def server(main_server):
-    """The shared fp32 server with the cache report on (tests/conftest.py)."""
+def server(tiny_server):
+    """The shared fp32 tiny-model server with the cache report on (tests/conftest.py)."""
     try:
-        yield main_server.url
+        yield tiny_server.url
     finally:
         radixlm.set_default_backend(None)
 
 
 @pytest.fixture(scope="module")
-def ours(server) -> dict:
-    return runner.run_all(runner.load_frontend("radixlm"), server)
+def real_server(main_server) -> str:
+    """The shared fp32 SmolLM2 server, for the programs in compat_programs.REAL_MODEL."""
+    return main_server.url
+
+
+@pytest.fixture(scope="module")
+def ours(server, real_server) -> dict:
+    return runner.run_all(runner.load_frontend("radixlm"), server, real_server)
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +78,13 @@ def clients_python() -> str:
 
 
 @pytest.fixture(scope="module")
-def theirs(server, clients_python, tmp_path_factory) -> dict:
+def theirs(server, real_server, clients_python, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sglang") / "results.json"
     # the clients venv sees radixlm's site-packages (reused packages); keep radixlm itself out
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([clients_python, os.path.join(HERE, "compat_runner.py"),
-                        "--frontend", "sglang", "--url", server, "--out", str(out)],
+                        "--frontend", "sglang", "--url", server, "--real-model-url", real_server,
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=SGLANG_TIMEOUT_S, env=env)
     assert r.returncode == 0, f"the SGLang runner failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     with open(out) as f:
@@ -195,6 +204,7 @@ CHECKS = {name[len("check_"):]: fn for name, fn in globals().items() if name.sta
 
 def test_every_program_has_a_check():
     assert set(CHECKS) == set(NAMES)
+    assert set(programs.REAL_MODEL) <= set(NAMES)  # a misspelt name would run on the tiny model
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -219,15 +229,17 @@ def test_same_results(ours, theirs, name):
 # --- radixlm's LiteLLM and VertexAI backends through the real packages (clients venv) -------------
 
 @pytest.fixture(scope="module")
-def api_backends(server, clients_python, tmp_path_factory):
-    """(results of api_backends_check.py, the requests the fake Gemini server received)."""
+def api_backends(real_server, clients_python, tmp_path_factory):
+    """(results of api_backends_check.py, the requests the fake Gemini server received). On
+    SmolLM2: the checks read its answers (a random model's start with a space, which the chat
+    messages strip)."""
     out = tmp_path_factory.mktemp("api") / "results.json"
     root = os.path.dirname(os.path.dirname(HERE))
     env = dict(os.environ, PYTHONPATH=root, LITELLM_LOCAL_MODEL_COST_MAP="True")
     fake = FakeGemini()
     try:
         r = subprocess.run([clients_python, os.path.join(HERE, "api_backends_check.py"),
-                            "--radixlm-url", server, "--gemini-url", fake.url, "--out", str(out)],
+                            "--radixlm-url", real_server, "--gemini-url", fake.url, "--out", str(out)],
                            capture_output=True, text=True, timeout=300, env=env)
     finally:
         fake.close()
