@@ -183,7 +183,9 @@ class ServerArgs:
     max_stop_strings: int = 32  # entries of stop, and of stop_regex
     max_stop_str_len: int = 1024  # bytes of one stop string
     max_stop_regex_len: int = 256  # bytes of one stop_regex pattern
-    stop_regex_timeout: float = 0.05  # seconds one stop_regex search may take; over: abort
+    # seconds one stop_regex search may take (wall clock: at 0.05 a busy 2-core machine aborted
+    # a plain search when the scheduler thread lost the CPU mid-search); over: abort
+    stop_regex_timeout: float = 0.5
     max_top_logprobs_num: int = 64
     max_token_ids_logprob: int = 1024
     # (prompt + max_new_tokens) * n, summed over a call; None: 1 << 20 over HTTP, no bound for

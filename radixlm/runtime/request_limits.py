@@ -24,7 +24,9 @@ class RequestLimits:
     max_stop_strings: int = 32  # entries of sampling_params.stop, and of stop_regex
     max_stop_str_len: int = 1024  # bytes of one stop string
     max_stop_regex_len: int = 256  # bytes of one stop_regex pattern
-    stop_regex_timeout: float = 0.05  # seconds one stop_regex search may take; over: abort
+    # seconds one stop_regex search may take (wall clock: at 0.05 a busy 2-core machine aborted
+    # a plain search when the scheduler thread lost the CPU mid-search); over: abort
+    stop_regex_timeout: float = 0.5
     max_top_logprobs_num: int = 64  # top_logprobs_num (OpenAI's routes: 20 by their spec)
     max_token_ids_logprob: int = 1024  # entries of token_ids_logprob
     # prompt tokens + max_new_tokens, summed over a call's prompts and their n samples (None:
