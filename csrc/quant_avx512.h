@@ -73,16 +73,52 @@ struct Q8_0x16 {
   }
 };
 
+// A W row's block scales as fp32, converted before its dot products: dd[b] = d of block b and,
+// for formats with a min, mm[b] = its m. Converting them inside the block loop (two scalar fp16
+// conversions a block, on the FMA chain's critical path) cost ~20% of the Q4_1 decode GEMV; the
+// values are the same, so the results are bit-identical. Rows of more than kMaxRowBlocks blocks
+// (K > 32768) convert in the loop as before.
+constexpr int64_t kMaxRowBlocks = 1024;
+
+template <class F>
+inline void row_scales(const uint8_t* w, int64_t nblk, float* dd, float* mm) {
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const uint8_t* b = w + bi * F::BYTES;
+    if constexpr (F::kMin) {  // d and m are adjacent fp16s: one 2-wide conversion
+      uint32_t u;
+      std::memcpy(&u, b, 4);
+      const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u)));
+      dd[bi] = _mm_cvtss_f32(f);
+      mm[bi] = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    } else {
+      dd[bi] = f16(b);
+    }
+  }
+}
+
+// The m terms of one x row (MB = 1, 4 accumulators): lane a of a 4-wide FMA takes blocks a, a + 4,
+// ..., exactly the scalar chain macc[a] of for_blocks<4>'s slot a; the tail blocks then go to
+// slot 0 in order, as for_blocks puts them. Same operations, same order: the same sums.
+inline void m_terms4(const float* mm, const float* xs, int64_t nblk, float macc[4]) {
+  __m128 v = _mm_setzero_ps();
+  int64_t bi = 0;
+  for (; bi + 4 <= nblk; bi += 4) v = _mm_fmadd_ps(_mm_loadu_ps(mm + bi), _mm_loadu_ps(xs + bi), v);
+  _mm_storeu_ps(macc, v);
+  for (; bi < nblk; ++bi) macc[0] = __builtin_fmaf(mm[bi], xs[bi], macc[0]);
+}
+
 // y[m * ldy] for m < MB: x rows m (x + m * K, block sums xs + m * nblk) against the W row at w.
 // One row at a time, so the weights stream sequentially (rows of a task are contiguous): running
 // 4 rows interleaved was 1.4x faster with the weights in L2, but 2.8x slower on SmolLM2's 30 MB
 // head, which streams from memory (the prefetchers lost the pattern). NA accumulators per x row
 // (and as many scalar sums of the m terms) take blocks in turn, so the FMA latency (4 cycles per
 // block on one chain) does not bound a single row.
-template <class F, int MB>
-inline void row_dot512(const float* x, const float* xs, int64_t K, const uint8_t* w, float* y,
-                       int64_t ldy) {
+// Pre: the row's scales come from row_scales (dd, mm) instead of being converted per block.
+template <class F, int MB, bool Pre>
+inline void row_dot512_impl(const float* x, const float* xs, int64_t K, const uint8_t* w, float* y,
+                            int64_t ldy, const float* dd, const float* mm) {
   constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  constexpr bool kVecM = Pre && F::kMin && MB == 1;  // the m terms by m_terms4, after the loop
   const int64_t nblk = K / 32;
   __m512 acc[MB][NA];
   float macc[MB][NA];
@@ -96,17 +132,19 @@ inline void row_dot512(const float* x, const float* xs, int64_t K, const uint8_t
     const uint8_t* b = w + bi * F::BYTES;
     __m512 lo, hi;
     F::load(b, lo, hi);
-    const __m512 d = _mm512_set1_ps(f16(b));
-    [[maybe_unused]] const float mn = F::kMin ? f16(b + 2) : 0.f;
+    const __m512 d = _mm512_set1_ps(Pre ? dd[bi] : f16(b));
+    [[maybe_unused]] const float mn = F::kMin && !kVecM ? (Pre ? mm[bi] : f16(b + 2)) : 0.f;
     for (int m = 0; m < MB; ++m) {
       const float* xk = x + m * K + bi * 32;
       const __m512 s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xk + 16),
                                        _mm512_mul_ps(lo, _mm512_loadu_ps(xk)));
       acc[m][a] = _mm512_fmadd_ps(s, d, acc[m][a]);
-      if constexpr (F::kMin) macc[m][a] = __builtin_fmaf(mn, xs[m * nblk + bi], macc[m][a]);
+      if constexpr (F::kMin && !kVecM)
+        macc[m][a] = __builtin_fmaf(mn, xs[m * nblk + bi], macc[m][a]);
     }
   };
   for_blocks<NA>(nblk, block);
+  if constexpr (kVecM) m_terms4(mm, xs, nblk, macc[0]);
   for (int m = 0; m < MB; ++m) {
     __m512 s = acc[m][0];
     float ms = macc[m][0];
@@ -116,6 +154,16 @@ inline void row_dot512(const float* x, const float* xs, int64_t K, const uint8_t
     }
     y[m * ldy] = _mm512_reduce_add_ps(s) + ms;
   }
+}
+
+template <class F, int MB>
+inline void row_dot512(const float* x, const float* xs, int64_t K, const uint8_t* w, float* y,
+                       int64_t ldy) {
+  const int64_t nblk = K / 32;
+  if (nblk > kMaxRowBlocks) return row_dot512_impl<F, MB, false>(x, xs, K, w, y, ldy, nullptr, nullptr);
+  alignas(64) float dd[kMaxRowBlocks], mm[F::kMin ? kMaxRowBlocks : 1];
+  row_scales<F>(w, nblk, dd, mm);
+  row_dot512_impl<F, MB, true>(x, xs, K, w, y, ldy, dd, mm);
 }
 
 // W rows [n0, n1) against x rows [m0, m0 + MB), one after another.
@@ -136,11 +184,11 @@ inline void rows512(const float* x, const float* xs, int64_t K, const uint8_t* w
 // FMAs. (VDPBF16PS treats bf16 denormals, |x| < 1.2e-38, as 0: far below the fp32 sums' error.)
 inline __m512i q4_bf16_table() {
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float f = static_cast<float>(i);
+  for (int i = 0; i < 32; ++i) {  // entries i and i + 16 alike: see row_dot_q41_bf16_impl
+    const float f = static_cast<float>(i & 15);
     uint32_t u;
     std::memcpy(&u, &f, 4);
-    t[i] = static_cast<uint16_t>(u >> 16);  // exact: i has at most 5 significant bits
+    t[i] = static_cast<uint16_t>(u >> 16);  // exact: i & 15 has at most 4 significant bits
   }
   return _mm512_load_si512(t);
 }
@@ -157,10 +205,12 @@ inline void block_sums_bf16(const uint16_t* x, int64_t M, int64_t K, float* xs) 
     }
 }
 
-template <int MB>
-inline void row_dot_q41_bf16(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w,
-                             float* y, int64_t ldy, __m512i table) {
+template <int MB, bool Pre>
+inline void row_dot_q41_bf16_impl(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w,
+                                  float* y, int64_t ldy, __m512i table, const float* dd,
+                                  const float* mm) {
   constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  constexpr bool kVecM = Pre && MB == 1;  // the m terms by m_terms4, after the loop
   const int64_t nblk = K / 32;
   __m512 acc[MB][NA];
   float macc[MB][NA];
@@ -169,24 +219,26 @@ inline void row_dot_q41_bf16(const uint16_t* x, const float* xs, int64_t K, cons
       acc[m][a] = _mm512_setzero_ps();
       macc[m][a] = 0.f;
     }
-  const __m256i mask = _mm256_set1_epi16(0x0F);
   auto block = [&](int64_t bi, auto slot) {
     constexpr int a = decltype(slot)::value;
     const uint8_t* b = w + bi * Q4_1x16::BYTES;
+    // the bytes as words, unmasked: VPERMW reads an index's low 5 bits, and the table maps
+    // i and i + 16 alike (q4_bf16_table), so a low nibble needs no AND with 0x0F
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
-    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
-                                           _mm256_srli_epi16(v, 4), 1);  // q[0..31] as words
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4),
+                                           1);  // q[0..31] in the words' low nibbles
     const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(idx, table);
-    const __m512 d = _mm512_set1_ps(f16(b));
-    const float mn = f16(b + 2);
+    const __m512 d = _mm512_set1_ps(Pre ? dd[bi] : f16(b));
+    [[maybe_unused]] const float mn = kVecM ? 0.f : (Pre ? mm[bi] : f16(b + 2));
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + bi * 32);
       const __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, xv);
       acc[m][a] = _mm512_fmadd_ps(s, d, acc[m][a]);
-      macc[m][a] = __builtin_fmaf(mn, xs[m * nblk + bi], macc[m][a]);
+      if constexpr (!kVecM) macc[m][a] = __builtin_fmaf(mn, xs[m * nblk + bi], macc[m][a]);
     }
   };
   for_blocks<NA>(nblk, block);
+  if constexpr (kVecM) m_terms4(mm, xs, nblk, macc[0]);
   for (int m = 0; m < MB; ++m) {
     __m512 s = acc[m][0];
     float ms = macc[m][0];
@@ -196,6 +248,17 @@ inline void row_dot_q41_bf16(const uint16_t* x, const float* xs, int64_t K, cons
     }
     y[m * ldy] = _mm512_reduce_add_ps(s) + ms;
   }
+}
+
+template <int MB>
+inline void row_dot_q41_bf16(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w,
+                             float* y, int64_t ldy, __m512i table) {
+  const int64_t nblk = K / 32;
+  if (nblk > kMaxRowBlocks)
+    return row_dot_q41_bf16_impl<MB, false>(x, xs, K, w, y, ldy, table, nullptr, nullptr);
+  alignas(64) float dd[kMaxRowBlocks], mm[kMaxRowBlocks];
+  row_scales<Q4_1x16>(w, nblk, dd, mm);
+  row_dot_q41_bf16_impl<MB, true>(x, xs, K, w, y, ldy, table, dd, mm);
 }
 #endif
 

@@ -18,6 +18,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -61,13 +62,24 @@ class ClaimPool {
     for (int64_t i; (i = claim(gen)) >= 0; ++mine) fn(ctx, i);
     // only tasks a helper claimed are left: wait for those. A helper preempted in a task holds
     // the caller until its next time slice (milliseconds on a loaded box): after such a wait the
-    // next kBackoffJobs jobs run on the caller alone (~30 SmolLM2 decode steps), then helpers are
-    // tried again. On a quiet box no wait is that long and the helpers always take part.
+    // next backoff_len_ jobs run on the caller alone, then helpers are tried again. The length
+    // doubles with each stall, up to kBackoffJobs (~30 SmolLM2 decode steps), and halves after
+    // each kCalmJobs jobs in a row that the helpers finished in time: a lone stall on a quiet
+    // box (a helper interrupted once) then costs half a step alone instead of 30 steps, while a
+    // loaded box, stalling again at each retry, is back at the longest back-off in 7 stalls.
+    bool stalled = false;
     if (done_.load(std::memory_order_acquire) + mine < ntask) {
       const auto t0 = std::chrono::steady_clock::now();
       while (done_.load(std::memory_order_acquire) + mine < ntask) _mm_pause();
-      if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(kStallUs))
-        backoff_ = kBackoffJobs;
+      stalled = std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(kStallUs);
+    }
+    if (stalled) {
+      backoff_ = backoff_len_;
+      backoff_len_ = std::min(2 * backoff_len_, kBackoffJobs);
+      calm_ = 0;
+    } else if (++calm_ >= kCalmJobs) {
+      backoff_len_ = std::max(backoff_len_ / 2, kMinBackoffJobs);
+      calm_ = 0;
     }
     busy_.store(false, std::memory_order_release);
     return true;
@@ -126,7 +138,11 @@ class ClaimPool {
   static constexpr int kSpinUs = 2000;  // > the gaps between a decode step's GEMMs
   static constexpr int kStallUs = 200;   // a wait this long: the helper was off its core
   static constexpr int kBackoffJobs = 4096;
+  static constexpr int kMinBackoffJobs = 64;  // about half a SmolLM2 decode step's GEMMs
   int backoff_ = 0;                      // jobs left to run without helpers (caller's only)
+  static constexpr int kCalmJobs = 1024;
+  int backoff_len_ = kMinBackoffJobs;    // the next stall's back-off (caller's only)
+  int calm_ = 0;                         // helped jobs since the last stall (caller's only)
   static constexpr uint64_t kClosed = 0xffffffffu;  // "next task" of a job being replaced
   std::atomic<uint64_t> state_{0};      // job generation << 32 | next task
   std::atomic<int64_t> ntask_{0};

@@ -106,6 +106,18 @@ def test_gemm_matches_reference(ops, fmt, m, n, k):
     check(ops.gemm_chunked(x, raw, fmt, k), x, ref_w)
 
 
+@pytest.mark.parametrize("fmt", [3, 8], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k", [576, 33792])  # 18 blocks (2 past the last 4), and > 1024 blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_with_tail_and_long_rows(ops, fmt, m, k, dtype):
+    # the AVX-512 rows convert a row's scales first (and sum Q4_1's m terms 4 blocks at a time)
+    # up to 1024 blocks, and per block past that: both, with blocks left over after the last 4
+    raw, ref_w = blocks(fmt, 9, k, seed=k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    check(ops.gemm(x, raw, fmt, k), x.float(), ref_w)
+
+
 @pytest.mark.parametrize("fmt", FMTS.values(), ids=FMTS.keys())
 def test_tiled_gemm_many_rows_and_tiles(ops, fmt):
     raw, ref_w = blocks(fmt, 1000, 512)  # 4 tiles of 256 rows at K = 512, the last partial
