@@ -39,6 +39,8 @@ from benchmarks.peers import workloads as wl  # noqa: E402
 VLLM_VENV = os.path.join(_HERE, ".venv-vllm")
 VLLM_PY = os.path.join(VLLM_VENV, "bin", "python")
 DEFAULT_RESULT_FILE = os.path.join(_ROOT, "benchmarks", "results", "peers-cpu.jsonl")
+# --sides radixlm (a before/after of radixlm alone): its lines have no peer, kept apart
+AB_RESULT_FILE = os.path.join(_ROOT, "benchmarks", "results", "peers_ab-cpu.jsonl")
 
 
 # ------------------------------------------------------------------------------------- context
@@ -233,7 +235,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="radixlm alone skips vLLM (with RADIXLM_PEERS_TREE=<tree>: that tree's "
                         "radixlm under this harness, for a before/after)")
     p.add_argument("--save", action="store_true", help="append the lines to --result-file")
-    p.add_argument("--result-file", default=DEFAULT_RESULT_FILE)
+    p.add_argument("--result-file", default=None,
+                   help="default: results/peers-cpu.jsonl; with --sides radixlm, peers_ab-cpu.jsonl")
     return p.parse_args(argv)
 
 
@@ -249,6 +252,8 @@ def main(argv=None) -> list[dict]:
     if "radixlm" not in args.sides or set(args.sides) - {"radixlm", "vllm"}:
         raise SystemExit(f"--sides: radixlm or radixlm,vllm, not {args.sides}")
     with_vllm = "vllm" in args.sides
+    if args.result_file is None:
+        args.result_file = DEFAULT_RESULT_FILE if with_vllm else AB_RESULT_FILE
     if with_vllm and not os.path.exists(os.path.join(VLLM_VENV, ".installed")):
         raise SystemExit(f"no vLLM venv at {VLLM_VENV}: run bash benchmarks/peers/install_vllm_cpu.sh")
     rounds = [int(r) for r in args.rounds.split(",")]
