@@ -184,6 +184,23 @@ def test_build_key_covers_every_source_and_header():
     expected = ({p.name for p in csrc.glob("cpu_attention*.cpp")}
                 | {"cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_layers.cpp"})
     assert expected == set(cpu_kernels._SOURCES)
+    # the one translation unit compiled includes exactly the sources, and is hashed too
+    unity = (csrc / cpu_kernels._UNITY).read_text()
+    assert re.findall(r'^\s*#\s*include\s+"([^"]+)"', unity, re.M) == list(cpu_kernels._SOURCES)
     for name in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
         for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', (csrc / name).read_text(), re.M):
             assert inc in cpu_kernels._HEADERS, (name, inc)
+
+
+def test_build_name_changes_with_the_unity_file(tmp_path, monkeypatch):
+    """An edit of the translation unit that is compiled (not only of the files it includes)
+    names a new build."""
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels._CSRC, csrc)
+    monkeypatch.setattr(cpu_kernels, "_CSRC", csrc)
+    before = cpu_kernels.module_name()
+    unity = csrc / cpu_kernels._UNITY
+    unity.write_text(unity.read_text() + "// edited\n")
+    assert cpu_kernels.module_name() != before

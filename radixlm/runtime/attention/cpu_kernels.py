@@ -50,11 +50,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parents[3] / "csrc"
-# Every file of the build: the sources are compiled (one translation unit each), and all of them,
-# headers included, are hashed into the build's name (tests check that every `#include "..."` of a
-# source is listed here).
+# Every file of the build, all hashed into the build's name (tests check that every `#include
+# "..."` of a source is listed here). The sources are compiled as ONE translation unit,
+# csrc/cpu_kernels_unity.cpp, which includes them all (torch's headers parsed once: see there).
 _SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp", "cpu_elementwise.cpp",
             "cpu_gemm.cpp", "cpu_layers.cpp")
+_UNITY = "cpu_kernels_unity.cpp"
 _HEADERS = ("cpu_attention.h", "cpu_attention_gemm.h", "cpu_attention_bf16.h",
             "cpu_attention_decode.h", "cpu_elementwise_bf16.h", "cpu_vec.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -93,7 +94,7 @@ def cpu_features() -> str:
 
 
 def module_name() -> str:
-    return hashed_name("radixlm_cpu_attn_", _SOURCES + _HEADERS)
+    return hashed_name("radixlm_cpu_attn_", (_UNITY,) + _SOURCES + _HEADERS)
 
 
 def hashed_name(prefix: str, files) -> str:
@@ -140,15 +141,16 @@ def load(verbose: bool = False):
 
 
 def _load_or_build(verbose: bool):
-    return load_or_build(module_name(), _SOURCES, _HEADERS, "radixlm_cpu", "the CPU attention "
+    return load_or_build(module_name(), (_UNITY,), _SOURCES + _HEADERS, "radixlm_cpu", "the CPU attention "
                          "kernels", "`python -m radixlm.runtime.attention.cpu_kernels --rebuild` "
                          "retries", verbose)
 
 
 def load_or_build(name: str, sources, headers, ops_name: str, label: str, retry_hint: str,
                   verbose: bool):
-    """torch.ops.<ops_name> from the cached build `name` of csrc `sources`, building it first
-    if needed (the attention kernels and layers/quant_kernels.py share this). Raises with the
+    """torch.ops.<ops_name> from the cached build `name` of csrc `sources` (compiled, one
+    translation unit each; `headers`: the other files they include, checked present), building it
+    first if needed (the attention kernels and layers/quant_kernels.py share this). Raises with the
     reason when disabled, missing, or when this or an earlier build failed."""
     if os.environ.get("RADIXLM_DISABLE_CPU_KERNELS") == "1":
         raise RuntimeError("disabled by RADIXLM_DISABLE_CPU_KERNELS=1")
