@@ -1,7 +1,7 @@
 """Shared by the CPU attention tests (test_cpu_attention.py: the kernels;
 test_cpu_attention_backend.py: the backend, the wiring and the engine): the built kernels `OPS`
-(importing this module skips the test module when the build tools are missing, and fails it on any
-other build failure), scattered KV pools, the dense fp32 reference and the tolerances.
+(loaded at first use: a test that uses them is skipped when the build tools are missing, and fails
+on any other build failure), scattered KV pools, the dense fp32 reference and the tolerances.
 
 The kernels are built once per machine (~30 s, cached under ~/.cache/radixlm/kernels; `make
 install` prebuilds them).
@@ -21,17 +21,45 @@ from radixlm.runtime.attention.cpu_kernels import CpuKernelsUnavailable
 if os.environ.get("RADIXLM_DISABLE_CPU_KERNELS") == "1":
     pytest.skip("RADIXLM_DISABLE_CPU_KERNELS=1: the CPU kernels are disabled on purpose",
                 allow_module_level=True)
-try:
-    OPS = cpu_kernels.load()
-except CpuKernelsUnavailable as _e:
-    if not shutil.which(os.environ.get("CXX", "c++")):
-        pytest.skip(f"no C++ compiler, the CPU kernels cannot be built: {_e}",
-                    allow_module_level=True)
-    from torch.utils.cpp_extension import is_ninja_available
-    if not is_ninja_available():
-        pytest.skip(f"no ninja (torch.utils.cpp_extension needs it), the CPU kernels cannot be "
-                    f"built: {_e}", allow_module_level=True)
-    raise  # the tools exist: a build failure is a bug, not a skip
+
+
+def _load_or_skip():
+    try:
+        return cpu_kernels.load()
+    except CpuKernelsUnavailable as e:
+        if not shutil.which(os.environ.get("CXX", "c++")):
+            pytest.skip(f"no C++ compiler, the CPU kernels cannot be built: {e}")
+        from torch.utils.cpp_extension import is_ninja_available
+        if not is_ninja_available():
+            pytest.skip(f"no ninja (torch.utils.cpp_extension needs it), the CPU kernels cannot "
+                        f"be built: {e}")
+        raise  # the tools exist: a build failure is a bug, not a skip
+
+
+class _LazyOps:
+    """torch.ops.radixlm_cpu, loaded by the first test that uses it, not when the module is
+    imported: `make test` builds the kernels in the background while pytest's workers collect,
+    and a load at import held every worker's collection until the build ended (~45 s on a fresh
+    clone), although most tests need no kernel. A test that uses it waits on the build's lock."""
+
+    _ops = None
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # what pytest and mock probe for at collection, not an op
+            raise AttributeError(name)
+        if _LazyOps._ops is None:
+            _LazyOps._ops = _load_or_skip()
+        return getattr(_LazyOps._ops, name)
+
+
+OPS = _LazyOps()
+
+
+@pytest.fixture(autouse=True)
+def kernels_built():
+    """Imported by a test module whose every test needs the kernels: each is skipped or failed
+    as their build is (what importing this module did when it loaded them at once)."""
+    OPS.isa()
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16]

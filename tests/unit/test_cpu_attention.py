@@ -4,7 +4,7 @@ rows that see no key), bf16 / fp16 / fp32 pools, strided views, bad input, store
 backend, its fallback and the engine are in test_cpu_attention_backend.py.
 
 The kernels are built once per machine (~30 s, cached under ~/.cache/radixlm/kernels; `make
-install` prebuilds them). The module skips only when the build tools are missing (no C++
+install` prebuilds them). Its tests skip only when the build tools are missing (no C++
 compiler, or no ninja); any other build failure fails the tests (cpu_attention_ref.py).
 """
 

@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from cpu_attention_ref import DTYPES, close, close_lse, make_pool
+from cpu_attention_ref import DTYPES, close, close_lse, kernels_built, make_pool  # noqa: F401 - autouse
 from radixlm.runtime.attention import cpu_kernels, registry
 from radixlm.runtime.attention.cpu_backend import CpuAttention
 from radixlm.runtime.attention.torch_native import TorchNativeAttention

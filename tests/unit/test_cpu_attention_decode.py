@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_attention_ref import TOL, close, close_lse, dense, make_pool
+from cpu_attention_ref import TOL, close, close_lse, dense, kernels_built, make_pool  # noqa: F401 - autouse
 from radixlm.runtime.attention import cpu_kernels
 
 BF16 = torch.bfloat16

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpu_attention_ref import OPS  # noqa: F401 - skips / fails this module as the kernels do
+from cpu_attention_ref import OPS, kernels_built  # noqa: F401 - autouse: needs the kernels
 from radixlm.runtime.layers import cpu_fused
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 
