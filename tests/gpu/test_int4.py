@@ -166,7 +166,8 @@ def test_int4_kernels_cuda():
               (1000, 512, 64, 300), (512, 96 * 32, 96 * 32, 1), (512, 96 * 32, 96 * 32, 33)]
     check_int4_kernels("cuda", shapes, gemv_configs=(None, (4, 128, 4, 2), (16, 512, 8, 4),
                                                       (32, 2048, 8, 2)),
-                       gemm_configs=(None, (64, 64, 128, 4, 4), (64, 128, 512, 8, 2)))
+                       gemm_configs=(None, (64, 64, 128, 4, 4), (64, 256, 128, 8, 3, 2),
+                                     (32, 128, 64, 4, 2), (16, 64, 32, 4, 3, 3)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -43,17 +43,19 @@ gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT"
         "GROUP": "constexpr", "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr",
         "IEEE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr"}
-# the decode-batch tiles (M 16 / 64) and the prefill tile; group 128 (one group a step) and
+# the decode-batch tiles (M 16 / 32 / 64) and the prefill tile; group 128 (one group a step) and
 # group 32 (a group per word row)
-# (split-K at N = 4096, none at 28672 and for prefill)
-for m, n, group in ((64, 4096, 128), (16, 28672, 128), (512, 4096, 128), (64, 4096, 32)):
+# (split-K at N = 4096 and 6144, none at 28672 and for prefill)
+for m, n, group in ((64, 4096, 128), (16, 28672, 128), (32, 6144, 128), (512, 4096, 128),
+                    (64, 4096, 32)):
     bm, bn, bk, warps, stages, split = TG.gemm_config(m, n, 4096, group)
     k = triton.compile(ASTSource(TG._int4_gemm_kernel, gemm, {
         "GROUP": group, "HAS_PERM": group == 32, "HAS_BIAS": False, "IEEE": False,
         "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}),
         target=target, options={"num_warps": warps, "num_stages": stages})
     assert "cubin" in k.asm
-    assert (split > 1) == (n == 4096 and m <= 64), (m, n, split)
+    assert k.metadata.shared <= 227 * 1024, (m, n, k.metadata.shared)  # an H100 SM's limit
+    assert (split > 1) == (n <= 6144 and m <= 64), (m, n, split)
 print("compiled")
 """
 
