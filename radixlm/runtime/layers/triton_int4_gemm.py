@@ -57,6 +57,23 @@ def _dequant_tile(words, zf, s, magic, DT: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
+def _step_zs(Z, S, s_col, kw, ob, n_ok, n_words, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    # zeros, scales (as stored) of the step at word kw: (1, 1, BLOCK_N) when the step lies in
+    # one group, else (NB, 1, BLOCK_N), a group per block; 0 past K
+    if GROUP % BLOCK_K == 0:
+        g = (kw * 8) // GROUP
+        ok = n_ok[None, None, :] & (kw < n_words)
+        z = tl.load(Z + s_col + g, mask=ok, other=0)
+        s = tl.load(S + s_col + g, mask=ok, other=0.0)
+    else:
+        g = ((kw // 4 + ob) * 32) // GROUP
+        ok = (kw // 4 + ob < n_words // 4)[:, None, None] & n_ok[None, None, :]
+        z = tl.load(Z + s_col + g[:, None, None], mask=ok, other=0)
+        s = tl.load(S + s_col + g[:, None, None], mask=ok, other=0.0)
+    return z, s
+
+
+@triton.jit
 def _int4_gemm_kernel(X, QW, S, Z, P, B, Y, WS, CNT, M, N, K, words_per_split,
                       stride_xm, stride_ym, stride_qw, stride_s, magic,
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -80,6 +97,7 @@ def _int4_gemm_kernel(X, QW, S, Z, P, B, Y, WS, CNT, M, N, K, words_per_split,
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     kw_lo = pid_k * words_per_split
     kw_hi = tl.minimum(kw_lo + words_per_split, n_words)
+    zf_next, s_next = _step_zs(Z, S, s_col, kw_lo, ob, n_ok, n_words, GROUP, BLOCK_K)
     for kw in range(kw_lo, kw_hi, BLOCK_K // 8):
         blk_ok = kw // 4 + ob < n_words // 4  # (NB,)
         if EVEN_K:
@@ -87,15 +105,12 @@ def _int4_gemm_kernel(X, QW, S, Z, P, B, Y, WS, CNT, M, N, K, words_per_split,
         else:  # ragged last step: blocks past K read as 0 (their x columns are 0 too)
             words = tl.load(w_ptrs + kw, mask=blk_ok[:, None, None] & n_ok[None, None, :],
                             other=0)
-        if GROUP % BLOCK_K == 0:  # the step inside one group: a scale, zero per row of W
-            g = (kw * 8) // GROUP
-            zf = tl.load(Z + s_col + g, mask=n_ok[None, None, :], other=0).to(tl.float32)
-            s = tl.load(S + s_col + g, mask=n_ok[None, None, :], other=0.0).to(tl.float32)
-        else:  # (NB, 1, BLOCK_N): each block's group
-            g = ((kw // 4 + ob) * 32) // GROUP
-            ok = blk_ok[:, None, None] & n_ok[None, None, :]
-            zf = tl.load(Z + s_col + g[:, None, None], mask=ok, other=0).to(tl.float32)
-            s = tl.load(S + s_col + g[:, None, None], mask=ok, other=0.0).to(tl.float32)
+        # this step's scales and zeros were loaded one step ahead: too small for cp.async
+        # (1-2 bytes a thread), the pipeliner leaves them, and loaded here the dequant would
+        # wait for them every step
+        zf, s = zf_next.to(tl.float32), s_next.to(tl.float32)
+        zf_next, s_next = _step_zs(Z, S, s_col, kw + BLOCK_K // 8, ob, n_ok, n_words, GROUP,
+                                   BLOCK_K)
         cols = kw * 8 + ok_  # (BLOCK_K,) K's columns in order (the tile's row order)
         k_ok = cols < K
         if HAS_PERM:
