@@ -51,7 +51,10 @@ for m, n, group in ((64, 4096, 128), (16, 28672, 128), (32, 6144, 128), (512, 40
     bm, bn, bk, warps, stages, split = TG.gemm_config(m, n, 4096, group)
     k = triton.compile(ASTSource(TG._int4_gemm_kernel, gemm, {
         "GROUP": group, "HAS_PERM": group == 32, "HAS_BIAS": False, "IEEE": False,
-        "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}),
+        "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split},
+        # the JIT's specialization at these shapes: pointers, sizes and strides all multiples
+        # of 16 (it decides the vector widths, and so which loads are cp.async-pipelined)
+        {(i,): [["tt.divisibility", 16]] for i in range(18)}),
         target=target, options={"num_warps": warps, "num_stages": stages})
     assert "cubin" in k.asm
     assert k.metadata.shared <= 227 * 1024, (m, n, k.metadata.shared)  # an H100 SM's limit
