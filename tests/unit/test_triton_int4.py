@@ -35,7 +35,8 @@ def test_int4_gemv_interpreted():
                                        (9, 256, 64, 1)], dtypes=(torch.float16,))
     _checks.check_int4_kernels("cpu", [(9, 128, 32, 1), (7, 256, 128, 1), (5, 352, 32, 1)],
                                dtypes=(torch.float32,),
-                               gemv_configs=((4, 64, 4, 2), (2, 32, 2, 1), (16, 256, 4, 3)))
+                               gemv_configs=((4, 64, 4, 2), (2, 32, 2, 1), (16, 256, 4, 3),
+                                             (4, 64, 4, 2, 1), (8, 32, 1, 3, 1)))
 
 
 def test_int4_gemm_interpreted():
@@ -206,3 +207,19 @@ def test_gemm_sweep_covers_the_defaults():
             assert cfg in gemm_sweep(m, n, k), (m, n, k, cfg)
     for i, want in enumerate(({16, 32, 64}, {64, 128, 256}, {64, 128}, {4, 8}, {2, 3, 4})):
         assert {t[i] for t in GEMM_TILES} == want
+
+
+@pytest.mark.parametrize("silu,act", [(False, False), (False, True), (True, True)])
+def test_int4_gemv_prefetch_is_bit_identical(silu, act):
+    """PREFETCH_ZS (a step's scales and zeros loaded one step ahead) only moves loads: the
+    GEMV's result must be the same bits with it on and off (ragged K: 352 = 2.75 steps of 128;
+    several groups a step; act-order; the SiLU epilogue's two row sets)."""
+    n, k, group = 24, 352, 32
+    qw, s, z, _ = _checks.random_layer(n, k, group, seed=11)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)) if act else None
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(2))
+    b = None if silu else torch.randn(n)
+    for base in ((4, 128, 4, 2), (8, 64, 1, 3)):
+        ys = [triton_int4.gemv(x, qw, s, z, group, b, config=base + pf, perm=perm, silu=silu)
+              for pf in ((), (1,))]
+        assert torch.equal(ys[0], ys[1]), base
