@@ -69,7 +69,7 @@ def _worker(job):
             triton_int4_gemm.gemm(x, lyr.qweight, lyr.scales, lyr.zeros, 128, config=cfg)
             torch.cuda.synchronize()
         except (OutOfResources, CompilationError) as e:
-            failed[n, k, m, tuple(cfg)] = f"{type(e).__name__}: {str(e)[:100]}"
+            failed[n, k, m, tuple(cfg)] = f"{type(e).__name__}: {str(e)[:60]}"
         except Exception:  # noqa: BLE001 (left to the parent's own try)
             break
     return failed

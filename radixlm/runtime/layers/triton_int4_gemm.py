@@ -16,7 +16,11 @@ the exact nibble -> fp32 step of layers/triton_int4.py (read its docstring first
     layout change, registers -> the dot's shared-memory operand, is one the dot needs anyway.
   (The old kernel ran 8 dots of K = BLOCK_K/8 a step, one per nibble: 0.28-0.39x of cuBLAS
   bf16 at M = 64 on the H200.) sm_90 compile (ptxas, tests/unit/test_triton_int4_compile.py):
-  one wgmma chain a step at BLOCK_M 64 (mma.sync below 64 rows), no spills at the defaults.
+  words and x cp.async-pipelined, one wgmma chain a step at BLOCK_M 64 (mma.sync below 64
+  rows), no spills at the defaults. Per value ~4.5 ALU ops (LOP3, FADD, FMUL, half an F2FP)
+  and one 2-byte shared store: Triton gives each thread one row n of the tile, so its values
+  go to shared memory one by one (BLOCK_N 256 at 4 warps gives a thread 2 rows and packed
+  stores: in the sweep).
 Split-K (grid axis 2) for shapes with few tiles, reduced deterministically in the same launch.
 """
 
