@@ -26,8 +26,8 @@ common = {"QW": "*i32", "S": "*fp16", "Z": "*u8", "P": "*i64"}
 gemv = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "N": "i32", "K": "i32",
         "stride_qw": "i32", "stride_s": "i32", "magic": "i32", "GROUP": "constexpr",
         "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr",
-        "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "NUM_STAGES": "constexpr",
-        "PREFETCH_ZS": "constexpr"}
+        "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+        "NUM_STAGES": "constexpr", "PREFETCH_ZS": "constexpr"}
 for n, kk, silu in ((4096, 4096, False), (4096, 14336, False), (28672, 4096, True)):
     bn, bk, warps, stages = T.gemv_config(n, kk)
     for perm in (False, True):
