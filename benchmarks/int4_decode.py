@@ -15,9 +15,10 @@ Two parts, JSON lines on stdout (and appended to `--result-file`):
   kernels  (--kernels) y = x (M, K) @ W^T at the 8B's projection shapes for M in 1 and 64:
            bf16 cuBLAS (F.linear) vs the int4 layer (GEMV at M = 1, GEMM above), timed inside
            CUDA graphs with weights cycled through copies totalling > 256 MB (from HBM, as in a
-           forward); at M = 1 a small sweep of GEMV tiles, at M = 64 of GEMM tiles, reporting
-           the best (to set triton_int4's defaults); gate_up at M = 1 also with the SiLU epilogue
-           (int4_gate_up_silu_us). `--ms` adds batch sizes (default kernel only): GEMV_MAX_M.
+           forward); at M = 1 a small sweep of GEMV tiles, at every M > 1 the GEMM tile grid
+           of benchmarks/int4_gemm_sweep.py (compiled in parallel first), reporting the default
+           and the best (to set triton_int4's and triton_int4_gemm's defaults); gate_up at M = 1
+           also with the SiLU epilogue (int4_gate_up_silu_us). `--ms`: the batch sizes.
 `--tiny` runs the e2e part on a small config (hidden 256, 2 layers) on whatever device there is
 (on the CPU the int4 arms run Int4Linear's torch emulation): a dry run that the script works.
 
@@ -47,6 +48,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.fp8_linear import graph_time_us, timed  # noqa: E402 (timers shared with FP8's)
+from benchmarks.int4_gemm_sweep import gemm_sweep, precompile  # noqa: E402
 
 CONFIG_DIR = os.path.join(_HERE, "configs", "llama-3.1-8b")
 _AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
@@ -70,13 +72,11 @@ COLD_BYTES = 256 << 20  # > 5x the H100's 50 MB L2
 GEMV_SWEEP = ((8, 2048, 2, 3), (8, 2048, 2, 4), (8, 2048, 2, 2), (4, 2048, 2, 4),
               (8, 1024, 1, 4), (8, 1024, 1, 3), (4, 1024, 1, 4), (4, 4096, 4, 2),
               (8, 4096, 4, 2), (2, 2048, 2, 4), (16, 1024, 4, 3), (16, 2048, 2, 2))
-# GEMM (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) at M = 64: BLOCK_N x split-K around
-# the default (64, 128, 128, 4, 3, split 4 / 2 / 1 for N 4096 / 6144 / 28672)
-GEMM_SWEEP = ((64, 128, 128, 4, 3, 1), (64, 128, 128, 4, 3, 2), (64, 128, 128, 4, 3, 4),
-              (64, 128, 128, 4, 4, 4), (64, 128, 128, 8, 3, 4), (64, 64, 128, 4, 3, 1),
-              (64, 64, 128, 4, 3, 2), (64, 64, 128, 4, 3, 4), (64, 128, 256, 8, 3, 2),
-              (64, 256, 128, 8, 3, 4), (64, 32, 256, 4, 4, 1))
-
+# ... and each with PREFETCH_ZS on (the 5th value: a step's scales and zeros loaded one step
+# ahead, triton_int4._gemv_rows; more registers)
+GEMV_SWEEP = GEMV_SWEEP + tuple(c + (1,) for c in GEMV_SWEEP)
+# GEMM configs: benchmarks/int4_gemm_sweep.py (the full tile grid at every --ms batch size > 1,
+# compiled in parallel first)
 
 def meta(command: str) -> dict:
     try:
@@ -178,6 +178,12 @@ def kernels(m_meta: dict, ms=(1, 64)) -> list[dict]:
     from radixlm.runtime.layers import int4_linear, triton_int4, triton_int4_gemm
 
     rows = []
+    jobs = [(n, k, m, gemm_sweep(m, n, k)) for n, k in SHAPES.values() for m in ms if m > 1]
+    t0 = time.perf_counter()
+    failed = precompile(jobs)  # every GEMM config, 16 processes: the sweep then hits the cache
+    print(json.dumps({"bench": "int4_gemm_precompile", "configs": sum(len(j[3]) for j in jobs),
+                      "failed": len(failed), "s": round(time.perf_counter() - t0, 1)}),
+          flush=True)
     for label, (n, k) in SHAPES.items():
         torch.manual_seed(0)
         copies = max(2, -(-COLD_BYTES // (n * k // 2)))
@@ -190,11 +196,14 @@ def kernels(m_meta: dict, ms=(1, 64)) -> list[dict]:
             bf = graph_time_us(lambda i: F.linear(x, w16[i % len(w16)]), len(w16))
             q4 = graph_time_us(lambda i: layers[i](x), copies)
             fn, sweep = ((triton_int4.gemv, GEMV_SWEEP) if m == 1
-                         else (triton_int4_gemm.gemm, GEMM_SWEEP))
-            if m not in (1, 64):  # other batch sizes: the layer's default only
-                sweep = ()
+                         else (triton_int4_gemm.gemm, gemm_sweep(m, n, k)))
+            if m > 1:
+                row["int4_default_config"] = list(triton_int4_gemm.gemm_config(m, n, k, 128))
             best = (None, q4)
             for cfg in sweep:
+                if (n, k, m, tuple(cfg)) in failed:  # did not compile or run: not retried
+                    row.setdefault("sweep_errors", []).append([list(cfg), failed[n, k, m, cfg]])
+                    continue
                 try:
                     us = graph_time_us(lambda i, cfg=cfg: fn(x, layers[i].qweight, layers[i].scales,
                                                              layers[i].zeros, 128, config=cfg),
@@ -246,8 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", action="store_true", help="also the per-shape kernel timings")
     ap.add_argument("--no-e2e", action="store_true", help="skip the Engine arms")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 64],
-                    help="batch sizes of the kernel part (sweeps at 1 and 64; others time the "
-                         "layer's default kernel: bf16 vs int4 per batch size)")
+                    help="batch sizes of the kernel part (each swept: GEMV tiles at 1, GEMM "
+                         "tiles above)")
     ap.add_argument("--result-file", help="append the JSON lines here")
     ap.add_argument("--arm-child", choices=list(ARMS), help=argparse.SUPPRESS)  # e2e's child
     args = ap.parse_args(argv)

@@ -35,18 +35,47 @@ def test_int4_gemv_interpreted():
                                        (9, 256, 64, 1)], dtypes=(torch.float16,))
     _checks.check_int4_kernels("cpu", [(9, 128, 32, 1), (7, 256, 128, 1), (5, 352, 32, 1)],
                                dtypes=(torch.float32,),
-                               gemv_configs=((4, 64, 4, 2), (2, 32, 2, 1), (16, 256, 4, 3)))
+                               gemv_configs=((4, 64, 4, 2), (2, 32, 2, 1), (16, 256, 4, 3),
+                                             (4, 64, 4, 2, 1), (8, 32, 1, 3, 1)))
 
 
 def test_int4_gemm_interpreted():
-    # one group a step (group 256 / 128 >= BLOCK_K 128), several groups a step (32, 64), K
-    # ragged against BLOCK_K (96, 352), M and N ragged against the tile; split-K (2 and 3
-    # splits, a ragged last split; the counters reset: every shape calls it more than once)
+    # one group a step (group 256 / 128 >= BLOCK_K), several groups a step (32, 64 against
+    # BLOCK_K 128), K ragged against BLOCK_K (96, 352; 192 at BLOCK_K 128), M and N ragged
+    # against the tile (odd M, 33 > BLOCK_M 32); split-K (2 and 3 splits, a ragged last split;
+    # the counters reset: every shape calls it more than once); BLOCK_K 32 / 64 / 128 (1, 2, 4
+    # blocks a step); every second shape with a bias
     _checks.check_int4_kernels("cpu", [(37, 256, 32, 5), (16, 256, 128, 17), (20, 96, 96, 3),
-                                       (24, 512, 256, 2), (11, 352, 32, 4), (40, 640, 128, 3)],
+                                       (24, 512, 256, 2), (11, 352, 32, 4), (40, 640, 128, 3),
+                                       (13, 192, 64, 33)],
                                dtypes=(torch.float16, torch.float32),
                                gemm_configs=(None, (16, 32, 128, 4, 2), (16, 32, 128, 4, 2, 2),
-                                             (16, 16, 128, 4, 2, 3)))
+                                             (16, 16, 128, 4, 2, 3), (32, 64, 64, 4, 2),
+                                             (16, 32, 32, 4, 2, 2)))
+
+
+@pytest.mark.parametrize("n,k,group,config,act", [
+    (40, 96, 32, (16, 32, 64, 4, 2), False),  # K ragged against BLOCK_K, 2 groups a step
+    (24, 256, 64, (32, 64, 128, 4, 2, 2), True),  # split-K, act-order
+    (17, 384, 128, (16, 16, 128, 4, 2), True),  # one group a step, N ragged
+    (8, 128, 32, None, False)])
+def test_int4_gemm_tile_is_the_dequantized_weight(n, k, group, config, act):
+    """Bit-exact: x = the identity (K rows) makes y = W^T, each value one product by 1 in
+    fp32, so y must equal the dequantized weight in x's dtype (Int4Linear.dequantized_weight,
+    checkpoint column order) exactly: every nibble at its row of the tile, the scale and zero
+    of its group, the perm, one rounding to x's dtype. fp16 (the interpreter truncates bf16)."""
+    from radixlm.runtime.layers import int4_linear
+
+    qw, s, z, _ = _checks.random_layer(n, k, group, seed=n + k)
+    lin = int4_linear.Int4Linear(k, n, group, False, torch.float16, "cpu", act_order=act)
+    lin.qweight.copy_(qw), lin.scales.copy_(s), lin.zeros.copy_(z)
+    perm = None
+    if act:
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+        lin.perm.copy_(perm)
+    x = torch.eye(k, dtype=torch.float16)
+    y = triton_int4_gemm.gemm(x, qw, s, z, group, config=config, perm=perm)
+    assert torch.equal(y, lin.dequantized_weight(torch.float16).t())
 
 
 def test_int4_gemm_split_k_default_and_counters():
@@ -158,3 +187,39 @@ def test_llama_mlp_takes_the_int4_silu_gemv(monkeypatch):
     g, u = gu[:, :64], gu[:, 64:]
     ref = mlp.down_proj(((g / (1 + torch.exp(-g))).half().float() * u).half())
     torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 ** -9)
+
+
+def test_gemm_sweep_covers_the_defaults():
+    """benchmarks/int4_decode.py --kernels times gemm_sweep's configs against the default: the
+    default must be one of them at each batch bucket and projection shape (else the "best" the
+    sweep reports could never be the default), and the grid spans every tile dimension."""
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    sys.path.insert(0, root)
+    try:
+        from benchmarks.int4_gemm_sweep import GEMM_TILES, gemm_sweep
+    finally:
+        sys.path.remove(root)
+    for m in (2, 16, 17, 33, 64, 128, 512):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            cfg = triton_int4_gemm.gemm_config(m, n, k, 128)
+            assert cfg in gemm_sweep(m, n, k), (m, n, k, cfg)
+    for i, want in enumerate(({16, 32, 64}, {64, 128, 256}, {64, 128}, {4, 8}, {2, 3, 4})):
+        assert {t[i] for t in GEMM_TILES} == want
+
+
+@pytest.mark.parametrize("silu,act", [(False, False), (False, True), (True, True)])
+def test_int4_gemv_prefetch_is_bit_identical(silu, act):
+    """PREFETCH_ZS (a step's scales and zeros loaded one step ahead) only moves loads: the
+    GEMV's result must be the same bits with it on and off (ragged K: 352 = 2.75 steps of 128;
+    several groups a step; act-order; the SiLU epilogue's two row sets)."""
+    n, k, group = 24, 352, 32
+    qw, s, z, _ = _checks.random_layer(n, k, group, seed=11)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)) if act else None
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(2))
+    b = None if silu else torch.randn(n)
+    for base in ((4, 128, 4, 2), (8, 64, 1, 3)):
+        ys = [triton_int4.gemv(x, qw, s, z, group, b, config=base + pf, perm=perm, silu=silu)
+              for pf in ((), (1,))]
+        assert torch.equal(ys[0], ys[1]), base

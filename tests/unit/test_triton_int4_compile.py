@@ -26,14 +26,16 @@ common = {"QW": "*i32", "S": "*fp16", "Z": "*u8", "P": "*i64"}
 gemv = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "N": "i32", "K": "i32",
         "stride_qw": "i32", "stride_s": "i32", "magic": "i32", "GROUP": "constexpr",
         "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr",
-        "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "NUM_STAGES": "constexpr"}
+        "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+        "NUM_STAGES": "constexpr", "PREFETCH_ZS": "constexpr"}
 for n, kk, silu in ((4096, 4096, False), (4096, 14336, False), (28672, 4096, True)):
     bn, bk, warps, stages = T.gemv_config(n, kk)
     for perm in (False, True):
         k = triton.compile(ASTSource(T._int4_gemv_kernel, gemv, {
             "GROUP": 128, "HAS_PERM": perm, "HAS_BIAS": not silu, "SILU": silu,
             "EVEN_K": kk % bk == 0,
-            "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages}),
+            "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages,
+            "PREFETCH_ZS": perm}),  # (both variants, without doubling the compiles)
             target=target, options={"num_warps": warps})
         assert "cubin" in k.asm
 gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",
@@ -43,17 +45,22 @@ gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT"
         "GROUP": "constexpr", "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr",
         "IEEE": "constexpr", "EVEN_K": "constexpr", "BLOCK_M": "constexpr",
         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr"}
-# the decode-batch tiles (M 16 / 64) and the prefill tile; group 128 (one group a step) and
+# the decode-batch tiles (M 16 / 32 / 64) and the prefill tile; group 128 (one group a step) and
 # group 32 (a group per word row)
-# (split-K at N = 4096, none at 28672 and for prefill)
-for m, n, group in ((64, 4096, 128), (16, 28672, 128), (512, 4096, 128), (64, 4096, 32)):
+# (split-K at N = 4096 and 6144, none at 28672 and for prefill)
+for m, n, group in ((64, 4096, 128), (16, 28672, 128), (32, 6144, 128), (512, 4096, 128),
+                    (64, 4096, 32)):
     bm, bn, bk, warps, stages, split = TG.gemm_config(m, n, 4096, group)
     k = triton.compile(ASTSource(TG._int4_gemm_kernel, gemm, {
         "GROUP": group, "HAS_PERM": group == 32, "HAS_BIAS": False, "IEEE": False,
-        "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}),
+        "EVEN_K": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split},
+        # the JIT's specialization at these shapes: pointers, sizes and strides all multiples
+        # of 16 (it decides the vector widths, and so which loads are cp.async-pipelined)
+        {(i,): [["tt.divisibility", 16]] for i in range(18)}),
         target=target, options={"num_warps": warps, "num_stages": stages})
     assert "cubin" in k.asm
-    assert (split > 1) == (n == 4096 and m <= 64), (m, n, split)
+    assert k.metadata.shared <= 227 * 1024, (m, n, k.metadata.shared)  # an H100 SM's limit
+    assert (split > 1) == (n <= 6144 and m <= 64), (m, n, split)
 print("compiled")
 """
 

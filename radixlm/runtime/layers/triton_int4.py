@@ -69,9 +69,18 @@ MAGIC = 0x4B000000  # bits of the float 2^23, passed to the kernels as a runtime
 
 
 @triton.jit
+def _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP: tl.constexpr):
+    # (BLOCK_N, NB) zeros, scales (as stored) of the blocks from kb on; 0 past K
+    g = ((kb + ob) * 32) // GROUP  # (NB,) each block's group
+    ok = row_ok[:, None] & (kb + ob < n_blocks)[None, :]
+    return (tl.load(Z + s_row + g[None, :], mask=ok, other=0),
+            tl.load(S + s_row + g[None, :], mask=ok, other=0.0))
+
+
+@triton.jit
 def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROUP: tl.constexpr,
                HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH_ZS: tl.constexpr):
     # x (1, K) . W[rows]: (BLOCK_N,) fp32 (the module docstring's GEMV)
     rows64 = rows.to(tl.int64)
     ob = tl.arange(0, BLOCK_K // 32)  # (NB,) NB = BLOCK_K / 32 blocks of 4 words a step
@@ -82,6 +91,13 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROU
     s_row = rows64[:, None] * stride_s  # (BLOCK_N, 1)
     n_blocks = K // 32
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
+    # PREFETCH_ZS: a step's zeros and scales loaded one step ahead. They are 1-2 bytes a
+    # thread (no cp.async, so the pipeliner leaves them) and cold weight bytes like the words:
+    # loaded in their own step, the dequant waits a DRAM round trip each step. Costs
+    # registers (sm_90 ptxas at BLOCK_N 8: 218 against 167; fewer programs an SM), so both
+    # are kept until the sweep of benchmarks/int4_decode.py --kernels has timed them.
+    if PREFETCH_ZS:
+        z_next, s_next = _gemv_zs(Z, S, s_row, 0, ob, row_ok, n_blocks, GROUP)
     for kb in tl.range(0, n_blocks, BLOCK_K // 32, num_stages=NUM_STAGES):  # first block
         blk_ok = kb + ob < n_blocks  # (NB,)
         if EVEN_K:
@@ -89,10 +105,15 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROU
         else:
             words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None] & blk_ok[None, :, None],
                             other=0)
-        g = ((kb + ob) * 32) // GROUP  # (NB,) each block's group
-        sz_ok = row_ok[:, None] & blk_ok[None, :]
-        zf = tl.load(Z + s_row + g[None, :], mask=sz_ok, other=0).to(tl.float32)[:, :, None]
-        s = tl.load(S + s_row + g[None, :], mask=sz_ok, other=0.0).to(tl.float32)
+        if PREFETCH_ZS:
+            zf = z_next.to(tl.float32)[:, :, None]
+            s = s_next.to(tl.float32)
+            z_next, s_next = _gemv_zs(Z, S, s_row, kb + BLOCK_K // 32, ob, row_ok, n_blocks,
+                                      GROUP)
+        else:
+            z, s = _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP)
+            zf = z.to(tl.float32)[:, :, None]
+            s = s.to(tl.float32)
         whi = words >> 20
         p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
         for i in tl.static_range(8):
@@ -109,7 +130,8 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROU
 def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, magic,
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                      BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      PREFETCH_ZS: tl.constexpr):
     # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
     # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
     # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
@@ -117,10 +139,10 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, magic,
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
     y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROUP, HAS_PERM,
-                   EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+                   EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH_ZS)
     if SILU:
         u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, stride_qw, stride_s, magic, GROUP,
-                       HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+                       HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH_ZS)
         # the roundings of the unfused path (gate_up stored in Y's dtype, F.silu rounded, the
         # product rounded: layers/triton_ops' silu_and_mul)
         g = y.to(Y.dtype.element_ty).to(tl.float32)
@@ -165,7 +187,7 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None,
-         config: Optional[tuple[int, int, int, int]] = None,
+         config: Optional[tuple] = None,
          perm: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
     """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring). perm: act-order,
     the stored column -> x column map (K,) int64. silu: W is [gate | up] (2I, K), y (1, I) =
@@ -174,12 +196,14 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     assert m == 1 and not (silu and (bias is not None or n % 2))
     n_out = n // 2 if silu else n
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or gemv_config(n, k)
+    # config: gemv_config's 4 values, or 5 (the 5th: PREFETCH_ZS, see _gemv_rows; default off)
+    block_n, block_k, warps, stages, *rest = config or gemv_config(n, k)
     assert block_k % 32 == 0 and block_k & (block_k - 1) == 0, block_k
     _int4_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, qweight, scales, zeros, perm if perm is not None else qweight,
         bias if bias is not None else scales, y, n_out, k, qweight.stride(0), scales.stride(0),
         MAGIC, GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
+        PREFETCH_ZS=bool(rest and rest[0]),
         num_warps=warps)
     return y

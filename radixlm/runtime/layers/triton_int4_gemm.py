@@ -1,10 +1,26 @@
 """The int4 GEMM (M > 1: decode batches, prefill) of layers/int4_linear.py, over the layout and
 the exact nibble -> fp32 step of layers/triton_int4.py (read its docstring first).
 
-(BLOCK_M, BLOCK_N) output tiles, K in steps of BLOCK_K values (BLOCK_K/8 words of each of
-BLOCK_N rows); per step 8 tl.dot calls, one per nibble i: A_i = x[:, the columns of nibble i]
-(BLOCK_M, BLOCK_K/8; runs of 4 contiguous columns), W_i = ((q_i - z) * s) rounded once to x's
-dtype (BLOCK_K/8, BLOCK_N): exactly the dequantized checkpoint's weight; fp32 accumulation.
+(BLOCK_M, BLOCK_N) output tiles, K in steps of BLOCK_K values; per step ONE tensor-core dot
+(BLOCK_M, BLOCK_K) x (BLOCK_K, BLOCK_N) with fp32 accumulation:
+  - the step's words are loaded once, as (BLOCK_K/32 blocks, 4 words, BLOCK_N rows) (16-byte
+    blocks, cp.async-pipelined by num_stages);
+  - each of the 8 nibbles gives W_i = ((q_i - z) * s) rounded once to x's dtype, (q - z) exact in
+    fp32 by the magic-number step, then the same fp32 product and rounding as
+    Int4Linear.dequantized_weight (for fp16 / bf16 scales the product is exact: a 5-bit
+    integer times a 16-bit float fits fp32's mantissa), so W is bit for bit the dequantized
+    checkpoint's weight in x's dtype (the rounding point of the old 8-dot kernel too);
+  - tl.join (thread-local: a new register axis) x 3, then permute + reshape put nibble i of
+    word j of block b at row 32b + 4i + j: K's own column order, so x's (BLOCK_M, BLOCK_K)
+    tile is one contiguous load (a gather through perm under act-order), and the single
+    layout change, registers -> the dot's shared-memory operand, is one the dot needs anyway.
+  (The old kernel ran 8 dots of K = BLOCK_K/8 a step, one per nibble: 0.28-0.39x of cuBLAS
+  bf16 at M = 64 on the H200.) sm_90 compile (ptxas, tests/unit/test_triton_int4_compile.py):
+  words and x cp.async-pipelined, one wgmma chain a step at BLOCK_M 64 (mma.sync below 64
+  rows), no spills at the defaults. Per value ~4.5 ALU ops (LOP3, FADD, FMUL, half an F2FP)
+  and one 2-byte shared store: Triton gives each thread one row n of the tile, so its values
+  go to shared memory one by one (BLOCK_N 256 at 4 warps gives a thread 2 rows and packed
+  stores: in the sweep).
 Split-K (grid axis 2) for shapes with few tiles, reduced deterministically in the same launch.
 """
 
@@ -20,6 +36,48 @@ from radixlm.runtime.layers.triton_int4 import MAGIC, _check, _nibble_minus_zero
 
 
 @triton.jit
+def _dequant_tile(words, zf, s, magic, DT: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    # words (NB, 4, BLOCK_N) int32: block b (32 values), word j of each of BLOCK_N rows; zf, s
+    # (NB, 1, BLOCK_N) fp32 (a block never straddles a group). -> (BLOCK_K, BLOCK_N) in DT,
+    # row 32b + 4i + j = nibble i of word j of block b: the layout's own column order, so the
+    # tile's rows are K's columns in order and x's tile is a plain contiguous load.
+    # Each value: ((q - z) * s) rounded once to DT (the dequantized checkpoint's weight).
+    whi = words >> 20
+    d0 = (_nibble_minus_zero(words, whi, zf, magic, 0) * s).to(DT)
+    d1 = (_nibble_minus_zero(words, whi, zf, magic, 1) * s).to(DT)
+    d2 = (_nibble_minus_zero(words, whi, zf, magic, 2) * s).to(DT)
+    d3 = (_nibble_minus_zero(words, whi, zf, magic, 3) * s).to(DT)
+    d4 = (_nibble_minus_zero(words, whi, zf, magic, 4) * s).to(DT)
+    d5 = (_nibble_minus_zero(words, whi, zf, magic, 5) * s).to(DT)
+    d6 = (_nibble_minus_zero(words, whi, zf, magic, 6) * s).to(DT)
+    d7 = (_nibble_minus_zero(words, whi, zf, magic, 7) * s).to(DT)
+    # join appends a size-2 axis (registers of one thread: no data movement); the three levels
+    # give (NB, 4, BLOCK_N, t, u, v) holding nibble i = t + 2u + 4v
+    t = tl.join(tl.join(tl.join(d0, d1), tl.join(d2, d3)),
+                tl.join(tl.join(d4, d5), tl.join(d6, d7)))
+    t = tl.permute(t, (0, 5, 4, 3, 1, 2))  # (NB, v, u, t, 4, BLOCK_N): row 32b + 4i + j
+    return tl.reshape(t, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _step_zs(Z, S, s_col, kw, ob, n_ok, n_words, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    # zeros, scales (as stored) of the step at word kw: (1, 1, BLOCK_N) when the step lies in
+    # one group, else (NB, 1, BLOCK_N), a group per block; 0 past K
+    if GROUP % BLOCK_K == 0:
+        g = (kw * 8) // GROUP
+        ok = n_ok[None, None, :] & (kw < n_words)
+        z = tl.load(Z + s_col + g, mask=ok, other=0)
+        s = tl.load(S + s_col + g, mask=ok, other=0.0)
+    else:
+        g = ((kw // 4 + ob) * 32) // GROUP
+        ok = (kw // 4 + ob < n_words // 4)[:, None, None] & n_ok[None, None, :]
+        z = tl.load(Z + s_col + g[:, None, None], mask=ok, other=0)
+        s = tl.load(S + s_col + g[:, None, None], mask=ok, other=0.0)
+    return z, s
+
+
+@triton.jit
 def _int4_gemm_kernel(X, QW, S, Z, P, B, Y, WS, CNT, M, N, K, words_per_split,
                       stride_xm, stride_ym, stride_qw, stride_s, magic,
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -31,41 +89,42 @@ def _int4_gemm_kernel(X, QW, S, Z, P, B, Y, WS, CNT, M, N, K, words_per_split,
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     m_ok, n_ok = rm < M, rn < N
-    oc = tl.arange(0, BLOCK_K // 8)  # (BW,) BW = words of a row a step = K of each dot
-    w_ptrs = QW + rn.to(tl.int64)[None, :] * stride_qw + oc[:, None]  # (BW, BLOCK_N)
-    xcol = (oc // 4) * 32 + (oc % 4)  # (BW,) column of nibble 0 of each word of a step
+    rn64 = rn.to(tl.int64)
+    ob = tl.arange(0, BLOCK_K // 32)  # (NB,) NB = blocks of 32 values (4 words) a step
+    oj = tl.arange(0, 4)
+    # (NB, 4, BLOCK_N): each word of the step loaded once (4 contiguous words = 16 bytes a block)
+    w_ptrs = QW + rn64[None, None, :] * stride_qw + (ob[:, None] * 4 + oj[None, :])[:, :, None]
+    s_col = rn64[None, None, :] * stride_s  # (1, 1, BLOCK_N)
+    ok_ = tl.arange(0, BLOCK_K)
     x_row = X + rm.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
-    s_col = rn.to(tl.int64)[None, :] * stride_s  # (1, BLOCK_N)
     n_words = K // 8
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     kw_lo = pid_k * words_per_split
     kw_hi = tl.minimum(kw_lo + words_per_split, n_words)
+    zf_next, s_next = _step_zs(Z, S, s_col, kw_lo, ob, n_ok, n_words, GROUP, BLOCK_K)
     for kw in range(kw_lo, kw_hi, BLOCK_K // 8):
-        k_ok = kw + oc < n_words  # (BW,)
+        blk_ok = kw // 4 + ob < n_words // 4  # (NB,)
         if EVEN_K:
-            words = tl.load(w_ptrs + kw, mask=n_ok[None, :], other=0)
+            words = tl.load(w_ptrs + kw, mask=n_ok[None, None, :], other=0)
+        else:  # ragged last step: blocks past K read as 0 (their x columns are 0 too)
+            words = tl.load(w_ptrs + kw, mask=blk_ok[:, None, None] & n_ok[None, None, :],
+                            other=0)
+        # this step's scales and zeros were loaded one step ahead: too small for cp.async
+        # (1-2 bytes a thread), the pipeliner leaves them, and loaded here the dequant would
+        # wait for them every step
+        zf, s = zf_next.to(tl.float32), s_next.to(tl.float32)
+        zf_next, s_next = _step_zs(Z, S, s_col, kw + BLOCK_K // 8, ob, n_ok, n_words, GROUP,
+                                   BLOCK_K)
+        cols = kw * 8 + ok_  # (BLOCK_K,) K's columns in order (the tile's row order)
+        k_ok = cols < K
+        if HAS_PERM:
+            cols = tl.load(P + cols, mask=k_ok, other=0)
+        a = tl.load(x_row + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _dequant_tile(words, zf, s, magic, X.dtype.element_ty, BLOCK_K, BLOCK_N)
+        if IEEE:  # fp32 activations: no TF32 rounding of the inputs
+            acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
-            words = tl.load(w_ptrs + kw, mask=k_ok[:, None] & n_ok[None, :], other=0)
-        if GROUP % BLOCK_K == 0:  # the step inside one group: a scale, zero per column
-            g = (kw * 8) // GROUP
-            zf = tl.load(Z + s_col + g, mask=n_ok[None, :], other=0).to(tl.float32)
-            s = tl.load(S + s_col + g, mask=n_ok[None, :], other=0.0).to(tl.float32)
-        else:  # (BW, BLOCK_N): each word row's group
-            g = ((kw + (oc // 4) * 4) * 8) // GROUP
-            ok = k_ok[:, None] & n_ok[None, :]
-            zf = tl.load(Z + s_col + g[:, None], mask=ok, other=0).to(tl.float32)
-            s = tl.load(S + s_col + g[:, None], mask=ok, other=0.0).to(tl.float32)
-        whi = words >> 20
-        for i in tl.static_range(8):
-            cols = kw * 8 + xcol + 4 * i  # (BW,)
-            if HAS_PERM:
-                cols = tl.load(P + cols, mask=k_ok, other=0)
-            a = tl.load(x_row + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = (_nibble_minus_zero(words, whi, zf, magic, i) * s).to(a.dtype)  # (BW, BLOCK_N)
-            if IEEE:  # fp32 activations: no TF32 rounding of the inputs
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
         # deterministic split-K in one launch: each split stores its fp32 partial; the split
@@ -98,25 +157,26 @@ SMS = 132  # H100 / H200 SXM: the split-K choice aims at about one program per S
 
 
 def gemm_config(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K), by reasoning (not yet
-    measured: benchmarks/int4_decode.py --kernels sweeps GEMM_SWEEP).
-    Decode batches (M <= 64), one row of tiles: every program reads all of its K range of x,
-    M * 2 bytes a column against BLOCK_N / 2 bytes of weights, so a narrow BLOCK_N makes x's
-    re-reads (L2 -> SM) outweigh the weights (BLOCK_N 32 at M 64: 4x). BLOCK_N 128 keeps x at
-    2x the weight bytes at M 64 (less below) and gives wgmma a 64 x 128 tile; the programs
-    lost (32 tiles for N = 4096) come back by split-K (4 splits: 128 programs). BLOCK_K 128:
-    8 dots of K = 16 a step, ~23 KB of shared memory a stage (69 KB at 3 stages); ptxas -v
-    (sm_90a): 255 registers at M = 64 (2 programs an SM, no spills), 110 at M = 16.
-    Prefill (M > 64): 64 x 128 tiles, programs enough without split-K."""
-    bk = 128
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) per M bucket, by reasoning
+    and the sm_90 compile (registers from ptxas), not yet timed: benchmarks/int4_decode.py
+    --kernels sweeps GEMM_SWEEP at every --ms batch size (then set these from its best).
+    Decode batches (M <= 64), one row of tiles: BLOCK_M the power of two >= M (16, 32, 64:
+    mma.sync below 64 rows, wgmma at 64); every program reads all of its K range of x, so
+    BLOCK_N 128 keeps x's re-reads (M * 2 bytes a column) at <= 2x the weight bytes
+    (BLOCK_N / 2) and the programs lost come back by split-K (up to ~one program per SM).
+    Warps: 4 at BLOCK_M 16 (168 registers), 8 at 32 / 64 (4 warps there: 254-255 registers).
+    BLOCK_K 128: 2 KB of words a step, 3 stages.
+    Prefill (M > 64): 128 x 128 tiles, BLOCK_K 64, 8 warps (128 registers, wgmma 128 x 128),
+    programs enough without split-K."""
     if m > 64:
-        return 64, 128, bk, 4, 3, 1
+        return 128, 128, 64, 8, 3, 1
+    bk = 128
     block_m = max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, 128)
     split = 1
     while split < 8 and tiles * split * 2 <= SMS and k // (bk * split * 2) >= 4:
         split *= 2  # up to ~one program per SM, >= 4 steps of BLOCK_K a split
-    return block_m, 128, bk, 4, 3, split
+    return block_m, 128, bk, 4 if block_m == 16 else 8, 3, split
 
 
 _COUNTERS: dict = {}  # device -> (tiles,) int32 zeros: split-K arrival counters (self-resetting)
@@ -148,7 +208,9 @@ def gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         return y
     block_m, block_n, block_k, warps, stages, *rest = config or gemm_config(m, n, k, group)
     split = rest[0] if rest else 1
-    assert block_k >= 128 and block_k & (block_k - 1) == 0, block_k  # dots of K >= 16
+    # whole 32-value blocks a step (a dot of K >= 16); BLOCK_N >= 16 (the dot's N)
+    assert block_k >= 32 and block_k & (block_k - 1) == 0, block_k
+    assert block_m >= 16 and block_n >= 16, (block_m, block_n)
     grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     words = k // 8
     bw = block_k // 8
