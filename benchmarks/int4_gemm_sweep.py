@@ -21,14 +21,6 @@ PREFILL_TILES = tuple((128, bn, bk, 8, st) for bn in (64, 128, 256) for bk in (6
                       for st in (2, 3, 4))
 
 
-def _split_for(tiles: int, k: int, bk: int, sms: int) -> int:
-    # triton_int4_gemm.gemm_config's rule: up to ~one program per SM, >= 4 steps a split
-    split = 1
-    while split < 8 and tiles * split * 2 <= sms and k // (bk * split * 2) >= 4:
-        split *= 2
-    return split
-
-
 def gemm_sweep(m: int, n: int, k: int) -> list[tuple]:
     """GEMM configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) to time at (M, N, K):
     the tiles of GEMM_TILES with BLOCK_M >= min(M, 64) / 2 (a tile of half the batch: two row
@@ -41,7 +33,7 @@ def gemm_sweep(m: int, n: int, k: int) -> list[tuple]:
         if bm < min(m, 64) // 2:
             continue
         tiles = -(-m // bm) * -(-n // bn)
-        split = _split_for(tiles, k, bk, tg.SMS)
+        split = tg.split_for(m, tiles, k, bk)  # gemm_config's rule
         for sp in sorted({1, split, 2 * split} if split > 1 else {1}):
             if k // (bk * sp) >= 2:
                 out.append((bm, bn, bk, w, st, sp))

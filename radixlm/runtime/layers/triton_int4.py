@@ -180,7 +180,13 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
     - BLOCK_K 2048 = 1 KB of a row a step, 8 KB a program a step, 3 stages: K = 4096 is 2
       steps, all of a program's 16 KB requested at once; N = 4096 gives 512 programs of 2
       warps (~4 an SM: ~64 KB in flight an SM, what 4.8 TB/s x ~1 us of latency / 132 asks).
-    Smaller K: BLOCK_K the power of two >= K (ragged K is masked), warps accordingly."""
+    Smaller K: BLOCK_K the power of two >= K (ragged K is masked), warps accordingly.
+    Timed (H100, 2026-11-27, the sweep of benchmarks/int4_decode.py --kernels): for N > 4096
+    (qkv 6144, gate_up 28672) 4 rows x BLOCK_K 1024 on 1 warp, 4 stages was faster (qkv 17.0 ->
+    13.8 us with the prefetch, gate_up 60.8 -> 51.7 us); at N = 4096 the rule above stayed
+    within 2-14% of the best (o 11.4 vs 10.0 us, down 26.6 vs 26.1 us)."""
+    if n > 4096 and k >= 1024:
+        return 4, 1024, 1, 4
     bk = max(32, min(2048, triton.next_power_of_2(k)))
     return 8, bk, max(1, bk // 1024), 3
 

@@ -157,26 +157,34 @@ SMS = 132  # H100 / H200 SXM: the split-K choice aims at about one program per S
 
 
 def gemm_config(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) per M bucket, by reasoning
-    and the sm_90 compile (registers from ptxas), not yet timed: benchmarks/int4_decode.py
-    --kernels sweeps GEMM_SWEEP at every --ms batch size (then set these from its best).
-    Decode batches (M <= 64), one row of tiles: BLOCK_M the power of two >= M (16, 32, 64:
-    mma.sync below 64 rows, wgmma at 64); every program reads all of its K range of x, so
-    BLOCK_N 128 keeps x's re-reads (M * 2 bytes a column) at <= 2x the weight bytes
-    (BLOCK_N / 2) and the programs lost come back by split-K (up to ~one program per SM).
-    Warps: 4 at BLOCK_M 16 (168 registers), 8 at 32 / 64 (4 warps there: 254-255 registers).
-    BLOCK_K 128: 2 KB of words a step, 3 stages.
-    Prefill (M > 64): 128 x 128 tiles, BLOCK_K 64, 8 warps (128 registers, wgmma 128 x 128),
-    programs enough without split-K."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) per M bucket, from the sweep
+    of benchmarks/int4_decode.py --kernels on an H100 (2026-11-27, Llama-3.1-8B's four
+    projections, M = 16 / 64 / 128: results/int4_decode-gpu.jsonl):
+    - decode batches (M <= 64): 64 x 64 tiles of W, BLOCK_K 64, 4 warps, 4 stages (the best or
+      within ~10% of it at M = 16 and 64 for o, gate_up and down; M 17-32 takes BLOCK_M 32
+      untimed), split-K up to ~2 programs per SM (the best splits were 4 for o and down);
+    - M > 64 with fewer 128 x 128 tiles than SMs: 128 x 64 tiles, BLOCK_K 128, 8 warps, 4 stages,
+      split-K up to ~1 program per SM (qkv, o, down at M = 128); otherwise 128 x 128 x 64, 8 warps, 3 stages,
+      no split (gate_up at M = 128, and prefill)."""
     if m > 64:
-        return 128, 128, 64, 8, 3, 1
-    bk = 128
-    block_m = max(16, triton.next_power_of_2(m))
-    tiles = triton.cdiv(n, 128)
+        if triton.cdiv(m, 128) * triton.cdiv(n, 128) >= SMS:
+            return 128, 128, 64, 8, 3, 1
+        block_m, block_n, bk, warps = 128, 64, 128, 8
+    else:
+        block_m, block_n, bk, warps = max(16, triton.next_power_of_2(m)), 64, 64, 4
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    return block_m, block_n, bk, warps, 4, split_for(m, tiles, k, bk)
+
+
+def split_for(m: int, tiles: int, k: int, bk: int) -> int:
+    """The split-K of `tiles` output tiles: doubled while the programs stay within ~2 per SM
+    (M <= 64; the best splits at M = 64 were 4 for o and down) or ~1 per SM (M > 64: 1-2 were
+    best at M = 128), with >= 4 steps of BLOCK_K a split, at most 8."""
+    cap = SMS if m > 64 else 2 * SMS
     split = 1
-    while split < 8 and tiles * split * 2 <= SMS and k // (bk * split * 2) >= 4:
-        split *= 2  # up to ~one program per SM, >= 4 steps of BLOCK_K a split
-    return block_m, 128, bk, 4 if block_m == 16 else 8, 3, split
+    while split < 8 and tiles * split * 2 <= cap and k // (bk * split * 2) >= 4:
+        split *= 2
+    return split
 
 
 _COUNTERS: dict = {}  # device -> (tiles,) int32 zeros: split-K arrival counters (self-resetting)
