@@ -222,10 +222,9 @@ def launch_dp(args: ServerArgs) -> None:
     server_box["server"] = server
     print(f"radixlm: serving with dp_size={args.dp_size} ({args.load_balance_method}) on "
           f"http://{args.host}:{args.port}; replicas: {', '.join(by_url)}", flush=True)
-    try:
-        server.run()
-    finally:
-        stop_replicas(replicas)
+    from radixlm.server.launch import run_then_clean_up
+
+    run_then_clean_up(server, lambda: stop_replicas(replicas))  # SIGTERM: replicas stopped first
     if state["dead"]:
         raise SystemExit(1)
 

@@ -189,11 +189,23 @@ def launch_server(args: ServerArgs) -> None:
     print(f"radixlm: serving {tm.model_name} on http://{args.host}:{args.port} "
           f"(KV capacity {info['max_total_tokens']} tokens, {info['device']}, {info['dtype']})",
           flush=True)
-    # uvicorn handles SIGTERM while it serves (the graceful drain), then restores the handler it
-    # found and raises the signal again: with the default handler this process would die right
-    # there, before the `finally` below, leaving the children to notice a second later
-    # (watch_parent) and the IPC folder behind. With this handler the children are stopped and
-    # joined first; the process still ends by SIGTERM.
+    def clean_up() -> None:
+        _stop_children(procs)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+    run_then_clean_up(server, clean_up)
+    if state["dead"]:
+        raise SystemExit(1)
+
+
+def run_then_clean_up(server, clean_up) -> None:
+    """`server.run()` (uvicorn), then `clean_up()`, also when SIGTERM stopped the server.
+
+    uvicorn handles SIGTERM while it serves (the graceful drain), then restores the handler it
+    found and raises the signal again: with the default handler the process would die right
+    there, before any `finally` of its caller, leaving its children to notice later (or never)
+    and their resources behind. With this handler clean_up runs first; the process still ends
+    by SIGTERM."""
     signal.signal(signal.SIGTERM, _raise_terminated)
     terminated = False
     try:
@@ -201,13 +213,10 @@ def launch_server(args: ServerArgs) -> None:
     except _Terminated:
         terminated = True
     finally:
-        _stop_children(procs)
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        clean_up()
     if terminated:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
-    if state["dead"]:
-        raise SystemExit(1)
 
 
 class _Terminated(BaseException):
@@ -215,6 +224,7 @@ class _Terminated(BaseException):
 
 
 def _raise_terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up
     raise _Terminated()
 
 
