@@ -189,6 +189,7 @@ def launch_server(args: ServerArgs) -> None:
     print(f"radixlm: serving {tm.model_name} on http://{args.host}:{args.port} "
           f"(KV capacity {info['max_total_tokens']} tokens, {info['device']}, {info['dtype']})",
           flush=True)
+
     def clean_up() -> None:
         _stop_children(procs)
         shutil.rmtree(ipc_dir, ignore_errors=True)
