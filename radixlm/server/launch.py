@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from contextlib import asynccontextmanager
@@ -77,12 +78,15 @@ def _detokenizer_main(*args) -> None:
 
 def launch_server(args: ServerArgs) -> None:
     """Start-up, ordered for the critical path (two CPU cores are enough to overlap it all):
-      1. fork the scheduler first: importing torch and loading the model is the longest path;
-      2. meanwhile import the HTTP stack and load the tokenizer here (the GGUF-derived parts
+      1. import torch and the request types here, which both this process (to build requests)
+         and the scheduler need: the forked scheduler inherits them instead of importing them
+         again (torch alone is ~2 CPU-s, most of the scheduler's start on a small model);
+      2. fork the scheduler: loading the model is the longest path;
+      3. meanwhile import the HTTP stack and load the tokenizer here (the GGUF-derived parts
          come from the on-disk cache, see runtime/models/cache.py);
-      3. fork the detokenizer from here, so it inherits the loaded tokenizer instead of
+      4. fork the detokenizer from here, so it inherits the loaded tokenizer instead of
          importing transformers and loading it a third time on the same cores;
-      4. wait for both to report ready, then serve.
+      5. wait for both to report ready, then serve.
     dp_size > 1: replicas of this server behind the router instead (radixlm/router/dp.py)."""
     from radixlm.runtime.speculative import spec_config
 
@@ -121,6 +125,9 @@ def launch_server(args: ServerArgs) -> None:
         fmt = loader.resolve_load_format(args.model_path, args.load_format)
         tok_path = args.tokenizer_path or args.model_path
         tok_fmt = "auto" if args.tokenizer_path or fmt == "dummy" else fmt
+        # importing starts no thread (fork stays safe) and touches no GPU
+        import radixlm.runtime.engine_io  # noqa: F401
+
         ctx = mp.get_context(_start_method())
         s_recv, s_send = ctx.Pipe(duplex=False)
         sched = ctx.Process(target=_scheduler_main, args=(args, ipc, s_send),
@@ -182,13 +189,44 @@ def launch_server(args: ServerArgs) -> None:
     print(f"radixlm: serving {tm.model_name} on http://{args.host}:{args.port} "
           f"(KV capacity {info['max_total_tokens']} tokens, {info['device']}, {info['dtype']})",
           flush=True)
-    try:
-        server.run()
-    finally:
+
+    def clean_up() -> None:
         _stop_children(procs)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+    run_then_clean_up(server, clean_up)
     if state["dead"]:
         raise SystemExit(1)
+
+
+def run_then_clean_up(server, clean_up) -> None:
+    """`server.run()` (uvicorn), then `clean_up()`, also when SIGTERM stopped the server.
+
+    uvicorn handles SIGTERM while it serves (the graceful drain), then restores the handler it
+    found and raises the signal again: with the default handler the process would die right
+    there, before any `finally` of its caller, leaving its children to notice later (or never)
+    and their resources behind. With this handler clean_up runs first; the process still ends
+    by SIGTERM."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    terminated = False
+    try:
+        server.run()
+    except _Terminated:
+        terminated = True
+    finally:
+        clean_up()
+    if terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+
+
+class _Terminated(BaseException):
+    """SIGTERM reached this process outside uvicorn's own handling (after its drain)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up
+    raise _Terminated()
 
 
 async def _watch_children(procs, state, server_box, tm) -> None:

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import MAIN_CONTEXT_LEN, sse_events
+from server_harness import http, MAIN_CONTEXT_LEN, sse_events
 
 PROMPTS = [
     "The capital of France is",
@@ -182,8 +182,8 @@ def test_generate_single_batch_stream(main_server):
     assert by_ids["text"] == singles[0]["text"]
 
     # streaming: cumulative text, only growing, ending with the non-streamed text and [DONE]
-    with httpx.stream("POST", main_server.url + "/generate", timeout=120,
-                      json={"text": PROMPTS[1], "sampling_params": sp, "stream": True}) as r:
+    with http.stream("POST", main_server.url + "/generate", timeout=120,
+                     json={"text": PROMPTS[1], "sampling_params": sp, "stream": True}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()

@@ -16,7 +16,7 @@ import uuid
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_harness import MAIN_CONTEXT_LEN, sse_events
+from server_harness import http, MAIN_CONTEXT_LEN, sse_events
 
 # --- operational endpoints ------------------------------------------------------------------------
 
@@ -49,7 +49,7 @@ def _stream_in_background(main_server, body: dict, path: str = "/generate"):
 
     def run():
         try:
-            with httpx.stream("POST", main_server.url + path, json=body, timeout=300) as r:
+            with http.stream("POST", main_server.url + path, json=body, timeout=300) as r:
                 for e in sse_events(r):
                     events.append(e)
                     started.set()

@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from server_harness import sse_events, start_server, stop_and_check
+from server_harness import http, sse_events, start_server, stop_and_check
 
 COMMON = ["--dtype", "float32", "--max-total-tokens", "8192", "--context-length", "1024",
           "--enable-cache-report", "--timeout-graceful-shutdown", "10"]
@@ -68,7 +68,7 @@ def _workers(srv) -> list[dict]:
 
 
 def _replica_stats(url: str) -> dict:
-    r = httpx.get(url + "/get_server_info", timeout=60)
+    r = http.get(url + "/get_server_info", timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["internal_states"][0]
 
@@ -81,7 +81,7 @@ def _check_replica_integrity(url: str) -> None:
             break
         assert time.monotonic() < deadline, f"{url} is not idle: {s}"
         time.sleep(0.1)
-    r = httpx.get(url + "/debug/kv_integrity", timeout=60)
+    r = http.get(url + "/debug/kv_integrity", timeout=60)
     assert r.status_code == 200 and r.json()["ok"] is True, r.text
 
 
@@ -101,8 +101,8 @@ def test_burst_of_256_matches_a_single_replica(dp):
     # the reference: each replica alone, one batch of the distinct prompts
     refs = []
     for w in workers:
-        r = httpx.post(w["url"] + "/generate", json={"text": PROMPTS, "sampling_params": SP},
-                       timeout=300)
+        r = http.post(w["url"] + "/generate", json={"text": PROMPTS, "sampling_params": SP},
+                      timeout=300)
         assert r.status_code == 200, r.text
         refs.append([o["text"] for o in r.json()])
     assert refs[0] == refs[1], "the replicas disagree with each other"
@@ -131,14 +131,14 @@ def test_burst_of_256_matches_a_single_replica(dp):
 def test_streams_pass_through(dp):
     sp = {**SP, "max_new_tokens": 96}  # the tiny model's steps are fast: enough for several chunks
     body = {"text": PROMPTS[9], "stream": True, "sampling_params": sp}
-    with httpx.stream("POST", dp.url + "/generate", json=body, timeout=120) as r:
+    with http.stream("POST", dp.url + "/generate", json=body, timeout=120) as r:
         assert r.status_code == 200
         chunks = list(sse_events(r))
     assert len(chunks) >= 2 and chunks[-1]["meta_info"]["completion_tokens"] == 96
     assert chunks[-1]["text"] == dp.generate(PROMPTS[9], **sp)["text"]
     chat = {"model": "default", "messages": [{"role": "user", "content": "Say hi"}],
             "max_tokens": 5, "temperature": 0, "stream": True}
-    with httpx.stream("POST", dp.url + "/v1/chat/completions", json=chat, timeout=120) as r:
+    with http.stream("POST", dp.url + "/v1/chat/completions", json=chat, timeout=120) as r:
         assert r.status_code == 200
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in sse_events(r)
                        if c.get("choices"))
@@ -192,8 +192,8 @@ def test_responses_continue_on_the_replica_holding_them(dp):
 
 def test_standalone_router_serves_round_robin(dp, standalone):
     first = _workers(dp)[0]["url"]
-    r = httpx.post(first + "/generate", json={"text": PROMPTS[8], "sampling_params": SP},
-                   timeout=60)
+    r = http.post(first + "/generate", json={"text": PROMPTS[8], "sampling_params": SP},
+                  timeout=60)
     assert r.status_code == 200, r.text
     texts = [standalone.generate(PROMPTS[8], **SP)["text"] for _ in range(4)]
     assert texts == [r.json()["text"]] * 4

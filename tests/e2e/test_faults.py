@@ -24,7 +24,7 @@ import openai
 import psutil
 import pytest
 
-from server_harness import ServerProcess, start_server
+from server_harness import http, ServerProcess, start_server
 
 LONG = 1900  # tokens: no request ends before the kill (~10 s each, the kill comes after ~1 s)
 ARGS = ["--context-length", "2048", "--max-total-tokens", "32768",
@@ -36,7 +36,7 @@ EXIT_WITHIN_S = 5.0
 def _native(srv: ServerProcess, stream: bool):
     body = {"text": "Tell me a long story.", "stream": stream,
             "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 0}}
-    with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
+    with http.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
         return r.status_code, [line for line in r.iter_lines() if line]
 
 
@@ -163,7 +163,7 @@ def test_child_killed_mid_request(victim, tiny_chat_path):
         noticed = None  # /health turns 503, or the server is gone
         while noticed is None and time.monotonic() - t0 < EXIT_WITHIN_S:
             try:
-                code = httpx.get(srv.url + "/health", timeout=1).status_code
+                code = http.get(srv.url + "/health", timeout=1).status_code
                 noticed = "503" if code == 503 else None
                 assert code in (200, 503), code
             except httpx.TransportError:

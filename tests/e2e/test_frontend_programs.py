@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import pytest
 
 import radixlm as sgl
+from server_harness import http
 
 
 def cache_report_args() -> dict:
@@ -51,7 +51,7 @@ def backend(request, runtime):
 @pytest.fixture
 def kv_ok(runtime):
     def check():
-        r = httpx.get(runtime.url + "/debug/kv_integrity", timeout=30)
+        r = http.get(runtime.url + "/debug/kv_integrity", timeout=30)
         assert r.status_code == 200, r.text
         assert r.json()["num_running"] == 0
     return check

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from server_harness import start_server, stop_and_check
+from server_harness import http, start_server, stop_and_check
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.probes import fuzz_api  # noqa: E402
@@ -91,8 +91,7 @@ FOUND = [
 
 @pytest.mark.parametrize("method,path,body,status,message", FOUND)
 def test_fuzz_findings_stay_fixed(fuzz_server, method, path, body, status, message):
-    import httpx
-
-    r = httpx.request(method, fuzz_server.url + path, json=body, timeout=30)
+    
+    r = http.request(method, fuzz_server.url + path, json=body, timeout=30)
     assert r.status_code == status, r.text
     assert message in r.json()["error"]["message"], r.text

@@ -11,10 +11,9 @@ import threading
 import time
 from typing import Callable, Iterator
 
-import httpx
 import pytest
 
-from server_harness import ServerProcess, sse_events, start_server
+from server_harness import http, ServerProcess, sse_events, start_server
 
 GRACE_S = 8  # --timeout-graceful-shutdown of the SIGTERM test's server (a core decodes all along)
 SHORT_TOKENS = 48  # long enough that the three are still running together on a busy machine
@@ -56,8 +55,8 @@ def _wait_running(srv: ServerProcess, n: int, timeout: float = 60) -> None:
 
 
 def _stream(srv: ServerProcess, body: dict) -> list:
-    with httpx.stream("POST", srv.url + "/generate", json={**body, "stream": True},
-                      timeout=300) as r:
+    with http.stream("POST", srv.url + "/generate", json={**body, "stream": True},
+                     timeout=300) as r:
         assert r.status_code == 200
         return list(sse_events(r))
 

@@ -11,11 +11,10 @@ import time
 from typing import Iterator
 
 import anthropic
-import httpx
 import openai
 import pytest
 
-from server_harness import ServerProcess, start_server, stop_and_check
+from server_harness import http, ServerProcess, start_server, stop_and_check
 
 API_KEY = "sk-e2e-" + "5ecret" * 4
 MAX_RUNNING, MAX_QUEUED = 2, 2
@@ -59,19 +58,19 @@ def test_api_key_required(server, method, path, body):
     url = server.url + path
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"x-api-key": "wrong"}, {"Authorization": "Basic " + API_KEY}):
-        r = httpx.request(method, url, json=body, headers=headers, timeout=60)
+        r = http.request(method, url, json=body, headers=headers, timeout=60)
         assert r.status_code == 401, f"{headers}: {r.status_code} {r.text[:200]}"
         assert API_KEY not in r.text
     # with the key the endpoint answers (anything but 401; /metrics is off here: 404)
-    r = httpx.request(method, url, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=120)
+    r = http.request(method, url, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                     timeout=120)
     assert r.status_code != 401, r.text
     if path not in ("/metrics", "/no/such/path"):
         assert r.status_code == 200, r.text
 
 
 def test_health_needs_no_key(server):
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert http.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_server_info_hides_the_key(server):

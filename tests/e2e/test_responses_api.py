@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
-from server_harness import start_server, stop_and_check
+from server_harness import http, start_server, stop_and_check
 
 ARGS = ["--dtype", "float32", "--max-total-tokens", "8192", "--context-length", "1024",
         "--timeout-graceful-shutdown", "10", "--reasoning-parser", "qwen3"]
@@ -56,7 +55,7 @@ def test_create_text_as_a_new_user_would(server, client):
     body = {"model": "default", "instructions": "Be brief.", "max_output_tokens": 4,
             "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
             "temperature": 0, "top_k": 5, "reasoning": {"effort": "low"}}
-    raw = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+    raw = http.post(server.url + "/v1/responses", json=body, timeout=120)
     assert raw.status_code == 200, raw.text
     assert raw.json()["instructions"] == "Be brief." and raw.headers["x-radixlm-response-id"]
     server.check_integrity()

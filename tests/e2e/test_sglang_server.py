@@ -11,11 +11,10 @@ import json
 import math
 import os
 
-import httpx
 import openai
 import pytest
 
-from server_harness import sse_events, start_server, stop_and_check
+from server_harness import http, sse_events, start_server, stop_and_check
 
 NAME = "sgl-served-name"
 INTERVAL = 4
@@ -42,7 +41,7 @@ def oai(server) -> openai.OpenAI:
 
 
 def stream(server, body: dict):
-    return httpx.stream("POST", server.url + "/generate", json=body, timeout=300)
+    return http.stream("POST", server.url + "/generate", json=body, timeout=300)
 
 
 def gen(server, body: dict) -> dict:

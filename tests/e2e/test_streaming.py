@@ -18,14 +18,14 @@ import httpx
 import openai
 import pytest
 
-from server_harness import sse_events
+from server_harness import http, sse_events
 
 REPLACEMENT = "\ufffd"
 
 
 def _stream_native(main_server, body: dict) -> list[dict]:
-    with httpx.stream("POST", main_server.url + "/generate", json={**body, "stream": True},
-                      timeout=300) as r:
+    with http.stream("POST", main_server.url + "/generate", json={**body, "stream": True},
+                     timeout=300) as r:
         assert r.status_code == 200, r.read()
         return list(sse_events(r))
 
@@ -113,7 +113,7 @@ def test_disconnect_non_streaming_aborts(main_server, case):
     main_server.wait_idle()
     gen0 = main_server.stats()["generated_tokens"]
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(main_server.url + path, json=body, timeout=1.5)
+        http.post(main_server.url + path, json=body, timeout=1.5)
     s = _wait_stopped(main_server, gen0)
     assert s["generated_tokens"] - gen0 < LONG // 2, "the request ran on after the client left"
     main_server.check_integrity()

@@ -11,12 +11,11 @@ import json
 import threading
 import time
 
-import httpx
 import psutil
 import pytest
 
 from radixlm.runtime.engine import Engine
-from server_harness import start_server, stop_and_check
+from server_harness import http, start_server, stop_and_check
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "The capital of France is a city where"]  # the third: a radix cache hit
@@ -62,7 +61,7 @@ def _kill_rank1_mid_stream(srv) -> None:
     started = threading.Event()
 
     def read():
-        with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
+        with http.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     lines.append(line)

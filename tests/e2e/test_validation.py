@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import pytest
 
-from server_harness import MAIN_CONTEXT_LEN, MAIN_MAX_PAYLOAD
+from server_harness import http, MAIN_CONTEXT_LEN, MAIN_MAX_PAYLOAD
 
 LONG_TEXT = "word " * (MAIN_CONTEXT_LEN + 200)  # more tokens than the context holds
 USER = [{"role": "user", "content": "Hi"}]
@@ -106,8 +105,8 @@ def _message_of(body: dict) -> str:
 @pytest.mark.parametrize("path,body,statuses", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_request_is_4xx(main_server, path, body, statuses):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(main_server.url + path, content=content, timeout=60,
-                   headers={"content-type": "application/json"})
+    r = http.post(main_server.url + path, content=content, timeout=60,
+                  headers={"content-type": "application/json"})
     assert r.status_code in statuses, f"{r.status_code}: {r.text[:300]}"
     msg = _message_of(r.json())
     assert isinstance(msg, str) and len(msg) > 5, r.text
@@ -124,7 +123,7 @@ def test_oversized_chunked_body_is_413(main_server):
         for i in range(0, len(body), 8192):
             yield body[i:i + 8192]
 
-    r = httpx.post(main_server.url + "/generate", content=chunks(), timeout=60)
+    r = http.post(main_server.url + "/generate", content=chunks(), timeout=60)
     assert r.status_code == 413, f"{r.status_code}: {r.text[:300]}"
     main_server.assert_serving()
 

@@ -16,11 +16,10 @@ import sys
 import threading
 import time
 
-import httpx
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e"))
-from server_harness import ROOT, sse_events, start_server, stop_and_check  # noqa: E402
+from server_harness import http, ROOT, sse_events, start_server, stop_and_check  # noqa: E402
 
 from radixlm.net import free_port  # noqa: E402
 from radixlm.runtime.config import ServerArgs  # noqa: E402
@@ -146,7 +145,7 @@ def test_stop_strings_logprobs_and_streaming_match(pd):
     sp = {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}
     ref_long = _gen(pd["prefill"], prompt, sp=sp, **lp)
     body = {"text": prompt, "sampling_params": sp, "stream": True, **lp}
-    with httpx.stream("POST", pd["router"].url + "/generate", json=body, timeout=60) as r:
+    with http.stream("POST", pd["router"].url + "/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
         chunks = list(sse_events(r))
     assert len(chunks) > 1 and all("error" not in c for c in chunks)
@@ -168,8 +167,8 @@ def test_openai_routes_match_colocated(pd):
     assert a["message"]["content"] == b["message"]["content"]
     assert [t["token"] for t in a["logprobs"]["content"]] == \
         [t["token"] for t in b["logprobs"]["content"]]
-    with httpx.stream("POST", pd["router"].url + "/v1/chat/completions",
-                      json={**chat, "stream": True}, timeout=60) as r:
+    with http.stream("POST", pd["router"].url + "/v1/chat/completions",
+                     json={**chat, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
         text = "".join(c["choices"][0]["delta"].get("content") or ""
                        for c in sse_events(r) if c.get("choices"))
@@ -273,7 +272,7 @@ def test_prefill_killed_mid_request(pd):
 
     def call():
         t0 = time.monotonic()
-        result["r"] = httpx.post(router2.url + "/generate", json={
+        result["r"] = http.post(router2.url + "/generate", json={
             "text": PROMPTS[2], "sampling_params": {"max_new_tokens": 8}}, timeout=60)
         result["s"] = time.monotonic() - t0
 
@@ -291,7 +290,7 @@ def test_prefill_killed_mid_request(pd):
     # a stream through the dead prefill server ends with an error chunk, not a hang
     body = {"text": "Another prompt for a dead prefill server", "stream": True,
             "sampling_params": {"max_new_tokens": 8}}
-    with httpx.stream("POST", router2.url + "/generate", json=body, timeout=60) as r:
+    with http.stream("POST", router2.url + "/generate", json=body, timeout=60) as r:
         chunks = list(sse_events(r)) if r.status_code == 200 else [{"error": r.text}]
     assert chunks and "error" in chunks[-1], chunks
     dec.check_integrity()
@@ -306,7 +305,7 @@ def test_decode_killed_mid_request(pd):
     for proc in [dec.pid] + [c.pid for c in dec.children()]:
         os.kill(proc, signal.SIGSTOP)
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+    t = threading.Thread(target=lambda: result.setdefault("r", http.post(
         router.url + "/generate", json={"text": PROMPTS[3],
                                         "sampling_params": {"max_new_tokens": 8}}, timeout=60)))
     t.start()

@@ -14,6 +14,10 @@ import pytest
 from radixlm.net import free_port
 from router_fakes import BrokenWorker, ThreadServer, fake_worker, start_router
 
+# one client for the module: httpx.get/post build a client, TLS context included, per call (~27 ms
+# of CPU each); without keep-alive every request still opens its own connection, as they did
+http = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+
 
 @pytest.fixture
 def two_workers():
@@ -32,23 +36,23 @@ def test_forwarding_and_cache_aware_stickiness(two_workers):
         got = {}
         for g in ("alpha", "beta"):
             for q in range(6):
-                r = httpx.post(front.url + "/generate", json={"text": f"{g}: {prefix} Q{q}"})
+                r = http.post(front.url + "/generate", json={"text": f"{g}: {prefix} Q{q}"})
                 assert r.status_code == 200, r.text
                 got.setdefault(g, set()).add(r.json()["worker"])
         # each group sticks to one worker, and the two groups went to different workers
         assert all(len(v) == 1 for v in got.values()) and got["alpha"] != got["beta"]
         # a worker's 4xx is the answer: passed through, no retry, worker kept
-        r = httpx.post(front.url + "/bad", json={})
+        r = http.post(front.url + "/bad", json={})
         assert r.status_code == 400 and r.json()["error"]["message"] == "nope"
-        listed = httpx.get(front.url + "/list_workers").json()
+        listed = http.get(front.url + "/list_workers").json()
         assert sorted(listed["urls"]) == sorted(s.url for s in servers)
         assert sum(w["routed"] for w in listed["workers"]) == 13
         assert all(w["in_flight"] == 0 and w["tree_chars"] > 0 for w in listed["workers"])
         assert listed["decisions"]["cache_hit"] == 10
-        info = httpx.get(front.url + "/get_server_info").json()
+        info = http.get(front.url + "/get_server_info").json()
         assert info["dp_size"] == 2 and info["load_balance_method"] == "cache_aware"
         assert sorted(s["worker"] for s in info["internal_states"]) == ["A", "B"]
-        r = httpx.post(front.url + "/flush_cache")
+        r = http.post(front.url + "/flush_cache")
         assert r.status_code == 200
         assert all(("/flush_cache", None) in a.state.seen for a in apps)
     finally:
@@ -62,13 +66,13 @@ def test_paths_go_to_the_worker_as_sent_and_errors_are_json(two_workers):
     front, router = start_router([s.url for s in servers])
     try:
         for path in ("/v1/models/%13x%0A", "/v1/models/a%09b", "/v1/models/x%1B"):
-            r = httpx.get(front.url + path)
+            r = http.get(front.url + path)
             assert r.status_code == 404, r.text  # the worker's answer: it has no such route
         r = httpx.delete(front.url + "/v1/responses/%13x")  # asked of every worker
         assert r.status_code == 404, r.text
         for r in (httpx.options(front.url + "/generate"),
-                  httpx.post(front.url + "/remove_worker", params={"url": "http://nowhere"}),
-                  httpx.post(front.url + "/add_worker")):
+                  http.post(front.url + "/remove_worker", params={"url": "http://nowhere"}),
+                  http.post(front.url + "/add_worker")):
             assert r.status_code in (400, 404, 405) and r.json()["error"]["message"], r.text
     finally:
         front.stop()
@@ -119,7 +123,7 @@ def test_non_streamed_request_is_dropped_when_its_client_leaves(two_workers):
     try:
         t0 = time.monotonic()
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(front.url + "/generate", json={"text": "slow", "sleep": 5.0}, timeout=0.5)
+            http.post(front.url + "/generate", json={"text": "slow", "sleep": 5.0}, timeout=0.5)
         w = router.pool.live()[0]
         while w.in_flight:  # the router let go of the upstream request without waiting 5 s
             assert time.monotonic() - t0 < 3.0, "the router kept waiting for a departed client"
@@ -134,9 +138,9 @@ def test_refused_worker_is_removed_and_the_request_retried(two_workers):
     front, router = start_router([dead, servers[0].url], policy="round_robin")
     try:
         for i in range(4):
-            r = httpx.post(front.url + "/generate", json={"text": f"q{i}"})
+            r = http.post(front.url + "/generate", json={"text": f"q{i}"})
             assert r.status_code == 200 and r.json()["worker"] == "A"
-        listed = httpx.get(front.url + "/list_workers").json()
+        listed = http.get(front.url + "/list_workers").json()
         assert listed["urls"] == [servers[0].url]
         assert listed["removed"][0]["url"] == dead
         assert "connection" in listed["removed"][0]["reason"]
@@ -150,7 +154,7 @@ def test_worker_dying_mid_request_is_retried_elsewhere(two_workers):
     front, router = start_router([broken.url, servers[1].url], policy="round_robin")
     try:
         for i in range(4):
-            r = httpx.post(front.url + "/generate", json={"text": f"q{i}"})
+            r = http.post(front.url + "/generate", json={"text": f"q{i}"})
             assert r.status_code == 200 and r.json()["worker"] == "B", r.text
         assert broken.requests >= 1
         w = router.pool.workers.get(broken.url)
@@ -198,17 +202,17 @@ def test_unhealthy_worker_removed_after_threshold(two_workers):
         assert [w.url for w in router.pool.live()] == [servers[1].url]
         assert "/health answered 503" in router.pool.removed[0]["reason"]
         # the router stays healthy with one worker; /remove_worker of the last one -> 503
-        assert httpx.get(front.url + "/health").status_code == 200
-        r = httpx.post(front.url + "/remove_worker", params={"url": servers[1].url})
+        assert http.get(front.url + "/health").status_code == 200
+        r = http.post(front.url + "/remove_worker", params={"url": servers[1].url})
         assert r.status_code == 200 and "Successfully removed" in r.text
-        assert httpx.get(front.url + "/health").status_code == 503
-        r = httpx.post(front.url + "/generate", json={"text": "x"})
+        assert http.get(front.url + "/health").status_code == 503
+        r = http.post(front.url + "/generate", json={"text": "x"})
         assert r.status_code == 503 and "no live worker" in r.text
         # /add_worker brings a healthy one back
-        r = httpx.post(front.url + "/add_worker", params={"url": servers[1].url})
+        r = http.post(front.url + "/add_worker", params={"url": servers[1].url})
         assert r.status_code == 200 and "Successfully added" in r.text
-        assert httpx.post(front.url + "/generate", json={"text": "x"}).json()["worker"] == "B"
-        r = httpx.post(front.url + "/add_worker", params={"url": servers[1].url})
+        assert http.post(front.url + "/generate", json={"text": "x"}).json()["worker"] == "B"
+        r = http.post(front.url + "/add_worker", params={"url": servers[1].url})
         assert r.status_code == 400  # already there
     finally:
         front.stop()
@@ -218,12 +222,12 @@ def test_api_key_checked_and_forwarded(two_workers):
     apps, servers = two_workers
     front, router = start_router([servers[0].url], api_key="sekret")
     try:
-        assert httpx.get(front.url + "/health").status_code == 200  # /health is open
-        assert httpx.post(front.url + "/generate", json={"text": "x"}).status_code == 401
-        r = httpx.post(front.url + "/generate", json={"text": "x"},
-                       headers={"Authorization": "Bearer sekret"})
+        assert http.get(front.url + "/health").status_code == 200  # /health is open
+        assert http.post(front.url + "/generate", json={"text": "x"}).status_code == 401
+        r = http.post(front.url + "/generate", json={"text": "x"},
+                      headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 200 and r.json()["auth"] == "Bearer sekret"
-        assert httpx.get(front.url + "/list_workers").status_code == 401
+        assert http.get(front.url + "/list_workers").status_code == 401
     finally:
         front.stop()
 
@@ -255,7 +259,7 @@ def test_stored_responses_go_to_the_worker_holding_them(two_workers, policy):
         owners = set()
         for conv in range(2):
             rules = f"Conversation {conv}: answer as a pirate would, briefly. " * 6
-            r = httpx.post(front.url + "/v1/responses", json={"instructions": rules, "input": "hi"})
+            r = http.post(front.url + "/v1/responses", json={"instructions": rules, "input": "hi"})
             assert r.status_code == 200, r.text
             first = r.json()
             owners.add(first["worker"])
@@ -263,20 +267,20 @@ def test_stored_responses_go_to_the_worker_holding_them(two_workers, policy):
             for turn in range(3):
                 body = {"instructions": rules, "input": f"turn {turn}",
                         "previous_response_id": prev, "stream": turn == 1}
-                r = httpx.post(front.url + "/v1/responses", json=body)
+                r = http.post(front.url + "/v1/responses", json=body)
                 assert r.status_code == 200, r.text
                 prev = r.headers["x-radixlm-response-id"]
                 assert prev.startswith(f"resp_{first['worker']}_")
-            r = httpx.get(front.url + f"/v1/responses/{prev}")
+            r = http.get(front.url + f"/v1/responses/{prev}")
             assert r.status_code == 200 and r.json()["worker"] == first["worker"]
         if policy == "cache_aware":
             assert owners == {"A", "B"}  # the two conversations went to different workers
         fresh, _ = start_router([s.url for s in servers], policy=policy)
         try:
-            r = httpx.get(fresh.url + f"/v1/responses/{prev}")
+            r = http.get(fresh.url + f"/v1/responses/{prev}")
             assert r.status_code == 200 and r.json()["id"] == prev
             assert httpx.delete(fresh.url + f"/v1/responses/{prev}").status_code == 200
-            assert httpx.get(fresh.url + f"/v1/responses/{prev}").status_code == 404
+            assert http.get(fresh.url + f"/v1/responses/{prev}").status_code == 404
         finally:
             fresh.stop()
     finally:
