@@ -69,8 +69,54 @@ def _check_shared_server_modules(items) -> None:
             f"remove {sorted(stale)} (the modules that take {' or '.join(SHARED_SERVERS)})")
 
 
+# The slowest modules' seconds on one `make test` worker (fresh clone, 2-core VM, 2026-11-27), to
+# hand out the longest units of work first (xdist gives each worker the next unit in collection
+# order as it frees up: longest first leaves the shortest for the end, so both workers finish
+# together). Order only: a stale or missing figure changes the balance, never what runs.
+MODULE_SECONDS = {
+    "shared servers": 115, "tests/unit/test_hf_parity.py": 40,
+    "tests/e2e/test_data_parallel.py": 29, "tests/unit/test_pd_disaggregation.py": 29,
+    "tests/unit/test_constrained.py": 25, "tests/unit/test_light_tokenizer.py": 22,
+    "tests/e2e/test_frontend_programs.py": 20, "tests/unit/test_speculative.py": 18,
+    "tests/e2e/test_llava_server.py": 17, "tests/unit/test_tensor_parallel.py": 17,
+    "tests/e2e/test_faults.py": 17, "tests/e2e/test_lifecycle.py": 15,
+    "tests/unit/test_tensor_parallel_engine.py": 14, "tests/unit/test_router_proxy.py": 14,
+    "tests/e2e/test_responses_api.py": 13, "tests/e2e/test_sglang_server.py": 13,
+    "tests/e2e/test_fuzz_api.py": 12, "tests/unit/test_triton_int4.py": 11,
+    "tests/e2e/test_limits.py": 11, "tests/unit/test_engine_api.py": 10,
+    "tests/unit/test_triton_sliding_window.py": 9, "tests/e2e/test_tensor_parallel_server.py": 9,
+    "tests/unit/test_cpu_fp32_gemm.py": 9, "tests/unit/test_fp8_checkpoint.py": 8,
+    "tests/unit/test_mla_graph_path.py": 8, "tests/unit/test_gguf_keep_quantized.py": 8,
+}
+
+
+def _work_unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return "shared servers" if module in SHARED_SERVER_MODULES else module
+
+
+def _longest_first(items) -> None:
+    """Items reordered by their unit of work's MODULE_SECONDS, longest first (stable: the
+    collection order within and among the rest); every worker computes the same order."""
+    units = {}
+    for item in items:
+        units.setdefault(_work_unit(item.nodeid), len(units))
+    items.sort(key=lambda it: (-MODULE_SECONDS.get(_work_unit(it.nodeid), 0),
+                               units[_work_unit(it.nodeid)]))
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist skips it
+def pytest_configure_node(node):
+    """(xdist controller) Tells each worker to order its collection longest first: a worker's
+    own options say dist "no", and the scheduler reads the workers' order."""
+    if node.config.getvalue("dist") == "loadfile":
+        node.workerinput["radixlm_longest_first"] = True
+
+
 def pytest_collection_modifyitems(config, items):
     _check_shared_server_modules(items)
+    if getattr(config, "workerinput", {}).get("radixlm_longest_first"):
+        _longest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the lent H100/H200: pytest -m gpu)")
@@ -171,16 +217,20 @@ def integrity():
     return check
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, except that the modules of SHARED_SERVER_MODULES are one unit of work
-    together (one worker runs them all, on one main_server and one tiny_server)."""
+    together (one worker runs them all, on one main_server and one tiny_server), and units go
+    out longest first."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class SharedServersTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "shared servers" if module in SHARED_SERVER_MODULES else module
+            return _work_unit(nodeid)
 
+    # units in collection order (longest first, pytest_collection_modifyitems), not xdist's
+    # default order by number of tests
+    config.option.loadscopereorder = False
     return SharedServersTogether(config, log)
