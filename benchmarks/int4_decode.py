@@ -23,7 +23,7 @@ Two parts, JSON lines on stdout (and appended to `--result-file`):
 (on the CPU the int4 arms run Int4Linear's torch emulation): a dry run that the script works.
 
     python benchmarks/int4_decode.py --kernels \
-        --result-file benchmarks/results/int4_decode-h100.jsonl
+        --result-file benchmarks/results/int4_decode-gpu.jsonl
 """
 
 from __future__ import annotations
