@@ -1,5 +1,5 @@
 """HF transformers' own GGUF loading of the bundled SmolLM2 (the reference the tests compare
-with), without two costs of transformers' loader that change nothing it builds: it parses the
+with), without costs of transformers' loader that change nothing it builds: it parses the
 file's metadata (49k vocabulary strings, 48k merges) once for the config and again for the
 weights, ~5 s each, and rebuilds gguf's tensor-name map (a pure function of architecture and
 layer count) for each of the 397 tensors, ~7 s. Within `shared_gguf_parsing()` the reader of a path
