@@ -43,7 +43,8 @@ def _compare(ref: list[torch.Tensor], ranks: list[dict]) -> float:
 
 
 TINY_GQA = {  # (kv_heads, tied, bias, vocab)
-    "kv2": (2, False, True, 251),  # KV heads split 1 per rank; untied head; o_proj bias; odd vocab (padded)
+    # KV heads split 1 per rank; untied head; o_proj bias; odd vocab (padded)
+    "kv2": (2, False, True, 251),
     "kv1": (1, True, False, 256),  # 1 KV head < 2 ranks: replicated; tied head
 }
 FAMILIES = ("qwen3", "phi3")
@@ -55,8 +56,8 @@ def tp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     cases = {}
     for name, (kv_heads, tied, bias, vocab) in TINY_GQA.items():
-        cases[name] = (th.write_tiny_llama(str(root / name), vocab=vocab, heads=4, kv_heads=kv_heads,
-                                           tied=tied, bias=bias), vocab)
+        cases[name] = (th.write_tiny_llama(str(root / name), vocab=vocab, heads=4,
+                                           kv_heads=kv_heads, tied=tied, bias=bias), vocab)
     for arch in FAMILIES:
         cases[arch] = (th.write_tiny_llama(str(root / arch), vocab=128, heads=4, kv_heads=2,
                                            tied=False, arch=arch), 128)
