@@ -117,7 +117,7 @@ class Engine:
         sched = self.scheduler
         while not self._stopped:
             try:
-                self._drain_inbox(block=not sched.has_runnable_work())
+                self._drain_inbox(block=not sched.has_runnable_work(), idle=sched.is_idle())
                 if not sched.has_runnable_work():
                     continue
                 for req in sched.step():
@@ -134,10 +134,17 @@ class Engine:
                 self._sinks.clear()
                 return
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, idle: bool = False) -> None:
+        # Short timeout: a request waiting for its grammar must be re-checked soon. With no
+        # request at all, only the inbox can bring work (a submit, a storage read's "wake", the
+        # "wake" that shutdown sends), as in the server's scheduler loop, which blocks then: an
+        # idle engine polling every 5 ms cost ~1% of a core each, and a test process keeps
+        # dozens alive. The 1 s is only a backstop.
         try:
-            # short timeout: a request waiting for its grammar must be re-checked soon
-            item = self._inbox.get(timeout=0.005) if block else self._inbox.get_nowait()
+            if not block:
+                item = self._inbox.get_nowait()
+            else:
+                item = self._inbox.get(timeout=1.0 if idle else 0.005)
         except queue.Empty:
             return
         while True:
@@ -312,6 +319,7 @@ class Engine:
         if getattr(self, "_released", False):
             return
         self._stopped = True
+        self._inbox.put(("wake", None))  # an idle loop waits on the inbox
         self._thread.join(timeout=10)
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.tiered:

