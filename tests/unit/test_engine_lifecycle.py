@@ -47,7 +47,9 @@ def test_twenty_engines_end_with_the_memory_they_started_with(tiny):
     start = _rss_after_trim()
     kept = [_one(tiny) for _ in range(20)]  # still referenced: shutdown() itself must release
     end = _rss_after_trim()
-    assert abs(end - start) <= 0.01 * start, (start, end)
+    # a leak grows RSS; in a test worker RSS may also shrink (the kernel drops clean pages of
+    # files other tests' engines mapped: seen once, 62 MB below the start), which is no leak
+    assert end - start <= 0.01 * start, (start, end)
     assert threading.active_count() <= threads_before
     assert all(e.runner is None for e in kept)
 
