@@ -222,7 +222,7 @@ def launch_dp(args: ServerArgs) -> None:
     server_box["server"] = server
     print(f"radixlm: serving with dp_size={args.dp_size} ({args.load_balance_method}) on "
           f"http://{args.host}:{args.port}; replicas: {', '.join(by_url)}", flush=True)
-    from radixlm.server.launch import run_then_clean_up
+    from radixlm.server.sigterm import run_then_clean_up
 
     run_then_clean_up(server, lambda: stop_replicas(replicas))  # SIGTERM: replicas stopped first
     if state["dead"]:
