@@ -59,7 +59,7 @@ namespace {
 constexpr int KB = 64;            // keys per block (multiple of 8 and of W)
 constexpr int kTargetRows = 96;   // query rows (tokens x G heads) per extend task
 constexpr int kMinSplit = 128;    // fewest keys worth a split of their own
-constexpr int64_t kMinParallelWork = 1 << 14;  // (key, query row) pairs worth a 2nd thread
+constexpr int64_t kMinParallelWork = 1 << 18;  // (key, query row) pairs worth a 2nd thread
 #if defined(__AVX512F__)
 constexpr int MR = 12, NV = 2;    // 24 accumulators + 2 B vectors + 1 broadcast of 32 registers
 #else

@@ -197,7 +197,7 @@ void rotary_kernel(T* x, int64_t sxr, int64_t sxh, const float* cs, int64_t scs,
 // path), then the first vector holding the max. torch's argmax took 0.87 ms on the sampler's
 // (32, 49152) logits on this 2-core EPYC, these 2 passes ~0.2 ms.
 void argmax_kernel(const float* x, int64_t sx, int64_t* out, int64_t R, int64_t V) {
-  at::parallel_for(0, R, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, V)),
+  at::parallel_for(0, R, std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, V)),
                    [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * sx;

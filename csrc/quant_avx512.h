@@ -96,9 +96,9 @@ inline void row_scales(const uint8_t* w, int64_t nblk, float* dd, float* mm) {
   }
 }
 
-// The m terms of one x row (MB = 1, 4 accumulators): lane a of a 4-wide FMA takes blocks a, a + 4,
-// ..., exactly the scalar chain macc[a] of for_blocks<4>'s slot a; the tail blocks then go to
-// slot 0 in order, as for_blocks puts them. Same operations, same order: the same sums.
+// The m terms of one x row, sum_b mm[b] * xs[b], in 4 partial sums: lane a of a 4-wide FMA takes
+// blocks a, a + 4, ... (for MB = 1 of the fp32 kernel, exactly the scalar chain macc[a] of
+// for_blocks<4>'s slot a); the tail blocks then go to sum 0 in order.
 inline void m_terms4(const float* mm, const float* xs, int64_t nblk, float macc[4]) {
   __m128 v = _mm_setzero_ps();
   int64_t bi = 0;
@@ -176,15 +176,15 @@ inline void rows512(const float* x, const float* xs, int64_t K, const uint8_t* w
 
 #if defined(__AVX512BF16__)
 #define RLQ_AVX512BF16 1
-// Q4_1 against bf16 x (a bf16 model's activations): the block's 32 quants become bf16 values
-// (exact: integers 0..15) by one table lookup, and VDPBF16PS multiplies them with x's bf16
-// values 32 at a time. Each product is exact in fp32 (8-bit x 8-bit significands) and they are
+// Q4_1 and Q8_0 against bf16 x (a bf16 model's activations): the block's 32 quants become bf16
+// values (exact: small integers; Q4_1's by one table lookup), and VDPBF16PS multiplies them with
+// x's bf16 values 32 at a time. Each product is exact in fp32 (8-bit x 8-bit significands) and they are
 // summed in fp32, so this is the same "exact products, fp32 sums" as the fp32 kernel above, on
 // 2 shuffles and 1 dot-product instruction per block instead of 2 widenings, 2 conversions and 2
 // FMAs. (VDPBF16PS treats bf16 denormals, |x| < 1.2e-38, as 0: far below the fp32 sums' error.)
 inline __m512i q4_bf16_table() {
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {  // entries i and i + 16 alike: see row_dot_q41_bf16_impl
+  for (int i = 0; i < 32; ++i) {  // entries i and i + 16 alike: see Q4_1bf
     const float f = static_cast<float>(i & 15);
     uint32_t u;
     std::memcpy(&u, &f, 4);
@@ -205,60 +205,81 @@ inline void block_sums_bf16(const uint16_t* x, int64_t M, int64_t K, float* xs) 
     }
 }
 
-template <int MB, bool Pre>
-inline void row_dot_q41_bf16_impl(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w,
-                                  float* y, int64_t ldy, __m512i table, const float* dd,
-                                  const float* mm) {
-  constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  constexpr bool kVecM = Pre && MB == 1;  // the m terms by m_terms4, after the loop
-  const int64_t nblk = K / 32;
-  __m512 acc[MB][NA];
-  float macc[MB][NA];
-  for (int m = 0; m < MB; ++m)
-    for (int a = 0; a < NA; ++a) {
-      acc[m][a] = _mm512_setzero_ps();
-      macc[m][a] = 0.f;
-    }
-  auto block = [&](int64_t bi, auto slot) {
-    constexpr int a = decltype(slot)::value;
-    const uint8_t* b = w + bi * Q4_1x16::BYTES;
+// A block's 32 quants as bf16 values in order (exact: small integers), for VDPBF16PS.
+// Q4_1: one table lookup (q4_bf16_table); Q8_0: widened, converted to fp32 and narrowed to bf16
+// (exact: |q| <= 128 has at most 8 significant bits).
+struct Q4_1bf {
+  static constexpr int BYTES = 20;
+  static constexpr bool kMin = true;  // w = d * q + m
+  static __m512bh quants(const uint8_t* b, __m512i table) {
     // the bytes as words, unmasked: VPERMW reads an index's low 5 bits, and the table maps
     // i and i + 16 alike (q4_bf16_table), so a low nibble needs no AND with 0x0F
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4),
                                            1);  // q[0..31] in the words' low nibbles
-    const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, table);
+  }
+};
+
+struct Q8_0bf {
+  static constexpr int BYTES = 34;
+  static constexpr bool kMin = false;  // w = d * q
+  static __m512bh quants(const uint8_t* b, __m512i) {
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // lanes 0..15 from lo, 16..31 from hi
+  }
+};
+
+// y[m * ldy] for m < MB: bf16 x rows against one W row. Every x row takes the same operations in
+// the same order whatever MB is (2 vector accumulators taking blocks in turn, the m terms by
+// m_terms4 after the loop), so a row's result does not depend on how many rows share the call: a
+// speculative verify's rows equal the plain decode step's bit for bit. Per block and row: one
+// VDPBF16PS and one FMA by d; the block's quants are decoded once for all MB rows.
+template <class F, int MB, bool Pre>
+inline void row_dot_bf16_impl(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w,
+                              float* y, int64_t ldy, __m512i table, const float* dd,
+                              const float* mm) {
+  constexpr int NA = 2;
+  const int64_t nblk = K / 32;
+  __m512 acc[MB][NA];
+  float macc[MB][4];
+  for (int m = 0; m < MB; ++m) {
+    for (int a = 0; a < NA; ++a) acc[m][a] = _mm512_setzero_ps();
+    for (int a = 0; a < 4; ++a) macc[m][a] = 0.f;
+  }
+  auto block = [&](int64_t bi, auto slot) {
+    constexpr int a = decltype(slot)::value;
+    const uint8_t* b = w + bi * F::BYTES;
+    const __m512bh q = F::quants(b, table);
     const __m512 d = _mm512_set1_ps(Pre ? dd[bi] : f16(b));
-    [[maybe_unused]] const float mn = kVecM ? 0.f : (Pre ? mm[bi] : f16(b + 2));
+    [[maybe_unused]] const float mn = F::kMin && !Pre ? f16(b + 2) : 0.f;
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + bi * 32);
       const __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, xv);
       acc[m][a] = _mm512_fmadd_ps(s, d, acc[m][a]);
-      if constexpr (!kVecM) macc[m][a] = __builtin_fmaf(mn, xs[m * nblk + bi], macc[m][a]);
+      if constexpr (F::kMin && !Pre) macc[m][a] = __builtin_fmaf(mn, xs[m * nblk + bi], macc[m][a]);
     }
   };
   for_blocks<NA>(nblk, block);
-  if constexpr (kVecM) m_terms4(mm, xs, nblk, macc[0]);
   for (int m = 0; m < MB; ++m) {
-    __m512 s = acc[m][0];
-    float ms = macc[m][0];
-    for (int a = 1; a < NA; ++a) {
-      s = _mm512_add_ps(s, acc[m][a]);
-      ms += macc[m][a];
-    }
-    y[m * ldy] = _mm512_reduce_add_ps(s) + ms;
+    if constexpr (F::kMin && Pre) m_terms4(mm, xs + m * nblk, nblk, macc[m]);
+    const float ms = (macc[m][0] + macc[m][1]) + (macc[m][2] + macc[m][3]);
+    y[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + ms;
   }
 }
 
-template <int MB>
-inline void row_dot_q41_bf16(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w,
-                             float* y, int64_t ldy, __m512i table) {
+template <class F, int MB>
+inline void row_dot_bf16(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w,
+                         float* y, int64_t ldy, __m512i table) {
   const int64_t nblk = K / 32;
   if (nblk > kMaxRowBlocks)
-    return row_dot_q41_bf16_impl<MB, false>(x, xs, K, w, y, ldy, table, nullptr, nullptr);
-  alignas(64) float dd[kMaxRowBlocks], mm[kMaxRowBlocks];
-  row_scales<Q4_1x16>(w, nblk, dd, mm);
-  row_dot_q41_bf16_impl<MB, true>(x, xs, K, w, y, ldy, table, dd, mm);
+    return row_dot_bf16_impl<F, MB, false>(x, xs, K, w, y, ldy, table, nullptr, nullptr);
+  alignas(64) float dd[kMaxRowBlocks], mm[F::kMin ? kMaxRowBlocks : 1];
+  row_scales<F>(w, nblk, dd, mm);
+  row_dot_bf16_impl<F, MB, true>(x, xs, K, w, y, ldy, table, dd, mm);
 }
 #endif
 

@@ -113,44 +113,47 @@ bool pool_run(Job& job, int64_t N) {
 }
 
 #ifdef RLQ_AVX512BF16
-// Q4_1 with bf16 x (quant_avx512.h's row_dot_q41_bf16): FastJob's split on x's own bf16 values.
-struct Q41Bf16Job {
+// Q4_1 / Q8_0 with bf16 x (quant_avx512.h's row_dot_bf16, F = Q4_1bf / Q8_0bf): FastJob's split
+// on x's own bf16 values.
+template <class F>
+struct Bf16Job {
   const uint16_t* x; const float* xs; int64_t M, K, N; const uint8_t* w; float* y; __m512i table;
   int64_t nb = NB;  // W rows per task
 
   void task(int64_t t) const {
-    const int64_t nblk = K / 32, row_bytes = nblk * Q4_1x16::BYTES;
+    const int64_t nblk = K / 32, row_bytes = nblk * F::BYTES;
     const int64_t n0 = t * nb, n1 = std::min(N, n0 + nb);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t left = M - m0;
       const int mb = left >= 8 ? 8 : static_cast<int>(left);
       const uint16_t* xm = x + m0 * K;
-      const float* sm = xs + m0 * nblk;
+      const float* sm = F::kMin ? xs + m0 * nblk : nullptr;
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* wr = w + n * row_bytes;
         float* ym = y + m0 * N + n;
         switch (mb) {
-          case 8: row_dot_q41_bf16<8>(xm, sm, K, wr, ym, N, table); break;
-          case 7: row_dot_q41_bf16<7>(xm, sm, K, wr, ym, N, table); break;
-          case 6: row_dot_q41_bf16<6>(xm, sm, K, wr, ym, N, table); break;
-          case 5: row_dot_q41_bf16<5>(xm, sm, K, wr, ym, N, table); break;
-          case 4: row_dot_q41_bf16<4>(xm, sm, K, wr, ym, N, table); break;
-          case 3: row_dot_q41_bf16<3>(xm, sm, K, wr, ym, N, table); break;
-          case 2: row_dot_q41_bf16<2>(xm, sm, K, wr, ym, N, table); break;
-          default: row_dot_q41_bf16<1>(xm, sm, K, wr, ym, N, table); break;
+          case 8: row_dot_bf16<F, 8>(xm, sm, K, wr, ym, N, table); break;
+          case 7: row_dot_bf16<F, 7>(xm, sm, K, wr, ym, N, table); break;
+          case 6: row_dot_bf16<F, 6>(xm, sm, K, wr, ym, N, table); break;
+          case 5: row_dot_bf16<F, 5>(xm, sm, K, wr, ym, N, table); break;
+          case 4: row_dot_bf16<F, 4>(xm, sm, K, wr, ym, N, table); break;
+          case 3: row_dot_bf16<F, 3>(xm, sm, K, wr, ym, N, table); break;
+          case 2: row_dot_bf16<F, 2>(xm, sm, K, wr, ym, N, table); break;
+          default: row_dot_bf16<F, 1>(xm, sm, K, wr, ym, N, table); break;
         }
       }
       m0 += mb;
     }
   }
-  static void call(void* self, int64_t t) { static_cast<const Q41Bf16Job*>(self)->task(t); }
+  static void call(void* self, int64_t t) { static_cast<const Bf16Job*>(self)->task(t); }
 };
 
-inline void gemm_q41_bf16(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                          float* y) {
-  std::vector<float> xs(M * (K / 32));
-  block_sums_bf16(x, M, K, xs.data());
-  Q41Bf16Job job{x, xs.data(), M, K, N, w, y, q4_bf16_table()};
+template <class F>
+inline void gemm_bf16x(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                       float* y) {
+  std::vector<float> xs(F::kMin ? M * (K / 32) : 0);
+  if constexpr (F::kMin) block_sums_bf16(x, M, K, xs.data());
+  Bf16Job<F> job{x, xs.data(), M, K, N, w, y, q4_bf16_table()};
   if (M <= kPoolMaxM && pool_run(job, N)) return;
   const int64_t ntask = (N + NB - 1) / NB;
   const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));

@@ -21,8 +21,8 @@
 // Work split: for up to 16 rows (decode) the claim pool of quant_pool.h, in chunks of whole
 // NB-row tasks (~8 per thread); otherwise OpenMP (dynamic: on a shared box a preempted thread
 // then delays only its current task) over blocks of NB output rows. On AVX-512 the Q4_1 / Q8_0
-// kernels are quant_avx512.h's (block scales factored out; Q4_1 x bf16 by VDPBF16PS where the
-// CPU has AVX512-BF16). Inside a task, each x tile of MB <= 8 rows runs
+// kernels are quant_avx512.h's (block scales factored out; Q4_1 / Q8_0 x bf16 by VDPBF16PS where
+// the CPU has AVX512-BF16). Inside a task, each x tile of MB <= 8 rows runs
 // against each W row of the block (the W block stays in L1/L2 across the x tiles). Decode
 // (M = 1..8) reads every weight byte once: 4-8x fewer bytes than the fp32 GEMM's weights.
 // Large M is better served by dequantized fp32 + a BLAS GEMM: gemm_tiled (per-thread tiles) and
@@ -107,13 +107,16 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && x_in.device().is_cpu(),
               "quant_gemm: x must be a (M, K) CPU tensor");
 #ifdef RLQ_AVX512BF16
-  if (fmt == 3 && x_in.scalar_type() == at::kBFloat16) {  // a bf16 model's Q4_1 layers
+  if ((fmt == 3 || fmt == 8) && x_in.scalar_type() == at::kBFloat16) {  // a bf16 model's layers
     const at::Tensor xb = x_in.contiguous();
     const int64_t M = xb.size(0), N = w.size(0);
     at::Tensor y = at::empty({M, N}, xb.options().dtype(at::kFloat));
     if (M == 0 || N == 0) return y;
-    gemm_q41_bf16(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, K, w.data_ptr<uint8_t>(),
-                  N, y.data_ptr<float>());
+    const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+    if (fmt == 3)
+      gemm_bf16x<Q4_1bf>(xp, M, K, w.data_ptr<uint8_t>(), N, y.data_ptr<float>());
+    else
+      gemm_bf16x<Q8_0bf>(xp, M, K, w.data_ptr<uint8_t>(), N, y.data_ptr<float>());
     return y;
   }
 #endif
@@ -274,7 +277,7 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
 }
 
 // "avx512" where the Q4_1 / Q8_0 direct kernels are quant_avx512.h's (the rest is AVX2 there),
-// "avx512bf16" where Q4_1 with bf16 x also takes VDPBF16PS
+// "avx512bf16" where Q4_1 / Q8_0 with bf16 x also take VDPBF16PS
 std::string isa() {
 #if defined(RLQ_AVX512BF16)
   return "avx512bf16";

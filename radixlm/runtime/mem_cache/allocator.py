@@ -3,6 +3,13 @@
 Slots are numbered 1..capacity; slot 0 is a scratch slot that padded positions write into, so
 kernels never need a branch for padding. The free list is a tensor so alloc/free are slices and
 concatenations, not Python loops over tokens.
+
+Freed slots queue as chunks behind the head tensor and are joined only when an alloc needs them
+(or `free_slots` is read): a speculative verify frees its rejected slots every step, and joining
+them into a ~200k-slot list each time copied the whole list (1.5 MB) per step; on the CPU that
+copy also ran a 2-thread OpenMP region, whose spinning thread then took the core from the
+quantized GEMMs' helper. The order is unchanged: slots are handed out first freed, first used
+after the initial ones, exactly as with one tensor.
 """
 
 from __future__ import annotations
@@ -21,22 +28,39 @@ class TokenSlotAllocator:
         self.clear()
 
     def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.capacity + 1, dtype=torch.int64, device=self.device)
+        self._head = torch.arange(1, self.capacity + 1, dtype=torch.int64, device=self.device)
+        self._queued: list[torch.Tensor] = []  # freed chunks, in order, after _head
+        self._queued_n = 0
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot (int64, 1-D) in the order alloc hands them out."""
+        self._join()
+        return self._head
+
+    def _join(self) -> None:
+        if self._queued:
+            self._head = torch.cat([self._head, *self._queued])
+            self._queued, self._queued_n = [], 0
 
     def available_size(self) -> int:
-        return int(self.free_slots.numel())
+        return int(self._head.numel()) + self._queued_n
 
     def can_alloc(self, n: int) -> bool:
-        return n <= self.free_slots.numel()
+        return n <= self.available_size()
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
         """Return `n` free slot indices (int64, shape (n,)), or None if fewer are free."""
-        if n > self.free_slots.numel():
+        if n > self.available_size():
             return None
-        out = self.free_slots[:n]
-        self.free_slots = self.free_slots[n:]
+        if n > self._head.numel():
+            self._join()
+        out = self._head[:n]
+        self._head = self._head[n:]
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self.free_slots = torch.cat((self.free_slots, slots.to(self.device, torch.int64)))
+            # a copy: callers free views of tensors they later overwrite (req_to_token rows)
+            self._queued.append(slots.to(self.device, torch.int64, copy=True).reshape(-1))
+            self._queued_n += int(slots.numel())
