@@ -118,6 +118,20 @@ def test_decode_rows_with_tail_and_long_rows(ops, fmt, m, k, dtype):
     check(ops.gemm(x, raw, fmt, k), x.float(), ref_w)
 
 
+@pytest.mark.parametrize("fmt", [3, 8], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("k", [576, 8224])  # one pass over K, and 257 blocks: two passes
+def test_bf16_rows_do_not_depend_on_the_row_count(ops, fmt, k):
+    # a speculative verify multiplies several rows at once where plain decoding multiplies one:
+    # each row must come out bit for bit as it does alone (tiles of 1..16 rows; N = 37 leaves a
+    # partial group of W rows)
+    raw, ref_w = blocks(fmt, 37, k, seed=k + fmt)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    alone = torch.cat([ops.gemm(x[i:i + 1], raw, fmt, k) for i in range(16)])
+    check(alone, x.float(), ref_w)
+    for m in (2, 5, 9, 16):
+        assert torch.equal(ops.gemm(x[:m], raw, fmt, k), alone[:m]), m
+
+
 @pytest.mark.parametrize("fmt", FMTS.values(), ids=FMTS.keys())
 def test_tiled_gemm_many_rows_and_tiles(ops, fmt):
     raw, ref_w = blocks(fmt, 1000, 512)  # 4 tiles of 256 rows at K = 512, the last partial

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = ck._CSRC
 _SOURCES = ("quant_gemm.cpp",)
-_HEADERS = ("quant_avx512.h", "quant_direct.h", "quant_formats.h", "quant_pool.h", "quant_vec.h")
+_HEADERS = ("quant_avx512.h", "quant_bf16.h", "quant_direct.h", "quant_formats.h", "quant_pool.h",
+            "quant_vec.h")
 # ggml type id -> (name, values per block, bytes per block)
 FORMATS = {3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
            14: ("Q6_K", 256, 210)}

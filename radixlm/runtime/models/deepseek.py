@@ -184,7 +184,7 @@ class DeepseekV2ForCausalLM(MoeWeights, nn.Module):
         for layer in self.layers:
             x, residual = layer(x, cos_sin, fb, residual)
         idx = fb.logits_indices
-        return self.norm(x[idx], residual[idx])[0]
+        return self.norm(x.index_select(0, idx), residual.index_select(0, idx))[0]
 
     # --- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

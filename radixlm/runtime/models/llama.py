@@ -295,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         if fb.capture_layers:  # EAGLE-3's target: every row of every layer, in Python
             x, residual, fb.aux_hidden = run_capturing(self.layers, fb.capture_layers, x,
                                                        cos_sin, fb)
-            return self.norm(x[idx], residual[idx])[0]
+            return self.norm(x.index_select(0, idx), residual.index_select(0, idx))[0]
         last = self.layers[-1]
         # an EXTEND batch's last layer runs only its logits rows past the K/V projection (the
         # prompt rows before each request's last need their K/V, nothing after): SmolLM2's 30
@@ -318,7 +318,10 @@ class LlamaForCausalLM(nn.Module):
         if prune:
             x, residual = last.forward_rows(x, cos_sin, fb, residual, idx)
             return self.norm(x, residual)[0]
-        return self.norm(x[idx], residual[idx])[0]  # norm of (x + residual) at the logits rows
+        # index_select, not x[idx]: on the CPU, ATen's indexing ran a 2-thread OpenMP region
+        # from 6 rows up, which on a busy 2-core box waited 4-12 ms (a scheduler tick) for its
+        # second thread: a speculative verify's 9 rows paid it twice a step
+        return self.norm(x.index_select(0, idx), residual.index_select(0, idx))[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
