@@ -3,8 +3,8 @@
 
 One JSON line per (shape, config): the GEMV's median us a call, its GB/s (packed weights +
 fp16 scales + uint8 zeros), its speed-up over tinygemm and over cuBLAS bf16 (> 1: faster), and
-its error against the dequantized fp32 weight; then one line per shape with the best config,
-and a last line with the gemv_config those bests suggest. gate_up runs twice: plain (N = 28672)
+its error against the dequantized fp32 weight; then one line per shape with the best config
+(and the top 5), and a last line with each shape's best (what gemv_config should return). gate_up runs twice: plain (N = 28672)
 and as llama's MLP runs it at batch 1 (gate_up_silu: the SiLU-and-mul epilogue, N = 14336 out;
 its baselines are the plain gate_up GEMMs, without the activation).
 
@@ -16,8 +16,9 @@ of processes (Triton's disk cache), so the timing loop only loads cubins.
 
     python benchmarks/int4_gemv_sweep.py [--shapes down o] [--quick]
 
-~130 distinct kernels, ~60 configs a shape at K = 4096 and ~100 at K = 14336 (gemv_sweep):
-on a 16-core H100 host, ~1-2 min of compiles and ~1 min of timing."""
+379 timings (gemv_sweep: 65-66 configs a shape at K = 4096, 118 at K = 14336) of 145 distinct
+kernels: on a 16-core H100 host, estimated 1-3 min of compiles and ~1 min of timing (not yet
+run: written without a GPU)."""
 
 from __future__ import annotations
 
@@ -43,12 +44,15 @@ DEV = "cuda"  # (a CPU dry run of bench_shape under Triton's interpreter sets "c
 
 
 def gemv_sweep(n: int, k: int) -> list[tuple]:
-    """Configs (BLOCK_N, BLOCK_K, warps, stages, PREFETCH_ZS, SPLIT_K) to time at (N, K), the
+    """Configs (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, SPLIT_K) to time at (N, K), the
     default first. warps = BLOCK_K / 1024 always (gemv_config: one 16-byte block a thread).
     - pipelined (stages 2 / 4, the words cp.async'ed ahead), prefetch off / on: rows 2 / 4 / 8,
       BLOCK_K 1024 / 2048, split-K 1 / 2 / 4 where each split keeps >= 2 steps;
     - one-shot (stages 1: a program's loads all issued at once, no shared memory): rows
-      1 / 2 / 4 / 8, BLOCK_K 1024 / 2048 / 4096, split-K giving 1 or 2 steps a split."""
+      1 / 2 / 4 / 8, BLOCK_K 1024 / 2048 / 4096, split-K giving 1 or 2 steps a split (2:
+      also with PREFETCH 2, the second step's words loaded with the first's);
+    - stages 1 with PREFETCH 2 (the words one step ahead in registers) over whole K or in 2
+      splits: rows 2 / 4 / 8, BLOCK_K 1024 / 2048."""
     from radixlm.runtime.layers import triton_int4
 
     out = [tuple(triton_int4.gemv_config(n, k))]
@@ -64,6 +68,11 @@ def gemv_sweep(n: int, k: int) -> list[tuple]:
             for per in (1, 2):
                 if steps >= per:
                     out.append((bn, bk, bk // 1024, 1, 0, -(-steps // per)))
+                if steps >= per == 2 and bn > 1:  # the second step's words prefetched
+                    out.append((bn, bk, bk // 1024, 1, 2, -(-steps // per)))
+    for bn in (2, 4, 8):  # the words one step ahead in registers, whole K or in 2 splits
+        for bk in (1024, 2048):
+            out += [(bn, bk, bk // 1024, 1, 2, sp) for sp in (1, 2) if -(-k // bk) >= 2 * sp]
     seen = set()
     return [c for c in out if not (c in seen or seen.add(c))]
 

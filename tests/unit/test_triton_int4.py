@@ -211,9 +211,9 @@ def test_gemm_sweep_covers_the_defaults():
 
 @pytest.mark.parametrize("silu,act", [(False, False), (False, True), (True, True)])
 def test_int4_gemv_prefetch_is_bit_identical(silu, act):
-    """PREFETCH_ZS (a step's scales and zeros loaded one step ahead) only moves loads: the
-    GEMV's result must be the same bits with it on and off (ragged K: 352 = 2.75 steps of 128;
-    several groups a step; act-order; the SiLU epilogue's two row sets)."""
+    """PREFETCH (a step's scales and zeros loaded one step ahead; 2: the words too) only moves
+    loads: the GEMV's result must be the same bits at 0, 1 and 2 (ragged K: 352 = 2.75 steps
+    of 128; several groups a step; act-order; the SiLU epilogue's two row sets)."""
     n, k, group = 24, 352, 32
     qw, s, z, _ = _checks.random_layer(n, k, group, seed=11)
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)) if act else None
@@ -221,14 +221,15 @@ def test_int4_gemv_prefetch_is_bit_identical(silu, act):
     b = None if silu else torch.randn(n)
     for base in ((4, 128, 4, 2), (8, 64, 1, 3)):
         ys = [triton_int4.gemv(x, qw, s, z, group, b, config=base + pf, perm=perm, silu=silu)
-              for pf in ((), (1,))]
-        assert torch.equal(ys[0], ys[1]), base
+              for pf in ((), (1,), (2,))]
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), base
 
 
-# split-K GEMV configs (BLOCK_N, BLOCK_K, warps, stages, PREFETCH_ZS, SPLIT_K): splits of one
+# split-K GEMV configs (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, SPLIT_K): splits of one
 # and of several steps, a ragged last split, splits that cannot all get a step (5 steps in
-# 4: 3 splits of 2), prefetch across a split's end, one-shot (stages 1) and pipelined
-GEMV_SPLIT_CONFIGS = ((4, 64, 4, 2, 0, 2), (2, 32, 1, 1, 0, 3), (8, 64, 2, 1, 1, 4),
+# 4: 3 splits of 2), prefetch across a split's end (scales and zeros; the words too, PREFETCH
+# 2), one-shot (stages 1) and pipelined
+GEMV_SPLIT_CONFIGS = ((4, 64, 4, 2, 0, 2), (2, 32, 1, 1, 2, 3), (8, 64, 2, 1, 1, 4),
                       (16, 128, 4, 3, 0, 2), (1, 32, 1, 1, 0, 16))
 
 
@@ -255,7 +256,7 @@ def test_int4_gemv_split_k_act_order(silu):
     qw, s, z, w = _checks.random_layer(n, k, group, seed=5)
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(3))
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).half()
-    for cfg in ((4, 64, 4, 2, 0, 2), (2, 32, 1, 1, 1, 2)):
+    for cfg in ((4, 64, 4, 2, 0, 2), (2, 32, 1, 1, 2, 2)):
         y = triton_int4.gemv(x, qw, s, z, group, config=cfg, perm=perm, silu=silu)
         assert torch.equal(y, triton_int4.gemv(x, qw, s, z, group, config=cfg, perm=perm,
                                                silu=silu)), cfg
@@ -289,7 +290,7 @@ def test_int4_gemv_split_k_reads_every_nibble():
 def test_gemv_sweep_covers_the_defaults():
     """benchmarks/int4_gemv_sweep.py times the default first at each projection shape (its
     "best" can be the default), keeps warps = BLOCK_K / 1024 (gemv_config's layout rule) and
-    spans every knob: stages 1 / 2 / 4, prefetch off and on, split-K off and on."""
+    spans every knob: stages 1 / 2 / 4, prefetch 0 / 1 / 2, split-K off and on."""
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -302,5 +303,5 @@ def test_gemv_sweep_covers_the_defaults():
         cfgs = gemv_sweep(n, k)
         assert cfgs[0] == triton_int4.gemv_config(n, k) and len(set(cfgs)) == len(cfgs)
         assert all(len(c) == 6 and c[2] == c[1] // 1024 for c in cfgs), (n, k)
-        assert {c[3] for c in cfgs} >= {1, 2, 4} and {c[4] for c in cfgs} == {0, 1}
-        assert {c[5] > 1 for c in cfgs} == {False, True} and len(cfgs) <= 110
+        assert {c[3] for c in cfgs} >= {1, 2, 4} and {c[4] for c in cfgs} == {0, 1, 2}
+        assert {c[5] > 1 for c in cfgs} == {False, True} and len(cfgs) <= 130

@@ -83,10 +83,17 @@ def _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _gemv_words(w_ptrs, kb, kb_hi, ob, row_ok):
+    # (BLOCK_N, NB, 4) words of the step from block kb on, 0 from kb_hi on
+    ok = row_ok[:, None, None] & (kb + ob < kb_hi)[None, :, None]
+    return tl.load(w_ptrs + kb * 4, mask=ok, other=0)
+
+
+@triton.jit
 def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
                GROUP: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-               PREFETCH_ZS: tl.constexpr):
+               PREFETCH: tl.constexpr):
     # x (1, K) . W[rows] over the 32-value blocks [kb_lo, kb_hi) (kb_lo, kb_hi - kb_lo whole
     # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32
     rows64 = rows.to(tl.int64)
@@ -98,21 +105,28 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
     s_row = rows64[:, None] * stride_s  # (BLOCK_N, 1)
     n_blocks = K // 32
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
-    # PREFETCH_ZS: a step's zeros and scales loaded one step ahead. They are 1-2 bytes a
-    # thread (no cp.async, so the pipeliner leaves them) and cold weight bytes like the words:
-    # loaded in their own step, the dequant waits a DRAM round trip each step. Costs
-    # registers (sm_90 ptxas at BLOCK_N 8: 218 against 167; fewer programs an SM), so both
-    # are kept until the sweep of benchmarks/int4_decode.py --kernels has timed them.
-    if PREFETCH_ZS:
+    # PREFETCH 1: a step's zeros and scales loaded one step ahead. They are 1-2 bytes a thread
+    # (no cp.async, so the pipeliner leaves them) and cold weight bytes like the words: loaded
+    # in their own step, the dequant waits a DRAM round trip each step. Costs registers (sm_90
+    # ptxas at BLOCK_N 8: 218 against 167; fewer programs an SM), so both are kept until timed.
+    # PREFETCH 2: the words too, into registers (for stages 1: a step's bytes in flight
+    # during the previous step's math without the pipeliner's shared memory and barriers;
+    # masked at kb_hi, so no split reads its successor's words).
+    if PREFETCH:
         z_next, s_next = _gemv_zs(Z, S, s_row, kb_lo, ob, row_ok, n_blocks, GROUP)
+    if PREFETCH >= 2:
+        w_next = _gemv_words(w_ptrs, kb_lo, kb_hi, ob, row_ok)
     for kb in tl.range(kb_lo, kb_hi, BLOCK_K // 32, num_stages=NUM_STAGES):  # first block
         blk_ok = kb + ob < n_blocks  # (NB,)
-        if EVEN_K:
+        if PREFETCH >= 2:
+            words = w_next
+            w_next = _gemv_words(w_ptrs, kb + BLOCK_K // 32, kb_hi, ob, row_ok)
+        elif EVEN_K:
             words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None], other=0)
         else:
             words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None] & blk_ok[None, :, None],
                             other=0)
-        if PREFETCH_ZS:
+        if PREFETCH:
             zf = z_next.to(tl.float32)[:, :, None]
             s = s_next.to(tl.float32)
             z_next, s_next = _gemv_zs(Z, S, s_row, kb + BLOCK_K // 32, ob, row_ok, n_blocks,
@@ -139,7 +153,7 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      PREFETCH_ZS: tl.constexpr, SPLIT: tl.constexpr):
+                      PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
     # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
     # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
     # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
@@ -152,12 +166,12 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
         kb_lo = tl.program_id(1) * blocks_per_split
         kb_hi = tl.minimum(kb_lo + blocks_per_split, n_blocks)
     y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
-                   GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH_ZS)
+                   GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH)
     u = y
     if SILU:
         u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s,
                        magic, GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
-                       PREFETCH_ZS)
+                       PREFETCH)
     if SPLIT:
         # deterministic split-K in one launch (triton_int4_gemm's scheme): each split stores
         # its fp32 partial (gate then up rows: WS (splits, 1 or 2, N)); the split arriving last
@@ -211,7 +225,7 @@ def _check(x, qweight, scales, zeros, group, perm):
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH_ZS, SPLIT_K) for M == 1 (PREFETCH_ZS:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, SPLIT_K) for M == 1 (PREFETCH:
     see _gemv_rows; SPLIT_K: programs a row tile along K), by reasoning and by reading the
     sm_90 compile (not yet timed: benchmarks/int4_decode.py --kernels sweeps GEMV_SWEEP):
     - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
@@ -267,9 +281,10 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     assert m == 1 and not (silu and (bias is not None or n % 2))
     n_out = n // 2 if silu else n
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    # config: gemv_config's 6 values, or 4 or 5 (PREFETCH_ZS off, SPLIT_K 1 when left out)
+    # config: gemv_config's 6 values, or 4 or 5 (PREFETCH 0, SPLIT_K 1 when left out)
     block_n, block_k, warps, stages, *rest = config or gemv_config(n, k)
-    prefetch = bool(rest and rest[0])
+    prefetch = int(rest[0]) if rest else 0
+    assert prefetch in (0, 1, 2), prefetch
     split = rest[1] if len(rest) > 1 else 1
     assert block_k % 32 == 0 and block_k & (block_k - 1) == 0 and split >= 1, (block_k, split)
     tiles = triton.cdiv(n_out, block_n)
@@ -288,5 +303,5 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         n_out, k, per_split, ws_stride, qweight.stride(0), scales.stride(0), MAGIC,
         GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-        PREFETCH_ZS=prefetch, SPLIT=split > 1, num_warps=warps)
+        PREFETCH=prefetch, SPLIT=split > 1, num_warps=warps)
     return y
