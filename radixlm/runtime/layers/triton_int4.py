@@ -18,9 +18,11 @@ whose bits are (w & (0xF << 4j)) | bits(2^(23-4j)) IS 2^(23-4j) + q (the nibble 
 mantissa at weight 1), so q - z = that - (2^(23-4j) + z) exactly (one LOP3, one FADD); nibbles
 5..7 use j = 0..2 on w >> 20. Per value ~3 ALU ops (LOP3, FADD, FFMA): batch-1 int4 is
 ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old kernel spent
-~7 plus a register reshape through shared memory, and read 0.3-0.6 TB/s).
+~7 plus a register reshape through shared memory, and read 0.3-0.6 TB/s). An fp16x2 dequant
+(two nibbles a LOP3 and an HSUB2) saves nothing here: the contract's exact fp32 products
+(q - z) x need each value converted to fp32 again (an F2F, slower than the FADD it saves).
 
-  gemv(x, ...)   M == 1: program p owns BLOCK_N whole rows (no split-K: N / BLOCK_N programs,
+  gemv(x, ...)   M == 1: program p owns BLOCK_N whole rows (SPLIT_K 1: N / BLOCK_N programs,
                  512 for N = 4096 at BLOCK_N 8, fill 132 SMs), streams them along K in steps
                  of BLOCK_K values, tile (BLOCK_N, BLOCK_K/32 blocks, 4 words): a warp reads
                  512 contiguous bytes of a row (32 threads x one 16-byte block: 4 full 128-byte
