@@ -72,7 +72,7 @@ COLD_BYTES = 256 << 20  # > 5x the H100's 50 MB L2
 GEMV_SWEEP = ((8, 2048, 2, 3), (8, 2048, 2, 4), (8, 2048, 2, 2), (4, 2048, 2, 4),
               (8, 1024, 1, 4), (8, 1024, 1, 3), (4, 1024, 1, 4), (4, 4096, 4, 2),
               (8, 4096, 4, 2), (2, 2048, 2, 4), (16, 1024, 4, 3), (16, 2048, 2, 2))
-# ... and each with PREFETCH_ZS on (the 5th value: a step's scales and zeros loaded one step
+# ... and each with PREFETCH 1 (the 5th value: a step's scales and zeros loaded one step
 # ahead, triton_int4._gemv_rows; more registers)
 GEMV_SWEEP = GEMV_SWEEP + tuple(c + (1,) for c in GEMV_SWEEP)
 # GEMM configs: benchmarks/int4_gemm_sweep.py (the full tile grid at every --ms batch size > 1,

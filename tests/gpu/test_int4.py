@@ -166,7 +166,11 @@ def test_int4_kernels_cuda():
               (1000, 512, 64, 300), (512, 96 * 32, 96 * 32, 1), (512, 96 * 32, 96 * 32, 33)]
     check_int4_kernels("cuda", shapes, gemv_configs=(None, (4, 128, 4, 2), (16, 512, 8, 4),
                                                       (32, 2048, 8, 2), (8, 2048, 2, 3, 1),
-                                                      (4, 1024, 1, 4, 1)),
+                                                      (4, 1024, 1, 4, 1),
+                                                      # split-K: one-shot and pipelined
+                                                      (2, 1024, 1, 1, 0, 4),
+                                                      (4, 2048, 2, 2, 1, 2),
+                                                      (8, 2048, 2, 1, 0, 7)),
                        gemm_configs=(None, (64, 64, 128, 4, 4), (64, 256, 128, 8, 3, 2),
                                      (32, 128, 64, 4, 2), (16, 64, 32, 4, 3, 3)))
 
@@ -191,6 +195,27 @@ def test_int4_linear_in_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, lin(x))
+
+
+def test_int4_gemv_split_k_in_cuda_graph():
+    """Split-K GEMVs (and the SiLU epilogue) captured 3 times a graph, replayed 5 times: each
+    replay gives the eager bits (the counters reset by every call's last split, the partials'
+    sum in split order whichever program arrives last)."""
+    from radixlm.runtime.layers import triton_int4
+
+    qw, s, z, _ = random_layer(4096, 4096, 128, seed=1)
+    qw, s, z = qw.cuda(), s.cuda(), z.cuda()
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    for cfg, silu in (((2, 1024, 1, 1, 0, 4), False), ((4, 1024, 1, 4, 1, 2), True)):
+        want = triton_int4.gemv(x, qw, s, z, 128, config=cfg, silu=silu)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ys = [triton_int4.gemv(x, qw, s, z, 128, config=cfg, silu=silu) for _ in range(3)]
+        for _ in range(5):
+            g.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(y, want) for y in ys), cfg
+    assert int(triton_int4._COUNTERS[x.device].abs().sum()) == 0
 
 
 ENGINE_CASES = ("awq-g128", "gptq-v1-asym-act-g64", "gptq-v2-sym-act-g128", "ct-asym-g32")

@@ -211,9 +211,9 @@ def test_gemm_sweep_covers_the_defaults():
 
 @pytest.mark.parametrize("silu,act", [(False, False), (False, True), (True, True)])
 def test_int4_gemv_prefetch_is_bit_identical(silu, act):
-    """PREFETCH_ZS (a step's scales and zeros loaded one step ahead) only moves loads: the
-    GEMV's result must be the same bits with it on and off (ragged K: 352 = 2.75 steps of 128;
-    several groups a step; act-order; the SiLU epilogue's two row sets)."""
+    """PREFETCH (a step's scales and zeros loaded one step ahead; 2: the words too) only moves
+    loads: the GEMV's result must be the same bits at 0, 1 and 2 (ragged K: 352 = 2.75 steps
+    of 128; several groups a step; act-order; the SiLU epilogue's two row sets)."""
     n, k, group = 24, 352, 32
     qw, s, z, _ = _checks.random_layer(n, k, group, seed=11)
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)) if act else None
@@ -221,5 +221,87 @@ def test_int4_gemv_prefetch_is_bit_identical(silu, act):
     b = None if silu else torch.randn(n)
     for base in ((4, 128, 4, 2), (8, 64, 1, 3)):
         ys = [triton_int4.gemv(x, qw, s, z, group, b, config=base + pf, perm=perm, silu=silu)
-              for pf in ((), (1,))]
-        assert torch.equal(ys[0], ys[1]), base
+              for pf in ((), (1,), (2,))]
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), base
+
+
+# split-K GEMV configs (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, SPLIT_K): splits of one
+# and of several steps, a ragged last split, splits that cannot all get a step (5 steps in
+# 4: 3 splits of 2), prefetch across a split's end (scales and zeros; the words too, PREFETCH
+# 2), one-shot (stages 1) and pipelined
+GEMV_SPLIT_CONFIGS = ((4, 64, 4, 2, 0, 2), (2, 32, 1, 1, 2, 3), (8, 64, 2, 1, 1, 4),
+                      (16, 128, 4, 3, 0, 2), (1, 32, 1, 1, 0, 16))
+
+
+def test_int4_gemv_split_k_interpreted():
+    """Split-K against the fp64 reference: N ragged against BLOCK_N, K ragged against BLOCK_K
+    (352 = 11 blocks, 160 = 5, 96 = one group a row), groups 32 / 64 / 128, a bias on every
+    second shape; and every counter back at zero after the calls."""
+    for shapes, cfgs in (([(37, 256, 32, 1), (20, 96, 96, 1)], GEMV_SPLIT_CONFIGS[:1]),
+                         ([(5, 352, 32, 1), (6, 160, 32, 1)], GEMV_SPLIT_CONFIGS[1:3]),
+                         ([(9, 512, 128, 1), (7, 384, 64, 1)], GEMV_SPLIT_CONFIGS[2:4]),
+                         ([(3, 512, 128, 1)], GEMV_SPLIT_CONFIGS[4:])):
+        _checks.check_int4_kernels("cpu", shapes, dtypes=(torch.float32,), gemv_configs=cfgs)
+    _checks.check_int4_kernels("cpu", [(11, 352, 32, 1)], dtypes=(torch.float16,),
+                               gemv_configs=GEMV_SPLIT_CONFIGS[1:2])
+    assert int(triton_int4._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_int4_gemv_split_k_act_order(silu):
+    """Split-K with act-order (x read through perm) against the reference, and with the SiLU
+    epilogue (each split's gate and up partials) against the plain GEMV + SiLU-and-mul with
+    the same roundings; a split-K call twice gives the same bits (the sum in split order)."""
+    n, k, group = 12, 160, 32  # 5 blocks: 3 splits of (2, 2, 1) at the second config
+    qw, s, z, w = _checks.random_layer(n, k, group, seed=5)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).half()
+    for cfg in ((4, 64, 4, 2, 0, 2), (2, 32, 1, 1, 2, 2)):
+        y = triton_int4.gemv(x, qw, s, z, group, config=cfg, perm=perm, silu=silu)
+        assert torch.equal(y, triton_int4.gemv(x, qw, s, z, group, config=cfg, perm=perm,
+                                               silu=silu)), cfg
+        if not silu:
+            _checks._check_close(y, x.float()[:, perm], w, None, torch.float16, cfg)
+            continue
+        gu = triton_int4.gemv(x, qw, s, z, group, config=cfg, perm=perm).float()
+        g, u = gu[:, : n // 2], gu[:, n // 2:]
+        ref = ((g / (1 + torch.exp(-g))).half().float() * u).half()
+        torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * 2 ** -10)
+
+
+def test_int4_gemv_split_k_reads_every_nibble():
+    """The one-code-at-a-time check of test_int4_gemv_reads_every_nibble through split-K
+    programs of one block each (a block read by the wrong split would be missed or doubled)."""
+    from radixlm.runtime.layers import int4_linear
+
+    n, k = 2, 128
+    x = torch.randn(1, k, dtype=torch.float32)
+    for c in range(0, k, 5):
+        q = torch.full((n, k), 8)
+        q[1, c] = 9 + (c % 7)
+        s = torch.full((n, k // 32), 0.5, dtype=torch.float16)
+        z = torch.full((n, k // 32), 8, dtype=torch.uint8)
+        y = triton_int4.gemv(x, int4_linear.pack_rows(q), s, z, 32, config=(2, 32, 1, 1, 0, 4))
+        want = torch.zeros(n)
+        want[1] = 0.5 * (1 + c % 7) * x[0, c]
+        assert torch.allclose(y[0], want, atol=1e-6), c
+
+
+def test_gemv_sweep_covers_the_defaults():
+    """benchmarks/int4_gemv_sweep.py times the default first at each projection shape (its
+    "best" can be the default), keeps warps = BLOCK_K / 1024 (gemv_config's layout rule) and
+    spans every knob: stages 1 / 2 / 4, prefetch 0 / 1 / 2, split-K off and on."""
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    sys.path.insert(0, root)
+    try:
+        from benchmarks.int4_gemv_sweep import SHAPES, gemv_sweep
+    finally:
+        sys.path.remove(root)
+    for n, k, _ in SHAPES.values():
+        cfgs = gemv_sweep(n, k)
+        assert cfgs[0] == triton_int4.gemv_config(n, k) and len(set(cfgs)) == len(cfgs)
+        assert all(len(c) == 6 and c[2] == c[1] // 1024 for c in cfgs), (n, k)
+        assert {c[3] for c in cfgs} >= {1, 2, 4} and {c[4] for c in cfgs} == {0, 1, 2}
+        assert {c[5] > 1 for c in cfgs} == {False, True} and len(cfgs) <= 130

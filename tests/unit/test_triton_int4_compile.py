@@ -23,19 +23,27 @@ from radixlm.runtime.layers import triton_int4 as T, triton_int4_gemm as TG
 
 target = GPUTarget("cuda", 90, 32)
 common = {"QW": "*i32", "S": "*fp16", "Z": "*u8", "P": "*i64"}
-gemv = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "N": "i32", "K": "i32",
+gemv = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",
+        "N": "i32", "K": "i32", "blocks_per_split": "i32", "ws_stride": "i32",
         "stride_qw": "i32", "stride_s": "i32", "magic": "i32", "GROUP": "constexpr",
         "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr",
         "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-        "NUM_STAGES": "constexpr", "PREFETCH_ZS": "constexpr"}
-for n, kk, silu in ((4096, 4096, False), (4096, 14336, False), (28672, 4096, True)):
-    bn, bk, warps, stages = T.gemv_config(n, kk)
-    for perm in (False, True):
+        "NUM_STAGES": "constexpr", "PREFETCH": "constexpr", "SPLIT": "constexpr"}
+# the defaults, then split-K: one-shot (stages 1), pipelined with the prefetch, and with
+# the words prefetched in registers
+for n, kk, silu, cfg in ((4096, 4096, False, None), (4096, 14336, False, None),
+                         (28672, 4096, True, None), (4096, 14336, False, (2, 2048, 2, 1, 0, 7)),
+                         (28672, 4096, True, (4, 1024, 1, 4, 1, 2)),
+                         (4096, 14336, False, (4, 1024, 1, 1, 2, 2))):
+    bn, bk, warps, stages, prefetch, split = cfg or T.gemv_config(n, kk)
+    for perm in ((False, True) if cfg is None else (True,)):
         k = triton.compile(ASTSource(T._int4_gemv_kernel, gemv, {
             "GROUP": 128, "HAS_PERM": perm, "HAS_BIAS": not silu, "SILU": silu,
             "EVEN_K": kk % bk == 0,
             "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages,
-            "PREFETCH_ZS": perm}),  # (both variants, without doubling the compiles)
+            "PREFETCH": max(int(perm), prefetch),  # (both variants, not doubling compiles)
+            "SPLIT": split > 1},
+            {(i,): [["tt.divisibility", 16]] for i in range(16) if i != 11}),
             target=target, options={"num_warps": warps})
         assert "cubin" in k.asm
 gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",

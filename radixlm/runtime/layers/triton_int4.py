@@ -18,9 +18,11 @@ whose bits are (w & (0xF << 4j)) | bits(2^(23-4j)) IS 2^(23-4j) + q (the nibble 
 mantissa at weight 1), so q - z = that - (2^(23-4j) + z) exactly (one LOP3, one FADD); nibbles
 5..7 use j = 0..2 on w >> 20. Per value ~3 ALU ops (LOP3, FADD, FFMA): batch-1 int4 is
 ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old kernel spent
-~7 plus a register reshape through shared memory, and read 0.3-0.6 TB/s).
+~7 plus a register reshape through shared memory, and read 0.3-0.6 TB/s). An fp16x2 dequant
+(two nibbles a LOP3 and an HSUB2) saves nothing here: the contract's exact fp32 products
+(q - z) x need each value converted to fp32 again (an F2F, slower than the FADD it saves).
 
-  gemv(x, ...)   M == 1: program p owns BLOCK_N whole rows (no split-K: N / BLOCK_N programs,
+  gemv(x, ...)   M == 1: program p owns BLOCK_N whole rows (SPLIT_K 1: N / BLOCK_N programs,
                  512 for N = 4096 at BLOCK_N 8, fill 132 SMs), streams them along K in steps
                  of BLOCK_K values, tile (BLOCK_N, BLOCK_K/32 blocks, 4 words): a warp reads
                  512 contiguous bytes of a row (32 threads x one 16-byte block: 4 full 128-byte
@@ -28,6 +30,11 @@ ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old 
                  p = sum (q - z) x in fp32, then acc += p * s: y = sum_g s * sum_{k in g} (q-z) x,
                  no rounding of W (closer to fp32 than the dequantized bf16 model).
                  gemv(..., silu=True): the MLP's [gate | up] with the SiLU-and-mul epilogue.
+                 Split-K (config's SPLIT_K > 1): the K steps cut among SPLIT_K programs a row
+                 tile (more programs and bytes in flight where N is small or K long; with
+                 stages 1 and one step a split, a program issues all its loads at once),
+                 their fp32 partials summed in split order by the last to finish (one launch,
+                 deterministic; other bits than SPLIT_K 1: another summation order).
   M > 1: layers/triton_int4_gemm.py (tensor cores on the same layout).
 """
 
@@ -78,10 +85,19 @@ def _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROUP: tl.constexpr,
-               HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH_ZS: tl.constexpr):
-    # x (1, K) . W[rows]: (BLOCK_N,) fp32 (the module docstring's GEMV)
+def _gemv_words(w_ptrs, kb, kb_hi, ob, row_ok):
+    # (BLOCK_N, NB, 4) words of the step from block kb on, 0 from kb_hi on
+    ok = row_ok[:, None, None] & (kb + ob < kb_hi)[None, :, None]
+    return tl.load(w_ptrs + kb * 4, mask=ok, other=0)
+
+
+@triton.jit
+def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
+               GROUP: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+               PREFETCH: tl.constexpr):
+    # x (1, K) . W[rows] over the 32-value blocks [kb_lo, kb_hi) (kb_lo, kb_hi - kb_lo whole
+    # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32
     rows64 = rows.to(tl.int64)
     ob = tl.arange(0, BLOCK_K // 32)  # (NB,) NB = BLOCK_K / 32 blocks of 4 words a step
     oj = tl.arange(0, 4)
@@ -91,21 +107,28 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROU
     s_row = rows64[:, None] * stride_s  # (BLOCK_N, 1)
     n_blocks = K // 32
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
-    # PREFETCH_ZS: a step's zeros and scales loaded one step ahead. They are 1-2 bytes a
-    # thread (no cp.async, so the pipeliner leaves them) and cold weight bytes like the words:
-    # loaded in their own step, the dequant waits a DRAM round trip each step. Costs
-    # registers (sm_90 ptxas at BLOCK_N 8: 218 against 167; fewer programs an SM), so both
-    # are kept until the sweep of benchmarks/int4_decode.py --kernels has timed them.
-    if PREFETCH_ZS:
-        z_next, s_next = _gemv_zs(Z, S, s_row, 0, ob, row_ok, n_blocks, GROUP)
-    for kb in tl.range(0, n_blocks, BLOCK_K // 32, num_stages=NUM_STAGES):  # first block
+    # PREFETCH 1: a step's zeros and scales loaded one step ahead. They are 1-2 bytes a thread
+    # (no cp.async, so the pipeliner leaves them) and cold weight bytes like the words: loaded
+    # in their own step, the dequant waits a DRAM round trip each step. Costs registers (sm_90
+    # ptxas at BLOCK_N 8: 218 against 167; fewer programs an SM), so both are kept until timed.
+    # PREFETCH 2: the words too, into registers (for stages 1: a step's bytes in flight
+    # during the previous step's math without the pipeliner's shared memory and barriers;
+    # masked at kb_hi, so no split reads its successor's words).
+    if PREFETCH:
+        z_next, s_next = _gemv_zs(Z, S, s_row, kb_lo, ob, row_ok, n_blocks, GROUP)
+    if PREFETCH >= 2:
+        w_next = _gemv_words(w_ptrs, kb_lo, kb_hi, ob, row_ok)
+    for kb in tl.range(kb_lo, kb_hi, BLOCK_K // 32, num_stages=NUM_STAGES):  # first block
         blk_ok = kb + ob < n_blocks  # (NB,)
-        if EVEN_K:
+        if PREFETCH >= 2:
+            words = w_next
+            w_next = _gemv_words(w_ptrs, kb + BLOCK_K // 32, kb_hi, ob, row_ok)
+        elif EVEN_K:
             words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None], other=0)
         else:
             words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None] & blk_ok[None, :, None],
                             other=0)
-        if PREFETCH_ZS:
+        if PREFETCH:
             zf = z_next.to(tl.float32)[:, :, None]
             s = s_next.to(tl.float32)
             z_next, s_next = _gemv_zs(Z, S, s_row, kb + BLOCK_K // 32, ob, row_ok, n_blocks,
@@ -127,22 +150,60 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROU
 
 
 @triton.jit
-def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, magic,
+def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_stride,
+                      stride_qw, stride_s, magic,
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      PREFETCH_ZS: tl.constexpr):
+                      PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
     # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
     # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
     # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
-    y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, stride_qw, stride_s, magic, GROUP, HAS_PERM,
-                   EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH_ZS)
+    n_blocks = K // 32
+    kb_lo, kb_hi = 0, n_blocks
+    if SPLIT:  # split-K: this program's blocks [pid_k * blocks_per_split, +blocks_per_split)
+        kb_lo = tl.program_id(1) * blocks_per_split
+        kb_hi = tl.minimum(kb_lo + blocks_per_split, n_blocks)
+    y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
+                   GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH)
+    u = y
     if SILU:
-        u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, stride_qw, stride_s, magic, GROUP,
-                       HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH_ZS)
+        u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s,
+                       magic, GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
+                       PREFETCH)
+    if SPLIT:
+        # deterministic split-K in one launch (triton_int4_gemm's scheme): each split stores
+        # its fp32 partial (gate then up rows: WS (splits, 1 or 2, N)); the split arriving last
+        # at this row tile's counter sums all partials in split order (the same bits whichever
+        # arrives last), runs the epilogue and resets the counter for the next call
+        ws = WS + tl.program_id(1).to(tl.int64) * ws_stride + rows
+        tl.store(ws, y, mask=row_ok)
+        if SILU:
+            tl.store(ws + N, u, mask=row_ok)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        n_split = tl.num_programs(1)
+        if tl.atomic_add(CNT + pid, 1, sem="acq_rel") == n_split - 1:
+            y = tl.zeros([BLOCK_N], tl.float32)
+            u = tl.zeros([BLOCK_N], tl.float32)
+            for sk in range(n_split):
+                # .cg: from L2 (the other programs' stores, not a stale L1 line)
+                y += tl.load(WS + sk * ws_stride + rows, mask=row_ok, other=0.0,
+                             cache_modifier=".cg")
+                if SILU:
+                    u += tl.load(WS + sk * ws_stride + N + rows, mask=row_ok, other=0.0,
+                                 cache_modifier=".cg")
+            _gemv_store(y, u, B, Y, rows, row_ok, HAS_BIAS, SILU)
+            tl.atomic_xchg(CNT + pid, 0)
+    else:
+        _gemv_store(y, u, B, Y, rows, row_ok, HAS_BIAS, SILU)
+
+
+@triton.jit
+def _gemv_store(y, u, B, Y, rows, row_ok, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    if SILU:
         # the roundings of the unfused path (gate_up stored in Y's dtype, F.silu rounded, the
         # product rounded: layers/triton_ops' silu_and_mul)
         g = y.to(Y.dtype.element_ty).to(tl.float32)
@@ -165,8 +226,9 @@ def _check(x, qweight, scales, zeros, group, perm):
     return m, n, k
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for M == 1, by reasoning and by reading the
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, SPLIT_K) for M == 1 (PREFETCH:
+    see _gemv_rows; SPLIT_K: programs a row tile along K), by reasoning and by reading the
     sm_90 compile (not yet timed: benchmarks/int4_decode.py --kernels sweeps GEMV_SWEEP):
     - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
       one 16-byte block per thread, 32 threads along a row, warps along the row too; x's
@@ -184,11 +246,29 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
     Timed (H100, 2026-11-27, the sweep of benchmarks/int4_decode.py --kernels): for N > 4096
     (qkv 6144, gate_up 28672) 4 rows x BLOCK_K 1024 on 1 warp, 4 stages was faster (qkv 17.0 ->
     13.8 us with the prefetch, gate_up 60.8 -> 51.7 us); at N = 4096 the rule above stayed
-    within 2-14% of the best (o 11.4 vs 10.0 us, down 26.6 vs 26.1 us)."""
+    within 2-14% of the best (o 11.4 vs 10.0 us, down 26.6 vs 26.1 us). Split-K and the
+    one-step programs (stages 1) are swept by benchmarks/int4_gemv_sweep.py, not yet timed."""
     if n > 4096 and k >= 1024:
-        return 4, 1024, 1, 4
+        return 4, 1024, 1, 4, 0, 1
     bk = max(32, min(2048, triton.next_power_of_2(k)))
-    return 8, bk, max(1, bk // 1024), 3
+    return 8, bk, max(1, bk // 1024), 3, 0, 1
+
+
+_COUNTERS: dict = {}  # device -> int32 zeros: split-K arrival counters, one a row tile
+
+
+def _counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+    """The split-K counters (all zero between calls: each call's last split resets its own), or
+    None when they would first be allocated inside a CUDA graph capture (a capture records the
+    zero-fill without running it: the call then runs without split-K). Own counters, not the
+    GEMM's: the two kernels never run at once on a stream, but need not share a size."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
+        _COUNTERS[device] = c
+    return c
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -197,19 +277,33 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
          perm: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
     """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring). perm: act-order,
     the stored column -> x column map (K,) int64. silu: W is [gate | up] (2I, K), y (1, I) =
-    silu(gate) * up (no bias)."""
+    silu(gate) * up (no bias). Split-K assumes one stream at a time per device (the counters
+    are shared)."""
     m, n, k = _check(x, qweight, scales, zeros, group, perm)
     assert m == 1 and not (silu and (bias is not None or n % 2))
     n_out = n // 2 if silu else n
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    # config: gemv_config's 4 values, or 5 (the 5th: PREFETCH_ZS, see _gemv_rows; default off)
+    # config: gemv_config's 6 values, or 4 or 5 (PREFETCH 0, SPLIT_K 1 when left out)
     block_n, block_k, warps, stages, *rest = config or gemv_config(n, k)
-    assert block_k % 32 == 0 and block_k & (block_k - 1) == 0, block_k
-    _int4_gemv_kernel[(triton.cdiv(n_out, block_n),)](
+    prefetch = int(rest[0]) if rest else 0
+    assert prefetch in (0, 1, 2), prefetch
+    split = rest[1] if len(rest) > 1 else 1
+    assert block_k % 32 == 0 and block_k & (block_k - 1) == 0 and split >= 1, (block_k, split)
+    tiles = triton.cdiv(n_out, block_n)
+    n_blocks, step = k // 32, block_k // 32
+    per_split = triton.cdiv(triton.cdiv(n_blocks, step), split) * step  # whole steps a split
+    split = triton.cdiv(n_blocks, per_split)  # (no empty split: 3 steps in 2 or 3 splits)
+    cnt = _counters(x.device, tiles) if split > 1 else None
+    if cnt is None:
+        split, per_split = 1, n_blocks
+    ws_stride = n if silu else n_out  # a split's partials: gate then up rows under silu
+    ws = torch.empty((split, ws_stride), dtype=torch.float32, device=x.device) \
+        if split > 1 else y
+    _int4_gemv_kernel[(tiles, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight,
-        bias if bias is not None else scales, y, n_out, k, qweight.stride(0), scales.stride(0),
-        MAGIC, GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
+        bias if bias is not None else scales, y, ws, cnt if cnt is not None else qweight,
+        n_out, k, per_split, ws_stride, qweight.stride(0), scales.stride(0), MAGIC,
+        GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-        PREFETCH_ZS=bool(rest and rest[0]),
-        num_warps=warps)
+        PREFETCH=prefetch, SPLIT=split > 1, num_warps=warps)
     return y
