@@ -228,8 +228,8 @@ def _check(x, qweight, scales, zeros, group, perm):
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, SPLIT_K) for M == 1 (PREFETCH:
-    see _gemv_rows; SPLIT_K: programs a row tile along K), by reasoning and by reading the
-    sm_90 compile (not yet timed: benchmarks/int4_decode.py --kernels sweeps GEMV_SWEEP):
+    see _gemv_rows; SPLIT_K: programs a row tile along K): first by reasoning and the sm_90
+    compile (the points below), then by timing (the last paragraph):
     - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
       one 16-byte block per thread, 32 threads along a row, warps along the row too; x's
       (BLOCK_K/32, 4) load then has 4 values a thread in exactly that layout. With fewer
@@ -243,13 +243,14 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
       steps, all of a program's 16 KB requested at once; N = 4096 gives 512 programs of 2
       warps (~4 an SM: ~64 KB in flight an SM, what 4.8 TB/s x ~1 us of latency / 132 asks).
     Smaller K: BLOCK_K the power of two >= K (ragged K is masked), warps accordingly.
-    Timed (H100, 2026-11-27, the sweep of benchmarks/int4_decode.py --kernels): for N > 4096
-    (qkv 6144, gate_up 28672) 4 rows x BLOCK_K 1024 on 1 warp, 4 stages was faster (qkv 17.0 ->
-    13.8 us with the prefetch, gate_up 60.8 -> 51.7 us); at N = 4096 the rule above stayed
-    within 2-14% of the best (o 11.4 vs 10.0 us, down 26.6 vs 26.1 us). Split-K and the
-    one-step programs (stages 1) are swept by benchmarks/int4_gemv_sweep.py, not yet timed."""
-    if n > 4096 and k >= 1024:
-        return 4, 1024, 1, 4, 0, 1
+    Timed (H100, 2026-11-27, benchmarks/int4_gemv_sweep.py, 379 timings of the Llama-3.1-8B
+    shapes, weights read from HBM): at K >= 2048 the best for every shape was 4 rows x BLOCK_K
+    2048 on 2 warps in ONE stage (each program issues all its loads at once): qkv 14.2 -> 11.3,
+    o 11.9 -> 7.9, gate_up 54.2 -> 40.1, down 27.6 -> 22.8 us (1.1-1.5 TB/s; tinygemm 0.8-0.9x
+    of that time); down (K = 14336, 7 steps) with PREFETCH 2. No split-K config won (SPLIT_K 1).
+    Below K = 2048 the reasoning above stands (untimed)."""
+    if k >= 2048:
+        return 4, 2048, 2, 1, 2 if k > 8192 else 0, 1
     bk = max(32, min(2048, triton.next_power_of_2(k)))
     return 8, bk, max(1, bk // 1024), 3, 0, 1
 
