@@ -13,7 +13,7 @@
 //
 // Work goes in groups of 16 W rows (group_bf16), so that what is per (x row, W row) rather than
 // per block is vectorized across the group: the 16 accumulators' horizontal sums (one shuffle
-// tree, sum16) and the m terms (FMAs over 16 W rows' m's at once). Per W row and x row this was
+// tree, sum16) and the m terms (16-block FMAs, no scalar chain). Per W row and x row this was
 // ~30 instructions (a reduction, a 4-wide m-term loop, a scalar store) against 36 per 18-block
 // row (SmolLM2's K = 576) in the blocks themselves: verifying 8 drafted tokens cost 8 rows of it.
 //
@@ -59,7 +59,7 @@ inline void block_sums_bf16(const uint16_t* x, int64_t M, int64_t K, float* xs) 
 
 // A block's 32 quants as bf16 values in order. Q4_1: d, m, then the nibbles; Q8_0: d, then int8s
 // widened, converted to fp32 and narrowed to bf16 (exact: |q| <= 128 has at most 8 significant
-// bits). scales(b, d, m) reads the block's fp16 scales as fp32.
+// bits). scales(b, d, m) reads the block's fp16 scales as fp32 (Q8_0: m unused).
 struct Q4_1bf {
   static constexpr int BYTES = 20;
   static constexpr bool kMin = true;  // w = d * q + m
@@ -90,10 +90,7 @@ struct Q8_0bf {
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
     return _mm512_cvtne2ps_pbh(hi, lo);  // lanes 0..15 from lo, 16..31 from hi
   }
-  static void scales(const uint8_t* b, float& d, float& m) {
-    d = f16(b);
-    m = 0.f;
-  }
+  static void scales(const uint8_t* b, float& d, float&) { d = f16(b); }
 };
 
 // Lane j of the result = the sum of v[j]'s 16 lanes, for 16 vectors: a tree of in-lane unpacks,
@@ -119,36 +116,26 @@ inline __m512 sum16(const __m512* v) {
 constexpr int64_t kGroupChunk = 256;  // blocks of K per pass (K = 8192): the scales on the stack
 
 // y[m * ldy + j] for m < MB, j < rows (<= 16): x rows m (x + m * K, block sums xs + m * nblk when
-// F has a min) against W rows j (w + j * row_bytes). K runs in chunks of kGroupChunk blocks; per
-// W row and chunk the scales are converted once, then each block's quants are decoded once for
-// all MB rows (one accumulator per x row: MB <= 16 chains hide the FMA latency, and at MB = 1 a
-// block's decode takes longer than the chain's 4 cycles anyway).
+// F has a min) against W rows j (w + j * row_bytes). K runs in chunks of kGroupChunk blocks. Per W
+// row and chunk, the block scales are converted once (dd, and Q4_1's m's, mm); then each block's
+// quants are decoded once for all MB rows (one accumulator per x row: MB <= 16 chains hide the
+// FMA latency, and at MB = 1 a block's decode takes longer than the chain's 4 cycles anyway).
+// The m terms join the same accumulator as FMAs of 16 blocks' m's with x's block sums (lanes =
+// blocks): sum16 adds all lanes.
 template <class F, int MB>
 inline void group_bf16(const uint16_t* x, const float* xs, int64_t K, const uint8_t* w, int rows,
                        float* y, int64_t ldy, __m512i table) {
   const int64_t nblk = K / 32, row_bytes = nblk * F::BYTES;
-  alignas(64) __m512 part[MB][16];                       // per x row, W row: 16 lanes of sums
-  alignas(64) float mmT[F::kMin ? kGroupChunk : 1][16];  // the group's m's, block-major
+  alignas(64) __m512 part[MB][16];  // per x row, W row: 16 lanes of sums
   alignas(64) float dd[kGroupChunk];
-  __m512 mvec[MB][2];  // the m terms over the group's W rows, blocks alternating in 2 sums
-  for (int m = 0; m < MB; ++m) {
-    mvec[m][0] = mvec[m][1] = _mm512_setzero_ps();
+  alignas(64) float mm[F::kMin ? kGroupChunk : 1];  // (Q8_0: unused)
+  for (int m = 0; m < MB; ++m)
     for (int j = rows; j < 16; ++j) part[m][j] = _mm512_setzero_ps();
-  }
   for (int64_t c0 = 0; c0 < nblk; c0 += kGroupChunk) {
     const int64_t cn = std::min(kGroupChunk, nblk - c0);
-    for (int j = 0; j < 16; ++j) {
-      if (j >= rows) {
-        if constexpr (F::kMin)
-          for (int64_t b = 0; b < cn; ++b) mmT[b][j] = 0.f;
-        continue;
-      }
+    for (int j = 0; j < rows; ++j) {
       const uint8_t* wr = w + j * row_bytes + c0 * F::BYTES;
-      for (int64_t b = 0; b < cn; ++b) {
-        float mn;
-        F::scales(wr + b * F::BYTES, dd[b], mn);
-        if constexpr (F::kMin) mmT[b][j] = mn;
-      }
+      for (int64_t b = 0; b < cn; ++b) F::scales(wr + b * F::BYTES, dd[b], mm[b]);
       __m512 acc[MB];
       for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
       const uint16_t* xc = x + c0 * 32;
@@ -160,20 +147,18 @@ inline void group_bf16(const uint16_t* x, const float* xs, int64_t K, const uint
           acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, xv), d, acc[m]);
         }
       }
+      if constexpr (F::kMin)
+        for (int64_t b = 0; b < cn; b += 16) {
+          const __mmask16 live = static_cast<__mmask16>(cn - b >= 16 ? 0xffff : (1u << (cn - b)) - 1);
+          for (int m = 0; m < MB; ++m)
+            acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mm + b),
+                                     _mm512_maskz_loadu_ps(live, xs + m * nblk + c0 + b), acc[m]);
+        }
       for (int m = 0; m < MB; ++m) part[m][j] = c0 == 0 ? acc[m] : _mm512_add_ps(part[m][j], acc[m]);
     }
-    if constexpr (F::kMin)
-      for (int m = 0; m < MB; ++m)
-        for (int64_t b = 0; b < cn; ++b)
-          mvec[m][b & 1] = _mm512_fmadd_ps(_mm512_load_ps(mmT[b]),
-                                           _mm512_set1_ps(xs[m * nblk + c0 + b]), mvec[m][b & 1]);
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
-  for (int m = 0; m < MB; ++m) {
-    __m512 r = sum16(part[m]);
-    if constexpr (F::kMin) r = _mm512_add_ps(r, _mm512_add_ps(mvec[m][0], mvec[m][1]));
-    _mm512_mask_storeu_ps(y + m * ldy, keep, r);
-  }
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, sum16(part[m]));
 }
 
 }  // namespace radixlm_quant
