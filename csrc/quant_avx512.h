@@ -1,6 +1,7 @@
-// AVX-512 direct kernels for the two formats of the bundled model (Q4_1 layers, Q8_0 tied head),
-// used by quant_gemm.cpp's gemm for M <= 8-row tiles when the build has AVX-512F/BW (the build is
-// -march=native and keyed on the CPU's flags, so this is the CPU's own feature set).
+// AVX-512 direct kernels for the two formats of the bundled model (Q4_1 layers, Q8_0 tied head)
+// with fp32 x, used by quant_gemm.cpp's gemm for M <= 8-row tiles when the build has AVX-512F/BW
+// (the build is -march=native and keyed on the CPU's flags, so this is the CPU's own feature set).
+// bf16 x (a bf16 model, the default) takes quant_bf16.h's kernels where the CPU has AVX512-BF16.
 //
 // Why not the generic row_dot with 16 lanes: there each block is dequantized (int -> float, then
 // w = d * q + m) before the FMA with x, and that dequantize is most of a decode GEMV's work on

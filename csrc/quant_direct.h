@@ -1,9 +1,9 @@
 // The direct (few-row) GEMM of quant_gemm.cpp: y (M, N) fp32 = x (M, K) @ dequant(W)^T with W's
 // blocks dequantized in registers, for the decode row counts (quantized_linear.DIRECT_MAX_M).
-// Tasks of NB output rows, each against every x row in tiles of <= 8 rows; up to kPoolMaxM rows
-// they run on the claim pool (quant_pool.h) in chunks of ~8 per thread, else on OpenMP. On
-// AVX-512 the Q4_1 / Q8_0 kernels are quant_avx512.h's; elsewhere row_dot (quant_formats.h's
-// dequantize, then FMA with x).
+// Tasks of NB output rows, each against every x row in tiles of <= 8 rows (bf16 x: 16); up to
+// kPoolMaxM rows they run on the claim pool (quant_pool.h) in chunks of ~8 per thread, else on
+// OpenMP. On AVX-512 the Q4_1 / Q8_0 kernels are quant_avx512.h's (bf16 x: quant_bf16.h's);
+// elsewhere row_dot (quant_formats.h's dequantize, then FMA with x).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -21,7 +21,7 @@ from typing import Optional
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NUM_DRAFT_TOKENS = 8  # a verify row block of 8: one pass of the GGUF kernel's 8-row tile
+DEFAULT_NUM_DRAFT_TOKENS = 8  # 1 + 7 drafts: within one pass of the GGUF kernels' 16-row tile
 # a draft model pays one forward per drafted token: a shorter chain (3 drafts) by default
 DEFAULT_STANDALONE_DRAFT_TOKENS = 4
 MAX_NUM_DRAFT_TOKENS = 64
