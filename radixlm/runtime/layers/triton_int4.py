@@ -30,6 +30,9 @@ ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old 
                  p = sum (q - z) x in fp32, then acc += p * s: y = sum_g s * sum_{k in g} (q-z) x,
                  no rounding of W (closer to fp32 than the dequantized bf16 model).
                  gemv(..., silu=True): the MLP's [gate | up] with the SiLU-and-mul epilogue.
+                 Streaming knobs (config values 7-10, triton_int4_config._gemv_knobs):
+                 the word loads' cache operator, the K loop's unroll, a register cap, and
+                 PERSIST: a persistent grid walking the row tiles (triton_int4_stream.py).
                  Split-K (config's SPLIT_K > 1): the K steps cut among SPLIT_K programs a row
                  tile (more programs and bytes in flight where N is small or K long; with
                  stages 1 and one step a split, a program issues all its loads at once),
@@ -45,6 +48,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+# (gemv_config: the GEMV's default config a shape; _gemv_knobs: a config's values)
+from radixlm.runtime.layers.triton_int4_config import _gemv_knobs, gemv_config  # noqa: F401
 
 # Int4Linear's dispatch (int4_linear=auto or triton): batch sizes up to this run the GEMV,
 # above it the GEMM. 1: the GEMV takes one row (at M = 2..16 the GEMM does the same dequant
@@ -85,17 +91,31 @@ def _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _gemv_words(w_ptrs, kb, kb_hi, ob, row_ok):
+def _load_words(ptrs, ok, CACHE: tl.constexpr):
+    # CACHE 1: .cg (L2 only: a weight byte is read once, L1 keeps x, scales and zeros);
+    # 2: evict_first (L1::evict_first + an L2 evict_first policy: weight lines leave first;
+    # ptxas refuses it together with .cg)
+    if CACHE == 2:
+        w = tl.load(ptrs, mask=ok, other=0, eviction_policy="evict_first")
+    elif CACHE == 1:
+        w = tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")
+    else:
+        w = tl.load(ptrs, mask=ok, other=0)
+    return w
+
+
+@triton.jit
+def _gemv_words(w_ptrs, kb, kb_hi, ob, row_ok, CACHE: tl.constexpr):
     # (BLOCK_N, NB, 4) words of the step from block kb on, 0 from kb_hi on
     ok = row_ok[:, None, None] & (kb + ob < kb_hi)[None, :, None]
-    return tl.load(w_ptrs + kb * 4, mask=ok, other=0)
+    return _load_words(w_ptrs + kb * 4, ok, CACHE)
 
 
 @triton.jit
 def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
                GROUP: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-               PREFETCH: tl.constexpr):
+               PREFETCH: tl.constexpr, CACHE: tl.constexpr, UNROLL: tl.constexpr):
     # x (1, K) . W[rows] over the 32-value blocks [kb_lo, kb_hi) (kb_lo, kb_hi - kb_lo whole
     # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32
     rows64 = rows.to(tl.int64)
@@ -117,17 +137,20 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
     if PREFETCH:
         z_next, s_next = _gemv_zs(Z, S, s_row, kb_lo, ob, row_ok, n_blocks, GROUP)
     if PREFETCH >= 2:
-        w_next = _gemv_words(w_ptrs, kb_lo, kb_hi, ob, row_ok)
-    for kb in tl.range(kb_lo, kb_hi, BLOCK_K // 32, num_stages=NUM_STAGES):  # first block
+        w_next = _gemv_words(w_ptrs, kb_lo, kb_hi, ob, row_ok, CACHE)
+    # UNROLL: Triton's unroller copies the body (with stages 1, lets ptxas issue the next
+    # step's loads before this step's math: what PREFETCH 2 does by hand)
+    for kb in tl.range(kb_lo, kb_hi, BLOCK_K // 32, num_stages=NUM_STAGES,
+                       loop_unroll_factor=UNROLL):  # kb: the step's first block
         blk_ok = kb + ob < n_blocks  # (NB,)
         if PREFETCH >= 2:
             words = w_next
-            w_next = _gemv_words(w_ptrs, kb + BLOCK_K // 32, kb_hi, ob, row_ok)
+            w_next = _gemv_words(w_ptrs, kb + BLOCK_K // 32, kb_hi, ob, row_ok, CACHE)
         elif EVEN_K:
-            words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None], other=0)
+            words = _load_words(w_ptrs + kb * 4, row_ok[:, None, None], CACHE)
         else:
-            words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None] & blk_ok[None, :, None],
-                            other=0)
+            words = _load_words(w_ptrs + kb * 4, row_ok[:, None, None] & blk_ok[None, :, None],
+                                CACHE)
         if PREFETCH:
             zf = z_next.to(tl.float32)[:, :, None]
             s = s_next.to(tl.float32)
@@ -155,7 +178,8 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
+                      PREFETCH: tl.constexpr, SPLIT: tl.constexpr, CACHE: tl.constexpr,
+                      UNROLL: tl.constexpr):
     # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
     # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
     # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
@@ -168,12 +192,13 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
         kb_lo = tl.program_id(1) * blocks_per_split
         kb_hi = tl.minimum(kb_lo + blocks_per_split, n_blocks)
     y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
-                   GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH)
+                   GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, CACHE,
+                   UNROLL)
     u = y
     if SILU:
         u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s,
                        magic, GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
-                       PREFETCH)
+                       PREFETCH, CACHE, UNROLL)
     if SPLIT:
         # deterministic split-K in one launch (triton_int4_gemm's scheme): each split stores
         # its fp32 partial (gate then up rows: WS (splits, 1 or 2, N)); the split arriving last
@@ -226,35 +251,6 @@ def _check(x, qweight, scales, zeros, group, perm):
     return m, n, k
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, SPLIT_K) for M == 1 (PREFETCH:
-    see _gemv_rows; SPLIT_K: programs a row tile along K): first by reasoning and the sm_90
-    compile (the points below), then by timing (the last paragraph):
-    - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
-      one 16-byte block per thread, 32 threads along a row, warps along the row too; x's
-      (BLOCK_K/32, 4) load then has 4 values a thread in exactly that layout. With fewer
-      blocks than 32 x warps (e.g. 1024 values on 4 warps) Triton loads x one value a thread
-      and converts it through shared memory with a barrier, 8 times a step (the TTGIR shows
-      11 convert_layout against 3).
-    - BLOCK_N 8: each thread holds 8 rows x 4 words, so one x load serves 8 rows and z, s per
-      (row, block) serve 32 values; 147 registers, no spills (16 rows at BLOCK_K 2048: 255
-      registers and spills).
-    - BLOCK_K 2048 = 1 KB of a row a step, 8 KB a program a step, 3 stages: K = 4096 is 2
-      steps, all of a program's 16 KB requested at once; N = 4096 gives 512 programs of 2
-      warps (~4 an SM: ~64 KB in flight an SM, what 4.8 TB/s x ~1 us of latency / 132 asks).
-    Smaller K: BLOCK_K the power of two >= K (ragged K is masked), warps accordingly.
-    Timed (H100, 2026-11-27, benchmarks/int4_gemv_sweep.py, 379 timings of the Llama-3.1-8B
-    shapes, weights read from HBM): at K >= 2048 the best for every shape was 4 rows x BLOCK_K
-    2048 on 2 warps in ONE stage (each program issues all its loads at once): qkv 14.2 -> 11.3,
-    o 11.9 -> 7.9, gate_up 54.2 -> 40.1, down 27.6 -> 22.8 us (1.1-1.5 TB/s; tinygemm 0.8-0.9x
-    of that time); down (K = 14336, 7 steps) with PREFETCH 2. No split-K config won (SPLIT_K 1).
-    Below K = 2048 the reasoning above stands (untimed)."""
-    if k >= 2048:
-        return 4, 2048, 2, 1, 2 if k > 8192 else 0, 1
-    bk = max(32, min(2048, triton.next_power_of_2(k)))
-    return 8, bk, max(1, bk // 1024), 3, 0, 1
-
-
 _COUNTERS: dict = {}  # device -> int32 zeros: split-K arrival counters, one a row tile
 
 
@@ -278,18 +274,21 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
          perm: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
     """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring). perm: act-order,
     the stored column -> x column map (K,) int64. silu: W is [gate | up] (2I, K), y (1, I) =
-    silu(gate) * up (no bias). Split-K assumes one stream at a time per device (the counters
+    silu(gate) * up (no bias). config: 4 to 10 values (triton_int4_config._gemv_knobs),
+    gemv_config's when None. Split-K assumes one stream at a time per device (the counters
     are shared)."""
     m, n, k = _check(x, qweight, scales, zeros, group, perm)
     assert m == 1 and not (silu and (bias is not None or n % 2))
     n_out = n // 2 if silu else n
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    # config: gemv_config's 6 values, or 4 or 5 (PREFETCH 0, SPLIT_K 1 when left out)
-    block_n, block_k, warps, stages, *rest = config or gemv_config(n, k)
-    prefetch = int(rest[0]) if rest else 0
-    assert prefetch in (0, 1, 2), prefetch
-    split = rest[1] if len(rest) > 1 else 1
-    assert block_k % 32 == 0 and block_k & (block_k - 1) == 0 and split >= 1, (block_k, split)
+    block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist = \
+        _gemv_knobs(config or gemv_config(n, k))
+    if persist:
+        from radixlm.runtime.layers import triton_int4_stream
+
+        triton_int4_stream.launch(x, qweight, scales, zeros, perm, bias, y, group, silu,
+                                  block_n, block_k, warps, cache, maxnreg, persist)
+        return y
     tiles = triton.cdiv(n_out, block_n)
     n_blocks, step = k // 32, block_k // 32
     per_split = triton.cdiv(triton.cdiv(n_blocks, step), split) * step  # whole steps a split
@@ -306,5 +305,6 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         n_out, k, per_split, ws_stride, qweight.stride(0), scales.stride(0), MAGIC,
         GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-        PREFETCH=prefetch, SPLIT=split > 1, num_warps=warps)
+        PREFETCH=prefetch, SPLIT=split > 1, CACHE=cache, UNROLL=unroll, num_warps=warps,
+        maxnreg=maxnreg or None)
     return y

@@ -1,0 +1,126 @@
+"""The int4 GEMV (M = 1) as a persistent stream: triton_int4.gemv with a config's PERSIST p > 0
+(layout, dequant and sums: triton_int4's docstring).
+
+Why: the one-tile-a-program kernel (triton_int4._int4_gemv_kernel) has, per program, a DRAM
+round trip with nothing else to do before its first step's math, and after its last load a
+reduction, a store and an exit while its SM slot loads nothing; with K = 4096 = 2 steps of
+2048 that is most of a program's life (the sm_90 SASS: 4 128-bit word loads a thread a step,
+then ~580 instructions of math on them, 128 registers: 8 programs of 2 warps an SM). Here a
+grid of p programs an SM each takes the row tiles pid, pid + P, pid + 2P, ... (P programs)
+and walks all their (tile, half, step) triples as ONE loop, loading the NEXT triple's words,
+zeros and scales into registers before this one's math: every program keeps a step's bytes
+in flight across tile boundaries, and no block is launched a tile.
+
+Same sums as the one-tile kernel at the same BLOCK_N, BLOCK_K and warps (acc (BLOCK_N, NB,
+4) over a row tile's steps, then reduced the same way): the same bits (tests/unit:
+test_triton_int4_stream.py). No split-K (a program's tiles are whole rows)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.runtime.layers.triton_int4 import (MAGIC, _gemv_store, _gemv_words, _gemv_zs,
+                                                _nibble_minus_zero)
+
+
+@triton.jit
+def _stream_pos(i, pid, n_prog, steps, per_tile, N, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    # iteration i of this program -> its output rows (BLOCK_N,), W's rows (the up half of
+    # [gate | up] is N rows down), the step's first block, the half and the step
+    r = i % per_tile
+    out_rows = (pid + (i // per_tile) * n_prog) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return out_rows, out_rows + (r // steps) * N, (r % steps) * NB, r // steps, r % steps
+
+
+@triton.jit
+def _stream_load(QW, S, Z, i, total, pid, n_prog, steps, per_tile, N, n_blocks, stride_qw,
+                 stride_s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                 CACHE: tl.constexpr):
+    # iteration i's words (BLOCK_N, NB, 4), zeros and scales (BLOCK_N, NB): 0 past K, past
+    # N and past the last iteration (i == total: the prefetch after the last)
+    out_rows, w_rows, kb, h, st = _stream_pos(i, pid, n_prog, steps, per_tile, N, BLOCK_N, NB)
+    row_ok = (out_rows < N) & (i < total)
+    rows64 = w_rows.to(tl.int64)
+    ob = tl.arange(0, NB)
+    w_ptrs = QW + rows64[:, None, None] * stride_qw + (ob[:, None] * 4
+                                                        + tl.arange(0, 4)[None, :])[None, :, :]
+    words = _gemv_words(w_ptrs, kb, n_blocks, ob, row_ok, CACHE)
+    z, s = _gemv_zs(Z, S, rows64[:, None] * stride_s, kb, ob, row_ok, n_blocks, GROUP)
+    return words, z, s
+
+
+@triton.jit
+def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, magic,
+                             GROUP: tl.constexpr, HAS_PERM: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             CACHE: tl.constexpr):
+    # SILU: W (2N, K) = [gate | up]; a tile's gate steps, then its up steps, then the epilogue
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    NB: tl.constexpr = BLOCK_K // 32
+    n_blocks = K // 32
+    steps = tl.cdiv(n_blocks, NB)
+    per_tile = steps * (2 if SILU else 1)
+    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, n_prog) * per_tile
+    ob = tl.arange(0, NB)
+    x_off = ob[:, None] * 32 + tl.arange(0, 4)[None, :]  # (NB, 4) column of nibble 0
+    words, z, s = _stream_load(QW, S, Z, 0, total, pid, n_prog, steps, per_tile, N, n_blocks,
+                               stride_qw, stride_s, GROUP, BLOCK_N, NB, CACHE)
+    acc = tl.zeros([BLOCK_N, NB, 4], tl.float32)
+    g = tl.zeros([BLOCK_N], tl.float32)  # the tile's gate sums (SILU), till its up sums
+    for i in range(0, total):
+        out_rows, w_rows, kb, h, st = _stream_pos(i, pid, n_prog, steps, per_tile, N,
+                                                  BLOCK_N, NB)
+        cur_w, zf, sf = words, z.to(tl.float32)[:, :, None], s.to(tl.float32)
+        words, z, s = _stream_load(QW, S, Z, i + 1, total, pid, n_prog, steps, per_tile, N,
+                                   n_blocks, stride_qw, stride_s, GROUP, BLOCK_N, NB, CACHE)
+        blk_ok = kb + ob < n_blocks  # (NB,)
+        whi = cur_w >> 20
+        p = tl.zeros([BLOCK_N, NB, 4], tl.float32)
+        for I in tl.static_range(8):  # (the one-tile kernel's math, term for term)
+            cols = kb * 32 + x_off + 4 * I
+            if HAS_PERM:
+                cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
+            xv = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+            p += _nibble_minus_zero(cur_w, whi, zf, magic, I) * xv[None, :, :]
+        acc += p * sf[:, :, None]
+        if st == steps - 1:  # the tile's (half's) last step: reduce, store or keep the gate
+            y = tl.sum(tl.sum(acc, axis=2), axis=1)
+            acc = tl.zeros([BLOCK_N, NB, 4], tl.float32)
+            if SILU:
+                if h == 0:
+                    g = y
+                else:
+                    _gemv_store(g, y, B, Y, out_rows, out_rows < N, HAS_BIAS, SILU)
+            else:
+                _gemv_store(y, y, B, Y, out_rows, out_rows < N, HAS_BIAS, SILU)
+
+
+_SMS: dict = {}  # device -> programs an SM are counted against (the SM count on a GPU)
+
+
+def _sm_count(device: torch.device) -> int:
+    c = _SMS.get(device)
+    if c is None:
+        # the interpreter: 2 "SMs", so that the CPU tests' programs take several tiles each
+        c = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 2
+        _SMS[device] = c
+    return c
+
+
+def launch(x, qweight, scales, zeros, perm, bias, y, group, silu, block_n, block_k, warps,
+           cache, maxnreg, persist) -> None:
+    """y (1, N out) = the GEMV (triton_int4.gemv's arguments, checked there) on
+    min(row tiles, persist x SMs) programs."""
+    n_out, k = y.shape[1], x.shape[1]
+    grid = min(triton.cdiv(n_out, block_n), persist * _sm_count(x.device))
+    _int4_gemv_stream_kernel[(grid,)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight,
+        bias if bias is not None else scales, y, n_out, k, qweight.stride(0),
+        scales.stride(0), MAGIC, GROUP=group, HAS_PERM=perm is not None,
+        HAS_BIAS=bias is not None, SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k, CACHE=cache,
+        num_warps=warps, maxnreg=maxnreg or None)
