@@ -16,8 +16,8 @@ of processes (Triton's disk cache), so the timing loop only loads cubins.
 
     python benchmarks/int4_gemv_sweep.py [--shapes down o] [--quick]
 
-697 timings (gemv_sweep: 129 configs a shape at K = 4096, 181 at K = 14336; 64 of each from
-stream_sweep, the second round's knobs) of ~340 distinct kernels. The first round (379
+737 timings (gemv_sweep: 137 configs a shape at K = 4096, 189 at K = 14336; 72 of each from
+stream_sweep, the second round's knobs) of ~360 distinct kernels. The first round (379
 timings, 145 kernels) ran in 45 s on an H100 host; this one is estimated at ~2 min (written
 without a GPU; not yet run)."""
 
@@ -46,7 +46,8 @@ DEV = "cuda"  # (a CPU dry run of bench_shape under Triton's interpreter sets "c
 
 def gemv_sweep(n: int, k: int) -> list[tuple]:
     """Configs (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, SPLIT_K[, CACHE, UNROLL, MAXNREG,
-    PERSIST]) to time at (N, K), the default first. warps = BLOCK_K / 1024 always (gemv_config: one 16-byte block a thread).
+    PERSIST, LEAN]) to time at (N, K), the default first. warps = BLOCK_K / 1024 always
+    (gemv_config: one 16-byte block a thread).
     - pipelined (stages 2 / 4, the words cp.async'ed ahead), prefetch off / on: rows 2 / 4 / 8,
       BLOCK_K 1024 / 2048, split-K 1 / 2 / 4 where each split keeps >= 2 steps;
     - one-shot (stages 1: a program's loads all issued at once, no shared memory): rows
@@ -81,30 +82,34 @@ def gemv_sweep(n: int, k: int) -> list[tuple]:
 
 
 def stream_sweep(k: int) -> list[tuple]:
-    """The second round's knobs (10-value configs, triton_int4._gemv_knobs) around the first
-    sweep's winners (rows 2 / 4 / 8, BLOCK_K 2048 on 2 warps, 1 stage), at stages 1:
-    - CACHE 1 (.cg) / 2 (evict_first) on the words, with PREFETCH 0 and (K >= 2 steps) 2;
+    """The second round's knobs (11-value configs, triton_int4_host._gemv_knobs) around the
+    first sweep's winners (rows 2 / 4 / 8, BLOCK_K 2048 on 2 warps, 1 stage), at stages 1:
+    - LEAN alone (the dequant's instructions a value: 649 -> 613 a step at 4 rows), PREFETCH
+      0 and (K >= 2 steps) 2; the rest all with LEAN;
+    - CACHE 1 (.cg) / 2 (evict_first) on the words, PREFETCH 0 / 2 (and at 4 rows without
+      LEAN, to tell the two apart);
     - UNROLL 2 (the next step's words issued during this one's math), BLOCK_K 1024 / 2048;
-    - MAXNREG: ptxas' register cap under the natural count (sm_90: 64 / 96 / 128 / 213 at
-      rows 2 / 2 (PERSIST) / 4 / 8): more programs an SM, at the price of spills;
-    - PERSIST p programs an SM (triton_int4_stream: the next row tile's words in flight
-      during this tile's math): p 2 / 4 / 8 / 16 (8 programs of 128 registers x 64 threads
-      fill an SM's registers), with and without evict_first, BLOCK_K 1024 / 2048, some with
-      a register cap."""
+    - MAXNREG: ptxas' register cap under the natural count (sm_90: 64 / 126 / 255 at rows
+      2 / 4 / 8): more programs an SM, at the price of spills;
+    - PERSIST p programs an SM (triton_int4_stream: the next step's words in flight during
+      this one's math across row tiles): p 2 / 4 / 8 / 16 (8 programs of 128 registers x 64
+      threads fill an SM's registers), with and without evict_first, BLOCK_K 1024 / 2048,
+      some with a register cap."""
     out = []
     steps = -(-k // 2048)
+    pfs = (0, 2) if steps >= 2 else (0,)
     for bn in (2, 4, 8):
-        for pf in ((0, 2) if steps >= 2 else (0,)):
-            out += [(bn, 2048, 2, 1, pf, 1, c) for c in (1, 2)]
+        out += [(bn, 2048, 2, 1, pf, 1, c, 1, 0, 0, 1) for pf in pfs for c in (0, 1, 2)]
         for bk in (1024, 2048):
             if -(-k // bk) >= 2:
-                out += [(bn, bk, bk // 1024, 1, 0, 1, c, 2) for c in (0, 2)]
+                out += [(bn, bk, bk // 1024, 1, 0, 1, c, 2, 0, 0, 1) for c in (0, 2)]
         for p in (2, 4, 8, 16):
-            out += [(bn, 2048, 2, 1, 0, 1, c, 1, 0, p) for c in (0, 2)]
-        out += [(bn, 1024, 1, 1, 0, 1, 2, 1, 0, p) for p in (8, 16)]
+            out += [(bn, 2048, 2, 1, 0, 1, c, 1, 0, p, 1) for c in (0, 2)]
+        out += [(bn, 1024, 1, 1, 0, 1, 2, 1, 0, p, 1) for p in (8, 16)]
+    out += [(4, 2048, 2, 1, 0, 1, c) for c in (1, 2)]
     for bn, regs in ((4, (72, 96)), (8, (128, 168))):
-        out += [(bn, 2048, 2, 1, 0, 1, c, 1, r) for r in regs for c in (0, 2)]
-    out += [(4, 2048, 2, 1, 0, 1, 2, 1, r, p) for r, p in ((96, 10), (80, 12))]
+        out += [(bn, 2048, 2, 1, 0, 1, c, 1, r, 0, 1) for r in regs for c in (0, 2)]
+    out += [(4, 2048, 2, 1, 0, 1, 2, 1, r, p, 1) for r, p in ((96, 10), (80, 12))]
     return out
 
 

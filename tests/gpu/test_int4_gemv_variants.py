@@ -1,9 +1,10 @@
 """The int4 GEMV's streaming variants (layers/triton_int4.gemv configs past SPLIT_K: CACHE,
-UNROLL, MAXNREG, PERSIST: layers/triton_int4_stream.py) on CUDA. Each only moves loads or
+UNROLL, MAXNREG, PERSIST (layers/triton_int4_stream.py), LEAN) on CUDA. Each only moves loads or
 registers, or walks the same row tiles in another program: the result must be the same BITS
 as the plain config with the same BLOCK_N / BLOCK_K / warps (same per-thread sums, same
 reduction). The check also runs under Triton's interpreter on the CPU
-(tests/unit/test_triton_int4_variants.py). Run with `pytest -m gpu tests/gpu/test_int4_gemv_variants.py`."""
+(tests/unit/test_triton_int4_variants.py).
+Run with `pytest -m gpu tests/gpu/test_int4_gemv_variants.py`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.gpu
 def check_gemv_variants(device, n, k, group, bases, exts, silu=False, act=False,
                         dtype=torch.float32, calls=2) -> None:
     """gemv(base + ext) == gemv(base) bit for bit, for each base (BLOCK_N, BLOCK_K, warps,
-    stages) and each ext (PREFETCH, SPLIT_K, CACHE, UNROLL, MAXNREG, PERSIST); a bias when
+    stages) and each ext (PREFETCH, SPLIT_K, CACHE, UNROLL, MAXNREG, PERSIST, LEAN); a bias when
     not silu, act-order through perm when act; each variant called `calls` times (PERSIST's
     programs own disjoint tiles: no state carried between calls)."""
     from radixlm.runtime.layers import triton_int4
@@ -45,7 +46,8 @@ def check_gemv_variants(device, n, k, group, bases, exts, silu=False, act=False,
 
 # the Llama-3.1-8B GEMV family the first sweep picked, with each new knob
 CUDA_EXTS = ((0, 1, 1), (0, 1, 2), (0, 1, 0, 2), (0, 1, 0, 1, 96), (0, 1, 0, 1, 0, 1),
-             (0, 1, 2, 1, 0, 4), (0, 1, 0, 1, 128, 2))
+             (0, 1, 2, 1, 0, 4), (0, 1, 0, 1, 128, 2), (0, 1, 0, 1, 0, 0, 1),
+             (0, 1, 2, 2, 0, 0, 1), (0, 1, 2, 1, 0, 8, 1))
 
 
 @pytest.mark.parametrize("silu,act", [(False, False), (True, False), (False, True)])

@@ -291,7 +291,7 @@ def test_gemv_sweep_covers_the_defaults():
     """benchmarks/int4_gemv_sweep.py times the default first at each projection shape (its
     "best" can be the default), keeps warps = BLOCK_K / 1024 (gemv_config's layout rule) and
     spans every knob: stages 1 / 2 / 4, prefetch 0 / 1 / 2, split-K off and on, and the
-    streaming knobs (cache hints, unroll, register caps, persistent programs)."""
+    streaming knobs (cache hints, unroll, register caps, persistent programs, LEAN)."""
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -309,3 +309,4 @@ def test_gemv_sweep_covers_the_defaults():
         knobs = [triton_int4._gemv_knobs(c)[6:] for c in cfgs]  # (all well formed)
         assert {kn[0] for kn in knobs} == {0, 1, 2} and {kn[1] for kn in knobs} == {1, 2}
         assert {kn[2] > 0 for kn in knobs} == {kn[3] > 0 for kn in knobs} == {False, True}
+        assert {kn[4] for kn in knobs} == {False, True}

@@ -1,5 +1,5 @@
 """The int4 GEMV's streaming variants (layers/triton_int4.gemv configs past SPLIT_K: CACHE,
-UNROLL, MAXNREG; PERSIST: layers/triton_int4_stream.py) on the CPU through Triton's
+UNROLL, MAXNREG, LEAN; PERSIST: layers/triton_int4_stream.py) on the CPU through Triton's
 interpreter, at small shapes: the same bits as the plain config (tests/gpu/
 test_int4_gemv_variants.py states why and runs the check compiled), the persistent kernel
 against the fp64 reference, and the config's checks. The interpreter ignores cache hints,
@@ -38,35 +38,36 @@ def test_int4_gemv_variants_bit_identical(silu, act, base):
     against BLOCK_N 8; the interpreter's 2 "SMs": PERSIST 1 runs 2 programs of several row
     tiles each (a tile's last step mid-loop, the SiLU gate kept across its up steps),
     PERSIST 3 up to 6 programs (capped at the 2 tiles of BLOCK_N 8)."""
-    exts = ((0, 1, 1, 2, 96), (0, 1, 2, 1, 0, 1), (0, 1, 1, 1, 0, 3))
+    exts = ((0, 1, 1, 2, 96, 0, 1), (0, 1, 2, 1, 0, 1), (0, 1, 1, 1, 0, 3, 1))
     _checks.check_gemv_variants("cpu", 24 if silu else 12, 160, 32, (base,), exts, silu, act,
                                 calls=1)
 
 
 def test_int4_gemv_stream_against_reference():
-    """PERSIST against the fp64 reference: groups 32 / 96 (one group a row, K = 96 ragged
-    against BLOCK_K 64), a bias on the second shape, fp16 and fp32 outputs."""
-    _checks.check_int4_kernels("cpu", [(13, 128, 32, 1), (7, 96, 96, 1)],
-                                 dtypes=(torch.float16, torch.float32),
-                                 gemv_configs=((4, 64, 2, 1, 0, 1, 0, 1, 0, 1),
-                                               (1, 32, 1, 1, 0, 1, 2, 1, 0, 2)))
+    """PERSIST (plain and LEAN) against the fp64 reference: groups 32 / 96 (one group a row,
+    K = 96 ragged against BLOCK_K 64), a bias on the second shape, fp16 and fp32 outputs."""
+    _checks.check_int4_kernels("cpu", [(13, 128, 32, 1)], dtypes=(torch.float16, torch.float32),
+                               gemv_configs=((4, 64, 2, 1, 0, 1, 0, 1, 0, 1),))
+    _checks.check_int4_kernels("cpu", [(6, 128, 32, 1), (7, 96, 96, 1)],
+                               dtypes=(torch.float16,),
+                               gemv_configs=((1, 32, 1, 1, 0, 1, 2, 1, 0, 2, 1),))
 
 
 def test_int4_gemv_stream_reads_every_nibble():
-    """One code differs at a time (column c of row 1 of 3; c over the 4 blocks and nibbles
-    0, 1, 3, 4, 5, 7): persistent programs of 1-row tiles and 4 steps of one block (program
-    0 takes rows 0 and 2) must see it exactly once, in the right row."""
+    """One code differs at a time (column c of row 1 of 3; c over the 8 nibbles, the 4 words
+    of a block and the 4 blocks): persistent LEAN programs of 1-row tiles and 4 steps of one
+    block (program 0 takes rows 0 and 2) must see it exactly once, in the right row."""
     from radixlm.runtime.layers import int4_linear
 
     n, k = 3, 128
     x = torch.randn(1, k, dtype=torch.float32)
-    for c in range(0, k, 23):
+    for c in (0, 37, 74, 111, 16, 53, 90, 127):  # nibble (c % 32) // 4 = 0..7
         q = torch.full((n, k), 8)
         q[1, c] = 9 + (c % 7)
         s = torch.full((n, k // 32), 0.5, dtype=torch.float16)
         z = torch.full((n, k // 32), 8, dtype=torch.uint8)
         y = triton_int4.gemv(x, int4_linear.pack_rows(q), s, z, 32,
-                             config=(1, 32, 1, 1, 0, 1, 0, 1, 0, 1))
+                             config=(1, 32, 1, 1, 0, 1, 0, 1, 0, 1, 1))
         want = torch.zeros(n)
         want[1] = 0.5 * (1 + c % 7) * x[0, c]
         assert torch.allclose(y[0], want, atol=1e-6), c
@@ -76,11 +77,12 @@ def test_int4_gemv_stream_reads_every_nibble():
                                  (4, 64, 2, 1, 0, 1, 0, 0), (4, 64, 2, 1, 0, 1, 0, 1, 8),
                                  (4, 64, 2, 1, 0, 2, 0, 1, 0, 1), (4, 64, 2, 2, 0, 1, 0, 1, 0, 1),
                                  (4, 64, 2, 1, 2, 1, 0, 1, 0, 1), (4, 64, 2, 1, 0, 1, 0, 2, 0, 1),
-                                 (4, 64, 2, 1, 0, 1, 0, 1, 0, 1, 0)])
+                                 (4, 64, 2, 1, 0, 1, 0, 1, 0, 1, 2),
+                                 (4, 64, 2, 1, 0, 1, 0, 1, 0, 1, 0, 0)])
 def test_gemv_config_refused(cfg):
     """Malformed configs are refused before any launch: too short / long, PREFETCH 3, CACHE 3,
     UNROLL 0, a register cap below 24, PERSIST with split-K, stages, PREFETCH or UNROLL (the
-    stream has its own prefetch and no split)."""
+    stream has its own prefetch and no split), LEAN 2."""
     qw, s, z, _ = _checks.random_layer(8, 64, 32)
     with pytest.raises(AssertionError):
         triton_int4.gemv(torch.randn(1, 64), qw, s, z, 32, config=cfg)

@@ -30,9 +30,10 @@ ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old 
                  p = sum (q - z) x in fp32, then acc += p * s: y = sum_g s * sum_{k in g} (q-z) x,
                  no rounding of W (closer to fp32 than the dequantized bf16 model).
                  gemv(..., silu=True): the MLP's [gate | up] with the SiLU-and-mul epilogue.
-                 Streaming knobs (config values 7-10, triton_int4_config._gemv_knobs):
-                 the word loads' cache operator, the K loop's unroll, a register cap, and
-                 PERSIST: a persistent grid walking the row tiles (triton_int4_stream.py).
+                 Streaming knobs (config values 7-11, triton_int4_host._gemv_knobs):
+                 the word loads' cache operator, the K loop's unroll, a register cap,
+                 PERSIST: a persistent grid walking the row tiles (triton_int4_stream.py),
+                 LEAN: fewer instructions a value (_gemv_block_sums), the same values.
                  Split-K (config's SPLIT_K > 1): the K steps cut among SPLIT_K programs a row
                  tile (more programs and bytes in flight where N is small or K long; with
                  stages 1 and one step a split, a program issues all its loads at once),
@@ -49,8 +50,10 @@ import torch
 import triton
 import triton.language as tl
 
-# (gemv_config: the GEMV's default config a shape; _gemv_knobs: a config's values)
-from radixlm.runtime.layers.triton_int4_config import _gemv_knobs, gemv_config  # noqa: F401
+# (gemv_config: the GEMV's default config a shape; _gemv_knobs: a config's values;
+# _counters: split-K's arrival counters)
+from radixlm.runtime.layers.triton_int4_host import (_COUNTERS, _counters,  # noqa: F401
+                                                     _gemv_knobs, gemv_config)
 
 # Int4Linear's dispatch (int4_linear=auto or triton): batch sizes up to this run the GEMV,
 # above it the GEMM. 1: the GEMV takes one row (at M = 2..16 the GEMM does the same dequant
@@ -62,20 +65,21 @@ GEMV_MAX_M = 1
 
 
 @triton.jit
-def _nibble_minus_zero(w, whi, zf, magic, I: tl.constexpr):
-    # (q_I - z) in fp32, exact: w / whi = words / words >> 20 (any shape), zf = z as fp32
+def _nibble_minus_zero(w, whi, zf, magic, I: tl.constexpr, HI: tl.constexpr = 20):
+    # (q_I - z) in fp32, exact: w / whi = words / words >> HI (any shape), zf = z as fp32
     # broadcastable to it. The magic float 2^(23-4j) has exponent field 150 - 4j, mantissa 0;
-    # nibble I < 5 is read in place (j = I), nibbles 5..7 from whi (j = I - 5). `magic` is the
-    # RUNTIME int32 MAGIC (bits of 2^23): were it a literal, ptxas would emit the & and the |
-    # as two LOP3s (one immediate each, seen in the sm_90 SASS); from a register it is one.
+    # nibble I < 5 is read in place (j = I), nibbles 5..7 from whi (j = I - HI / 4). `magic` is
+    # the RUNTIME int32 MAGIC (bits of 2^23): were it a literal, ptxas would emit the & and the
+    # | as two LOP3s (one immediate each, seen in the sm_90 SASS); from a register it is one.
+    # HI 20 puts nibble 5 at whi's bits 0-3, which LLVM turns into a bit-field extract of w
+    # (sm_90: SHF + SGXT + LOP3, 3 instructions for that value); HI 16 (j = 1..3) keeps
+    # nibbles 5..7 one LOP3 each on whi (the GEMV's LEAN knob; the same values).
+    J: tl.constexpr = I if I < 5 else I - HI // 4
     if I < 5:
-        f = ((w & (0xF << (4 * I))) | (magic - ((4 * I) << 23))).to(tl.float32, bitcast=True)
-        d = f - (zf + (1 << (23 - 4 * I)))
+        f = ((w & (0xF << (4 * J))) | (magic - ((4 * J) << 23))).to(tl.float32, bitcast=True)
     else:
-        f = ((whi & (0xF << (4 * I - 20))) | (magic - ((4 * I - 20) << 23))).to(
-            tl.float32, bitcast=True)
-        d = f - (zf + (1 << (43 - 4 * I)))
-    return d
+        f = ((whi & (0xF << (4 * J))) | (magic - ((4 * J) << 23))).to(tl.float32, bitcast=True)
+    return f - (zf + (1 << (23 - 4 * J)))
 
 
 MAGIC = 0x4B000000  # bits of the float 2^23, passed to the kernels as a runtime argument
@@ -112,10 +116,29 @@ def _gemv_words(w_ptrs, kb, kb_hi, ob, row_ok, CACHE: tl.constexpr):
 
 
 @triton.jit
+def _gemv_block_sums(X, P, words, zf, magic, cols0, blk_ok, HAS_PERM: tl.constexpr,
+                     LEAN: tl.constexpr):
+    # (BLOCK_N, NB, 4) sum over the 8 nibbles of (q - z) x, cols0 (NB, 4) the stored columns
+    # of nibble 0. LEAN: nibbles 5..7 from words >> 16 (one LOP3 each, see _nibble_minus_zero;
+    # the same values): the sm_90 loop body at 4 rows x 2048 on 2 warps 649 -> 613
+    # instructions (128 values a thread a step), 128 -> 126 registers.
+    whi = words >> (16 if LEAN else 20)
+    p = tl.zeros(words.shape, tl.float32)
+    for i in tl.static_range(8):
+        cols = cols0 + 4 * i  # (NB, 4) stored columns of nibble i
+        if HAS_PERM:
+            cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
+        x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+        p += _nibble_minus_zero(words, whi, zf, magic, i, 16 if LEAN else 20) * x[None, :, :]
+    return p
+
+
+@triton.jit
 def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
                GROUP: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-               PREFETCH: tl.constexpr, CACHE: tl.constexpr, UNROLL: tl.constexpr):
+               PREFETCH: tl.constexpr, CACHE: tl.constexpr, UNROLL: tl.constexpr,
+               LEAN: tl.constexpr):
     # x (1, K) . W[rows] over the 32-value blocks [kb_lo, kb_hi) (kb_lo, kb_hi - kb_lo whole
     # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32
     rows64 = rows.to(tl.int64)
@@ -160,14 +183,7 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
             z, s = _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP)
             zf = z.to(tl.float32)[:, :, None]
             s = s.to(tl.float32)
-        whi = words >> 20
-        p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
-        for i in tl.static_range(8):
-            cols = kb * 32 + x_off + 4 * i  # (NB, 4) stored columns of nibble i
-            if HAS_PERM:
-                cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
-            x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
-            p += _nibble_minus_zero(words, whi, zf, magic, i) * x[None, :, :]
+        p = _gemv_block_sums(X, P, words, zf, magic, kb * 32 + x_off, blk_ok, HAS_PERM, LEAN)
         acc += p * s[:, :, None]
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -179,7 +195,7 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                       PREFETCH: tl.constexpr, SPLIT: tl.constexpr, CACHE: tl.constexpr,
-                      UNROLL: tl.constexpr):
+                      UNROLL: tl.constexpr, LEAN: tl.constexpr):
     # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
     # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
     # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
@@ -193,12 +209,12 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
         kb_hi = tl.minimum(kb_lo + blocks_per_split, n_blocks)
     y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
                    GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, CACHE,
-                   UNROLL)
+                   UNROLL, LEAN)
     u = y
     if SILU:
         u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s,
                        magic, GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
-                       PREFETCH, CACHE, UNROLL)
+                       PREFETCH, CACHE, UNROLL, LEAN)
     if SPLIT:
         # deterministic split-K in one launch (triton_int4_gemm's scheme): each split stores
         # its fp32 partial (gate then up rows: WS (splits, 1 or 2, N)); the split arriving last
@@ -251,43 +267,26 @@ def _check(x, qweight, scales, zeros, group, perm):
     return m, n, k
 
 
-_COUNTERS: dict = {}  # device -> int32 zeros: split-K arrival counters, one a row tile
-
-
-def _counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
-    """The split-K counters (all zero between calls: each call's last split resets its own), or
-    None when they would first be allocated inside a CUDA graph capture (a capture records the
-    zero-fill without running it: the call then runs without split-K). Own counters, not the
-    GEMM's: the two kernels never run at once on a stream, but need not share a size."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
-
-
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None,
          config: Optional[tuple] = None,
          perm: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
     """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring). perm: act-order,
     the stored column -> x column map (K,) int64. silu: W is [gate | up] (2I, K), y (1, I) =
-    silu(gate) * up (no bias). config: 4 to 10 values (triton_int4_config._gemv_knobs),
+    silu(gate) * up (no bias). config: 4 to 11 values (triton_int4_host._gemv_knobs),
     gemv_config's when None. Split-K assumes one stream at a time per device (the counters
     are shared)."""
     m, n, k = _check(x, qweight, scales, zeros, group, perm)
     assert m == 1 and not (silu and (bias is not None or n % 2))
     n_out = n // 2 if silu else n
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist = \
+    block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist, lean = \
         _gemv_knobs(config or gemv_config(n, k))
     if persist:
         from radixlm.runtime.layers import triton_int4_stream
 
         triton_int4_stream.launch(x, qweight, scales, zeros, perm, bias, y, group, silu,
-                                  block_n, block_k, warps, cache, maxnreg, persist)
+                                  block_n, block_k, warps, cache, maxnreg, persist, lean)
         return y
     tiles = triton.cdiv(n_out, block_n)
     n_blocks, step = k // 32, block_k // 32
@@ -305,6 +304,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         n_out, k, per_split, ws_stride, qweight.stride(0), scales.stride(0), MAGIC,
         GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-        PREFETCH=prefetch, SPLIT=split > 1, CACHE=cache, UNROLL=unroll, num_warps=warps,
+        PREFETCH=prefetch, SPLIT=split > 1, CACHE=cache, UNROLL=unroll, LEAN=lean,
+        num_warps=warps,
         maxnreg=maxnreg or None)
     return y

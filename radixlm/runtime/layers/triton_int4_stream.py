@@ -21,33 +21,40 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.runtime.layers.triton_int4 import (MAGIC, _gemv_store, _gemv_words, _gemv_zs,
-                                                _nibble_minus_zero)
+from radixlm.runtime.layers.triton_int4 import (MAGIC, _gemv_block_sums, _gemv_store,
+                                                _gemv_words, _gemv_zs)
 
 
 @triton.jit
-def _stream_pos(i, pid, n_prog, steps, per_tile, N, BLOCK_N: tl.constexpr, NB: tl.constexpr):
-    # iteration i of this program -> its output rows (BLOCK_N,), W's rows (the up half of
-    # [gate | up] is N rows down), the step's first block, the half and the step
-    r = i % per_tile
-    out_rows = (pid + (i // per_tile) * n_prog) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return out_rows, out_rows + (r // steps) * N, (r % steps) * NB, r // steps, r % steps
+def _stream_next(t, h, st, steps, n_prog, HALVES: tl.constexpr):
+    # the (row tile, half, step) after (t, h, st) in a program's walk: counters, no division
+    # (an integer division by a runtime value is ~20 instructions; the walk runs every step)
+    st += 1
+    wrap = st == steps
+    st = tl.where(wrap, 0, st)
+    h += wrap.to(tl.int32)
+    wrap = h == HALVES
+    return t + tl.where(wrap, n_prog, 0), tl.where(wrap, 0, h), st
 
 
 @triton.jit
-def _stream_load(QW, S, Z, i, total, pid, n_prog, steps, per_tile, N, n_blocks, stride_qw,
-                 stride_s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                 CACHE: tl.constexpr):
-    # iteration i's words (BLOCK_N, NB, 4), zeros and scales (BLOCK_N, NB): 0 past K, past
-    # N and past the last iteration (i == total: the prefetch after the last)
-    out_rows, w_rows, kb, h, st = _stream_pos(i, pid, n_prog, steps, per_tile, N, BLOCK_N, NB)
-    row_ok = (out_rows < N) & (i < total)
-    rows64 = w_rows.to(tl.int64)
+def _stream_load(QW, S, Z, t, h, st, ok, N, n_blocks, stride_qw, stride_s,
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                 CACHE: tl.constexpr, WIDE: tl.constexpr):
+    # (tile t, half h, step st)'s words (BLOCK_N, NB, 4), zeros and scales (BLOCK_N, NB): 0
+    # past K, past N and where not ok (the prefetch after a program's last step); the up
+    # half of [gate | up] is N rows down. Offsets in int32 unless WIDE (qweight of 2^31
+    # words or more): computed every step, unlike the one-tile kernel's pointers
+    out_rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = (out_rows < N) & ok
+    rows64 = out_rows + h * N
+    if WIDE:
+        rows64 = rows64.to(tl.int64)
     ob = tl.arange(0, NB)
     w_ptrs = QW + rows64[:, None, None] * stride_qw + (ob[:, None] * 4
                                                         + tl.arange(0, 4)[None, :])[None, :, :]
-    words = _gemv_words(w_ptrs, kb, n_blocks, ob, row_ok, CACHE)
-    z, s = _gemv_zs(Z, S, rows64[:, None] * stride_s, kb, ob, row_ok, n_blocks, GROUP)
+    words = _gemv_words(w_ptrs, st * NB, n_blocks, ob, row_ok, CACHE)
+    z, s = _gemv_zs(Z, S, rows64[:, None] * stride_s, st * NB, ob, row_ok, n_blocks, GROUP)
     return words, z, s
 
 
@@ -56,40 +63,36 @@ def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, ma
                              GROUP: tl.constexpr, HAS_PERM: tl.constexpr,
                              HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             CACHE: tl.constexpr):
+                             CACHE: tl.constexpr, LEAN: tl.constexpr,
+                             WIDE: tl.constexpr):
     # SILU: W (2N, K) = [gate | up]; a tile's gate steps, then its up steps, then the epilogue
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     NB: tl.constexpr = BLOCK_K // 32
+    HALVES: tl.constexpr = 2 if SILU else 1
     n_blocks = K // 32
     steps = tl.cdiv(n_blocks, NB)
-    per_tile = steps * (2 if SILU else 1)
-    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, n_prog) * per_tile
+    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, n_prog) * steps * HALVES  # this program's
     ob = tl.arange(0, NB)
     x_off = ob[:, None] * 32 + tl.arange(0, 4)[None, :]  # (NB, 4) column of nibble 0
-    words, z, s = _stream_load(QW, S, Z, 0, total, pid, n_prog, steps, per_tile, N, n_blocks,
-                               stride_qw, stride_s, GROUP, BLOCK_N, NB, CACHE)
+    t, h, st = pid, pid * 0, pid * 0  # the position of the step at hand
+    words, z, s = _stream_load(QW, S, Z, t, h, st, total > 0, N, n_blocks, stride_qw,
+                               stride_s, GROUP, BLOCK_N, NB, CACHE, WIDE)
     acc = tl.zeros([BLOCK_N, NB, 4], tl.float32)
     g = tl.zeros([BLOCK_N], tl.float32)  # the tile's gate sums (SILU), till its up sums
     for i in range(0, total):
-        out_rows, w_rows, kb, h, st = _stream_pos(i, pid, n_prog, steps, per_tile, N,
-                                                  BLOCK_N, NB)
+        t_n, h_n, st_n = _stream_next(t, h, st, steps, n_prog, HALVES)
         cur_w, zf, sf = words, z.to(tl.float32)[:, :, None], s.to(tl.float32)
-        words, z, s = _stream_load(QW, S, Z, i + 1, total, pid, n_prog, steps, per_tile, N,
-                                   n_blocks, stride_qw, stride_s, GROUP, BLOCK_N, NB, CACHE)
-        blk_ok = kb + ob < n_blocks  # (NB,)
-        whi = cur_w >> 20
-        p = tl.zeros([BLOCK_N, NB, 4], tl.float32)
-        for I in tl.static_range(8):  # (the one-tile kernel's math, term for term)
-            cols = kb * 32 + x_off + 4 * I
-            if HAS_PERM:
-                cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
-            xv = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
-            p += _nibble_minus_zero(cur_w, whi, zf, magic, I) * xv[None, :, :]
+        words, z, s = _stream_load(QW, S, Z, t_n, h_n, st_n, i + 1 < total, N, n_blocks,
+                                   stride_qw, stride_s, GROUP, BLOCK_N, NB, CACHE, WIDE)
+        kb = st * NB
+        p = _gemv_block_sums(X, P, cur_w, zf, magic, kb * 32 + x_off, kb + ob < n_blocks,
+                             HAS_PERM, LEAN)  # (the one-tile kernel's math, term for term)
         acc += p * sf[:, :, None]
         if st == steps - 1:  # the tile's (half's) last step: reduce, store or keep the gate
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
             acc = tl.zeros([BLOCK_N, NB, 4], tl.float32)
+            out_rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
             if SILU:
                 if h == 0:
                     g = y
@@ -97,6 +100,7 @@ def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, ma
                     _gemv_store(g, y, B, Y, out_rows, out_rows < N, HAS_BIAS, SILU)
             else:
                 _gemv_store(y, y, B, Y, out_rows, out_rows < N, HAS_BIAS, SILU)
+        t, h, st = t_n, h_n, st_n
 
 
 _SMS: dict = {}  # device -> programs an SM are counted against (the SM count on a GPU)
@@ -113,7 +117,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch(x, qweight, scales, zeros, perm, bias, y, group, silu, block_n, block_k, warps,
-           cache, maxnreg, persist) -> None:
+           cache, maxnreg, persist, lean) -> None:
     """y (1, N out) = the GEMV (triton_int4.gemv's arguments, checked there) on
     min(row tiles, persist x SMs) programs."""
     n_out, k = y.shape[1], x.shape[1]
@@ -123,4 +127,5 @@ def launch(x, qweight, scales, zeros, perm, bias, y, group, silu, block_n, block
         bias if bias is not None else scales, y, n_out, k, qweight.stride(0),
         scales.stride(0), MAGIC, GROUP=group, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k, CACHE=cache,
+        LEAN=lean, WIDE=qweight.numel() >= 2 ** 31 or scales.numel() >= 2 ** 31,
         num_warps=warps, maxnreg=maxnreg or None)

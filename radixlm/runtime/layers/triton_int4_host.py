@@ -1,15 +1,19 @@
-"""The int4 GEMV's configs (layers/triton_int4.gemv, M = 1): the default a shape, and the
-meaning of a config tuple's values (the kernels: triton_int4.py, triton_int4_stream.py)."""
+"""Host-side parts of the int4 GEMV (layers/triton_int4.gemv, M = 1): its configs (the
+default a shape, the meaning of a config tuple's values) and split-K's arrival counters (the
+kernels: triton_int4.py, triton_int4_stream.py)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import triton
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, SPLIT_K) for M == 1 (PREFETCH:
-    see triton_int4._gemv_rows; SPLIT_K: programs a row tile along K): first by reasoning and the sm_90
-    compile (the points below), then by timing (the last paragraph):
+    see triton_int4._gemv_rows; SPLIT_K: programs a row tile along K): first by reasoning and
+    the sm_90 compile (the points below), then by timing (the last paragraph):
     - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
       one 16-byte block per thread, 32 threads along a row, warps along the row too; x's
       (BLOCK_K/32, 4) load then has 4 values a thread in exactly that layout. With fewer
@@ -36,20 +40,40 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
 
 
 def _gemv_knobs(config) -> tuple:
-    """A config's 10 values from gemv_config's 6, or 4 or 5 (PREFETCH 0, SPLIT_K 1 when left
-    out), or 7 to 10 (the streaming knobs, 0 / 1 / 0 / 0 when left out): CACHE (the word loads'
-    cache operator: 0 default, 1 .cg, 2 evict_first), UNROLL (the K loop's unroll factor, 1:
-    none), MAXNREG (ptxas' register cap a thread, 0: none; a lower cap fits more programs an
-    SM, at the price of spills) and PERSIST (0: a program a row tile; p > 0: p programs an
-    SM stream the row tiles one after another, the next tile's words in flight during this
-    tile's math: triton_int4_stream)."""
-    assert 4 <= len(config) <= 10, config
-    block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist = \
-        tuple(config) + (0, 1, 0, 1, 0, 0)[len(config) - 4:]
+    """A config's 11 values from gemv_config's 6, or 4 or 5 (PREFETCH 0, SPLIT_K 1 when left
+    out), or 7 to 11 (the streaming knobs, 0 / 1 / 0 / 0 / 0 when left out): CACHE (the word
+    loads' cache operator: 0 default, 1 .cg, 2 evict_first), UNROLL (the K loop's unroll
+    factor, 1: none), MAXNREG (ptxas' register cap a thread, 0: none; a lower cap fits more
+    programs an SM, at the price of spills), PERSIST (0: a program a row tile; p > 0: p
+    programs an SM stream the row tiles one after another, the next tile's words in flight
+    during this tile's math: triton_int4_stream) and LEAN (1: the dequant in fewer
+    instructions, the same values: triton_int4._gemv_block_sums)."""
+    assert 4 <= len(config) <= 11, config
+    block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist, lean = \
+        tuple(config) + (0, 1, 0, 1, 0, 0, 0)[len(config) - 4:]
     prefetch = int(prefetch)
     assert prefetch in (0, 1, 2) and cache in (0, 1, 2) and unroll >= 1, config
     assert block_k % 32 == 0 and block_k & (block_k - 1) == 0 and split >= 1, config
     assert maxnreg == 0 or 24 <= maxnreg <= 255, config
     assert persist == 0 or (split == 1 and prefetch == 0 and stages == 1 and unroll == 1), \
         f"PERSIST streams its own way (stages 1, its own prefetch, no split-K): {config}"
-    return block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist
+    assert lean in (0, 1), config
+    return (block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist,
+            bool(lean))
+
+
+_COUNTERS: dict = {}  # device -> int32 zeros: split-K arrival counters, one a row tile
+
+
+def _counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+    """The split-K counters (all zero between calls: each call's last split resets its own), or
+    None when they would first be allocated inside a CUDA graph capture (a capture records the
+    zero-fill without running it: the call then runs without split-K). Own counters, not the
+    GEMM's: the two kernels never run at once on a stream, but need not share a size."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
+        _COUNTERS[device] = c
+    return c
