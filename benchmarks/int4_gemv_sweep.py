@@ -84,7 +84,7 @@ def gemv_sweep(n: int, k: int) -> list[tuple]:
 def stream_sweep(k: int) -> list[tuple]:
     """The second round's knobs (11-value configs, triton_int4_host._gemv_knobs) around the
     first sweep's winners (rows 2 / 4 / 8, BLOCK_K 2048 on 2 warps, 1 stage), at stages 1:
-    - LEAN alone (the dequant's instructions a value: 649 -> 613 a step at 4 rows), PREFETCH
+    - LEAN alone (instructions a value: the loop body 649 -> 597 a step at 4 rows), PREFETCH
       0 and (K >= 2 steps) 2; the rest all with LEAN;
     - CACHE 1 (.cg) / 2 (evict_first) on the words, PREFETCH 0 / 2 (and at 4 rows without
       LEAN, to tell the two apart);

@@ -31,16 +31,31 @@ def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.mark.parametrize("silu,act,base", [(False, False, (8, 128, 4, 1)),
-                                           (True, True, (2, 64, 2, 1))])
-def test_int4_gemv_variants_bit_identical(silu, act, base):
+@pytest.mark.parametrize("silu,act,base,dtype", [
+    (False, False, (8, 128, 4, 1), torch.float32), (True, True, (2, 64, 2, 1), torch.float32),
+    (False, False, (4, 64, 2, 1), torch.bfloat16), (True, False, (2, 64, 2, 1), torch.bfloat16)])
+def test_int4_gemv_variants_bit_identical(silu, act, base, dtype):
     """K = 160: 5 blocks, ragged against BLOCK_K 64 (3 steps) and 128 (2); N = 12 ragged
     against BLOCK_N 8; the interpreter's 2 "SMs": PERSIST 1 runs 2 programs of several row
     tiles each (a tile's last step mid-loop, the SiLU gate kept across its up steps),
-    PERSIST 3 up to 6 programs (capped at the 2 tiles of BLOCK_N 8)."""
+    PERSIST 3 up to 6 programs (capped at the 2 tiles of BLOCK_N 8). bf16 x: LEAN reads x
+    as int32 pairs (XPAIRS; both sides store bf16 the interpreter's way)."""
     exts = ((0, 1, 1, 2, 96, 0, 1), (0, 1, 2, 1, 0, 1), (0, 1, 1, 1, 0, 3, 1))
-    _checks.check_gemv_variants("cpu", 24 if silu else 12, 160, 32, (base,), exts, silu, act,
-                                calls=1)
+    _checks.check_gemv_variants("cpu", 16 if silu else 12, 160, 32, (base,), exts, silu, act,
+                                dtype, calls=1)
+
+
+def test_int4_gemv_lean_misaligned_bf16_x():
+    """LEAN with a bf16 x that is not 4-byte aligned (a view one element in) reads x value by
+    value (int32 pairs would straddle): the same bits as without LEAN, one-tile and PERSIST."""
+    qw, s, z, _ = _checks.random_layer(8, 128, 32, seed=3)
+    big = torch.randn(1, 129, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = big[:, 1:]
+    assert x.data_ptr() % 4 == 2
+    for cfg in ((4, 64, 2, 1), (4, 64, 2, 1, 0, 1, 0, 1, 0, 1)):
+        want = triton_int4.gemv(x, qw, s, z, 32, config=cfg)
+        lean = triton_int4.gemv(x, qw, s, z, 32, config=cfg + (0, 1, 0, 1, 0, 0, 1)[len(cfg) - 4:])
+        assert torch.equal(lean, want), cfg
 
 
 def test_int4_gemv_stream_against_reference():

@@ -54,6 +54,11 @@ import triton.language as tl
 # _counters: split-K's arrival counters)
 from radixlm.runtime.layers.triton_int4_host import (_COUNTERS, _counters,  # noqa: F401
                                                      _gemv_knobs, gemv_config)
+# (the device helpers: the nibble -> fp32 step, loads, a block's sums, the store; MAGIC and
+# _nibble_minus_zero are triton_int4_gemm's too)
+from radixlm.runtime.layers.triton_int4_dequant import (MAGIC, _gemv_block_sums,  # noqa: F401
+                                                        _gemv_store, _gemv_words, _gemv_zs,
+                                                        _load_words, _nibble_minus_zero)
 
 # Int4Linear's dispatch (int4_linear=auto or triton): batch sizes up to this run the GEMV,
 # above it the GEMM. 1: the GEMV takes one row (at M = 2..16 the GEMM does the same dequant
@@ -65,80 +70,11 @@ GEMV_MAX_M = 1
 
 
 @triton.jit
-def _nibble_minus_zero(w, whi, zf, magic, I: tl.constexpr, HI: tl.constexpr = 20):
-    # (q_I - z) in fp32, exact: w / whi = words / words >> HI (any shape), zf = z as fp32
-    # broadcastable to it. The magic float 2^(23-4j) has exponent field 150 - 4j, mantissa 0;
-    # nibble I < 5 is read in place (j = I), nibbles 5..7 from whi (j = I - HI / 4). `magic` is
-    # the RUNTIME int32 MAGIC (bits of 2^23): were it a literal, ptxas would emit the & and the
-    # | as two LOP3s (one immediate each, seen in the sm_90 SASS); from a register it is one.
-    # HI 20 puts nibble 5 at whi's bits 0-3, which LLVM turns into a bit-field extract of w
-    # (sm_90: SHF + SGXT + LOP3, 3 instructions for that value); HI 16 (j = 1..3) keeps
-    # nibbles 5..7 one LOP3 each on whi (the GEMV's LEAN knob; the same values).
-    J: tl.constexpr = I if I < 5 else I - HI // 4
-    if I < 5:
-        f = ((w & (0xF << (4 * J))) | (magic - ((4 * J) << 23))).to(tl.float32, bitcast=True)
-    else:
-        f = ((whi & (0xF << (4 * J))) | (magic - ((4 * J) << 23))).to(tl.float32, bitcast=True)
-    return f - (zf + (1 << (23 - 4 * J)))
-
-
-MAGIC = 0x4B000000  # bits of the float 2^23, passed to the kernels as a runtime argument
-
-
-@triton.jit
-def _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP: tl.constexpr):
-    # (BLOCK_N, NB) zeros, scales (as stored) of the blocks from kb on; 0 past K
-    g = ((kb + ob) * 32) // GROUP  # (NB,) each block's group
-    ok = row_ok[:, None] & (kb + ob < n_blocks)[None, :]
-    return (tl.load(Z + s_row + g[None, :], mask=ok, other=0),
-            tl.load(S + s_row + g[None, :], mask=ok, other=0.0))
-
-
-@triton.jit
-def _load_words(ptrs, ok, CACHE: tl.constexpr):
-    # CACHE 1: .cg (L2 only: a weight byte is read once, L1 keeps x, scales and zeros);
-    # 2: evict_first (L1::evict_first + an L2 evict_first policy: weight lines leave first;
-    # ptxas refuses it together with .cg)
-    if CACHE == 2:
-        w = tl.load(ptrs, mask=ok, other=0, eviction_policy="evict_first")
-    elif CACHE == 1:
-        w = tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")
-    else:
-        w = tl.load(ptrs, mask=ok, other=0)
-    return w
-
-
-@triton.jit
-def _gemv_words(w_ptrs, kb, kb_hi, ob, row_ok, CACHE: tl.constexpr):
-    # (BLOCK_N, NB, 4) words of the step from block kb on, 0 from kb_hi on
-    ok = row_ok[:, None, None] & (kb + ob < kb_hi)[None, :, None]
-    return _load_words(w_ptrs + kb * 4, ok, CACHE)
-
-
-@triton.jit
-def _gemv_block_sums(X, P, words, zf, magic, cols0, blk_ok, HAS_PERM: tl.constexpr,
-                     LEAN: tl.constexpr):
-    # (BLOCK_N, NB, 4) sum over the 8 nibbles of (q - z) x, cols0 (NB, 4) the stored columns
-    # of nibble 0. LEAN: nibbles 5..7 from words >> 16 (one LOP3 each, see _nibble_minus_zero;
-    # the same values): the sm_90 loop body at 4 rows x 2048 on 2 warps 649 -> 613
-    # instructions (128 values a thread a step), 128 -> 126 registers.
-    whi = words >> (16 if LEAN else 20)
-    p = tl.zeros(words.shape, tl.float32)
-    for i in tl.static_range(8):
-        cols = cols0 + 4 * i  # (NB, 4) stored columns of nibble i
-        if HAS_PERM:
-            cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
-        x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
-        p += _nibble_minus_zero(words, whi, zf, magic, i, 16 if LEAN else 20) * x[None, :, :]
-    return p
-
-
-@triton.jit
 def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
                GROUP: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                PREFETCH: tl.constexpr, CACHE: tl.constexpr, UNROLL: tl.constexpr,
-               LEAN: tl.constexpr):
+               LEAN: tl.constexpr, XPAIRS: tl.constexpr):
     # x (1, K) . W[rows] over the 32-value blocks [kb_lo, kb_hi) (kb_lo, kb_hi - kb_lo whole
     # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32
     rows64 = rows.to(tl.int64)
@@ -146,7 +82,6 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
     oj = tl.arange(0, 4)
     w_off = ob[:, None] * 4 + oj[None, :]  # (NB, 4) words of a step
     w_ptrs = QW + rows64[:, None, None] * stride_qw + w_off[None, :, :]  # (BLOCK_N, NB, 4)
-    x_off = ob[:, None] * 32 + oj[None, :]  # (NB, 4) the column of nibble 0 of each word
     s_row = rows64[:, None] * stride_s  # (BLOCK_N, 1)
     n_blocks = K // 32
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
@@ -183,7 +118,7 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
             z, s = _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP)
             zf = z.to(tl.float32)[:, :, None]
             s = s.to(tl.float32)
-        p = _gemv_block_sums(X, P, words, zf, magic, kb * 32 + x_off, blk_ok, HAS_PERM, LEAN)
+        p = _gemv_block_sums(X, P, words, zf, magic, kb, blk_ok, HAS_PERM, LEAN, XPAIRS)
         acc += p * s[:, :, None]
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -195,7 +130,7 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                       PREFETCH: tl.constexpr, SPLIT: tl.constexpr, CACHE: tl.constexpr,
-                      UNROLL: tl.constexpr, LEAN: tl.constexpr):
+                      UNROLL: tl.constexpr, LEAN: tl.constexpr, XPAIRS: tl.constexpr):
     # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
     # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
     # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
@@ -209,12 +144,12 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
         kb_hi = tl.minimum(kb_lo + blocks_per_split, n_blocks)
     y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
                    GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, CACHE,
-                   UNROLL, LEAN)
+                   UNROLL, LEAN, XPAIRS)
     u = y
     if SILU:
         u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s,
                        magic, GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
-                       PREFETCH, CACHE, UNROLL, LEAN)
+                       PREFETCH, CACHE, UNROLL, LEAN, XPAIRS)
     if SPLIT:
         # deterministic split-K in one launch (triton_int4_gemm's scheme): each split stores
         # its fp32 partial (gate then up rows: WS (splits, 1 or 2, N)); the split arriving last
@@ -240,19 +175,6 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
             tl.atomic_xchg(CNT + pid, 0)
     else:
         _gemv_store(y, u, B, Y, rows, row_ok, HAS_BIAS, SILU)
-
-
-@triton.jit
-def _gemv_store(y, u, B, Y, rows, row_ok, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    if SILU:
-        # the roundings of the unfused path (gate_up stored in Y's dtype, F.silu rounded, the
-        # product rounded: layers/triton_ops' silu_and_mul)
-        g = y.to(Y.dtype.element_ty).to(tl.float32)
-        u = u.to(Y.dtype.element_ty).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32) * u
-    elif HAS_BIAS:
-        y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
 def _check(x, qweight, scales, zeros, group, perm):
@@ -282,11 +204,13 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist, lean = \
         _gemv_knobs(config or gemv_config(n, k))
+    xpairs = lean and perm is None and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0
     if persist:
         from radixlm.runtime.layers import triton_int4_stream
 
         triton_int4_stream.launch(x, qweight, scales, zeros, perm, bias, y, group, silu,
-                                  block_n, block_k, warps, cache, maxnreg, persist, lean)
+                                  block_n, block_k, warps, cache, maxnreg, persist, lean,
+                                  xpairs)
         return y
     tiles = triton.cdiv(n_out, block_n)
     n_blocks, step = k // 32, block_k // 32
@@ -304,7 +228,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         n_out, k, per_split, ws_stride, qweight.stride(0), scales.stride(0), MAGIC,
         GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-        PREFETCH=prefetch, SPLIT=split > 1, CACHE=cache, UNROLL=unroll, LEAN=lean,
+        PREFETCH=prefetch, SPLIT=split > 1, CACHE=cache, UNROLL=unroll, LEAN=lean, XPAIRS=xpairs,
         num_warps=warps,
         maxnreg=maxnreg or None)
     return y

@@ -5,15 +5,19 @@ Why: the one-tile-a-program kernel (triton_int4._int4_gemv_kernel) has, per prog
 round trip with nothing else to do before its first step's math, and after its last load a
 reduction, a store and an exit while its SM slot loads nothing; with K = 4096 = 2 steps of
 2048 that is most of a program's life (the sm_90 SASS: 4 128-bit word loads a thread a step,
-then ~580 instructions of math on them, 128 registers: 8 programs of 2 warps an SM). Here a
-grid of p programs an SM each takes the row tiles pid, pid + P, pid + 2P, ... (P programs)
-and walks all their (tile, half, step) triples as ONE loop, loading the NEXT triple's words,
+then a ~650-instruction loop body, 128 registers: 8 programs of 2 warps an SM). Here a grid
+of p programs an SM each takes the row tiles pid, pid + P, pid + 2P, ... (P programs) and
+walks all their (tile, half, step) triples as ONE loop, loading the NEXT triple's words,
 zeros and scales into registers before this one's math: every program keeps a step's bytes
-in flight across tile boundaries, and no block is launched a tile.
+in flight across tile boundaries, and no block is launched a tile. Costs (sm_90, 4 rows x
+2048, 2 warps, LEAN): the walk and the per-step pointers put the loop body at ~665 executed
+instructions a step against the one-tile kernel's 597; ptxas issues the next step's word
+loads ~55% into the body (not at its top), so they overlap the last ~45% of the math.
 
 Same sums as the one-tile kernel at the same BLOCK_N, BLOCK_K and warps (acc (BLOCK_N, NB,
-4) over a row tile's steps, then reduced the same way): the same bits (tests/unit:
-test_triton_int4_stream.py). No split-K (a program's tiles are whole rows)."""
+4) over a row tile's steps, then reduced the same way): the same bits
+(tests/gpu/test_int4_gemv_variants.py, also run under the interpreter). No split-K (a
+program's tiles are whole rows)."""
 
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.runtime.layers.triton_int4 import (MAGIC, _gemv_block_sums, _gemv_store,
-                                                _gemv_words, _gemv_zs)
+from radixlm.runtime.layers.triton_int4_dequant import (MAGIC, _gemv_block_sums, _gemv_store,
+                                                        _gemv_words, _gemv_zs)
 
 
 @triton.jit
@@ -64,7 +68,7 @@ def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, ma
                              HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              CACHE: tl.constexpr, LEAN: tl.constexpr,
-                             WIDE: tl.constexpr):
+                             XPAIRS: tl.constexpr, WIDE: tl.constexpr):
     # SILU: W (2N, K) = [gate | up]; a tile's gate steps, then its up steps, then the epilogue
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -74,7 +78,6 @@ def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, ma
     steps = tl.cdiv(n_blocks, NB)
     total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, n_prog) * steps * HALVES  # this program's
     ob = tl.arange(0, NB)
-    x_off = ob[:, None] * 32 + tl.arange(0, 4)[None, :]  # (NB, 4) column of nibble 0
     t, h, st = pid, pid * 0, pid * 0  # the position of the step at hand
     words, z, s = _stream_load(QW, S, Z, t, h, st, total > 0, N, n_blocks, stride_qw,
                                stride_s, GROUP, BLOCK_N, NB, CACHE, WIDE)
@@ -86,8 +89,8 @@ def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, ma
         words, z, s = _stream_load(QW, S, Z, t_n, h_n, st_n, i + 1 < total, N, n_blocks,
                                    stride_qw, stride_s, GROUP, BLOCK_N, NB, CACHE, WIDE)
         kb = st * NB
-        p = _gemv_block_sums(X, P, cur_w, zf, magic, kb * 32 + x_off, kb + ob < n_blocks,
-                             HAS_PERM, LEAN)  # (the one-tile kernel's math, term for term)
+        p = _gemv_block_sums(X, P, cur_w, zf, magic, kb, kb + ob < n_blocks, HAS_PERM, LEAN,
+                             XPAIRS)  # (the one-tile kernel's math, term for term)
         acc += p * sf[:, :, None]
         if st == steps - 1:  # the tile's (half's) last step: reduce, store or keep the gate
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -117,7 +120,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch(x, qweight, scales, zeros, perm, bias, y, group, silu, block_n, block_k, warps,
-           cache, maxnreg, persist, lean) -> None:
+           cache, maxnreg, persist, lean, xpairs) -> None:
     """y (1, N out) = the GEMV (triton_int4.gemv's arguments, checked there) on
     min(row tiles, persist x SMs) programs."""
     n_out, k = y.shape[1], x.shape[1]
@@ -127,5 +130,5 @@ def launch(x, qweight, scales, zeros, perm, bias, y, group, silu, block_n, block
         bias if bias is not None else scales, y, n_out, k, qweight.stride(0),
         scales.stride(0), MAGIC, GROUP=group, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k, CACHE=cache,
-        LEAN=lean, WIDE=qweight.numel() >= 2 ** 31 or scales.numel() >= 2 ** 31,
+        LEAN=lean, XPAIRS=xpairs, WIDE=qweight.numel() >= 2 ** 31 or scales.numel() >= 2 ** 31,
         num_warps=warps, maxnreg=maxnreg or None)
