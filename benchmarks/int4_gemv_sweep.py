@@ -16,7 +16,7 @@ of processes (Triton's disk cache), so the timing loop only loads cubins.
 
     python benchmarks/int4_gemv_sweep.py [--shapes down o] [--quick]
 
-737 timings (gemv_sweep: 137 configs a shape at K = 4096, 189 at K = 14336; 72 of each from
+742 timings (gemv_sweep: 138 configs a shape at K = 4096, 190 at K = 14336; 73 of each from
 stream_sweep, the second round's knobs) of ~360 distinct kernels. The first round (379
 timings, 145 kernels) ran in 45 s on an H100 host; this one is estimated at ~2 min (written
 without a GPU; not yet run)."""
@@ -84,13 +84,13 @@ def gemv_sweep(n: int, k: int) -> list[tuple]:
 def stream_sweep(k: int) -> list[tuple]:
     """The second round's knobs (11-value configs, triton_int4_host._gemv_knobs) around the
     first sweep's winners (rows 2 / 4 / 8, BLOCK_K 2048 on 2 warps, 1 stage), at stages 1:
-    - LEAN alone (instructions a value: the loop body 649 -> 597 a step at 4 rows), PREFETCH
-      0 and (K >= 2 steps) 2; the rest all with LEAN;
+    - LEAN alone (sm_90 at 4 rows, K = 4096: a step's loop body 649 -> 539 instructions, 128
+      -> 96 registers), PREFETCH 0 and (K >= 2 steps) 2; the rest all with LEAN;
     - CACHE 1 (.cg) / 2 (evict_first) on the words, PREFETCH 0 / 2 (and at 4 rows without
       LEAN, to tell the two apart);
     - UNROLL 2 (the next step's words issued during this one's math), BLOCK_K 1024 / 2048;
-    - MAXNREG: ptxas' register cap under the natural count (sm_90: 64 / 126 / 255 at rows
-      2 / 4 / 8): more programs an SM, at the price of spills;
+    - MAXNREG: ptxas' register cap under the natural count (sm_90 with LEAN: 63 / 96 / 168
+      at rows 2 / 4 / 8, 161 for the stream at 4): more programs an SM, maybe spills;
     - PERSIST p programs an SM (triton_int4_stream: the next step's words in flight during
       this one's math across row tiles): p 2 / 4 / 8 / 16 (8 programs of 128 registers x 64
       threads fill an SM's registers), with and without evict_first, BLOCK_K 1024 / 2048,
@@ -107,9 +107,9 @@ def stream_sweep(k: int) -> list[tuple]:
             out += [(bn, 2048, 2, 1, 0, 1, c, 1, 0, p, 1) for c in (0, 2)]
         out += [(bn, 1024, 1, 1, 0, 1, 2, 1, 0, p, 1) for p in (8, 16)]
     out += [(4, 2048, 2, 1, 0, 1, c) for c in (1, 2)]
-    for bn, regs in ((4, (72, 96)), (8, (128, 168))):
+    for bn, regs in ((4, (64, 80)), (8, (112, 128))):
         out += [(bn, 2048, 2, 1, 0, 1, c, 1, r, 0, 1) for r in regs for c in (0, 2)]
-    out += [(4, 2048, 2, 1, 0, 1, 2, 1, r, p, 1) for r, p in ((96, 10), (80, 12))]
+    out += [(4, 2048, 2, 1, 0, 1, 2, 1, r, p, 1) for r, p in ((128, 8), (96, 10), (80, 12))]
     return out
 
 

@@ -31,7 +31,7 @@ gemv = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT"
         "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
         "NUM_STAGES": "constexpr", "PREFETCH": "constexpr", "SPLIT": "constexpr",
         "CACHE": "constexpr", "UNROLL": "constexpr", "LEAN": "constexpr",
-        "XPAIRS": "constexpr"}
+        "XPAIRS": "constexpr", "FULL": "constexpr"}
 # the defaults, then split-K: one-shot (stages 1), pipelined with the prefetch, and with
 # the words prefetched in registers
 for n, kk, silu, cfg in ((4096, 4096, False, None), (4096, 14336, False, None),
@@ -45,7 +45,8 @@ for n, kk, silu, cfg in ((4096, 4096, False, None), (4096, 14336, False, None),
             "EVEN_K": kk % bk == 0,
             "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages,
             "PREFETCH": max(int(perm), prefetch),  # (both variants, not doubling compiles)
-            "SPLIT": split > 1, "CACHE": 0, "UNROLL": 1, "LEAN": False, "XPAIRS": False},
+            "SPLIT": split > 1, "CACHE": 0, "UNROLL": 1, "LEAN": False, "XPAIRS": False,
+            "FULL": False},
             {(i,): [["tt.divisibility", 16]] for i in range(16) if i != 11}),
             target=target, options={"num_warps": warps})
         assert "cubin" in k.asm
@@ -61,7 +62,8 @@ for cache, unroll, maxnreg, want in ((1, 1, None, "ld.global.cg.v4.b32"),
     k = triton.compile(ASTSource(T._int4_gemv_kernel, gemv, {
         "GROUP": 128, "HAS_PERM": False, "HAS_BIAS": False, "SILU": False, "EVEN_K": True,
         "BLOCK_N": 4, "BLOCK_K": 2048, "NUM_STAGES": 1, "PREFETCH": 0, "SPLIT": False,
-        "CACHE": cache, "UNROLL": unroll, "LEAN": unroll == 2, "XPAIRS": unroll == 2}, div),
+        "CACHE": cache, "UNROLL": unroll, "LEAN": unroll == 2, "XPAIRS": unroll == 2,
+        "FULL": unroll == 2}, div),
         target=target,
         options={"num_warps": 2, "maxnreg": maxnreg})
     ptx = k.asm["ptx"]
@@ -75,11 +77,13 @@ stream = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "N": "i32", "K": "
           "stride_qw": "i32", "stride_s": "i32", "magic": "i32", "GROUP": "constexpr",
           "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr",
           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "CACHE": "constexpr",
-          "LEAN": "constexpr", "XPAIRS": "constexpr", "WIDE": "constexpr"}
+          "LEAN": "constexpr", "XPAIRS": "constexpr", "EVEN_K": "constexpr",
+          "WIDE": "constexpr"}
 for silu in (False, True):
     k = triton.compile(ASTSource(TS._int4_gemv_stream_kernel, stream, {
         "GROUP": 128, "HAS_PERM": silu, "HAS_BIAS": not silu, "SILU": silu, "BLOCK_N": 4,
-        "BLOCK_K": 2048, "CACHE": 2, "LEAN": True, "XPAIRS": not silu, "WIDE": silu},
+        "BLOCK_K": 2048, "CACHE": 2, "LEAN": True, "XPAIRS": not silu, "EVEN_K": True,
+        "WIDE": silu},
         {(i,): [["tt.divisibility", 16]] for i in range(11)}),
         target=target, options={"num_warps": 2})
     assert k.asm["ptx"].count("ld.global.L1::evict_first.L2::cache_hint.v4") == 8

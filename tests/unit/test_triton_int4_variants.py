@@ -31,17 +31,21 @@ def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.mark.parametrize("silu,act,base,dtype", [
-    (False, False, (8, 128, 4, 1), torch.float32), (True, True, (2, 64, 2, 1), torch.float32),
-    (False, False, (4, 64, 2, 1), torch.bfloat16), (True, False, (2, 64, 2, 1), torch.bfloat16)])
-def test_int4_gemv_variants_bit_identical(silu, act, base, dtype):
+@pytest.mark.parametrize("silu,act,k,base,dtype", [
+    (False, False, 160, (8, 128, 4, 1), torch.float32),
+    (True, True, 160, (2, 64, 2, 1), torch.float32),
+    (False, False, 160, (4, 64, 2, 1), torch.bfloat16),
+    (True, False, 128, (2, 64, 2, 1), torch.bfloat16),
+    (False, True, 128, (4, 64, 2, 1), torch.float32)])
+def test_int4_gemv_variants_bit_identical(silu, act, k, base, dtype):
     """K = 160: 5 blocks, ragged against BLOCK_K 64 (3 steps) and 128 (2); N = 12 ragged
-    against BLOCK_N 8; the interpreter's 2 "SMs": PERSIST 1 runs 2 programs of several row
-    tiles each (a tile's last step mid-loop, the SiLU gate kept across its up steps),
-    PERSIST 3 up to 6 programs (capped at the 2 tiles of BLOCK_N 8). bf16 x: LEAN reads x
-    as int32 pairs (XPAIRS; both sides store bf16 the interpreter's way)."""
+    against BLOCK_N 8; K = 128 and N = 8 / 12 whole tiles (LEAN's unmasked loads); the
+    interpreter's 2 "SMs": PERSIST 1 runs 2 programs of several row tiles each (a tile's
+    last step mid-loop, the SiLU gate kept across its up steps), PERSIST 3 up to 6 programs
+    (capped at the 2 tiles of BLOCK_N 8). bf16 x: LEAN reads x as int32 pairs (XPAIRS; both
+    sides store bf16 the interpreter's way)."""
     exts = ((0, 1, 1, 2, 96, 0, 1), (0, 1, 2, 1, 0, 1), (0, 1, 1, 1, 0, 3, 1))
-    _checks.check_gemv_variants("cpu", 16 if silu else 12, 160, 32, (base,), exts, silu, act,
+    _checks.check_gemv_variants("cpu", 16 if silu else 12, k, 32, (base,), exts, silu, act,
                                 dtype, calls=1)
 
 

@@ -74,9 +74,12 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
                GROUP: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                PREFETCH: tl.constexpr, CACHE: tl.constexpr, UNROLL: tl.constexpr,
-               LEAN: tl.constexpr, XPAIRS: tl.constexpr):
+               LEAN: tl.constexpr, XPAIRS: tl.constexpr, FULL: tl.constexpr):
     # x (1, K) . W[rows] over the 32-value blocks [kb_lo, kb_hi) (kb_lo, kb_hi - kb_lo whole
-    # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32
+    # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32. LEAN
+    # (_gemv_block_sums) with FULL (N, K whole tiles): words, zeros, scales and x unmasked,
+    # so no zeroed destination registers nor predicates: with LEAN's other two, the sm_90 loop
+    # body at 4 rows x 2048 on 2 warps 649 -> 539 instructions, 128 -> 96 registers
     rows64 = rows.to(tl.int64)
     ob = tl.arange(0, BLOCK_K // 32)  # (NB,) NB = BLOCK_K / 32 blocks of 4 words a step
     oj = tl.arange(0, 4)
@@ -105,7 +108,7 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
             words = w_next
             w_next = _gemv_words(w_ptrs, kb + BLOCK_K // 32, kb_hi, ob, row_ok, CACHE)
         elif EVEN_K:
-            words = _load_words(w_ptrs + kb * 4, row_ok[:, None, None], CACHE)
+            words = _load_words(w_ptrs + kb * 4, row_ok[:, None, None], CACHE, FULL)
         else:
             words = _load_words(w_ptrs + kb * 4, row_ok[:, None, None] & blk_ok[None, :, None],
                                 CACHE)
@@ -115,10 +118,11 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
             z_next, s_next = _gemv_zs(Z, S, s_row, kb + BLOCK_K // 32, ob, row_ok, n_blocks,
                                       GROUP)
         else:
-            z, s = _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP)
+            z, s = _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP, FULL)
             zf = z.to(tl.float32)[:, :, None]
             s = s.to(tl.float32)
-        p = _gemv_block_sums(X, P, words, zf, magic, kb, blk_ok, HAS_PERM, LEAN, XPAIRS)
+        p = _gemv_block_sums(X, P, words, zf, magic, kb, blk_ok, HAS_PERM, LEAN, XPAIRS,
+                             EVEN_K and LEAN)
         acc += p * s[:, :, None]
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -130,7 +134,8 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                       PREFETCH: tl.constexpr, SPLIT: tl.constexpr, CACHE: tl.constexpr,
-                      UNROLL: tl.constexpr, LEAN: tl.constexpr, XPAIRS: tl.constexpr):
+                      UNROLL: tl.constexpr, LEAN: tl.constexpr, XPAIRS: tl.constexpr,
+                      FULL: tl.constexpr):
     # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
     # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
     # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
@@ -144,12 +149,12 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
         kb_hi = tl.minimum(kb_lo + blocks_per_split, n_blocks)
     y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
                    GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, CACHE,
-                   UNROLL, LEAN, XPAIRS)
+                   UNROLL, LEAN, XPAIRS, FULL)
     u = y
     if SILU:
         u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s,
                        magic, GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
-                       PREFETCH, CACHE, UNROLL, LEAN, XPAIRS)
+                       PREFETCH, CACHE, UNROLL, LEAN, XPAIRS, FULL)
     if SPLIT:
         # deterministic split-K in one launch (triton_int4_gemm's scheme): each split stores
         # its fp32 partial (gate then up rows: WS (splits, 1 or 2, N)); the split arriving last
@@ -228,7 +233,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         n_out, k, per_split, ws_stride, qweight.stride(0), scales.stride(0), MAGIC,
         GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-        PREFETCH=prefetch, SPLIT=split > 1, CACHE=cache, UNROLL=unroll, LEAN=lean, XPAIRS=xpairs,
-        num_warps=warps,
-        maxnreg=maxnreg or None)
+        PREFETCH=prefetch, SPLIT=split > 1, CACHE=cache, UNROLL=unroll, LEAN=lean,
+        XPAIRS=xpairs, FULL=lean and k % block_k == 0 and n_out % block_n == 0,
+        num_warps=warps, maxnreg=maxnreg or None)
     return y

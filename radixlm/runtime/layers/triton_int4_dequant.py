@@ -31,20 +31,31 @@ MAGIC = 0x4B000000  # bits of the float 2^23, passed to the kernels as a runtime
 
 
 @triton.jit
-def _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP: tl.constexpr):
-    # (BLOCK_N, NB) zeros, scales (as stored) of the blocks from kb on; 0 past K
+def _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP: tl.constexpr,
+             FULL: tl.constexpr = False):
+    # (BLOCK_N, NB) zeros, scales (as stored) of the blocks from kb on; 0 past K (FULL: no
+    # row or block is past N or K: unmasked)
     g = ((kb + ob) * 32) // GROUP  # (NB,) each block's group
+    if FULL:
+        return tl.load(Z + s_row + g[None, :]), tl.load(S + s_row + g[None, :])
     ok = row_ok[:, None] & (kb + ob < n_blocks)[None, :]
     return (tl.load(Z + s_row + g[None, :], mask=ok, other=0),
             tl.load(S + s_row + g[None, :], mask=ok, other=0.0))
 
 
 @triton.jit
-def _load_words(ptrs, ok, CACHE: tl.constexpr):
+def _load_words(ptrs, ok, CACHE: tl.constexpr, FULL: tl.constexpr = False):
     # CACHE 1: .cg (L2 only: a weight byte is read once, L1 keeps x, scales and zeros);
     # 2: evict_first (L1::evict_first + an L2 evict_first policy: weight lines leave first;
-    # ptxas refuses it together with .cg)
-    if CACHE == 2:
+    # ptxas refuses it together with .cg). FULL: unmasked (ok ignored)
+    if FULL:
+        if CACHE == 2:
+            w = tl.load(ptrs, eviction_policy="evict_first")
+        elif CACHE == 1:
+            w = tl.load(ptrs, cache_modifier=".cg")
+        else:
+            w = tl.load(ptrs)
+    elif CACHE == 2:
         w = tl.load(ptrs, mask=ok, other=0, eviction_policy="evict_first")
     elif CACHE == 1:
         w = tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")
@@ -62,13 +73,14 @@ def _gemv_words(w_ptrs, kb, kb_hi, ob, row_ok, CACHE: tl.constexpr):
 
 @triton.jit
 def _gemv_block_sums(X, P, words, zf, magic, kb, blk_ok, HAS_PERM: tl.constexpr,
-                     LEAN: tl.constexpr, XPAIRS: tl.constexpr):
+                     LEAN: tl.constexpr, XPAIRS: tl.constexpr, EVEN_K: tl.constexpr):
     # (BLOCK_N, NB, 4) sum over the 8 nibbles of (q - z) x for the NB blocks from block kb
     # on. LEAN: nibbles 5..7 from words >> 16 (one LOP3 each, see _nibble_minus_zero; the
     # same values); XPAIRS (LEAN with bf16 x, no perm, x 4-byte aligned): x read as int32
     # pairs of bf16, each to fp32 by one shift or one mask (cvt.f32.bf16 took PRMT + SHF).
-    # sm_90 loop body at 4 rows x 2048 on 2 warps (128 values a thread a step): 649 ->
-    # 613 instructions with the first, 597 with both; 128 -> 126 registers.
+    # EVEN_K: x unmasked (K a multiple of BLOCK_K: every block is in K). sm_90 loop body
+    # at 4 rows x 2048 on 2 warps (128 values a thread a step): 649 -> 613 instructions with
+    # the first, 597 with both; see _gemv_rows for the rest.
     NB: tl.constexpr = words.shape[1]
     ob = tl.arange(0, NB)
     cols0 = kb * 32 + ob[:, None] * 32 + tl.arange(0, 4)[None, :]  # (NB, 4) nibble 0's
@@ -77,15 +89,23 @@ def _gemv_block_sums(X, P, words, zf, magic, kb, blk_ok, HAS_PERM: tl.constexpr,
     p = tl.zeros(words.shape, tl.float32)
     for i in tl.static_range(8):
         if XPAIRS:  # columns 4i + (0, 1) and 4i + (2, 3) of each block: 2 int32
-            xw = tl.load(X.to(tl.pointer_type(tl.int32), bitcast=True) + pairs0 + 2 * i,
-                         mask=blk_ok[:, None], other=0)
+            xp = X.to(tl.pointer_type(tl.int32), bitcast=True) + pairs0 + 2 * i
+            if EVEN_K:
+                xw = tl.load(xp)
+            else:
+                xw = tl.load(xp, mask=blk_ok[:, None], other=0)
             x = tl.reshape(tl.join(xw << 16, xw & -65536), (NB, 4)).to(tl.float32,
                                                                          bitcast=True)
         else:
             cols = cols0 + 4 * i  # (NB, 4) stored columns of nibble i
-            if HAS_PERM:
-                cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
-            x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+            if EVEN_K:
+                if HAS_PERM:
+                    cols = tl.load(P + cols)
+                x = tl.load(X + cols).to(tl.float32)
+            else:
+                if HAS_PERM:
+                    cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
+                x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
         p += _nibble_minus_zero(words, whi, zf, magic, i, 16 if LEAN else 20) * x[None, :, :]
     return p
 

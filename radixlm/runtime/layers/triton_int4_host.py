@@ -46,8 +46,9 @@ def _gemv_knobs(config) -> tuple:
     factor, 1: none), MAXNREG (ptxas' register cap a thread, 0: none; a lower cap fits more
     programs an SM, at the price of spills), PERSIST (0: a program a row tile; p > 0: p
     programs an SM stream the row tiles one after another, the next tile's words in flight
-    during this tile's math: triton_int4_stream) and LEAN (1: the dequant in fewer
-    instructions, the same values: triton_int4._gemv_block_sums)."""
+    during this tile's math: triton_int4_stream) and LEAN (1: fewer instructions a value,
+    the same values: nibbles 5..7 one LOP3 each, bf16 x read as int32 pairs, no masks where
+    N and K are whole tiles; triton_int4_dequant._gemv_block_sums, triton_int4._gemv_rows)."""
     assert 4 <= len(config) <= 11, config
     block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist, lean = \
         tuple(config) + (0, 1, 0, 1, 0, 0, 0)[len(config) - 4:]

@@ -68,7 +68,8 @@ def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, ma
                              HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              CACHE: tl.constexpr, LEAN: tl.constexpr,
-                             XPAIRS: tl.constexpr, WIDE: tl.constexpr):
+                             XPAIRS: tl.constexpr, EVEN_K: tl.constexpr,
+                             WIDE: tl.constexpr):
     # SILU: W (2N, K) = [gate | up]; a tile's gate steps, then its up steps, then the epilogue
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -90,7 +91,7 @@ def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, ma
                                    stride_qw, stride_s, GROUP, BLOCK_N, NB, CACHE, WIDE)
         kb = st * NB
         p = _gemv_block_sums(X, P, cur_w, zf, magic, kb, kb + ob < n_blocks, HAS_PERM, LEAN,
-                             XPAIRS)  # (the one-tile kernel's math, term for term)
+                             XPAIRS, EVEN_K)  # (the one-tile kernel's math, term for term)
         acc += p * sf[:, :, None]
         if st == steps - 1:  # the tile's (half's) last step: reduce, store or keep the gate
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -130,5 +131,6 @@ def launch(x, qweight, scales, zeros, perm, bias, y, group, silu, block_n, block
         bias if bias is not None else scales, y, n_out, k, qweight.stride(0),
         scales.stride(0), MAGIC, GROUP=group, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k, CACHE=cache,
-        LEAN=lean, XPAIRS=xpairs, WIDE=qweight.numel() >= 2 ** 31 or scales.numel() >= 2 ** 31,
-        num_warps=warps, maxnreg=maxnreg or None)
+        LEAN=lean, XPAIRS=xpairs, EVEN_K=lean and k % block_k == 0,
+        WIDE=max(qweight.numel(), scales.numel()) >= 2 ** 31, num_warps=warps,
+        maxnreg=maxnreg or None)
