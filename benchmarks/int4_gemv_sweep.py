@@ -16,7 +16,7 @@ of processes (Triton's disk cache), so the timing loop only loads cubins.
 
     python benchmarks/int4_gemv_sweep.py [--shapes down o] [--quick]
 
-742 timings (gemv_sweep: 138 configs a shape at K = 4096, 190 at K = 14336; 73 of each from
+752 timings (gemv_sweep: 140 configs a shape at K = 4096, 192 at K = 14336; 75 of each from
 stream_sweep, the second round's knobs) of ~360 distinct kernels. The first round (379
 timings, 145 kernels) ran in 45 s on an H100 host; this one is estimated at ~2 min (written
 without a GPU; not yet run)."""
@@ -90,7 +90,8 @@ def stream_sweep(k: int) -> list[tuple]:
       LEAN, to tell the two apart);
     - UNROLL 2 (the next step's words issued during this one's math), BLOCK_K 1024 / 2048;
     - MAXNREG: ptxas' register cap under the natural count (sm_90 with LEAN: 63 / 96 / 168
-      at rows 2 / 4 / 8, 161 for the stream at 4): more programs an SM, maybe spills;
+      at rows 2 / 4 / 8, 166 for gate_up_silu at 4, 161 for the stream at 4): more programs
+      an SM, maybe spills;
     - PERSIST p programs an SM (triton_int4_stream: the next step's words in flight during
       this one's math across row tiles): p 2 / 4 / 8 / 16 (8 programs of 128 registers x 64
       threads fill an SM's registers), with and without evict_first, BLOCK_K 1024 / 2048,
@@ -107,7 +108,7 @@ def stream_sweep(k: int) -> list[tuple]:
             out += [(bn, 2048, 2, 1, 0, 1, c, 1, 0, p, 1) for c in (0, 2)]
         out += [(bn, 1024, 1, 1, 0, 1, 2, 1, 0, p, 1) for p in (8, 16)]
     out += [(4, 2048, 2, 1, 0, 1, c) for c in (1, 2)]
-    for bn, regs in ((4, (64, 80)), (8, (112, 128))):
+    for bn, regs in ((4, (64, 80, 128)), (8, (112, 128))):  # (128: gate_up_silu's 166)
         out += [(bn, 2048, 2, 1, 0, 1, c, 1, r, 0, 1) for r in regs for c in (0, 2)]
     out += [(4, 2048, 2, 1, 0, 1, 2, 1, r, p, 1) for r, p in ((128, 8), (96, 10), (80, 12))]
     return out
