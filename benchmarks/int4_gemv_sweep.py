@@ -16,9 +16,10 @@ of processes (Triton's disk cache), so the timing loop only loads cubins.
 
     python benchmarks/int4_gemv_sweep.py [--shapes down o] [--quick]
 
-379 timings (gemv_sweep: 65-66 configs a shape at K = 4096, 118 at K = 14336) of 145 distinct
-kernels: on a 16-core H100 host, estimated 1-3 min of compiles and ~1 min of timing (not yet
-run: written without a GPU)."""
+752 timings (gemv_sweep: 140 configs a shape at K = 4096, 192 at K = 14336; 75 of each from
+stream_sweep, the second round's knobs) of ~360 distinct kernels. The first round (379
+timings, 145 kernels) ran in 45 s on an H100 host; this one is estimated at ~2 min (written
+without a GPU; not yet run)."""
 
 from __future__ import annotations
 
@@ -44,15 +45,17 @@ DEV = "cuda"  # (a CPU dry run of bench_shape under Triton's interpreter sets "c
 
 
 def gemv_sweep(n: int, k: int) -> list[tuple]:
-    """Configs (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, SPLIT_K) to time at (N, K), the
-    default first. warps = BLOCK_K / 1024 always (gemv_config: one 16-byte block a thread).
+    """Configs (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, SPLIT_K[, CACHE, UNROLL, MAXNREG,
+    PERSIST, LEAN]) to time at (N, K), the default first. warps = BLOCK_K / 1024 always
+    (gemv_config: one 16-byte block a thread).
     - pipelined (stages 2 / 4, the words cp.async'ed ahead), prefetch off / on: rows 2 / 4 / 8,
       BLOCK_K 1024 / 2048, split-K 1 / 2 / 4 where each split keeps >= 2 steps;
     - one-shot (stages 1: a program's loads all issued at once, no shared memory): rows
       1 / 2 / 4 / 8, BLOCK_K 1024 / 2048 / 4096, split-K giving 1 or 2 steps a split (2:
       also with PREFETCH 2, the second step's words loaded with the first's);
     - stages 1 with PREFETCH 2 (the words one step ahead in registers) over whole K or in 2
-      splits: rows 2 / 4 / 8, BLOCK_K 1024 / 2048."""
+      splits: rows 2 / 4 / 8, BLOCK_K 1024 / 2048;
+    - stream_sweep's."""
     from radixlm.runtime.layers import triton_int4
 
     out = [tuple(triton_int4.gemv_config(n, k))]
@@ -73,8 +76,42 @@ def gemv_sweep(n: int, k: int) -> list[tuple]:
     for bn in (2, 4, 8):  # the words one step ahead in registers, whole K or in 2 splits
         for bk in (1024, 2048):
             out += [(bn, bk, bk // 1024, 1, 2, sp) for sp in (1, 2) if -(-k // bk) >= 2 * sp]
+    out += stream_sweep(k)
     seen = set()
     return [c for c in out if not (c in seen or seen.add(c))]
+
+
+def stream_sweep(k: int) -> list[tuple]:
+    """The second round's knobs (11-value configs, triton_int4_host._gemv_knobs) around the
+    first sweep's winners (rows 2 / 4 / 8, BLOCK_K 2048 on 2 warps, 1 stage), at stages 1:
+    - LEAN alone (sm_90 at 4 rows, K = 4096: a step's loop body 649 -> 539 instructions, 128
+      -> 96 registers), PREFETCH 0 and (K >= 2 steps) 2; the rest all with LEAN;
+    - CACHE 1 (.cg) / 2 (evict_first) on the words, PREFETCH 0 / 2 (and at 4 rows without
+      LEAN, to tell the two apart);
+    - UNROLL 2 (the next step's words issued during this one's math), BLOCK_K 1024 / 2048;
+    - MAXNREG: ptxas' register cap under the natural count (sm_90 with LEAN: 63 / 96 / 168
+      at rows 2 / 4 / 8, 166 for gate_up_silu at 4, 161 for the stream at 4): more programs
+      an SM, maybe spills;
+    - PERSIST p programs an SM (triton_int4_stream: the next step's words in flight during
+      this one's math across row tiles): p 2 / 4 / 8 / 16 (8 programs of 128 registers x 64
+      threads fill an SM's registers), with and without evict_first, BLOCK_K 1024 / 2048,
+      some with a register cap."""
+    out = []
+    steps = -(-k // 2048)
+    pfs = (0, 2) if steps >= 2 else (0,)
+    for bn in (2, 4, 8):
+        out += [(bn, 2048, 2, 1, pf, 1, c, 1, 0, 0, 1) for pf in pfs for c in (0, 1, 2)]
+        for bk in (1024, 2048):
+            if -(-k // bk) >= 2:
+                out += [(bn, bk, bk // 1024, 1, 0, 1, c, 2, 0, 0, 1) for c in (0, 2)]
+        for p in (2, 4, 8, 16):
+            out += [(bn, 2048, 2, 1, 0, 1, c, 1, 0, p, 1) for c in (0, 2)]
+        out += [(bn, 1024, 1, 1, 0, 1, 2, 1, 0, p, 1) for p in (8, 16)]
+    out += [(4, 2048, 2, 1, 0, 1, c) for c in (1, 2)]
+    for bn, regs in ((4, (64, 80, 128)), (8, (112, 128))):  # (128: gate_up_silu's 166)
+        out += [(bn, 2048, 2, 1, 0, 1, c, 1, r, 0, 1) for r in regs for c in (0, 2)]
+    out += [(4, 2048, 2, 1, 0, 1, 2, 1, r, p, 1) for r, p in ((128, 8), (96, 10), (80, 12))]
+    return out
 
 
 def _layer(n: int, k: int, seed: int = 0):

@@ -290,7 +290,8 @@ def test_int4_gemv_split_k_reads_every_nibble():
 def test_gemv_sweep_covers_the_defaults():
     """benchmarks/int4_gemv_sweep.py times the default first at each projection shape (its
     "best" can be the default), keeps warps = BLOCK_K / 1024 (gemv_config's layout rule) and
-    spans every knob: stages 1 / 2 / 4, prefetch 0 / 1 / 2, split-K off and on."""
+    spans every knob: stages 1 / 2 / 4, prefetch 0 / 1 / 2, split-K off and on, and the
+    streaming knobs (cache hints, unroll, register caps, persistent programs, LEAN)."""
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -302,6 +303,10 @@ def test_gemv_sweep_covers_the_defaults():
     for n, k, _ in SHAPES.values():
         cfgs = gemv_sweep(n, k)
         assert cfgs[0] == triton_int4.gemv_config(n, k) and len(set(cfgs)) == len(cfgs)
-        assert all(len(c) == 6 and c[2] == c[1] // 1024 for c in cfgs), (n, k)
+        assert all(c[2] == c[1] // 1024 for c in cfgs), (n, k)
         assert {c[3] for c in cfgs} >= {1, 2, 4} and {c[4] for c in cfgs} == {0, 1, 2}
-        assert {c[5] > 1 for c in cfgs} == {False, True} and len(cfgs) <= 130
+        assert {c[5] > 1 for c in cfgs} == {False, True} and len(cfgs) <= 200
+        knobs = [triton_int4._gemv_knobs(c)[6:] for c in cfgs]  # (all well formed)
+        assert {kn[0] for kn in knobs} == {0, 1, 2} and {kn[1] for kn in knobs} == {1, 2}
+        assert {kn[2] > 0 for kn in knobs} == {kn[3] > 0 for kn in knobs} == {False, True}
+        assert {kn[4] for kn in knobs} == {False, True}

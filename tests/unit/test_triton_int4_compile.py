@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixlm.runtime.layers import triton_int4 as T, triton_int4_gemm as TG
+from radixlm.runtime.layers import triton_int4_stream as TS
 
 target = GPUTarget("cuda", 90, 32)
 common = {"QW": "*i32", "S": "*fp16", "Z": "*u8", "P": "*i64"}
@@ -28,7 +29,9 @@ gemv = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT"
         "stride_qw": "i32", "stride_s": "i32", "magic": "i32", "GROUP": "constexpr",
         "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr",
         "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-        "NUM_STAGES": "constexpr", "PREFETCH": "constexpr", "SPLIT": "constexpr"}
+        "NUM_STAGES": "constexpr", "PREFETCH": "constexpr", "SPLIT": "constexpr",
+        "CACHE": "constexpr", "UNROLL": "constexpr", "LEAN": "constexpr",
+        "XPAIRS": "constexpr", "FULL": "constexpr"}
 # the defaults, then split-K: one-shot (stages 1), pipelined with the prefetch, and with
 # the words prefetched in registers
 for n, kk, silu, cfg in ((4096, 4096, False, None), (4096, 14336, False, None),
@@ -42,10 +45,48 @@ for n, kk, silu, cfg in ((4096, 4096, False, None), (4096, 14336, False, None),
             "EVEN_K": kk % bk == 0,
             "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages,
             "PREFETCH": max(int(perm), prefetch),  # (both variants, not doubling compiles)
-            "SPLIT": split > 1},
+            "SPLIT": split > 1, "CACHE": 0, "UNROLL": 1, "LEAN": False, "XPAIRS": False,
+            "FULL": False},
             {(i,): [["tt.divisibility", 16]] for i in range(16) if i != 11}),
             target=target, options={"num_warps": warps})
         assert "cubin" in k.asm
+# the streaming knobs (triton_int4._gemv_knobs) on the sweep's family (4 rows, BLOCK_K 2048,
+# 2 warps, 1 stage): each word load stays one 128-bit load a thread and takes the cache
+# operator asked for; UNROLL 2 copies the loop body (3 times the word loads: the unrolled
+# pair and the remainder loop); MAXNREG reaches ptxas; LEAN with x as int32 pairs (the
+# second) keeps x's loads 64-bit and out of shared memory (a layout conversion there would
+# need shared memory: 1 KB a program, where the reduction alone takes 32 bytes)
+div = {(i,): [["tt.divisibility", 16]] for i in range(16) if i != 11}
+for cache, unroll, maxnreg, want in ((1, 1, None, "ld.global.cg.v4.b32"),
+                                     (2, 2, 96, "ld.global.L1::evict_first.L2::cache_hint.v4")):
+    k = triton.compile(ASTSource(T._int4_gemv_kernel, gemv, {
+        "GROUP": 128, "HAS_PERM": False, "HAS_BIAS": False, "SILU": False, "EVEN_K": True,
+        "BLOCK_N": 4, "BLOCK_K": 2048, "NUM_STAGES": 1, "PREFETCH": 0, "SPLIT": False,
+        "CACHE": cache, "UNROLL": unroll, "LEAN": unroll == 2, "XPAIRS": unroll == 2,
+        "FULL": unroll == 2}, div),
+        target=target,
+        options={"num_warps": 2, "maxnreg": maxnreg})
+    ptx = k.asm["ptx"]
+    assert ptx.count(want) == 4 * (3 if unroll == 2 else 1), (want, ptx.count(want))
+    assert maxnreg is None or f".maxnreg {maxnreg}" in ptx
+    assert ptx.count("ld.global.v2.b32") == 8 * (3 if unroll == 2 else 1)  # x: 4 values
+    assert k.metadata.shared <= 32, k.metadata.shared
+# the persistent stream (triton_int4_stream): plain, and [gate | up] with the SiLU epilogue,
+# act-order and 64-bit offsets; its word loads (the first step's, the next one's in the loop)
+stream = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "N": "i32", "K": "i32",
+          "stride_qw": "i32", "stride_s": "i32", "magic": "i32", "GROUP": "constexpr",
+          "HAS_PERM": "constexpr", "HAS_BIAS": "constexpr", "SILU": "constexpr",
+          "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "CACHE": "constexpr",
+          "LEAN": "constexpr", "XPAIRS": "constexpr", "EVEN_K": "constexpr",
+          "WIDE": "constexpr"}
+for silu in (False, True):
+    k = triton.compile(ASTSource(TS._int4_gemv_stream_kernel, stream, {
+        "GROUP": 128, "HAS_PERM": silu, "HAS_BIAS": not silu, "SILU": silu, "BLOCK_N": 4,
+        "BLOCK_K": 2048, "CACHE": 2, "LEAN": True, "XPAIRS": not silu, "EVEN_K": True,
+        "WIDE": silu},
+        {(i,): [["tt.divisibility", 16]] for i in range(11)}),
+        target=target, options={"num_warps": 2})
+    assert k.asm["ptx"].count("ld.global.L1::evict_first.L2::cache_hint.v4") == 8
 gemm = {"X": "*bf16", **common, "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32",
         "M": "i32", "N": "i32", "K": "i32", "words_per_split": "i32",
         "stride_xm": "i32", "stride_ym": "i32", "stride_qw": "i32", "stride_s": "i32",

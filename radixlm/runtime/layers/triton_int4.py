@@ -30,6 +30,10 @@ ALU-bound near HBM speed on an H100/H200, so every op per value counts (the old 
                  p = sum (q - z) x in fp32, then acc += p * s: y = sum_g s * sum_{k in g} (q-z) x,
                  no rounding of W (closer to fp32 than the dequantized bf16 model).
                  gemv(..., silu=True): the MLP's [gate | up] with the SiLU-and-mul epilogue.
+                 Streaming knobs (config values 7-11, triton_int4_host._gemv_knobs):
+                 the word loads' cache operator, the K loop's unroll, a register cap,
+                 PERSIST: a persistent grid walking the row tiles (triton_int4_stream.py),
+                 LEAN: fewer instructions a value (_gemv_block_sums), the same values.
                  Split-K (config's SPLIT_K > 1): the K steps cut among SPLIT_K programs a row
                  tile (more programs and bytes in flight where N is small or K long; with
                  stages 1 and one step a split, a program issues all its loads at once),
@@ -46,6 +50,16 @@ import torch
 import triton
 import triton.language as tl
 
+# (gemv_config: the GEMV's default config a shape; _gemv_knobs: a config's values;
+# _counters: split-K's arrival counters)
+from radixlm.runtime.layers.triton_int4_host import (_COUNTERS, _counters,  # noqa: F401
+                                                     _gemv_knobs, gemv_config)
+# (the device helpers: the nibble -> fp32 step, loads, a block's sums, the store; MAGIC and
+# _nibble_minus_zero are triton_int4_gemm's too)
+from radixlm.runtime.layers.triton_int4_dequant import (MAGIC, _gemv_block_sums,  # noqa: F401
+                                                        _gemv_store, _gemv_words, _gemv_zs,
+                                                        _load_words, _nibble_minus_zero)
+
 # Int4Linear's dispatch (int4_linear=auto or triton): batch sizes up to this run the GEMV,
 # above it the GEMM. 1: the GEMV takes one row (at M = 2..16 the GEMM does the same dequant
 # work a weight and leaves the MACs to the tensor cores, so a multi-row GEMV should not win
@@ -56,54 +70,21 @@ GEMV_MAX_M = 1
 
 
 @triton.jit
-def _nibble_minus_zero(w, whi, zf, magic, I: tl.constexpr):
-    # (q_I - z) in fp32, exact: w / whi = words / words >> 20 (any shape), zf = z as fp32
-    # broadcastable to it. The magic float 2^(23-4j) has exponent field 150 - 4j, mantissa 0;
-    # nibble I < 5 is read in place (j = I), nibbles 5..7 from whi (j = I - 5). `magic` is the
-    # RUNTIME int32 MAGIC (bits of 2^23): were it a literal, ptxas would emit the & and the |
-    # as two LOP3s (one immediate each, seen in the sm_90 SASS); from a register it is one.
-    if I < 5:
-        f = ((w & (0xF << (4 * I))) | (magic - ((4 * I) << 23))).to(tl.float32, bitcast=True)
-        d = f - (zf + (1 << (23 - 4 * I)))
-    else:
-        f = ((whi & (0xF << (4 * I - 20))) | (magic - ((4 * I - 20) << 23))).to(
-            tl.float32, bitcast=True)
-        d = f - (zf + (1 << (43 - 4 * I)))
-    return d
-
-
-MAGIC = 0x4B000000  # bits of the float 2^23, passed to the kernels as a runtime argument
-
-
-@triton.jit
-def _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP: tl.constexpr):
-    # (BLOCK_N, NB) zeros, scales (as stored) of the blocks from kb on; 0 past K
-    g = ((kb + ob) * 32) // GROUP  # (NB,) each block's group
-    ok = row_ok[:, None] & (kb + ob < n_blocks)[None, :]
-    return (tl.load(Z + s_row + g[None, :], mask=ok, other=0),
-            tl.load(S + s_row + g[None, :], mask=ok, other=0.0))
-
-
-@triton.jit
-def _gemv_words(w_ptrs, kb, kb_hi, ob, row_ok):
-    # (BLOCK_N, NB, 4) words of the step from block kb on, 0 from kb_hi on
-    ok = row_ok[:, None, None] & (kb + ob < kb_hi)[None, :, None]
-    return tl.load(w_ptrs + kb * 4, mask=ok, other=0)
-
-
-@triton.jit
 def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
                GROUP: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-               PREFETCH: tl.constexpr):
+               PREFETCH: tl.constexpr, CACHE: tl.constexpr, UNROLL: tl.constexpr,
+               LEAN: tl.constexpr, XPAIRS: tl.constexpr, FULL: tl.constexpr):
     # x (1, K) . W[rows] over the 32-value blocks [kb_lo, kb_hi) (kb_lo, kb_hi - kb_lo whole
-    # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32
+    # steps of BLOCK_K, but kb_hi = K / 32 for the last): (BLOCK_N,) fp32. LEAN
+    # (_gemv_block_sums) with FULL (N, K whole tiles): words, zeros, scales and x unmasked,
+    # so no zeroed destination registers nor predicates: with LEAN's other two, the sm_90 loop
+    # body at 4 rows x 2048 on 2 warps 649 -> 539 instructions, 128 -> 96 registers
     rows64 = rows.to(tl.int64)
     ob = tl.arange(0, BLOCK_K // 32)  # (NB,) NB = BLOCK_K / 32 blocks of 4 words a step
     oj = tl.arange(0, 4)
     w_off = ob[:, None] * 4 + oj[None, :]  # (NB, 4) words of a step
     w_ptrs = QW + rows64[:, None, None] * stride_qw + w_off[None, :, :]  # (BLOCK_N, NB, 4)
-    x_off = ob[:, None] * 32 + oj[None, :]  # (NB, 4) the column of nibble 0 of each word
     s_row = rows64[:, None] * stride_s  # (BLOCK_N, 1)
     n_blocks = K // 32
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
@@ -117,34 +98,31 @@ def _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_
     if PREFETCH:
         z_next, s_next = _gemv_zs(Z, S, s_row, kb_lo, ob, row_ok, n_blocks, GROUP)
     if PREFETCH >= 2:
-        w_next = _gemv_words(w_ptrs, kb_lo, kb_hi, ob, row_ok)
-    for kb in tl.range(kb_lo, kb_hi, BLOCK_K // 32, num_stages=NUM_STAGES):  # first block
+        w_next = _gemv_words(w_ptrs, kb_lo, kb_hi, ob, row_ok, CACHE)
+    # UNROLL: Triton's unroller copies the body (with stages 1, lets ptxas issue the next
+    # step's loads before this step's math: what PREFETCH 2 does by hand)
+    for kb in tl.range(kb_lo, kb_hi, BLOCK_K // 32, num_stages=NUM_STAGES,
+                       loop_unroll_factor=UNROLL):  # kb: the step's first block
         blk_ok = kb + ob < n_blocks  # (NB,)
         if PREFETCH >= 2:
             words = w_next
-            w_next = _gemv_words(w_ptrs, kb + BLOCK_K // 32, kb_hi, ob, row_ok)
+            w_next = _gemv_words(w_ptrs, kb + BLOCK_K // 32, kb_hi, ob, row_ok, CACHE)
         elif EVEN_K:
-            words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None], other=0)
+            words = _load_words(w_ptrs + kb * 4, row_ok[:, None, None], CACHE, FULL)
         else:
-            words = tl.load(w_ptrs + kb * 4, mask=row_ok[:, None, None] & blk_ok[None, :, None],
-                            other=0)
+            words = _load_words(w_ptrs + kb * 4, row_ok[:, None, None] & blk_ok[None, :, None],
+                                CACHE)
         if PREFETCH:
             zf = z_next.to(tl.float32)[:, :, None]
             s = s_next.to(tl.float32)
             z_next, s_next = _gemv_zs(Z, S, s_row, kb + BLOCK_K // 32, ob, row_ok, n_blocks,
                                       GROUP)
         else:
-            z, s = _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP)
+            z, s = _gemv_zs(Z, S, s_row, kb, ob, row_ok, n_blocks, GROUP, FULL)
             zf = z.to(tl.float32)[:, :, None]
             s = s.to(tl.float32)
-        whi = words >> 20
-        p = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], tl.float32)
-        for i in tl.static_range(8):
-            cols = kb * 32 + x_off + 4 * i  # (NB, 4) stored columns of nibble i
-            if HAS_PERM:
-                cols = tl.load(P + cols, mask=blk_ok[:, None], other=0)
-            x = tl.load(X + cols, mask=blk_ok[:, None], other=0.0).to(tl.float32)
-            p += _nibble_minus_zero(words, whi, zf, magic, i) * x[None, :, :]
+        p = _gemv_block_sums(X, P, words, zf, magic, kb, blk_ok, HAS_PERM, LEAN, XPAIRS,
+                             EVEN_K and LEAN)
         acc += p * s[:, :, None]
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -155,7 +133,9 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
                       GROUP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SILU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
+                      PREFETCH: tl.constexpr, SPLIT: tl.constexpr, CACHE: tl.constexpr,
+                      UNROLL: tl.constexpr, LEAN: tl.constexpr, XPAIRS: tl.constexpr,
+                      FULL: tl.constexpr):
     # SILU: W (2N, K) = [gate | up], y (1, N) = silu(x W_gate^T) * (x W_up^T): program p
     # streams gate rows [p BLOCK_N, +BLOCK_N) then the matching up rows (the MLP's batch-1
     # gate_up + SiLU-and-mul in one launch, no (1, 2N) intermediate)
@@ -168,12 +148,13 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
         kb_lo = tl.program_id(1) * blocks_per_split
         kb_hi = tl.minimum(kb_lo + blocks_per_split, n_blocks)
     y = _gemv_rows(X, QW, S, Z, P, rows, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s, magic,
-                   GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH)
+                   GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES, PREFETCH, CACHE,
+                   UNROLL, LEAN, XPAIRS, FULL)
     u = y
     if SILU:
         u = _gemv_rows(X, QW, S, Z, P, rows + N, row_ok, K, kb_lo, kb_hi, stride_qw, stride_s,
                        magic, GROUP, HAS_PERM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES,
-                       PREFETCH)
+                       PREFETCH, CACHE, UNROLL, LEAN, XPAIRS, FULL)
     if SPLIT:
         # deterministic split-K in one launch (triton_int4_gemm's scheme): each split stores
         # its fp32 partial (gate then up rows: WS (splits, 1 or 2, N)); the split arriving last
@@ -201,19 +182,6 @@ def _int4_gemv_kernel(X, QW, S, Z, P, B, Y, WS, CNT, N, K, blocks_per_split, ws_
         _gemv_store(y, u, B, Y, rows, row_ok, HAS_BIAS, SILU)
 
 
-@triton.jit
-def _gemv_store(y, u, B, Y, rows, row_ok, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    if SILU:
-        # the roundings of the unfused path (gate_up stored in Y's dtype, F.silu rounded, the
-        # product rounded: layers/triton_ops' silu_and_mul)
-        g = y.to(Y.dtype.element_ty).to(tl.float32)
-        u = u.to(Y.dtype.element_ty).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32) * u
-    elif HAS_BIAS:
-        y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
-
-
 def _check(x, qweight, scales, zeros, group, perm):
     m, k = x.shape
     n = qweight.shape[0]
@@ -226,70 +194,29 @@ def _check(x, qweight, scales, zeros, group, perm):
     return m, n, k
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, SPLIT_K) for M == 1 (PREFETCH:
-    see _gemv_rows; SPLIT_K: programs a row tile along K): first by reasoning and the sm_90
-    compile (the points below), then by timing (the last paragraph):
-    - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
-      one 16-byte block per thread, 32 threads along a row, warps along the row too; x's
-      (BLOCK_K/32, 4) load then has 4 values a thread in exactly that layout. With fewer
-      blocks than 32 x warps (e.g. 1024 values on 4 warps) Triton loads x one value a thread
-      and converts it through shared memory with a barrier, 8 times a step (the TTGIR shows
-      11 convert_layout against 3).
-    - BLOCK_N 8: each thread holds 8 rows x 4 words, so one x load serves 8 rows and z, s per
-      (row, block) serve 32 values; 147 registers, no spills (16 rows at BLOCK_K 2048: 255
-      registers and spills).
-    - BLOCK_K 2048 = 1 KB of a row a step, 8 KB a program a step, 3 stages: K = 4096 is 2
-      steps, all of a program's 16 KB requested at once; N = 4096 gives 512 programs of 2
-      warps (~4 an SM: ~64 KB in flight an SM, what 4.8 TB/s x ~1 us of latency / 132 asks).
-    Smaller K: BLOCK_K the power of two >= K (ragged K is masked), warps accordingly.
-    Timed (H100, 2026-11-27, benchmarks/int4_gemv_sweep.py, 379 timings of the Llama-3.1-8B
-    shapes, weights read from HBM): at K >= 2048 the best for every shape was 4 rows x BLOCK_K
-    2048 on 2 warps in ONE stage (each program issues all its loads at once): qkv 14.2 -> 11.3,
-    o 11.9 -> 7.9, gate_up 54.2 -> 40.1, down 27.6 -> 22.8 us (1.1-1.5 TB/s; tinygemm 0.8-0.9x
-    of that time); down (K = 14336, 7 steps) with PREFETCH 2. No split-K config won (SPLIT_K 1).
-    Below K = 2048 the reasoning above stands (untimed)."""
-    if k >= 2048:
-        return 4, 2048, 2, 1, 2 if k > 8192 else 0, 1
-    bk = max(32, min(2048, triton.next_power_of_2(k)))
-    return 8, bk, max(1, bk // 1024), 3, 0, 1
-
-
-_COUNTERS: dict = {}  # device -> int32 zeros: split-K arrival counters, one a row tile
-
-
-def _counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
-    """The split-K counters (all zero between calls: each call's last split resets its own), or
-    None when they would first be allocated inside a CUDA graph capture (a capture records the
-    zero-fill without running it: the call then runs without split-K). Own counters, not the
-    GEMM's: the two kernels never run at once on a stream, but need not share a size."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
-
-
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None,
          config: Optional[tuple] = None,
          perm: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
     """x (1, K) -> y (1, N) in x's dtype (layout in the module docstring). perm: act-order,
     the stored column -> x column map (K,) int64. silu: W is [gate | up] (2I, K), y (1, I) =
-    silu(gate) * up (no bias). Split-K assumes one stream at a time per device (the counters
+    silu(gate) * up (no bias). config: 4 to 11 values (triton_int4_host._gemv_knobs),
+    gemv_config's when None. Split-K assumes one stream at a time per device (the counters
     are shared)."""
     m, n, k = _check(x, qweight, scales, zeros, group, perm)
     assert m == 1 and not (silu and (bias is not None or n % 2))
     n_out = n // 2 if silu else n
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    # config: gemv_config's 6 values, or 4 or 5 (PREFETCH 0, SPLIT_K 1 when left out)
-    block_n, block_k, warps, stages, *rest = config or gemv_config(n, k)
-    prefetch = int(rest[0]) if rest else 0
-    assert prefetch in (0, 1, 2), prefetch
-    split = rest[1] if len(rest) > 1 else 1
-    assert block_k % 32 == 0 and block_k & (block_k - 1) == 0 and split >= 1, (block_k, split)
+    block_n, block_k, warps, stages, prefetch, split, cache, unroll, maxnreg, persist, lean = \
+        _gemv_knobs(config or gemv_config(n, k))
+    xpairs = lean and perm is None and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0
+    if persist:
+        from radixlm.runtime.layers import triton_int4_stream
+
+        triton_int4_stream.launch(x, qweight, scales, zeros, perm, bias, y, group, silu,
+                                  block_n, block_k, warps, cache, maxnreg, persist, lean,
+                                  xpairs)
+        return y
     tiles = triton.cdiv(n_out, block_n)
     n_blocks, step = k // 32, block_k // 32
     per_split = triton.cdiv(triton.cdiv(n_blocks, step), split) * step  # whole steps a split
@@ -306,5 +233,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         n_out, k, per_split, ws_stride, qweight.stride(0), scales.stride(0), MAGIC,
         GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SILU=silu,
         EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-        PREFETCH=prefetch, SPLIT=split > 1, num_warps=warps)
+        PREFETCH=prefetch, SPLIT=split > 1, CACHE=cache, UNROLL=unroll, LEAN=lean,
+        XPAIRS=xpairs, FULL=lean and k % block_k == 0 and n_out % block_n == 0,
+        num_warps=warps, maxnreg=maxnreg or None)
     return y
