@@ -10,9 +10,10 @@ import torch
 import triton
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, SPLIT_K) for M == 1 (PREFETCH:
-    see triton_int4._gemv_rows; SPLIT_K: programs a row tile along K): first by reasoning and
+def gemv_config(n: int, k: int) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, SPLIT_K[, CACHE]) for M == 1
+    (PREFETCH: see triton_int4._gemv_rows; SPLIT_K: programs a row tile along K; CACHE 2: the
+    weights loaded evict-first, see _gemv_knobs): first by reasoning and
     the sm_90 compile (the points below), then by timing (the last paragraph):
     - num_warps = BLOCK_K / 1024: Triton lays the (BLOCK_N, BLOCK_K/32, 4) word tile out as
       one 16-byte block per thread, 32 threads along a row, warps along the row too; x's
@@ -32,9 +33,14 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int, int, int]:
     2048 on 2 warps in ONE stage (each program issues all its loads at once): qkv 14.2 -> 11.3,
     o 11.9 -> 7.9, gate_up 54.2 -> 40.1, down 27.6 -> 22.8 us (1.1-1.5 TB/s; tinygemm 0.8-0.9x
     of that time); down (K = 14336, 7 steps) with PREFETCH 2. No split-K config won (SPLIT_K 1).
+    A second sweep (same day, H100, 752 timings with the cache, unroll, register-cap, persistent
+    and LEAN variants) gained 3-10% at most; the plain config with evict-first weight loads
+    (CACHE 2, PREFETCH 0) was best or within 5% of the best for every shape: down 22.8 -> 20.9,
+    gate_up with the SiLU 41.6 -> 40.4, o 7.9 -> 7.4-7.7 us (qkv's best, 10.2 us, was BLOCK_K
+    1024 on 1 warp unrolled twice with LEAN: not taken, one rule for all).
     Below K = 2048 the reasoning above stands (untimed)."""
     if k >= 2048:
-        return 4, 2048, 2, 1, 2 if k > 8192 else 0, 1
+        return 4, 2048, 2, 1, 0, 1, 2
     bk = max(32, min(2048, triton.next_power_of_2(k)))
     return 8, bk, max(1, bk // 1024), 3, 0, 1
 
