@@ -11,9 +11,11 @@ Model (re-estimated every step):
 - A draft model (STANDALONE) adds cd seconds per draft forward: a chain of depth S costs
   cd * S on top (S = the longest draft of the step), cd measured as the draft forwards' own
   running mean (the target's c0 + c1 T is fitted on the step time without them).
-Choice: with E expected tokens and T tokens so far (E = T = B without drafts), a draft token
-of gain g raises the step's rate E / (c0 + c1 T + cd S) iff g > E * dc / (1 + rho T + rho_d S),
-rho = c1 / c0, rho_d = cd / c0, dc = rho (+ rho_d when the token deepens the chain).
+Choice: with E expected tokens and T tokens so far (E = T = B without drafts), a step costs
+P + c1 (T - B) + cd S, P the plain step of the batch (measured; else the line's c0 + c1 B: see
+`marginal`), and a draft token of gain g raises its rate iff
+g > E * dc / (1 + rho_m (T - B) + rho_dm S), rho_m = c1 / P, rho_dm = cd / P, dc = rho_m (+ rho_dm
+when the token deepens the chain).
 Tokens are taken in decreasing gain while that holds: a compute-bound batch (rho * T >> 1)
 drafts only near-certain tokens, a request whose drafts fail drafts nothing (0 = plain decode).
 A request not drafting for a while forgets its record (its estimate drifts back to the global
@@ -24,8 +26,7 @@ kernels, its host work, and on a GPU the step it cannot overlap): `ov`, the rece
 above a plain step of the batch (its recent mean) plus what the line's slope adds for the drafts,
 relative to that plain step; on a GPU the plain step is the overlapped one the scheduler runs when
 it skips the lookups (a lookup step cannot overlap: 4.65 against 4.31 ms at batch 1). Drafts must
-then also pay for it: a step verifies only if E / (1 + rho T + OV) > B / (1 + rho B), OV = ov (1 +
-rho B). (On an H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held
+then also pay for it: a step verifies only if E / (1 + rho_m (T - B) + rho_dm S + ov) > B. (On an H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held
 near its 1% prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
 Skipped steps and probes: when no draft could pay (`hopeless`), or, where a skipped step overlaps
 (a GPU), the last DRY_STEPS lookups found or verified nothing, the scheduler runs its plain
@@ -114,6 +115,21 @@ class AdaptivePolicy:
         ps, pt = self.pooled
         return (s + BUCKET_PRIOR * ps / pt) / (t + BUCKET_PRIOR)
 
+    def marginal(self, batch: int) -> tuple[float, float]:
+        """(rho_m, rho_dm): a verified token's and a draft forward's cost against a plain step
+        of this batch (c1 / P and cd / P). P is the plain step's measured time where there is
+        one: the line's c0 + c1 B is not a plain step where the cost is concave in T. On the
+        CPU one row streams the weights and more rows are compute-bound, so the line through
+        the verifies (SmolLM2 GGUF: 4-9 tokens, ~0.28 of a plain step a token) met T = 1 at
+        ~0.6 of the real plain step, and read every token as ~0.5 of one: with copy-heavy
+        drafts accepted ~95% of the time it still drafted 0-1 tokens in a third of the steps.
+        Without a measured plain step P = c0 + c1 B, and the choice is the line's own."""
+        rho, rho_d = self.cost.ratio(), self.draft_ratio()
+        c0 = self.cost.c0
+        plain = self._plain_time(batch) if c0 else None
+        scale = c0 / plain if plain else 1.0 / (1.0 + rho * batch)
+        return rho * scale, rho_d * scale
+
     def draft_ratio(self) -> float:
         """rho_d = cd / c0: a draft model's forward against the target step's fixed cost (0
         without a draft model or before both are measured: the first drafts measure them)."""
@@ -140,12 +156,12 @@ class AdaptivePolicy:
         skips the lookups). `recs`: the running requests' records (None: never drafted). Each
         request's acceptance is at most u = (succ + 4 top) / (trials + 4), top the best global
         rate; no draft pays when every u is below the first token's threshold
-        rho B / (1 + rho B), or when endless chains (u / (1 - u) expected tokens a request)
+        (rho_m + rho_dm) B (`marginal`), or when endless chains (u / (1 - u) expected tokens a request)
         together cannot pay the verify's overhead: a verify pays only if its extra tokens exceed
         B * ov (choose's test with no token cost), so one good request among 64 does not."""
         if not self.adaptive:
             return False
-        rho, B = self.cost.ratio(), len(recs)
+        B = len(recs)
         top = max(self._bucket_rate(b) for b in range(_MATCH_BUCKETS))
         bound, gain, w = top, 0.0, PRIOR_WEIGHT * top
         g_top = top / (1.0 - top) if top < 1.0 else math.inf
@@ -157,8 +173,8 @@ class AdaptivePolicy:
             if u > bound:
                 bound = u
             gain += u / (1.0 - u) if u < 1.0 else math.inf
-        rho_d = self.draft_ratio()  # the first draft token also opens the chain
-        if bound <= (rho + rho_d) * B / (1.0 + rho * B):
+        rho_m, rho_dm = self.marginal(B)  # the first draft token also opens the chain
+        if bound <= (rho_m + rho_dm) * B:
             return True
         return gain <= self.ov * B
 
@@ -219,8 +235,8 @@ class AdaptivePolicy:
             return ks
         if found and self.fast_skips and self._plain_time(B) is None:
             return [0] * B  # a plain step of this batch first: verifies are measured against it
-        rho, rho_d = self.cost.ratio(), self.draft_ratio()
-        OV = self.ov * (1.0 + rho * B)
+        rho_m, rho_dm = self.marginal(B)
+        OV = self.ov
         heap = []  # (-gain, request, j): each request's next draft token to consider
         rates = [0.0] * B
         for i, n in enumerate(lens):
@@ -234,8 +250,8 @@ class AdaptivePolicy:
         while heap and room > 0:
             neg, i, j = heap[0]
             g = -neg
-            dc = rho + (rho_d if j > S else 0.0)
-            if g <= E * dc / (1.0 + rho * T + rho_d * S + OV):
+            dc = rho_m + (rho_dm if j > S else 0.0)
+            if g <= E * dc / (1.0 + rho_m * (T - B) + rho_dm * S + OV):
                 break
             heapq.heappop(heap)
             ks[i] = j
@@ -245,7 +261,7 @@ class AdaptivePolicy:
             S = max(S, j)
             if j < lens[i]:
                 heapq.heappush(heap, (-g * rates[i], i, j + 1))
-        if T > B and E * (1.0 + rho * B) <= B * (1.0 + rho * T + rho_d * S + OV):
+        if T > B and E <= B * (1.0 + rho_m * (T - B) + rho_dm * S + OV):
             ks = [0] * B  # the tokens pay for themselves but not for the verify's overhead
         if T == B or not any(ks):
             # a lookup that verifies nothing: where skipping it lets the step overlap, it cost
@@ -296,8 +312,7 @@ class AdaptivePolicy:
         else:
             plain = self._plain_time(batch) if self.fast_skips else None
             if plain is not None:
-                rho = self.cost.ratio()
-                pred = plain * (1.0 + rho * tokens) / (1.0 + rho * batch)
+                pred = plain * (1.0 + self.marginal(batch)[0] * (tokens - batch))
                 extra = (seconds - pred) / plain
                 self.ov += OVERHEAD_EMA * (max(extra, 0.0) - self.ov)
                 if not self.ov_measured:  # the first measurement replaces the start value
