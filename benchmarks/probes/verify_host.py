@@ -63,7 +63,7 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _arm(eng, make_spec, prompt, steps: int, runs: int, top: int) -> dict:
+def _arm(eng, make_spec, prompt, steps: int, runs: int, top: int, dump=None) -> dict:
     sched = eng.scheduler
     params = {"temperature": 0, "max_new_tokens": steps, "ignore_eos": True}
 
@@ -113,6 +113,8 @@ def _arm(eng, make_spec, prompt, steps: int, runs: int, top: int) -> dict:
         runner.forward = plain_forward
     n = out["meta_info"]["completion_tokens"]
     st = pstats.Stats(prof)
+    if dump:
+        st.dump_stats(dump)
     total = st.total_tt
     wait = sum(ct for (_, _, name), (_, _, _, ct, _) in st.stats.items()
                if any(f"method '{w}'" in name for w in _WAITS))
@@ -138,6 +140,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=128, help="tokens per run")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--dump", default=None, help="a folder: each arm's pstats file (ARM.prof)")
     args = ap.parse_args(argv)
     import dataclasses
 
@@ -163,7 +166,10 @@ def main(argv=None) -> None:
             _arm(eng, make, prompt, 16, 1, 1)
         off = None
         for name, make in arms:
-            res = _arm(eng, make, prompt, args.steps, args.runs, args.top)
+            dump = os.path.join(args.dump, f"{name}.prof") if args.dump else None
+            if dump:
+                os.makedirs(args.dump, exist_ok=True)
+            res = _arm(eng, make, prompt, args.steps, args.runs, args.top, dump)
             res = {"arm": name, "device": eng.runner.device.type, **res}
             if off is None:
                 off = res

@@ -103,26 +103,27 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
     rows, reqs_part = flat[: 9 * R].view(9, R), flat[9 * R : 9 * R + 2 * B].view(2, B)
-    dev = {"row_b": rows[3], "row_j": rows[4], "draft": rows[5], "info_row": rows[6],
+    row = rows.unbind(0)  # (one op for the nine views)
+    dev = {"row_b": row[3], "row_j": row[4], "draft": row[5], "info_row": row[6],
            "grid": flat[9 * R + 2 * B :].view(B, K + 1)}
     if device_drafts is not None:
         _take_device_drafts(device_drafts, rows, dev)
-    req_pool.req_to_token[rows[2], rows[1]] = slots
+    req_pool.req_to_token[row[2], row[1]] = slots
     seq_lens = [n + e for n, e in zip(kv_lens, ext)]
     if as_decode:
         fb = ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=rows[0], positions=rows[1], out_cache_loc=slots,
-            req_pool_indices=rows[2], seq_lens=rows[8], logits_indices=rows[7],
+            mode=ForwardMode.DECODE, input_ids=row[0], positions=row[1], out_cache_loc=slots,
+            req_pool_indices=row[2], seq_lens=row[8], logits_indices=row[7],
             seq_lens_cpu=[p + 1 for p in positions])
         return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
-        input_ids=rows[0],
-        positions=rows[1],
+        input_ids=row[0],
+        positions=row[1],
         out_cache_loc=slots,
         req_pool_indices=reqs_part[0],
         seq_lens=reqs_part[1],
-        logits_indices=rows[7],
+        logits_indices=row[7],
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=kv_lens,
         extend_lens_cpu=ext,
