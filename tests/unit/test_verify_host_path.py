@@ -1,8 +1,8 @@
 """The host-side shortcuts of a speculative verify step, without a model: a lazy sampling take
 gives the eager take's tensors (and gathers none for a greedy batch without penalties), the
 freed slots taken as slices equal the gather, and the decode graphs' static inputs hold exactly
-the padding a bucket needs after batches of changing sizes (only rows a larger batch dirtied
-are padded again)."""
+the inputs and the padding a bucket needs after batches of changing sizes, packed or not (only
+rows a larger batch dirtied are padded again)."""
 
 from __future__ import annotations
 
@@ -98,10 +98,11 @@ def test_graph_inputs_are_padded_after_batches_of_changing_size():
     g.runner = types.SimpleNamespace(req_to_token_pool=types.SimpleNamespace(pad_row=pad_row))
     g.buckets = batch_size_buckets(32)
     g.max_bs = n = g.buckets[-1]
-    g.input_ids, g.positions, g.out_cache_loc = (torch.zeros(n, dtype=torch.int64)
-                                                 for _ in range(3))
-    g.req_pool_indices = torch.full((n,), pad_row, dtype=torch.int64)
-    g.seq_lens = torch.ones(n, dtype=torch.int64)
+    g.packed = torch.zeros(4, n, dtype=torch.int64)  # (as CudaGraphRunner.__init__ lays it out)
+    g.input_ids, g.positions, g.req_pool_indices, g.seq_lens = g.packed.unbind(0)
+    g.req_pool_indices.fill_(pad_row)
+    g.seq_lens.fill_(1)
+    g.out_cache_loc = torch.zeros(n, dtype=torch.int64)
     # like after a capture that left other values behind: the first replay pads its bucket
     g.seq_lens[3] = g.positions[3] = g.out_cache_loc[3] = 7
     g.graphs = {b: _Graph(g, b) for b in g.buckets}
@@ -110,14 +111,16 @@ def test_graph_inputs_are_padded_after_batches_of_changing_size():
     g._padded_from = n
     rng = random.Random(0)
     for bs in [1, 5, 5, 1, 5, 9, 3, 16, 2, 2, 31, 1] + [rng.randint(1, 32) for _ in range(60)]:
-        fb = types.SimpleNamespace(batch_size=bs, input_ids=torch.randint(0, 50, (bs,)),
-                                   positions=torch.randint(1, 50, (bs,)),
+        # a verify's batch packs four of its inputs (fb.graph_inputs), a plain decode does not
+        packed = torch.stack([torch.randint(0, 50, (bs,)), torch.randint(1, 50, (bs,)),
+                              torch.randint(0, 8, (bs,)), torch.randint(2, 50, (bs,))])
+        fb = types.SimpleNamespace(batch_size=bs, input_ids=packed[0], positions=packed[1],
                                    out_cache_loc=torch.randint(1, 50, (bs,)),
-                                   req_pool_indices=torch.randint(0, 8, (bs,)),
-                                   seq_lens=torch.randint(2, 50, (bs,)))
+                                   req_pool_indices=packed[2], seq_lens=packed[3],
+                                   graph_inputs=packed if rng.random() < 0.5 else None)
         g.replay(fb)
         seen = g.seen[-1]
-        for name in ("positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
             assert torch.equal(seen[name][:bs], getattr(fb, name)), (bs, name)
         assert (seen["out_cache_loc"][bs:] == 0).all() and (seen["positions"][bs:] == 0).all()
         assert (seen["req_pool_indices"][bs:] == pad_row).all(), bs

@@ -22,7 +22,11 @@ free), written at req_to_token[row_b, L_b : L_b + k_b + 1]. After acceptance the
 the first m_b (the tokens the request kept) and frees the others in the same step.
 
 Host -> device: everything the forward and the acceptance read is packed into one int64 tensor
-and copied once, before the forward; device -> host: one copy of the tokens after it.
+and copied once, before the forward; device -> host: one copy of each row's (accepted, token,
+draft) after it, from which the host counts the accepted prefixes. At batch 1 on a GPU the
+verify's host work cannot overlap the GPU (its drafts need the last step's tokens), so every
+device op on this path is a launch (~10-20 us) the step waits for: the layout is computed on
+the host, not by small device ops.
 """
 
 from __future__ import annotations
@@ -90,13 +94,14 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     grid = [d + [-1] * (K + 1 - len(d)) for d in drafts]  # (B, K + 1) drafts, -1 padded
     pool = [r.req_pool_idx for r in reqs]
     positions = [kv_lens[b] + j for b, j in zip(row_b, row_j)]
-    # rows (9, R): input id, position, pool row, request, j, next draft, sampling row, row
-    # index (the logits rows), position + 1 (a decode row's seq len); requests (2, B): pool
-    # row, seq len; then the (B, K + 1) grid. (Built here rather than by
-    # device ops: each op's launch is host time a verify cannot hide behind the GPU.)
-    host = torch.tensor(ids + positions + [pool[b] for b in row_b] + row_b + row_j + nxt
-                        + [running_rows[b] for b in row_b] + list(range(R))
-                        + [p + 1 for p in positions] + pool
+    # rows (9, R): input id, position, pool row, position + 1 (a decode row's seq len; the
+    # first four: a decode graph's inputs, fb.graph_inputs), request, j, next draft, sampling
+    # row, row index (the logits rows); requests (2, B): pool row, seq len; then the
+    # (B, K + 1) grid. (Built here rather than by device ops: each op's launch is host time a
+    # verify cannot hide behind the GPU.)
+    host = torch.tensor(ids + positions + [pool[b] for b in row_b] + [p + 1 for p in positions]
+                        + row_b + row_j + nxt + [running_rows[b] for b in row_b] + list(range(R))
+                        + pool
                         + [n + e for n, e in zip(kv_lens, ext)]
                         + list(itertools.chain.from_iterable(grid)), dtype=torch.int64)
     if device.type == "cuda":
@@ -104,7 +109,7 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     flat = host.to(device, non_blocking=True)
     rows, reqs_part = flat[: 9 * R].view(9, R), flat[9 * R : 9 * R + 2 * B].view(2, B)
     row = rows.unbind(0)  # (one op for the nine views)
-    dev = {"row_b": row[3], "row_j": row[4], "draft": row[5], "info_row": row[6],
+    dev = {"row_b": row[4], "row_j": row[5], "draft": row[6], "info_row": row[7],
            "grid": flat[9 * R + 2 * B :].view(B, K + 1)}
     if device_drafts is not None:
         _take_device_drafts(device_drafts, rows, dev)
@@ -113,8 +118,8 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     if as_decode:
         fb = ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=row[0], positions=row[1], out_cache_loc=slots,
-            req_pool_indices=row[2], seq_lens=row[8], logits_indices=row[7],
-            seq_lens_cpu=[p + 1 for p in positions])
+            req_pool_indices=row[2], seq_lens=row[3], logits_indices=row[8],
+            seq_lens_cpu=[p + 1 for p in positions], graph_inputs=rows[:4])
         return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
@@ -123,7 +128,7 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
         out_cache_loc=slots,
         req_pool_indices=reqs_part[0],
         seq_lens=reqs_part[1],
-        logits_indices=row[7],
+        logits_indices=row[8],
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=kv_lens,
         extend_lens_cpu=ext,
@@ -142,7 +147,7 @@ def _take_device_drafts(drafts: torch.Tensor, rows: torch.Tensor, dev: dict) -> 
         grid[:, :K] = torch.where(grid[:, :K] >= 0, drafts[:, :K], grid[:, :K])
     row_b, row_j = dev["row_b"], dev["row_j"]
     rows[0] = torch.where(row_j == 0, rows[0], grid[row_b, (row_j - 1).clamp(min=0)])
-    rows[5] = grid[row_b, row_j]
+    dev["draft"].copy_(grid[row_b, row_j])
 
 
 def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_grammar,
