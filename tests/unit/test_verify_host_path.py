@@ -74,6 +74,19 @@ def test_lazy_take_of_a_greedy_batch_gathers_nothing():
         taken.no_such_attribute
 
 
+def test_freeing_an_allocated_view_without_a_copy_keeps_the_order():
+    from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
+
+    a, b = TokenSlotAllocator(12), TokenSlotAllocator(12)
+    for alloc, copy in ((a, True), (b, False)):
+        s = alloc.alloc(7)
+        alloc.free(_rows_of(s, [2, 3, 4, 5]), copy=copy)
+        alloc.free(_rows_of(s, [0, 6]), copy=copy)
+        alloc.alloc(3)
+    assert torch.equal(a.free_slots, b.free_slots)
+    assert b.free_slots.tolist() == [11, 12, 3, 4, 5, 6, 1, 7]
+
+
 @pytest.mark.parametrize("rows", [[3], [2, 3, 4], [0, 1, 5, 6, 9], [1, 3, 5, 7, 9, 11],
                                   list(range(12))])
 def test_freed_rows_as_slices_equal_the_gather(rows):
