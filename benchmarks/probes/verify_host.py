@@ -3,15 +3,16 @@
     # GPU, the 8B shape on dummy weights (CUDA graphs, overlap on for the plain steps):
     python benchmarks/probes/verify_host.py --model-path benchmarks/configs/llama-3.1-8b \
         --load-format dummy --tokenizer-path DIR --verify-tokens 5,9
-    # CPU, the bundled SmolLM2:
-    python benchmarks/probes/verify_host.py --device cpu --verify-tokens 5
+    # CPU, the bundled SmolLM2 (--as-decode: the verify as a decode batch, a GPU's path):
+    python benchmarks/probes/verify_host.py --device cpu --verify-tokens 5 [--as-decode]
 
 One engine (NGRAM, adaptive off). Drafts are random token ids (benchmarks/speculative.py's
 stand-in, never accepted), so every verify of N tokens appends one token, like a plain step.
 Per arm (off: the plain decode; on N: a fixed verify of N tokens) one request decodes
---steps tokens, --runs times (the best run counts), with cProfile and a TorchDispatchMode
-counting torch ops in the scheduler thread during the last run. Prints one JSON line per arm:
-  tok_s            tokens / wall time of the best run (no profiler)
+--steps tokens --runs times (the best run counts), then once under cProfile and once under a
+TorchDispatchMode counting torch ops, both in the scheduler thread. One JSON line per arm:
+  tok_s            tokens / wall time of the best run (no profiler); tok_s_ratio_off_on: off's
+                   over this arm's (a verify step's cost in plain steps)
   profile_s        the scheduler thread's profiled time per step, the forward left out
   sync_wait_s      per step, time inside the device waits (`.tolist()`, `.item()`,
                    Event/stream synchronize): the GPU's share, not host work
@@ -38,7 +39,6 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _ROOT not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, _ROOT)
 
-import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.offline_throughput import default_model_path  # noqa: E402
@@ -140,6 +140,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=128, help="tokens per run")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--as-decode", action="store_true",
+                    help="CPU: run the verify as a decode batch, the path a GPU's graphs take")
     ap.add_argument("--dump", default=None, help="a folder: each arm's pstats file (ARM.prof)")
     args = ap.parse_args(argv)
     import dataclasses
@@ -154,6 +156,8 @@ def main(argv=None) -> None:
         if getattr(args, name) not in (None, "auto"):
             kw[name] = getattr(args, name)
     eng = radixlm.Engine(**kw)
+    if args.as_decode:  # (what tests/unit/test_speculative.py does for the same path)
+        eng.runner.replays_decode_graph = lambda rows: True
     try:
         ngram_drafter.propose = _random_drafts(eng.scheduler.vocab_size, 1)
         prompt = list(range(100, 164))
