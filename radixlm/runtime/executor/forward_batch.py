@@ -51,6 +51,9 @@ class ForwardBatch:
     capture_layers: tuple = ()
     # (T, len(capture_layers) * hidden) those hidden states, concatenated in capture order
     aux_hidden: Optional[torch.Tensor] = None
+    # DECODE, optional: (4, B) int64 rows input_ids, positions, req_pool_indices, seq_lens (the
+    # same values as those fields): a decode graph's replay copies them in one op, not four
+    graph_inputs: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:

@@ -59,8 +59,11 @@ class TokenSlotAllocator:
         self._head = self._head[n:]
         return out
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: torch.Tensor, copy: bool = True) -> None:
+        """`copy=False`: `slots` (int64 on this device) is never written again, e.g. a view of
+        what alloc() returned (the free list is only ever replaced, not written): queued as it
+        is, one device op fewer (a speculative verify frees its rejected slots every step)."""
         if slots.numel():
             # a copy: callers free views of tensors they later overwrite (req_to_token rows)
-            self._queued.append(slots.to(self.device, torch.int64, copy=True).reshape(-1))
+            self._queued.append(slots.to(self.device, torch.int64, copy=copy).reshape(-1))
             self._queued_n += int(slots.numel())

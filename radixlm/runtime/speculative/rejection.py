@@ -41,10 +41,10 @@ def accept_rows(logits: torch.Tensor, info: SamplingBatchInfo, reqs: list, draft
     `draft_probs` (R, V) float32, rows summing to 1: the distribution q each row's draft was
     drawn from (rows without a draft: ignored); None: every draft is a point mass."""
     info.apply_penalties_and_masks(logits)
-    has = draft >= 0
     if info.is_all_greedy:
         ids = cpu_fused.argmax_rows(logits)  # the plain sampler's argmax: the same tie-break
-        return has & (ids == draft), ids
+        return ids == draft, ids  # (ids >= 0: a row without a draft, -1, never accepts)
+    has = draft >= 0
     greedy_ids = logits.argmax(dim=-1) if info.any_greedy else None
     probs = sampler.filtered_probs(logits, info)  # (R, V), unnormalized
     p = probs.div_(probs.sum(dim=-1, keepdim=True))  # (R, V) the target's distribution

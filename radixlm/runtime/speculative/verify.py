@@ -22,7 +22,11 @@ free), written at req_to_token[row_b, L_b : L_b + k_b + 1]. After acceptance the
 the first m_b (the tokens the request kept) and frees the others in the same step.
 
 Host -> device: everything the forward and the acceptance read is packed into one int64 tensor
-and copied once, before the forward; device -> host: one copy of the tokens after it.
+and copied once, before the forward; device -> host: one copy of each row's (accepted, token,
+draft) after it, from which the host counts the accepted prefixes. At batch 1 on a GPU the
+verify's host work cannot overlap the GPU (its drafts need the last step's tokens), so every
+device op on this path is a launch (~10-20 us) the step waits for: the layout is computed on
+the host, not by small device ops.
 """
 
 from __future__ import annotations
@@ -50,8 +54,7 @@ class VerifyPlan:
     kv_lens: list[int]  # kv_len of each before the step
     slots: torch.Tensor  # (R,) the step's new KV slots, in row order
     row_b: list[int]  # (R,) host: each row's request
-    dev: dict  # device views: row_b, row_j, draft, info_row (R,); offsets, ext (B,);
-    #            grid (B, K + 1)
+    dev: dict  # device views: row_b, row_j, draft, info_row (R,); grid (B, K + 1)
 
     @property
     def num_rows(self) -> int:
@@ -91,37 +94,41 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     grid = [d + [-1] * (K + 1 - len(d)) for d in drafts]  # (B, K + 1) drafts, -1 padded
     pool = [r.req_pool_idx for r in reqs]
     positions = [kv_lens[b] + j for b, j in zip(row_b, row_j)]
-    # rows (7, R): input id, position, pool row, request, j, next draft, sampling row;
-    # requests (4, B): pool row, seq len, first row, rows; then the (B, K + 1) grid
-    host = torch.tensor(ids + positions + [pool[b] for b in row_b] + row_b + row_j + nxt
-                        + [running_rows[b] for b in row_b] + pool
-                        + [n + e for n, e in zip(kv_lens, ext)] + offsets + ext
+    # rows (9, R): input id, position, pool row, position + 1 (a decode row's seq len; the
+    # first four: a decode graph's inputs, fb.graph_inputs), request, j, next draft, sampling
+    # row, row index (the logits rows); requests (2, B): pool row, seq len; then the
+    # (B, K + 1) grid. (Built here rather than by device ops: each op's launch is host time a
+    # verify cannot hide behind the GPU.)
+    host = torch.tensor(ids + positions + [pool[b] for b in row_b] + [p + 1 for p in positions]
+                        + row_b + row_j + nxt + [running_rows[b] for b in row_b] + list(range(R))
+                        + pool
+                        + [n + e for n, e in zip(kv_lens, ext)]
                         + list(itertools.chain.from_iterable(grid)), dtype=torch.int64)
     if device.type == "cuda":
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
-    rows, reqs_part = flat[: 7 * R].view(7, R), flat[7 * R : 7 * R + 4 * B].view(4, B)
-    dev = {"row_b": rows[3], "row_j": rows[4], "draft": rows[5], "info_row": rows[6],
-           "offsets": reqs_part[2], "ext": reqs_part[3],
-           "grid": flat[7 * R + 4 * B :].view(B, K + 1)}
+    rows, reqs_part = flat[: 9 * R].view(9, R), flat[9 * R : 9 * R + 2 * B].view(2, B)
+    row = rows.unbind(0)  # (one op for the nine views)
+    dev = {"row_b": row[4], "row_j": row[5], "draft": row[6], "info_row": row[7],
+           "grid": flat[9 * R + 2 * B :].view(B, K + 1)}
     if device_drafts is not None:
         _take_device_drafts(device_drafts, rows, dev)
-    req_pool.req_to_token[rows[2], rows[1]] = slots
+    req_pool.req_to_token[row[2], row[1]] = slots
     seq_lens = [n + e for n, e in zip(kv_lens, ext)]
     if as_decode:
         fb = ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=rows[0], positions=rows[1], out_cache_loc=slots,
-            req_pool_indices=rows[2], seq_lens=rows[1] + 1,
-            logits_indices=torch.arange(R, device=device), seq_lens_cpu=[p + 1 for p in positions])
+            mode=ForwardMode.DECODE, input_ids=row[0], positions=row[1], out_cache_loc=slots,
+            req_pool_indices=row[2], seq_lens=row[3], logits_indices=row[8],
+            seq_lens_cpu=[p + 1 for p in positions], graph_inputs=rows[:4])
         return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
-        input_ids=rows[0],
-        positions=rows[1],
+        input_ids=row[0],
+        positions=row[1],
         out_cache_loc=slots,
         req_pool_indices=reqs_part[0],
         seq_lens=reqs_part[1],
-        logits_indices=torch.arange(R, device=device),
+        logits_indices=row[8],
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=kv_lens,
         extend_lens_cpu=ext,
@@ -140,7 +147,7 @@ def _take_device_drafts(drafts: torch.Tensor, rows: torch.Tensor, dev: dict) -> 
         grid[:, :K] = torch.where(grid[:, :K] >= 0, drafts[:, :K], grid[:, :K])
     row_b, row_j = dev["row_b"], dev["row_j"]
     rows[0] = torch.where(row_j == 0, rows[0], grid[row_b, (row_j - 1).clamp(min=0)])
-    rows[5] = grid[row_b, row_j]
+    dev["draft"].copy_(grid[row_b, row_j])
 
 
 def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_grammar,
@@ -150,12 +157,13 @@ def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_
     `apply_grammar(logits)` masks the constrained rows (before logprobs, as plain decoding
     does); `draft_probs` (R, V): the draft model's q of each row's draft (None: point masses,
     see rejection.py)."""
-    B, R = len(plan.reqs), plan.num_rows
+    R = plan.num_rows
     dev = plan.dev
     row_b, row_j, grid = dev["row_b"], dev["row_j"], dev["grid"]
     K = grid.shape[1] - 1
     # row r's sampling parameters: its request's, with the drafts before it counted as output
-    info = running_info.take([plan.running_rows[b] for b in plan.row_b], index=dev["info_row"])
+    info = running_info.take([plan.running_rows[b] for b in plan.row_b], index=dev["info_row"],
+                             lazy=True)
     if info.output_counts is not None and K:
         before = grid[row_b, :K].clamp(min=0)  # (R, K) request's drafts; those at >= j unseen
         seen = (torch.arange(K, device=grid.device).view(1, -1) < row_j.view(-1, 1)).float()
@@ -164,23 +172,26 @@ def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_
         info.min_tokens_left = (info.min_tokens_left - row_j).clamp_(min=0)
     apply_grammar(logits)
     raw = logits.clone() if want_logprob else None
-    accept, token = accept_rows(logits, info, [plan.reqs[b] for b in plan.row_b], dev["draft"],
+    draft = dev["draft"]
+    accept, token = accept_rows(logits, info, [plan.reqs[b] for b in plan.row_b], draft,
                                 sampler, draft_probs)
-
-    offsets = dev["offsets"]
-    cols = torch.arange(K, device=grid.device).view(1, -1)
-    in_draft = cols < dev["ext"].view(-1, 1) - 1  # (B, K): j < k_b
-    acc = accept[(offsets.view(-1, 1) + cols).clamp(max=R - 1)] & in_draft  # (B, K)
-    n = acc.to(torch.int64).cumprod(dim=1).sum(dim=1)  # (B,) leading accepted drafts
-    last = token[offsets + n]  # (B,) the correction, or the bonus after a fully accepted draft
-    emitted = grid.scatter(1, n.view(-1, 1), last.view(-1, 1))  # (B, K + 1)
     lp = None
     if want_logprob:
-        # (R,) the token each row emits if it is kept (rows past a rejection: unused, >= 0)
-        chosen = emitted[row_b, row_j].clamp(min=0)
+        # (R,) the token each row emits if it is kept: row j < n_b was accepted (its draft),
+        # row n_b was not (or has no draft: the bonus row), so it emits its own token; rows
+        # past a rejection are unused (>= 0 either way)
+        chosen = torch.where(accept, draft, token)
         vals, top_vals, top_ids = token_logprobs(raw, chosen, top_logprobs_num)
         lp = LogprobRows(SampleOutput(chosen, vals, top_vals, top_ids, raw_logits=raw))
-    flat = torch.cat([n, emitted.view(-1)]).tolist()  # the step's one sync
-    accepted = flat[:B]
-    rows = [flat[B + b * (K + 1) : B + b * (K + 1) + accepted[b] + 1] for b in range(B)]
+    # the step's one sync; the leading accepted drafts of each request are counted here, on
+    # the host (a handful of ints), rather than by a chain of small device ops before it
+    flat = torch.cat([accept, token, draft]).tolist()
+    acc, tok, drafted = flat[:R], flat[R : 2 * R], flat[2 * R :]
+    accepted, rows = [], []
+    for b, off in enumerate(plan.offsets):
+        n, k = 0, len(plan.drafts[b])
+        while n < k and acc[off + n]:
+            n += 1
+        accepted.append(n)
+        rows.append(drafted[off : off + n] + [tok[off + n]])
     return VerifyResult(accepted, rows, lp)

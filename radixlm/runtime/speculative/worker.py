@@ -217,13 +217,22 @@ class Speculator:
                 stats["spec_accepted_tokens"] += res.accepted[b]
         self.after_verify(fb, plan, kept_kv)
         if free:
-            sched.allocator.free(plan.slots[torch.tensor(free, device=plan.slots.device)])
-        dev = sched.device
-        sched.running_info.advance(torch.tensor(kept_rows, device=dev),
-                                   torch.tensor(kept_toks, device=dev), counts)
+            # (plan.slots: what alloc() returned, never written: no copy needed)
+            sched.allocator.free(_rows_of(plan.slots, free), copy=False)
+        sched.running_info.advance(kept_rows, kept_toks, counts)
         sched._retire(reqs, keep)
         self.settle(reqs, accepted)
         return reqs
+
+
+def _rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for ascending `rows`, as slices when they form few runs (a batch-1 verify frees
+    one run): a view costs no host -> device copy of the index, nor an indexing kernel."""
+    runs = [0] + [i for i in range(1, len(rows)) if rows[i] != rows[i - 1] + 1] + [len(rows)]
+    if len(runs) > 5:  # more than 4 runs: one index copy and one gather are cheaper
+        return t[torch.tensor(rows, device=t.device)]
+    parts = [t[rows[a]: rows[b - 1] + 1] for a, b in zip(runs, runs[1:])]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def draft_room(req: Req, max_draft: int, context_len: int) -> int:
