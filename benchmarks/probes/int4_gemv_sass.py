@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     for shape in args.shape:
         n, k, _ = SHAPES[shape]
         cfgs = [tuple(args.config)] if args.config else \
-            [T.gemv_config(n, k), tuple(T.gemv_config(n, k)) + (0, 1, 0, 0, 1)]
+            [T.gemv_config(n, k), tuple(T._gemv_knobs(T.gemv_config(n, k)))[:10] + (1,)]
         for cfg in cfgs:
             print(json.dumps(describe(shape, cfg)), flush=True)
     return 0

@@ -38,14 +38,15 @@ for n, kk, silu, cfg in ((4096, 4096, False, None), (4096, 14336, False, None),
                          (28672, 4096, True, None), (4096, 14336, False, (2, 2048, 2, 1, 0, 7)),
                          (28672, 4096, True, (4, 1024, 1, 4, 1, 2)),
                          (4096, 14336, False, (4, 1024, 1, 1, 2, 2))):
-    bn, bk, warps, stages, prefetch, split = cfg or T.gemv_config(n, kk)
+    knobs = T._gemv_knobs(cfg or T.gemv_config(n, kk))
+    bn, bk, warps, stages, prefetch, split, cache = knobs[:7]
     for perm in ((False, True) if cfg is None else (True,)):
         k = triton.compile(ASTSource(T._int4_gemv_kernel, gemv, {
             "GROUP": 128, "HAS_PERM": perm, "HAS_BIAS": not silu, "SILU": silu,
             "EVEN_K": kk % bk == 0,
             "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages,
             "PREFETCH": max(int(perm), prefetch),  # (both variants, not doubling compiles)
-            "SPLIT": split > 1, "CACHE": 0, "UNROLL": 1, "LEAN": False, "XPAIRS": False,
+            "SPLIT": split > 1, "CACHE": cache, "UNROLL": 1, "LEAN": False, "XPAIRS": False,
             "FULL": False},
             {(i,): [["tt.divisibility", 16]] for i in range(16) if i != 11}),
             target=target, options={"num_warps": warps})

@@ -26,8 +26,9 @@ kernels, its host work, and on a GPU the step it cannot overlap): `ov`, the rece
 above a plain step of the batch (its recent mean) plus what the line's slope adds for the drafts,
 relative to that plain step; on a GPU the plain step is the overlapped one the scheduler runs when
 it skips the lookups (a lookup step cannot overlap: 4.65 against 4.31 ms at batch 1). Drafts must
-then also pay for it: a step verifies only if E / (1 + rho_m (T - B) + rho_dm S + ov) > B. (On an H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held
-near its 1% prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
+then also pay for it: a step verifies only if E / (1 + rho_m (T - B) + rho_dm S + ov) > B. (On an
+H200 a verify cost ~1.3 ms over a 4.1 ms plain step at batch 1 while the line, held near its 1%
+prior, predicted ~0.1 ms: exploring drafts that never passed cost 6%.)
 Skipped steps and probes: when no draft could pay (`hopeless`), or, where a skipped step overlaps
 (a GPU), the last DRY_STEPS lookups found or verified nothing, the scheduler runs its plain
 step (overlapped on a GPU) without even looking drafts up; every `probe_interval` such steps one
@@ -156,9 +157,10 @@ class AdaptivePolicy:
         skips the lookups). `recs`: the running requests' records (None: never drafted). Each
         request's acceptance is at most u = (succ + 4 top) / (trials + 4), top the best global
         rate; no draft pays when every u is below the first token's threshold
-        (rho_m + rho_dm) B (`marginal`), or when endless chains (u / (1 - u) expected tokens a request)
-        together cannot pay the verify's overhead: a verify pays only if its extra tokens exceed
-        B * ov (choose's test with no token cost), so one good request among 64 does not."""
+        (rho_m + rho_dm) B (`marginal`), or when endless chains (u / (1 - u) expected tokens a
+        request) together cannot pay the verify's overhead: a verify pays only if its extra
+        tokens exceed B * ov (choose's test with no token cost), so one good request among 64
+        does not."""
         if not self.adaptive:
             return False
         B = len(recs)
