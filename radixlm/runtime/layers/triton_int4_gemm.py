@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from radixlm.runtime.layers.triton_int4 import MAGIC, _check, _nibble_minus_zero
+from radixlm.runtime.layers.triton_int4_host import split_counters
 
 
 @triton.jit
@@ -194,13 +195,7 @@ def _counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
     """The split-K counters (all zero between calls: each call's last split resets its own),
     or None when they would first be allocated inside a CUDA graph capture (a capture records
     the zero-fill without running it: the caller then runs without split-K)."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
+    return split_counters(_COUNTERS, device, tiles, 4096)
 
 
 def gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

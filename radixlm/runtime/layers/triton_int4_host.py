@@ -77,10 +77,18 @@ def _counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
     None when they would first be allocated inside a CUDA graph capture (a capture records the
     zero-fill without running it: the call then runs without split-K). Own counters, not the
     GEMM's: the two kernels never run at once on a stream, but need not share a size."""
-    c = _COUNTERS.get(device)
+    return split_counters(_COUNTERS, device, tiles, 16384)
+
+
+def split_counters(store: dict, device: torch.device, tiles: int,
+                   floor: int) -> Optional[torch.Tensor]:
+    """store[device]: (>= max(tiles, floor),) int32 zeros, grown when too short; None when
+    they would first be allocated inside a CUDA graph capture (the GEMV's and the GEMM's
+    split-K counters, each in its own store)."""
+    c = store.get(device)
     if c is None or c.numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        c = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
+        c = torch.zeros(max(tiles, floor), dtype=torch.int32, device=device)
+        store[device] = c
     return c
