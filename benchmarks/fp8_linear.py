@@ -44,6 +44,8 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from benchmarks.kernel_bench import capture  # noqa: E402
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 MS = (1, 8, 32, 128, 512, 2048)
@@ -72,17 +74,7 @@ def meta(command: str) -> dict:
 def graph_time_us(fn, n_calls: int, reps: int = 10) -> float:
     """Per call: `fn(i)` for i in range(n_calls) captured in one CUDA graph, replayed `reps`
     times between CUDA events (what a decode step's graph does: no launch gaps)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # compile / pick kernels outside the capture
-        for i in range(min(n_calls, 2)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            fn(i)
+    g = capture(fn, n_calls)
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

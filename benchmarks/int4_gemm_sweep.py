@@ -10,8 +10,7 @@ or fails to compile is returned and skipped by the timing loop (reported as a sw
 
 from __future__ import annotations
 
-import multiprocessing
-import os
+from benchmarks.kernel_bench import pool_failures
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 GEMM_TILES = tuple((bm, bn, bk, w, st) for bm in (16, 32, 64) for bn in (64, 128, 256)
@@ -72,13 +71,8 @@ def precompile(jobs, workers: int = 0, chunk: int = 6) -> dict:
     count less one, at most 15). Returns the failures {(n, k, m, cfg): error}."""
     if not jobs:
         return {}
-    workers = workers or max(1, min(15, (os.cpu_count() or 2) - 1))
     # configs cut into chunks: the pool balances the load (a kernel two chunks share, the
     # same config at another shape, may compile twice at once: harmless, the cache is atomic)
     parts = [(n, k, m, cfgs[i:i + chunk]) for n, k, m, cfgs in jobs
              for i in range(0, len(cfgs), chunk)]
-    failed: dict = {}
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        for f in pool.imap_unordered(_worker, parts):
-            failed.update(f)
-    return failed
+    return pool_failures(_worker, parts, workers)

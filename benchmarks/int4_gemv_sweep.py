@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -34,6 +33,8 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if os.path.dirname(_HERE) not in sys.path:
     sys.path.insert(0, os.path.dirname(_HERE))
+
+from benchmarks.kernel_bench import capture, pool_failures  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
           "gate_up": (28672, 4096, False), "gate_up_silu": (28672, 4096, True),
@@ -153,31 +154,16 @@ def _worker(job):
 
 
 def precompile(jobs, workers: int = 0, chunk: int = 4) -> dict:
-    workers = workers or max(1, min(15, (os.cpu_count() or 2) - 1))
     parts = [(label, cfgs[i:i + chunk]) for label, cfgs in jobs
              for i in range(0, len(cfgs), chunk)]
-    failed: dict = {}
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        for f in pool.imap_unordered(_worker, parts):
-            failed.update(f)
-    return failed
+    return pool_failures(_worker, parts, workers)
 
 
 def median_us(fn, n_calls: int, reps: int = REPS) -> float:
     """Median over `reps` replays of one CUDA graph of fn(0..n_calls-1), per call."""
     import torch
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # compile / allocate outside the capture
-        for i in range(min(n_calls, 2)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            fn(i)
+    g = capture(fn, n_calls)
     for _ in range(3):
         g.replay()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
