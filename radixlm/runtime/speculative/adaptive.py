@@ -96,7 +96,8 @@ class AdaptivePolicy:
         start = [0.0, 0.0] if self.fast_skips else [1.0, 2.0]  # (a GPU: the pooled rate)
         self.glob = [list(start) for _ in range(_MATCH_BUCKETS)]  # (succ, trials) per bucket
         self.pooled = [1.0, 2.0]  # (succ, trials) over all buckets; starts at 1/2
-        self.ov = 0.0  # a verify's fixed overhead, in plain steps of its batch
+        self.ov = 0.0  # a verify's fixed overhead, in plain steps of its batch (>= 0)
+        self._ov_mean = 0.0  # ... the recent verifies' signed excess (EMA), whose floor is ov
         self.ov_measured = False
         self.plain: dict[int, float] = {}  # batch size -> recent plain steps' mean seconds
         self.fast: dict[int, float] = {}  # ... of the steps run without lookups (overlapped)
@@ -319,9 +320,14 @@ class AdaptivePolicy:
             if plain is not None:
                 pred = plain * (1.0 + self.marginal(batch)[0] * (tokens - batch))
                 extra = (seconds - pred) / plain
-                self.ov += OVERHEAD_EMA * (max(extra, 0.0) - self.ov)
+                # the mean of the signed excess, floored at 0 only when used: clamping each
+                # sample first read step-time noise (both signs) as overhead (a CPU's bs1
+                # copy-heavy run held ov at 0.2-1.5 with no fixed cost to explain it)
                 if not self.ov_measured:  # the first measurement replaces the start value
-                    self.ov, self.ov_measured = max(extra, 0.0), True
+                    self._ov_mean, self.ov_measured = extra, True
+                else:
+                    self._ov_mean += OVERHEAD_EMA * (extra - self._ov_mean)
+                self.ov = max(self._ov_mean, 0.0)
             if self.probing:  # the probe's outcome sets when the next one runs
                 self._end_probe(self.probe_found)
                 self.probe_found = False
