@@ -42,6 +42,7 @@ if _ROOT not in sys.path:  # run as a script: the repository's packages
 
 import torch  # noqa: E402
 
+from benchmarks.peers.compare import cpu_info, git_commit  # noqa: E402
 from radixlm.runtime.mem_cache import page_reader  # noqa: E402
 from radixlm.runtime.mem_cache.host_pool import HostKVPool  # noqa: E402
 from radixlm.runtime.mem_cache.kv_pool import KVPool  # noqa: E402
@@ -72,6 +73,9 @@ def _args(argv=None):
                     help="CRC-32 implementations to compare (zlib; zlib-ng when installed)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the temporary store goes (default: TMPDIR)")
+    ap.add_argument("--result-file", default=None,
+                    help="also append the lines to this file (benchmarks/results/store_read-*.jsonl)")
+    ap.add_argument("--note", default=None, help="free text stored with each line")
     args = ap.parse_args(argv)
     per_page = PAGE_TOKENS * LAYER_BYTES
     if args.page_bytes <= 0 or args.page_bytes % per_page:
@@ -150,6 +154,11 @@ def main(argv=None) -> None:
     try:
         store, keys = _write_store(folder, args.pages, args.page_bytes)
         nbytes = args.pages * args.page_bytes
+        cpu = cpu_info()
+        meta = {"device": (torch.cuda.get_device_name() + " host" if pinned else cpu["device"]),
+                "cpu_model": cpu["cpu_model"], "git_commit": git_commit(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "command": "python " + " ".join(sys.argv), "note": args.note}
         arms = []
         for path in args.paths.split(","):
             for crc in (args.crcs if path != "read_only" else [None]):
@@ -167,14 +176,18 @@ def main(argv=None) -> None:
                 else:
                     times.append(_reader_round(host, store, keys, threads, path == "direct"))
             best, median = min(times), statistics.median(times)
-            print(json.dumps({
+            line = json.dumps({
                 "probe": "store_read", "path": path, "threads": threads, "read_chunk": chunk,
                 "pages": args.pages, "page_bytes": args.page_bytes,
                 "gb_s": round(nbytes / best / 1e9, 3),
                 "gb_s_median": round(nbytes / median / 1e9, 3),
                 "tokens_s": round(args.pages * PAGE_TOKENS / best),
                 "crc": crc, "rounds": args.rounds, "pinned": pinned, "cpus": os.cpu_count(),
-                "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
+                "load_avg": round(os.getloadavg()[0], 2), **meta})
+            print(line, flush=True)
+            if args.result_file:
+                with open(args.result_file, "a") as f:
+                    f.write(line + "\n")
         store.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
