@@ -74,7 +74,7 @@ def _args(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the temporary store goes (default: TMPDIR)")
     ap.add_argument("--result-file", default=None,
-                    help="also append the lines to this file (benchmarks/results/store_read-*.jsonl)")
+                    help="also append the lines to this file (results/store_read-*.jsonl)")
     ap.add_argument("--note", default=None, help="free text stored with each line")
     args = ap.parse_args(argv)
     per_page = PAGE_TOKENS * LAYER_BYTES
