@@ -99,7 +99,7 @@ def byte_view(out, nbytes: int) -> memoryview:
         if out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(f"get_into: out must be a contiguous CPU tensor (got {out.device}, "
                              f"contiguous={out.is_contiguous()})")
-        out = out.view(torch.uint8).numpy()  # the same memory (pinned too), as a buffer
+        out = out.detach().view(torch.uint8).numpy()  # the same memory (pinned too), a buffer
     view = memoryview(out)
     if view.readonly or not view.c_contiguous:
         raise ValueError("get_into: out must be a writable, contiguous buffer")
