@@ -37,15 +37,17 @@ def warm_store(tiny_path, tmp_path_factory):  # noqa: F811
 
 
 def _slow_reads(eng, seconds: float) -> None:
-    """Every page read of the engine's store first sleeps (a store on a congested network)."""
+    """Every page read of the engine's store first sleeps (a store on a congested network): both
+    read forms, `get` (scattered host slots) and `get_into` (a run of host rows)."""
     store = eng.scheduler.tree_cache.storage
-    real_get = store.get
+    for name in ("get", "get_into"):
+        real = getattr(store, name)
 
-    def slow_get(key):
-        time.sleep(seconds)
-        return real_get(key)
+        def slow(*args, _real=real):
+            time.sleep(seconds)
+            return _real(*args)
 
-    store.get = slow_get
+        setattr(store, name, slow)
 
 
 def _cache_call(eng, fn):

@@ -3,9 +3,11 @@
 A `PrefetchOp` follows one waiting request's prompt: the pages past what the tree holds on the
 device or the host, by content key. It runs in two jobs on the reader thread:
   1. lookup: how many of the op's leading pages the store has (`exists`, which may be optimistic);
-  2. read: the found pages (`get`, verified by the store) decoded straight into host slots that
-     the scheduler allocated for them between the two jobs (the host allocator is the
-     scheduler's alone). A page that is missing, truncated, corrupt or foreign ends the read.
+  2. read: the found pages, verified by the store, into host slots that the scheduler allocated
+     for them between the two jobs (the host allocator is the scheduler's alone): a page whose
+     slots are one run of host rows is read straight into them (`get_into`), a scattered one
+     through `get` and a copy. A page that is missing, truncated, corrupt or foreign ends the
+     read.
 The thread reports through `news` (lookup results, each page landed, a read's end); the
 scheduler applies them at the start of a step (tier_prefetch.py) and never blocks on a job.
 
@@ -15,11 +17,13 @@ was admitted with part of its pages) stops at the next page; slots the reader ma
 writing stay held until its read ends.
 
 With the thread, a read keeps up to READ_AHEAD pages in flight on a small pool of fetchers (a
-store's read and check, the copy into the host rows: file reads, zlib's CRC and torch's copy all
-release the GIL), and lands them in order: one thread read ~1 GB/s, below the rate an H200
-prefills an 8B model's KV (~4 GB/s), so restarts recomputed what the store held. The read rate
-a read reports is its bytes over its wall time, so the cache compares what the store really
-delivers with what a prefill computes.
+store's read and check, straight into the host rows or through a copy: file reads, the CRC and
+torch's copy all release the GIL), and lands them in order: one thread read ~1 GB/s, below the
+rate an H200 prefills an 8B model's KV (~4 GB/s), so restarts recomputed what the store held.
+(get + put_rows also crossed memory three times a page and faulted in a fresh page-sized buffer
+for each: get_into reads into the rows once; benchmarks/probes/store_read.py measures both.)
+The read rate a read reports is its bytes over its wall time, so the cache compares what the
+store really delivers with what a prefill computes.
 
 `threaded=False` (tests): no thread; `work(units)` runs queued jobs on the caller's thread, one
 unit = one lookup or one page read, so a test decides exactly where each read stands.
@@ -38,6 +42,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from radixlm.runtime.mem_cache.host_pool import contiguous_runs
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +84,11 @@ class PrefetchOp:
 
 
 class PageReader:
-    def __init__(self, host, page_tokens: int, threaded: bool = True):
+    def __init__(self, host, page_tokens: int, threaded: bool = True, direct: bool = True):
         self.host, self.page = host, page_tokens
+        # pages whose slots are one run are read straight into the host rows (`get_into`);
+        # False: always get + put_rows (benchmarks/probes/store_read.py compares the two)
+        self.direct = direct
         self.news: collections.deque = collections.deque()  # reader -> scheduler, in order
         # called (reader thread) after a lookup's or a read's end: an idle scheduler loop that
         # polls its inbox can wake at once instead of at its next poll (Engine sets it)
@@ -189,13 +198,32 @@ class PageReader:
     def _fetch(self, op: PrefetchOp, j: int) -> Optional[int]:
         """Page j of op from its store into the op's host slots; its bytes, or None (missing or
         bad). Any thread: the op's slots are its own, page j's rows no other fetch's."""
+        slots = op.slots[j * self.page:(j + 1) * self.page]
+        rows = self._rows_of(slots) if self.direct else None
+        if rows is not None:
+            # straight into the rows (the file store reads into them, then checks). A page that
+            # fails leaves garbage there, never served: rows past `landed` belong to the op
+            # alone (held: out of the tree and the free list) until the read's end frees them,
+            # and only landed pages ever join the tree (tier_prefetch.py); a freed slot is
+            # written (a backup, a later read) before anything reads it
+            return rows.numel() if op.storage.get_into(op.keys[j], rows) else None
         payload = op.storage.get(op.keys[j])
         if payload is None:
             return None
         page = decode_page(payload, self.host.block_shape(self.page), self.host.dtype)
         # (P, L, 2, H, D) into the op's own slots: no other thread reads or writes these rows
-        self.host.put_rows(op.slots[j * self.page:(j + 1) * self.page], page)
+        self.host.put_rows(slots, page)
         return len(payload)
+
+    def _rows_of(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
+        """The host rows of `slots` as one flat uint8 tensor (the same memory, pinned on CUDA),
+        when they are one run of consecutive slots (a slot-major run is one contiguous block,
+        the page's layout); None when scattered (then get + put_rows)."""
+        runs = contiguous_runs(slots, 1)
+        if not runs:
+            return None
+        _, first, n = runs[0]
+        return self.host.kv[first:first + n].view(torch.uint8).view(-1)
 
     def _read_ahead(self, job: "_Job") -> None:
         """A read job on the thread: pages fetched READ_AHEAD at a time, landed in order. Its end

@@ -11,6 +11,11 @@ same way, by implementing these methods and registering a name in `storage/__ini
 - `get(key)` returns the page's payload, verified (length and checksum, stored key == key), or
   None when the page is missing, truncated, corrupt or foreign. It never raises for a bad page and
   never returns one: the caller then recomputes those tokens.
+- `get_into(key, out)` is `get` into the caller's buffer (`out`: a writable, contiguous CPU
+  buffer of exactly `page_bytes`, e.g. a uint8 view of host-pool rows): True when a verified page
+  is there. On False `out` may hold any bytes (a store may read into it before it checks); the
+  caller must not use them. The default is `get` and a copy; a store that can read straight into
+  `out` (the file store) saves a pass over the page and the page-sized allocation.
 - `put(key, payload)` stores a page (payload: bytes-like, `page_bytes` long; called from the
   cache's page-writer thread, while the scheduler's thread may call `exists` / `get`), possibly
   asynchronously (a later `get` of a queued page must
@@ -26,6 +31,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Optional
 
+import torch
+
 
 class StorageBackend(ABC):
     page_bytes: int  # every payload's size
@@ -35,6 +42,14 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def get(self, key: bytes) -> Optional[bytes]: ...
+
+    def get_into(self, key: bytes, out) -> bool:
+        dest = byte_view(out, self.page_bytes)
+        payload = self.get(key)
+        if payload is None:
+            return False
+        dest[:] = memoryview(payload).cast("B")
+        return True
 
     @abstractmethod
     def put(self, key: bytes, payload: bytes) -> bool: ...
@@ -74,3 +89,21 @@ class StorageBackend(ABC):
 
     def stats(self) -> dict:
         return {}
+
+
+def byte_view(out, nbytes: int) -> memoryview:
+    """`out` (a CPU torch tensor, or any object with the buffer protocol) as a writable flat byte
+    view of exactly nbytes; ValueError for anything else (a wrong size is a caller's bug: a page
+    of another layout would land in rows it does not fit)."""
+    if isinstance(out, torch.Tensor):
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"get_into: out must be a contiguous CPU tensor (got {out.device}, "
+                             f"contiguous={out.is_contiguous()})")
+        out = out.detach().view(torch.uint8).numpy()  # the same memory (pinned too), a buffer
+    view = memoryview(out)
+    if view.readonly or not view.c_contiguous:
+        raise ValueError("get_into: out must be a writable, contiguous buffer")
+    view = view.cast("B")
+    if view.nbytes != nbytes:
+        raise ValueError(f"get_into: out is {view.nbytes} bytes, a page is {nbytes}")
+    return view

@@ -6,7 +6,8 @@ File layout (64-byte header, then the payload):
 The payload is the page's KV as the host pool holds it (mem_cache/host_pool.py): slot-major,
 (page tokens, layers, 2 [K, V], KV heads, head dim) in the KV dtype. Format 2 had the same header
 and a layer-major payload (layers, 2, page tokens, heads, dim), the host pool's old layout.
-A read checks all four against what it asked for; a file that fails (truncated by a crash, bytes
+A read (`get`, or `get_into` straight into the caller's buffer, the host pool's rows) checks
+all four against what it asked for; a file that fails (truncated by a crash, bytes
 flipped, a page of another key copied or renamed into place, another format) is reported missing,
 deleted, and its tokens are recomputed: a bad page is never served.
 
@@ -14,14 +15,18 @@ Why CRC-32 and not a cryptographic hash: the check is against accidents (a crash
 flipped byte, a file copied over another), and the key in the header catches a page put in the
 wrong place. Format 1 used BLAKE2b-128, ~0.2-0.5 GB/s a thread: below the rate an H200 makes and
 loads KV for an 8B model (one page of 64 tokens is 8 MiB), so the store dropped pages it could
-not write in time and read slower than a prefill recomputes them. zlib's CRC-32 runs at ~2-4
-GB/s a thread and, like file reads and writes, releases the GIL, so the store's threads run in
-parallel. A format-1 or format-2 file reads as "not a radixlm page file": removed and recomputed
-(its payload has the same length as a format-3 one, so the magic is what tells them apart).
+not write in time and read slower than a prefill recomputes them. The standard library's
+zlib computes CRC-32 at ~2-4 GB/s a thread (measured 3.8 GB/s on this project's CPU), which
+bounds a thread's page reads below the page cache's copy rate (7-15 GB/s a thread there);
+zlib-ng's (PyPI `zlib-ng`: the same CRC-32, its SIMD code) ran at ~50 GB/s there, so it is used
+when installed, else zlib's: files are the same either way. Both, like file reads and writes,
+release the GIL, so the store's threads run in parallel. A format-1 or format-2 file reads as
+"not a radixlm page file": removed and recomputed (its payload has the same length as a
+format-3 one, so the magic is what tells them apart).
 
 Writes run on WRITER_THREADS background threads of the store's own (pages come from the cache's
-page writer thread, mem_cache/page_writer.py): each page goes to a temporary file in the same folder and is renamed into place, so a
-reader never sees half a page. No fsync: a crash can leave a truncated or empty page, which the
+page writer thread, mem_cache/page_writer.py): each page goes to a temporary file in the same
+folder and is renamed into place, so a reader never sees half a page. No fsync: a crash can leave a truncated or empty page, which the
 checks above catch. A full disk (ENOSPC, EDQUOT) turns writes off for this process with one
 warning; reads go on. Queued pages are served from memory until they are on disk.
 """
@@ -35,10 +40,16 @@ import queue
 import shutil
 import struct
 import threading
-import zlib
 from typing import Optional
 
-from radixlm.runtime.mem_cache.storage.base import StorageBackend
+try:  # the same CRC-32 as zlib's, ~10x faster (see above); optional
+    from zlib_ng.zlib_ng import crc32
+    CRC_IMPL = "zlib-ng"
+except ImportError:
+    from zlib import crc32
+    CRC_IMPL = "zlib"
+
+from radixlm.runtime.mem_cache.storage.base import StorageBackend, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +57,28 @@ MAGIC = b"RLMKVPG3"
 _HEADER = struct.Struct("<8s32sQ16s")
 WRITER_THREADS = 4  # pages written at once: each thread's CRC + write runs without the GIL
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# get_into's read(2) size: a piece well inside a core's L2 (1-2 MiB on current server CPUs), so
+# its CRC reads it from cache (see _read_checked)
+READ_CHUNK = 256 << 10
 
 
-def _checksum(payload) -> bytes:
+def _checksum_field(crc: int) -> bytes:
     """The header's 16-byte checksum field: CRC-32 (LE) padded with zeros."""
-    return zlib.crc32(payload).to_bytes(4, "little") + bytes(12)
+    return crc.to_bytes(4, "little") + bytes(12)
+
+
+def _read_checked(f, dest: memoryview) -> tuple[int, int]:
+    """Read f (unbuffered) into dest until it is full or the file ends: (bytes read, their
+    CRC-32). In READ_CHUNK pieces, each CRC'd right after its read(2), while it is in the core's
+    cache: one 8 MiB read, then its CRC, would fetch the page from memory a second time."""
+    got, crc = 0, 0
+    while got < len(dest):
+        n = f.readinto(dest[got:got + READ_CHUNK])
+        if not n:
+            break
+        crc = crc32(dest[got:got + n], crc)
+        got += n
+    return got, crc
 
 
 class FileStorage(StorageBackend):
@@ -105,35 +133,77 @@ class FileStorage(StorageBackend):
         except OSError as e:
             logger.warning("hicache: reading %s failed (%s); recomputing those tokens", path, e)
             return None
-        problem = self._check(key, header, payload)
+        problem = self._check_header(key, header)
         if problem is None:
-            self._known.add(key)
-            self._count("pages_read")
-            return payload
-        self._count("pages_corrupt")
-        logger.warning("hicache: ignoring %s (%s); its tokens are recomputed", path, problem)
-        self._known.discard(key)
-        try:
-            os.remove(path)  # let the recomputed page be written again
-        except OSError:
-            pass
-        return None
+            problem = self._check_payload(header, len(payload), crc32(payload))
+        return payload if self._verdict(key, path, problem) else None
 
-    def _check(self, key: bytes, header: bytes, payload: bytes) -> Optional[str]:
+    def get_into(self, key: bytes, out) -> bool:
+        """get, read straight into `out` (header first, then the payload chunk by chunk, each
+        chunk's CRC taken while it is still in the core's cache): no page-sized allocation, and
+        the page crosses memory once on its way from the page cache, where get + a copy into the
+        host rows crossed it three times and faulted in a fresh buffer for every page. On False
+        `out` holds whatever the file had (or part of it): never to be used."""
+        dest = byte_view(out, self.page_bytes)
+        payload = self._pending.get(key)
+        if payload is not None:  # queued, not on disk yet
+            dest[:] = memoryview(payload).cast("B")
+            return True
+        path = self.path(key)
+        try:
+            # unbuffered: each readinto is one read(2) into `dest`, no copy through a buffer
+            with open(path, "rb", buffering=0) as f:
+                header = f.read(_HEADER.size)
+                problem = self._check_header(key, header)
+                if problem is None:  # (a bad header: not worth reading the payload)
+                    got, crc = _read_checked(f, dest)
+                    if got == len(dest) and f.read(1):  # the one byte more that get reads
+                        got += 1
+                    problem = self._check_payload(header, got, crc)
+        except FileNotFoundError:
+            self._known.discard(key)
+            return False
+        except OSError as e:
+            logger.warning("hicache: reading %s failed (%s); recomputing those tokens", path, e)
+            return False
+        return self._verdict(key, path, problem)
+
+    def _check_header(self, key: bytes, header: bytes) -> Optional[str]:
         if len(header) < _HEADER.size:
             return "truncated header"
-        magic, stored_key, length, checksum = _HEADER.unpack(header)
+        magic, stored_key, length, _ = _HEADER.unpack(header)
         if magic != MAGIC:
             return "not a radixlm page file"
         if stored_key != key:
             return "a page of another key"
         if length != self.page_bytes:
             return f"payload length {length}, this layout's is {self.page_bytes}"
-        if len(payload) != length:
-            return f"payload of {len(payload)} bytes, the header says {length}"
-        if _checksum(payload) != checksum:
+        return None
+
+    def _check_payload(self, header: bytes, length: int, crc: int) -> Optional[str]:
+        """A payload of `length` bytes (page_bytes + 1: longer than that) with CRC-32 `crc`
+        against a header that passed _check_header."""
+        if length != self.page_bytes:
+            return f"payload of {length} bytes, the header says {self.page_bytes}"
+        if _checksum_field(crc) != _HEADER.unpack(header)[3]:
             return "checksum mismatch"
         return None
+
+    def _verdict(self, key: bytes, path: str, problem: Optional[str]) -> bool:
+        """True for a good page (counted as read); else the file is counted, reported and
+        removed (so the recomputed page can be written again)."""
+        if problem is None:
+            self._known.add(key)
+            self._count("pages_read")
+            return True
+        self._count("pages_corrupt")
+        logger.warning("hicache: ignoring %s (%s); its tokens are recomputed", path, problem)
+        self._known.discard(key)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        return False
 
     # --- writes ----------------------------------------------------------------------------------
     def put(self, key: bytes, payload: bytes) -> bool:
@@ -174,7 +244,8 @@ class FileStorage(StorageBackend):
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, key, len(payload), _checksum(payload)))
+                f.write(_HEADER.pack(MAGIC, key, len(payload),
+                                     _checksum_field(crc32(payload))))
                 f.write(payload)
             os.replace(tmp, path)
             self._known.add(key)
