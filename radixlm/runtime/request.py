@@ -97,6 +97,9 @@ class Req:
         # the token range [lo, hi) that prefetch gave the tree at admission
         self.prefetch: Any = None
         self.prefetch_range: Optional[tuple[int, int]] = None
+        # (CUDA) a load of its host prefix still in flight: (the loaded path's node, which it
+        # holds locked, and the tokens each tier gave), until a round admits it (prefill.py)
+        self.preload: Optional[tuple] = None
         self.extend_len = 0  # tokens in the current extend step (chunk)
         self.is_chunked = False  # mid-way through a chunked prefill
         self.match: Any = None  # (slots, node) from the last prefix match, used at admission

@@ -310,6 +310,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         upper.storage_len = min(node.storage_len, n)
         node.storage_len = max(node.storage_len - n, 0)
         upper.lock_ref, upper.host_ref = node.lock_ref, node.host_ref
+        upper.loading = node.loading
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
         upper.children[node.key[n]] = node
         node.parent.children[node.key[0]] = upper

@@ -232,10 +232,15 @@ class KVMover:
             self._staged_loads.popleft()
 
     # --- host -> device ------------------------------------------------------------------------
-    def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
+    def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor,
+                  detached: bool = False) -> Optional[torch.cuda.Event]:
         """Copy host slots host_idx (n,) into device slots dev_idx (n,). On CUDA asynchronous: the
         next forward must be handed `take_layer_events()` (events only for a chunked load; a
-        load scattered on the compute stream is ordered before the forward already)."""
+        load scattered on the compute stream is ordered before the forward already).
+        `detached` (CUDA): DMA and scatter both on the copy stream, nothing queued on the compute
+        stream and no event for the next forward: returns the load's event, which the caller
+        waits for (event.query()) before any forward reads dev_idx. The forwards queued
+        meanwhile run beside the copy (a preload: scheduler/prefill.py). None otherwise."""
         kv, n = self.host.kv, host_idx.numel()
         runs = direct_runs(host_idx, self.host.token_bytes)
         if not self.cuda:  # each run scattered straight from its host rows, no block in between
@@ -244,7 +249,7 @@ class KVMover:
             for off, start, length in runs or ():
                 self.slot_words.index_copy_(0, dev_idx[off:off + length],
                                             self.host_words[start:start + length])
-            return
+            return None
         # a gathered backup lands in its host rows on the CPU, and a scattered load reads them
         # on the CPU: either waits for the backups in flight first
         if self._backups and (runs is None or any(b[0] is not None for b in self._backups)):
@@ -261,7 +266,10 @@ class KVMover:
         while self._compute_staged and self._compute_staged[0][0].query():
             self._compute_staged.popleft()
         nbytes = n * self.host.token_bytes
-        if nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
+        detached_event = None
+        if detached:
+            event = detached_event = self._load_on_copy_stream(runs, staging, dev_idx, n, compute)
+        elif nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
             # DMA on the copy stream, scatter on the compute stream: the copy stream never waits
             # for compute, so the DMAs of every load of a round overlap the work queued before
             # them, and the forward, queued after the scatter, needs no event of its own
@@ -276,19 +284,7 @@ class KVMover:
             done.record(compute)
             self._compute_staged.append((done, nbytes))
         else:  # past the staging budget: chunks through copy-stream memory, reused at once
-            with torch.cuda.stream(self.stream):
-                for lo in range(0, n, self.chunk):
-                    hi = min(n, lo + self.chunk)
-                    up = self._dma_up(runs, staging, lo, hi)
-                    if lo == 0:
-                        # the device slots may have been freed by evictions whose readers are
-                        # still queued: the scatter waits for them; the DMA above touches no
-                        # slot, so it overlaps them
-                        self.stream.wait_stream(compute)
-                    self._scatter(dev_idx[lo:hi], up)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            dev_idx.record_stream(self.stream)
+            event = self._load_on_copy_stream(runs, staging, dev_idx, n, compute)
             # one copy stream: this load's event implies every earlier load is done too; every
             # layer waits for it (a slot-major run moves all layers in one copy)
             self._layer_events = [event] * self.host.num_layers
@@ -296,6 +292,26 @@ class KVMover:
             self._direct_loads.append(event)  # (the DMAs' end: host rows read)
         else:
             self._staged_loads.append((staging, event))
+        return detached_event
+
+    def _load_on_copy_stream(self, runs, staging, dev_idx: torch.Tensor, n: int,
+                             compute) -> torch.cuda.Event:
+        """DMA and scatter on the copy stream, in chunks through copy-stream memory (reused at
+        once); the event after the last scatter."""
+        with torch.cuda.stream(self.stream):
+            for lo in range(0, n, self.chunk):
+                hi = min(n, lo + self.chunk)
+                up = self._dma_up(runs, staging, lo, hi)
+                if lo == 0:
+                    # the device slots may have been freed by evictions whose readers are
+                    # still queued: the scatter waits for them; the DMA above touches no
+                    # slot, so it overlaps them
+                    self.stream.wait_stream(compute)
+                self._scatter(dev_idx[lo:hi], up)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        dev_idx.record_stream(self.stream)
+        return event
 
     def _dma_up(self, runs, staging, lo: int, hi: int) -> torch.Tensor:
         """Copy stream: rows [lo, hi) of a load into a new device block, from the pinned staging

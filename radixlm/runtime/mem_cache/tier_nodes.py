@@ -18,7 +18,7 @@ STORAGE_HIT_WEIGHT = 0.25
 
 
 class TierNode(TreeNode):
-    __slots__ = ("host_value", "storage_len", "start", "hit_count", "host_ref")
+    __slots__ = ("host_value", "storage_len", "start", "hit_count", "host_ref", "loading")
 
     def __init__(self, key: tuple = (), value: Optional[torch.Tensor] = None, parent=None,
                  start: int = 0):
@@ -29,6 +29,9 @@ class TierNode(TreeNode):
         self.start = start
         self.hit_count = 0
         self.host_ref = 0
+        # CUDA: the event of a preload (tier_transfers.preload_back) still writing `value`; no
+        # forward may read the node before it has completed (None: nothing in flight)
+        self.loading = None
 
     def __repr__(self) -> str:
         tiers = "D" * (self.value is not None) + "H" * (self.host_value is not None)

@@ -32,6 +32,7 @@ class TierTransfers:
             "bytes_host_to_storage": 0, "bytes_storage_to_host": 0,
             "pages_stored": 0, "pages_write_dropped": 0, "pages_loaded": 0,
             "storage_load_failures": 0, "storage_loads_skipped": 0,
+            "preloads": 0,  # loads whose copy ran beside the forwards (CUDA; prefill.py)
             "prefetch_started": 0, "prefetch_dropped": 0,
             "device_evicted_tokens": 0, "host_evicted_tokens": 0, "dropped_tokens": 0,
             # seconds the scheduler's thread spent on page writes (queueing, or writing them
@@ -92,21 +93,34 @@ class TierTransfers:
         (the device node). `stored`: the absolute token range the prefetch just gave the tree
         (reported as storage hits). Returns (device slots of the whole loaded prefix, its deepest
         node, {"device": n, "host": n, "storage": n} tokens from each tier)."""
+        return self._load(match, stored, detached=False)[:3]
+
+    def preload_back(self, match, stored: Optional[tuple[int, int]] = None):
+        """load_back whose copy runs beside the forwards queued after it (CUDA): also returns
+        the copy's event (None where it is done already: the CPU), which must have completed
+        before a forward reads the slots; the caller keeps the returned node locked until
+        then. The nodes are device nodes at once (a match finds them), so only a request that
+        waits for the event may use them: the one that made the load."""
+        return self._load(match, stored, detached=True)
+
+    def _load(self, match, stored, detached: bool):
         slots, node = match[0], match[1]
         d = slots.numel()
         details = {"device": d, "host": 0, "storage": 0}
         nodes = [n for n in match.lower if n.host_value is not None]
         if not nodes:
-            return slots, node, details
+            return slots, node, details, None
         for n in nodes:
             n.host_ref += 1
         try:
             n_tok = sum(len(n.key) for n in nodes)
             dev = self._alloc_device(n_tok)
-            self.mover.to_device(torch.cat([n.host_value for n in nodes]), dev)
+            event = self.mover.to_device(torch.cat([n.host_value for n in nodes]), dev,
+                                         detached=detached)
             off = 0
             for n in nodes:  # root-down: each node's parent is on the device before it
                 n.value = dev[off:off + len(n.key)]
+                n.loading = event
                 off += len(n.key)
                 self._evictable += len(n.key)
                 self._sync(n)
@@ -115,10 +129,26 @@ class TierTransfers:
             for n in nodes:
                 n.host_ref -= 1
         self.counters["bytes_host_to_device"] += n_tok * self.host.token_bytes
+        self.counters["preloads"] += event is not None
         if stored is not None:
             details["storage"] = max(0, min(stored[1], d + n_tok) - max(stored[0], d))
         details["host"] = n_tok - details["storage"]
-        return torch.cat((slots, dev)), nodes[-1], details
+        return torch.cat((slots, dev)), nodes[-1], details, event
+
+    def loading(self, node) -> bool:
+        """Whether a preload still writes the device KV of node's path (root to node): a request
+        matching it waits (prefill.py) rather than read slots still being written. Completed
+        loads are forgotten on the way."""
+        pending = False
+        while node is not None and node is not self.root:
+            ev = getattr(node, "loading", None)
+            if ev is not None:
+                if ev.query():
+                    node.loading = None
+                else:
+                    pending = True
+            node = node.parent
+        return pending
 
     def _alloc_device(self, n: int) -> torch.Tensor:
         if not self.allocator.can_alloc(n):

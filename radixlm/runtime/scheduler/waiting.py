@@ -41,6 +41,9 @@ class WaitingQueue:
         if req.prefetch is not None:
             self.tree_cache.cancel_prefetch(req.prefetch)
             req.prefetch = None
+        if req.preload is not None:  # its loaded path stays in the tree, unlocked
+            self.tree_cache.dec_lock_ref(req.preload[0])
+            req.preload = None
 
     def has_runnable_work(self) -> bool:
         """False when idle or when every waiting request still waits for its grammar (and
@@ -49,6 +52,8 @@ class WaitingQueue:
             return True
         if self.tiered and self.tree_cache.prefetch_news():
             return True  # a step applies them (a lookup's result starts its read)
+        if any(r.preload is not None for r in self.waiting):
+            return True  # (CUDA) a load lands within milliseconds: keep polling its event
         now = time.monotonic()
         return any((r.grammar_future is None or r.grammar_future.done()
                     or now > r.grammar_deadline) and self._prefetch_ready(r)

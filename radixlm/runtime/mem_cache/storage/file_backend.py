@@ -57,9 +57,11 @@ MAGIC = b"RLMKVPG3"
 _HEADER = struct.Struct("<8s32sQ16s")
 WRITER_THREADS = 4  # pages written at once: each thread's CRC + write runs without the GIL
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# get_into's read(2) size: a piece well inside a core's L2 (1-2 MiB on current server CPUs), so
-# its CRC reads it from cache (see _read_checked)
-READ_CHUNK = 256 << 10
+# get_into's read(2) size: a piece inside a core's L2 (1-2 MiB on current server CPUs), so its
+# CRC reads it from cache (see _read_checked). 1 MiB, not 256 KiB: on an H100's 16-core Xeon
+# host (pinned rows, page cache, zlib-ng, 8 fetchers) 15.6 GB/s against 10.3 (fewer calls, each
+# releasing the GIL for longer); a whole 8 MiB page read, then its CRC, 14.9
+READ_CHUNK = 1 << 20
 
 
 def _checksum_field(crc: int) -> bytes:

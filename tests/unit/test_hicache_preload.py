@@ -1,0 +1,125 @@
+"""Preloads through the scheduler (fp32, the tiny random Llama of test_hicache_engine.py): on CUDA a
+load of a request's host prefix runs on the copy stream beside the forwards queued after it, and
+the request waits for the copy's event before a round admits it (scheduler/prefill.py). Here the
+CPU's synchronous copy stands in for the DMA and a fake event reports it done only after a few
+polls, so the waiting, the hand-over of the loaded path's lock at admission, other requests
+matching a path still being loaded, and an abort while waiting all run: greedy tokens equal the
+plain engine's, the tiers' hit counts are the load's, and the KV accounting is exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from radixlm.runtime.mem_cache.host_pool import KVMover
+from test_hicache_engine import PROMPTS, SP, make_engine, reference, tiny_path  # noqa: F401
+
+
+class FakeEvent:
+    """A CUDA event's query() for a copy that completes after `polls` queries (or when
+    `release` is set, with polls=None)."""
+
+    def __init__(self, polls, release=None):
+        self.polls, self.release = polls, release
+
+    def query(self) -> bool:
+        if self.polls is None:
+            return self.release.is_set()
+        self.polls -= 1
+        return self.polls < 0
+
+
+@pytest.fixture
+def slow_loads(monkeypatch):
+    """Detached loads copy at once (the CPU's path) and then look in flight for 3 polls, or
+    until `gate` is set when `gate.hold` is on."""
+    gate = threading.Event()
+    gate.hold = False
+    real = KVMover.to_device
+
+    def to_device(self, host_idx, dev_idx, detached=False):
+        real(self, host_idx, dev_idx)
+        if not detached:
+            return None
+        return FakeEvent(None, gate) if gate.hold else FakeEvent(3)
+
+    monkeypatch.setattr(KVMover, "to_device", to_device)
+    return gate
+
+
+def _host_only(make_engine):  # noqa: F811
+    """Device pool of 110 tokens (two 50-token conversations), host pool 3x: no store."""
+    return make_engine(max_total_tokens=110, enable_hicache=True, hicache_ratio=3)
+
+
+def _stats(eng) -> dict:
+    return eng._call_in_loop(lambda: dict(eng.scheduler.tree_cache.counters))
+
+
+def test_preloaded_requests_match_the_plain_engine(make_engine, integrity, reference,  # noqa: F811
+                                                   slow_loads):
+    eng = _host_only(make_engine)
+    for i in range(4):  # the device pool holds two: the first two end up on the host only
+        assert eng.generate(input_ids=PROMPTS[i], sampling_params=SP)["output_ids"] == reference[i]
+    integrity(eng)
+    out = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    assert out["output_ids"] == reference[0]
+    assert out["meta_info"]["cached_tokens_details"]["host"] == 47, out["meta_info"]
+    assert _stats(eng)["preloads"] == 1
+    integrity(eng)
+    # all four at once: loads in flight while others are admitted, each waiting for its own
+    outs = eng.generate(input_ids=PROMPTS, sampling_params=SP)
+    assert [o["output_ids"] for o in outs] == reference
+    details = [o["meta_info"]["cached_tokens_details"] for o in outs]
+    assert all(sum(d.values()) == o["meta_info"]["cached_tokens"] for d, o in zip(details, outs))
+    assert _stats(eng)["preloads"] > 1
+    integrity(eng)
+
+
+def test_a_request_on_a_path_being_loaded_waits(make_engine, integrity, reference,  # noqa: F811
+                                                slow_loads):
+    eng = _host_only(make_engine)
+    for i in range(4):
+        eng.generate(input_ids=PROMPTS[i], sampling_params=SP)
+    slow_loads.hold = True
+    # two requests on PROMPTS[0]'s host path: the first loads it, the second matches the nodes
+    # the load made and must not run before the copy is done
+    outs = {}
+    threads = [threading.Thread(target=lambda k=k: outs.update({k: eng.generate(
+        input_ids=PROMPTS[0] + [7 + k], sampling_params=SP)})) for k in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert not outs, "a request ran before its prefix's copy was done"
+    slow_loads.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(outs) == 2
+    integrity(eng)
+
+
+def test_abort_while_preloading_releases_the_path(make_engine, integrity, slow_loads):  # noqa: F811
+    eng = _host_only(make_engine)
+    for i in range(4):
+        eng.generate(input_ids=PROMPTS[i], sampling_params=SP)
+    slow_loads.hold = True
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(eng.generate(
+        input_ids=PROMPTS[1], sampling_params=SP, rid="loading")))
+    thread.start()
+
+    def preloading():
+        w = eng.scheduler.waiting
+        return bool(w) and w[0].preload is not None
+
+    deadline = time.monotonic() + 5
+    while not eng._call_in_loop(preloading):
+        assert time.monotonic() < deadline, "the request never preloaded"
+        time.sleep(0.01)
+    eng.abort_request("loading")
+    thread.join(timeout=5)
+    assert done["meta_info"]["finish_reason"]["type"] == "abort"
+    slow_loads.set()
+    integrity(eng)  # no lock left on the loaded path
