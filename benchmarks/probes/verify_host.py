@@ -20,6 +20,8 @@ TorchDispatchMode counting torch ops, both in the scheduler thread. One JSON lin
                    model's compute, on a GPU the host's launch or graph replay)
   host_s           per step: profile - sync wait, + forward on a GPU (the Python and op-launch
                    time, which a verify cannot overlap with the GPU)
+  gpu_s            (CUDA) per step, the device's busy time (kernels and copies, torch.profiler
+                   in a fourth run); gpu_s_ratio_on_off: this arm's over off's
   ops / ops_outside_forward   torch ops dispatched per step (all / outside the forward)
   top              the largest self times (--top of them), seconds per step
 """
@@ -112,6 +114,14 @@ def _arm(eng, make_spec, prompt, steps: int, runs: int, top: int, dump=None) -> 
     finally:
         runner.forward = plain_forward
     n = out["meta_info"]["completion_tokens"]
+    gpu_s = None
+    if runner.device.type == "cuda":  # a fourth run: the device's own time (kernels, copies)
+        import torch
+
+        kp = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        measured(kp.__enter__, lambda: kp.__exit__(None, None, None))
+        dev = [e for e in kp.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_s = sum(e.time_range.end - e.time_range.start for e in dev) / 1e6 / n
     st = pstats.Stats(prof)
     if dump:
         st.dump_stats(dump)
@@ -123,6 +133,7 @@ def _arm(eng, make_spec, prompt, steps: int, runs: int, top: int, dump=None) -> 
     tops = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
     return {"tok_s": round(best, 2), "steps": n, "profile_s": total / n,
             "sync_wait_s": wait / n, "forward_s": fwd / n, "host_s": host / n,
+            "gpu_s": gpu_s,
             "ops": ops.total / n, "ops_outside_forward": ops.outside / n,
             "op_names": {k: round(v / n, 2) for k, v in ops.names.most_common(25)},
             "top": [[f"{os.path.basename(f)}:{ln} {name}", round(tt / n, 6)]
@@ -179,6 +190,9 @@ def main(argv=None) -> None:
                 off = res
             else:
                 res["tok_s_ratio_off_on"] = round(off["tok_s"] / res["tok_s"], 3)
+                if res["gpu_s"]:  # the verify's device time (its forward in CUDA graphs, the
+                    # acceptance kernels) against a plain step's: what no host work changes
+                    res["gpu_s_ratio_on_off"] = round(res["gpu_s"] / off["gpu_s"], 3)
             print(json.dumps(res), flush=True)
     finally:
         eng.shutdown()

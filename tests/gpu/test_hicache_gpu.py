@@ -127,3 +127,46 @@ def test_mover_loads_and_backs_up_any_slot_layout(layout):
             assert torch.equal(pool.v_buffers[layer][slots].cpu().view(torch.int16),
                                expect[:, layer, 1])
     assert torch.equal(host.kv[back].view(torch.int16), expect)
+
+
+@pytest.mark.parametrize("layout", ["one_run", "scattered"])
+def test_preloads_land_bit_exact(layout):
+    """A preload's DMA on the load stream, landed (scattered on the compute stream) once done,
+    equals the host rows bit for bit; a backup issued while it is in flight into the rows it reads
+    waits for it (kv_preload.py); finish_preloads lands what is still in flight."""
+    from radixlm.runtime.mem_cache.host_pool import HostKVPool, KVMover
+    from radixlm.runtime.mem_cache.kv_pool import KVPool
+
+    dev = torch.device("cuda")
+    pool = KVPool(2048, 3, 8, 64, torch.bfloat16, dev)
+    host = HostKVPool(2048, pool, dev)
+    mover = KVMover(pool, host, dev)
+    assert mover.preloads
+    gen = torch.Generator().manual_seed(1)
+    host.kv.view(torch.int16).copy_(torch.randint(-2**15, 2**15 - 1, host.kv.shape, generator=gen,
+                                                  dtype=torch.int16))
+    n = 480
+    host_idx = (torch.arange(100, 100 + n) if layout == "one_run"
+                else torch.randperm(2047, generator=gen)[:n] + 1)
+    expect = host.kv[host_idx].clone().view(torch.int16)
+    dev_a = (torch.randperm(1000, generator=gen)[:n] + 1).to(dev)
+    dev_b = (torch.randperm(1000, generator=gen)[:n] + 1001).to(dev)
+    pool.slot_view().zero_()
+    first = mover.preload(host_idx, dev_a)
+    assert mover.can_preload(n)  # (one in flight of 480 x 6 KiB: room for more)
+    # a backup of other (zero) device slots into rows the preload reads: it must wait for it
+    dev_c = torch.arange(2001, 2041, device=dev)
+    mover.to_host(dev_c, host_idx[:40])
+    second = mover.preload(torch.arange(1500, 1500 + n), dev_b)
+    mover.finish_preloads()
+    assert first.landed and second.landed and mover.preload_bytes == 0
+    mover.complete()
+    torch.cuda.synchronize()
+    for layer in range(pool.num_layers):
+        assert torch.equal(pool.k_buffers[layer][dev_a].cpu().view(torch.int16),
+                           expect[:, layer, 0])
+        assert torch.equal(pool.v_buffers[layer][dev_a].cpu().view(torch.int16),
+                           expect[:, layer, 1])
+        assert torch.equal(pool.k_buffers[layer][dev_b].cpu().view(torch.int16),
+                           host.kv[1500:1500 + n, layer, 0].view(torch.int16))
+    assert not host.kv[host_idx[:40]].view(torch.int16).any()  # the backup came after it

@@ -43,6 +43,7 @@ import torch
 
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool, zeros_lazy
+from radixlm.runtime.mem_cache.kv_preload import PreloadMixin
 
 
 # A copy whose host slots form at most this many runs of consecutive slots moves each run by DMA
@@ -141,7 +142,7 @@ class HostKVPool:
             self.kv.index_copy_(0, idx, block)
 
 
-class KVMover:
+class KVMover(PreloadMixin):
     def __init__(self, device_pool: KVPool, host: HostKVPool, device: torch.device):
         self.dev, self.host, self.device = device_pool, host, device
         # (capacity + 1, L, 2, H, D) view of the device pool, and the host pool, as words
@@ -160,6 +161,10 @@ class KVMover:
         self._layer_events: Optional[list] = None
         # loads scattered on the compute stream: (event after the scatter, staging bytes)
         self._compute_staged: deque = deque()
+        self._init_preloads()
+
+    def _host_runs(self, host_idx: torch.Tensor):
+        return direct_runs(host_idx, self.host.token_bytes)
 
     def _gather(self, dev_idx: torch.Tensor) -> torch.Tensor:
         """(n, L, 2, H, D) contiguous copy of device slots dev_idx: one kernel."""
@@ -187,6 +192,9 @@ class KVMover:
                                    out=self.host_words[start:start + length])
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV's forwards first
+        preloading = self.last_preload_event()
+        if preloading is not None:  # a preload may still read rows this backup writes
+            self.stream.wait_event(preloading)
         staging = None
         if runs is None:
             staging = torch.empty(self.host.block_shape(n), dtype=kv.dtype, pin_memory=True)
@@ -202,7 +210,7 @@ class KVMover:
             event = torch.cuda.Event()
             event.record(self.stream)
         dev_idx.record_stream(self.stream)
-        self._backups.append((staging, None if staging is None else host_idx, event))
+        self._backups.append((staging, host_idx, event))
         self._last_backup = event
 
     def backups_in_flight(self) -> bool:
@@ -232,15 +240,11 @@ class KVMover:
             self._staged_loads.popleft()
 
     # --- host -> device ------------------------------------------------------------------------
-    def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor,
-                  detached: bool = False) -> Optional[torch.cuda.Event]:
+    def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
         """Copy host slots host_idx (n,) into device slots dev_idx (n,). On CUDA asynchronous: the
         next forward must be handed `take_layer_events()` (events only for a chunked load; a
-        load scattered on the compute stream is ordered before the forward already).
-        `detached` (CUDA): DMA and scatter both on the copy stream, nothing queued on the compute
-        stream and no event for the next forward: returns the load's event, which the caller
-        waits for (event.query()) before any forward reads dev_idx. The forwards queued
-        meanwhile run beside the copy (a preload: scheduler/prefill.py). None otherwise."""
+        load scattered on the compute stream is ordered before the forward already). A load
+        whose copy runs beside the forwards: `preload` (kv_preload.py)."""
         kv, n = self.host.kv, host_idx.numel()
         runs = direct_runs(host_idx, self.host.token_bytes)
         if not self.cuda:  # each run scattered straight from its host rows, no block in between
@@ -249,7 +253,7 @@ class KVMover:
             for off, start, length in runs or ():
                 self.slot_words.index_copy_(0, dev_idx[off:off + length],
                                             self.host_words[start:start + length])
-            return None
+            return
         # a gathered backup lands in its host rows on the CPU, and a scattered load reads them
         # on the CPU: either waits for the backups in flight first
         if self._backups and (runs is None or any(b[0] is not None for b in self._backups)):
@@ -266,10 +270,7 @@ class KVMover:
         while self._compute_staged and self._compute_staged[0][0].query():
             self._compute_staged.popleft()
         nbytes = n * self.host.token_bytes
-        detached_event = None
-        if detached:
-            event = detached_event = self._load_on_copy_stream(runs, staging, dev_idx, n, compute)
-        elif nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
+        if nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
             # DMA on the copy stream, scatter on the compute stream: the copy stream never waits
             # for compute, so the DMAs of every load of a round overlap the work queued before
             # them, and the forward, queued after the scatter, needs no event of its own
@@ -292,7 +293,6 @@ class KVMover:
             self._direct_loads.append(event)  # (the DMAs' end: host rows read)
         else:
             self._staged_loads.append((staging, event))
-        return detached_event
 
     def _load_on_copy_stream(self, runs, staging, dev_idx: torch.Tensor, n: int,
                              compute) -> torch.cuda.Event:
