@@ -31,7 +31,8 @@ in one tensor so that `slot_view()` gathers or scatters a run of slots of all la
   `complete()` runs before any host read or write and waits for the copies in flight, and the
   compute stream waits for a backup before a freed device slot can be written again
   (`guard_device_reuse`). Loads and backups share the one copy stream, so a backup into slots
-  that a queued load still reads runs after it.
+  that a queued load still reads runs after it. The scheduler's loads on CUDA are preloads
+  instead (kv_preload.py: a load stream of their own, landed by a scatter once done).
 """
 
 from __future__ import annotations
