@@ -1,11 +1,10 @@
 """Preloads through the scheduler (fp32, the tiny random Llama of test_hicache_engine.py): on CUDA a
-load of a request's host prefix runs on a load stream beside the forwards queued after it, and
-the request waits until it has landed before a round admits it (scheduler/prefill.py,
-mem_cache/kv_preload.py). Here the CPU's synchronous copy stands in for the DMA and a fake preload
-lands only after a few polls, so the waiting, the hand-over of the loaded path's lock at
-admission, other requests matching a path still being loaded, and an abort while waiting all run:
-greedy tokens equal the plain engine's, the tiers' hit counts are the load's, and the KV
-accounting is exact. (The CUDA copies themselves: tests/gpu/test_hicache_gpu.py.)"""
+load of a request's host prefix runs on the copy stream beside the forwards queued after it, and
+the request waits for the copy's event before a round admits it (scheduler/prefill.py). Here the
+CPU's synchronous copy stands in for the DMA and a fake event reports it done only after a few
+polls, so the waiting, the hand-over of the loaded path's lock at admission, other requests
+matching a path still being loaded, and an abort while waiting all run: greedy tokens equal the
+plain engine's, the tiers' hit counts are the load's, and the KV accounting is exact."""
 
 from __future__ import annotations
 
@@ -18,50 +17,39 @@ from radixlm.runtime.mem_cache.host_pool import KVMover
 from test_hicache_engine import PROMPTS, SP, make_engine, reference, tiny_path  # noqa: F401
 
 
-class FakePreload:
-    """A Preload whose copy (done at once: the CPU's) lands after `polls` land_preloads calls,
-    or, with polls=None, at the first call after `gate` is set."""
+class FakeEvent:
+    """A CUDA event's query() for a copy that completes after `polls` queries (or when
+    `release` is set, with polls=None)."""
 
-    def __init__(self, polls, gate):
-        self.polls, self.gate, self.landed = polls, gate, False
+    def __init__(self, polls, release=None):
+        self.polls, self.release = polls, release
 
-    def poll(self) -> None:
+    def synchronize(self) -> None:  # (an abort waits for the copy: it is done)
+        self.polls, self.release = 0, None
+        self.query = lambda: True
+
+    def query(self) -> bool:
         if self.polls is None:
-            self.landed = self.gate.is_set()
-        else:
-            self.polls -= 1
-            self.landed = self.polls < 0
+            return self.release.is_set()
+        self.polls -= 1
+        return self.polls < 0
 
 
 @pytest.fixture
 def slow_loads(monkeypatch):
-    """The CPU's mover made to preload: each load copies at once and looks in flight for 3
-    land_preloads calls, or until `gate` is set while `gate.hold` is on."""
+    """Detached loads copy at once (the CPU's path) and then look in flight for 3 polls, or
+    until `gate` is set when `gate.hold` is on."""
     gate = threading.Event()
     gate.hold = False
-    pending = []
+    real = KVMover.to_device
 
-    def preload(self, host_idx, dev_idx):
-        self.to_device(host_idx, dev_idx)
-        pending.append(FakePreload(None if gate.hold else 3, gate))
-        return pending[-1]
+    def to_device(self, host_idx, dev_idx, detached=False):
+        real(self, host_idx, dev_idx)
+        if not detached:
+            return None
+        return FakeEvent(None, gate) if gate.hold else FakeEvent(3)
 
-    def land_preloads(self):
-        for p in pending:
-            p.poll()
-        pending[:] = [p for p in pending if not p.landed]
-
-    monkeypatch.setattr(KVMover, "preloads", property(lambda self: True))
-    monkeypatch.setattr(KVMover, "preload", preload)
-    monkeypatch.setattr(KVMover, "land_preloads", land_preloads)
-    monkeypatch.setattr(KVMover, "can_preload", lambda self, n: True)
-
-    def finish_preloads(self):  # (an abort lands what it loaded: the gate opens)
-        if pending:
-            gate.set()
-        land_preloads(self)
-
-    monkeypatch.setattr(KVMover, "finish_preloads", finish_preloads)
+    monkeypatch.setattr(KVMover, "to_device", to_device)
     return gate
 
 

@@ -31,8 +31,7 @@ in one tensor so that `slot_view()` gathers or scatters a run of slots of all la
   `complete()` runs before any host read or write and waits for the copies in flight, and the
   compute stream waits for a backup before a freed device slot can be written again
   (`guard_device_reuse`). Loads and backups share the one copy stream, so a backup into slots
-  that a queued load still reads runs after it. The scheduler's loads on CUDA are preloads
-  instead (kv_preload.py: a load stream of their own, landed by a scatter once done).
+  that a queued load still reads runs after it.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ import torch
 
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool, zeros_lazy
-from radixlm.runtime.mem_cache.kv_preload import PreloadMixin
 
 
 # A copy whose host slots form at most this many runs of consecutive slots moves each run by DMA
@@ -143,7 +141,7 @@ class HostKVPool:
             self.kv.index_copy_(0, idx, block)
 
 
-class KVMover(PreloadMixin):
+class KVMover:
     def __init__(self, device_pool: KVPool, host: HostKVPool, device: torch.device):
         self.dev, self.host, self.device = device_pool, host, device
         # (capacity + 1, L, 2, H, D) view of the device pool, and the host pool, as words
@@ -162,10 +160,6 @@ class KVMover(PreloadMixin):
         self._layer_events: Optional[list] = None
         # loads scattered on the compute stream: (event after the scatter, staging bytes)
         self._compute_staged: deque = deque()
-        self._init_preloads()
-
-    def _host_runs(self, host_idx: torch.Tensor):
-        return direct_runs(host_idx, self.host.token_bytes)
 
     def _gather(self, dev_idx: torch.Tensor) -> torch.Tensor:
         """(n, L, 2, H, D) contiguous copy of device slots dev_idx: one kernel."""
@@ -193,9 +187,6 @@ class KVMover(PreloadMixin):
                                    out=self.host_words[start:start + length])
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV's forwards first
-        preloading = self.last_preload_event()
-        if preloading is not None:  # a preload may still read rows this backup writes
-            self.stream.wait_event(preloading)
         staging = None
         if runs is None:
             staging = torch.empty(self.host.block_shape(n), dtype=kv.dtype, pin_memory=True)
@@ -211,7 +202,7 @@ class KVMover(PreloadMixin):
             event = torch.cuda.Event()
             event.record(self.stream)
         dev_idx.record_stream(self.stream)
-        self._backups.append((staging, host_idx, event))
+        self._backups.append((staging, None if staging is None else host_idx, event))
         self._last_backup = event
 
     def backups_in_flight(self) -> bool:
@@ -241,11 +232,15 @@ class KVMover(PreloadMixin):
             self._staged_loads.popleft()
 
     # --- host -> device ------------------------------------------------------------------------
-    def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
+    def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor,
+                  detached: bool = False) -> Optional[torch.cuda.Event]:
         """Copy host slots host_idx (n,) into device slots dev_idx (n,). On CUDA asynchronous: the
         next forward must be handed `take_layer_events()` (events only for a chunked load; a
-        load scattered on the compute stream is ordered before the forward already). A load
-        whose copy runs beside the forwards: `preload` (kv_preload.py)."""
+        load scattered on the compute stream is ordered before the forward already).
+        `detached` (CUDA): DMA and scatter both on the copy stream, nothing queued on the compute
+        stream and no event for the next forward: returns the load's event, which the caller
+        waits for (event.query()) before any forward reads dev_idx. The forwards queued
+        meanwhile run beside the copy (a preload: scheduler/prefill.py). None otherwise."""
         kv, n = self.host.kv, host_idx.numel()
         runs = direct_runs(host_idx, self.host.token_bytes)
         if not self.cuda:  # each run scattered straight from its host rows, no block in between
@@ -254,7 +249,7 @@ class KVMover(PreloadMixin):
             for off, start, length in runs or ():
                 self.slot_words.index_copy_(0, dev_idx[off:off + length],
                                             self.host_words[start:start + length])
-            return
+            return None
         # a gathered backup lands in its host rows on the CPU, and a scattered load reads them
         # on the CPU: either waits for the backups in flight first
         if self._backups and (runs is None or any(b[0] is not None for b in self._backups)):
@@ -271,7 +266,10 @@ class KVMover(PreloadMixin):
         while self._compute_staged and self._compute_staged[0][0].query():
             self._compute_staged.popleft()
         nbytes = n * self.host.token_bytes
-        if nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
+        detached_event = None
+        if detached:
+            event = detached_event = self._load_on_copy_stream(runs, staging, dev_idx, n, compute)
+        elif nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
             # DMA on the copy stream, scatter on the compute stream: the copy stream never waits
             # for compute, so the DMAs of every load of a round overlap the work queued before
             # them, and the forward, queued after the scatter, needs no event of its own
@@ -294,6 +292,7 @@ class KVMover(PreloadMixin):
             self._direct_loads.append(event)  # (the DMAs' end: host rows read)
         else:
             self._staged_loads.append((staging, event))
+        return detached_event
 
     def _load_on_copy_stream(self, runs, staging, dev_idx: torch.Tensor, n: int,
                              compute) -> torch.cuda.Event:

@@ -29,8 +29,8 @@ class TierNode(TreeNode):
         self.start = start
         self.hit_count = 0
         self.host_ref = 0
-        # CUDA: the Preload (kv_preload.py) bringing `value` to the device; no forward may read
-        # the node before it has landed (None: nothing in flight)
+        # CUDA: the event of a preload (tier_transfers.preload_back) still writing `value`; no
+        # forward may read the node before it has completed (None: nothing in flight)
         self.loading = None
 
     def __repr__(self) -> str:

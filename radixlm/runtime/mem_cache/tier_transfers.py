@@ -96,21 +96,12 @@ class TierTransfers:
         return self._load(match, stored, detached=False)[:3]
 
     def preload_back(self, match, stored: Optional[tuple[int, int]] = None):
-        """load_back whose copy runs beside the forwards queued after it (CUDA, kv_preload.py):
-        also returns the copy's Preload (None where the copy is done already: the CPU), which
-        must have landed before a forward reads the slots; the caller keeps the returned node
-        locked until then. The nodes are device nodes at once (a match finds them) and marked
-        `loading` until the preload lands: see `loading`."""
-        return self._load(match, stored, detached=self.mover.preloads)
-
-    def finish_preloads(self) -> None:
-        """Land every preload in flight now (kv_preload.finish_preloads)."""
-        if self.mover.preloads:
-            self.mover.finish_preloads()
-
-    def preload_room(self, match) -> bool:
-        """Whether the staging budget has room for this match's host part now (CUDA)."""
-        return not self.mover.preloads or self.mover.can_preload(match.host_len)
+        """load_back whose copy runs beside the forwards queued after it (CUDA): also returns
+        the copy's event (None where it is done already: the CPU), which must have completed
+        before a forward reads the slots; the caller keeps the returned node locked until
+        then. The nodes are device nodes at once (a match finds them), so only a request that
+        waits for the event may use them: the one that made the load."""
+        return self._load(match, stored, detached=True)
 
     def _load(self, match, stored, detached: bool):
         slots, node = match[0], match[1]
@@ -124,12 +115,8 @@ class TierTransfers:
         try:
             n_tok = sum(len(n.key) for n in nodes)
             dev = self._alloc_device(n_tok)
-            host_idx = torch.cat([n.host_value for n in nodes])
-            event = None
-            if detached:
-                event = self.mover.preload(host_idx, dev)
-            else:
-                self.mover.to_device(host_idx, dev)
+            event = self.mover.to_device(torch.cat([n.host_value for n in nodes]), dev,
+                                         detached=detached)
             off = 0
             for n in nodes:  # root-down: each node's parent is on the device before it
                 n.value = dev[off:off + len(n.key)]
@@ -152,18 +139,26 @@ class TierTransfers:
         """Whether a preload still writes the device KV of node's path (root to node): a request
         matching it waits (prefill.py) rather than read slots still being written. Completed
         loads are forgotten on the way."""
-        if self.mover.preloads:
-            self.mover.land_preloads()
         pending = False
         while node is not None and node is not self.root:
-            p = getattr(node, "loading", None)
-            if p is not None:
-                if p.landed:
+            ev = getattr(node, "loading", None)
+            if ev is not None:
+                if ev.query():
                     node.loading = None
                 else:
                     pending = True
             node = node.parent
         return pending
+
+    def finish_loading(self, node) -> None:
+        """Wait until the preloads writing node's path have finished (before its lock goes
+        without a forward having waited for them: an abort), so that no copy can land in slots
+        that eviction has given to another request by then."""
+        while node is not None and node is not self.root:
+            if getattr(node, "loading", None) is not None:
+                node.loading.synchronize()
+                node.loading = None
+            node = node.parent
 
     def _alloc_device(self, n: int) -> torch.Tensor:
         if not self.allocator.can_alloc(n):

@@ -102,7 +102,7 @@ class PrefillAdder:
         details = None
         if self.tiered:
             slots, node, details = self._load_lower(req, slots, node)
-            if details is None:  # preloading (it holds the lock) or no room to: it waits
+            if details is None:  # preloading: the request waits for the copy
                 return AddResult.DEFERRED
         req.prefix_indices, req.last_node = slots, node
         req.kv_len = len(slots)
@@ -133,9 +133,6 @@ class PrefillAdder:
         need = req.seqlen - len(slots) + reserved_decode_tokens(req, self.ratio)
         if req.match.lower_len and need <= self.rem_total:
             tree = self.tree_cache
-            if not tree.preload_room(req.match):  # staging is full: a later round loads it
-                self._unlock(node)
-                return slots, node, None
             room = self.allocator.available_size() + tree.evictable_size()
             slots, new_node, details, event = tree.preload_back(req.match, req.prefetch_range)
             if new_node is not node:

@@ -41,8 +41,8 @@ class WaitingQueue:
         if req.prefetch is not None:
             self.tree_cache.cancel_prefetch(req.prefetch)
             req.prefetch = None
-        if req.preload is not None:  # its loaded path stays in the tree, unlocked, once landed
-            self.tree_cache.finish_preloads()
+        if req.preload is not None:  # its loaded path stays in the tree, unlocked, once copied
+            self.tree_cache.finish_loading(req.preload[0])
             self.tree_cache.dec_lock_ref(req.preload[0])
             req.preload = None
 
