@@ -60,6 +60,7 @@ class ClaimPool {
       cv_.notify_all();
     }
     int64_t mine = 0;
+    const auto t_own = std::chrono::steady_clock::now();
     for (int64_t i; (i = claim(gen)) >= 0; ++mine) fn(ctx, i);
     // only tasks a helper claimed are left: wait for those. A helper preempted in a task holds
     // the caller until its next time slice (milliseconds on a loaded box): after such a wait the
@@ -68,11 +69,19 @@ class ClaimPool {
     // each kCalmJobs jobs in a row that the helpers finished in time: a lone stall on a quiet
     // box (a helper interrupted once) then costs half a step alone instead of 30 steps, while a
     // loaded box, stalling again at each retry, is back at the longest back-off in 7 stalls.
+    // A helper in the middle of its last task is no stall: the wait counts as one only past
+    // twice the caller's own mean task time (and kStallUs). With kStallUs alone, a job of long
+    // tasks (SmolLM2's tied head at 6-9 rows: ~250 us a task) "stalled" whenever the helper
+    // finished last, and the GEMMs after it ran on one thread: a 2-thread head at 6 rows took
+    // as long as a 1-thread one, in one run of two (2026-11-28).
     bool stalled = false;
     if (done_.load(std::memory_order_acquire) + mine < ntask) {
       const auto t0 = std::chrono::steady_clock::now();
+      const auto own = (t0 - t_own) / std::max<int64_t>(mine, 1);
+      const auto limit = std::max<std::chrono::steady_clock::duration>(
+          std::chrono::microseconds(kStallUs), 2 * own);
       while (done_.load(std::memory_order_acquire) + mine < ntask) _mm_pause();
-      stalled = std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(kStallUs);
+      stalled = std::chrono::steady_clock::now() - t0 > limit;
     }
     if (stalled) {
       backoff_ = backoff_len_;
