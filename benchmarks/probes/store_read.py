@@ -9,8 +9,9 @@ temporary folder, reads every file once so the page cache holds them (the restar
 measures: the store was written recently or read before), then reads them all back --rounds
 times into one run of host slots through PageReader (its thread pool of F fetchers, READ_AHEAD
 set to F) along each path:
-  get          storage.get -> a fresh bytearray -> CRC -> put_rows (the path before get_into;
-               still the one for pages whose host slots are scattered)
+  get          storage.get -> a fresh bytearray -> put_rows (the path for pages whose host
+               slots are scattered; until 2026-11-28 also for runs, and get read the page in
+               one read, then its CRC: results before that commit measure that read)
   direct       storage.get_into the page's host rows: readinto them in --read-chunks pieces,
                each CRC'd right after its read (0: the whole page in one read, then its CRC)
   read_only    no store and no checks: F threads readinto a buffer of their own, file after

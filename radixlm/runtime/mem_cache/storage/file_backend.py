@@ -118,27 +118,13 @@ class FileStorage(StorageBackend):
         return False
 
     def get(self, key: bytes) -> Optional[bytes]:
+        """A verified page's payload (a bytearray, so a reader can view it as a tensor without
+        copying it again), or None: get_into into a fresh buffer."""
         payload = self._pending.get(key)
         if payload is not None:
             return payload
-        path = self.path(key)
-        try:
-            with open(path, "rb") as f:
-                header = f.read(_HEADER.size)
-                # one byte more: a longer file is bad too; a bytearray, so a reader can view it
-                # as a tensor without copying it again
-                payload = bytearray(self.page_bytes + 1)
-                del payload[f.readinto(payload):]
-        except FileNotFoundError:
-            self._known.discard(key)
-            return None
-        except OSError as e:
-            logger.warning("hicache: reading %s failed (%s); recomputing those tokens", path, e)
-            return None
-        problem = self._check_header(key, header)
-        if problem is None:
-            problem = self._check_payload(header, len(payload), crc32(payload))
-        return payload if self._verdict(key, path, problem) else None
+        buf = bytearray(self.page_bytes)
+        return buf if self._read_into(key, memoryview(buf)) else None
 
     def get_into(self, key: bytes, out) -> bool:
         """get, read straight into `out` (header first, then the payload chunk by chunk, each
@@ -151,6 +137,10 @@ class FileStorage(StorageBackend):
         if payload is not None:  # queued, not on disk yet
             dest[:] = memoryview(payload).cast("B")
             return True
+        return self._read_into(key, dest)
+
+    def _read_into(self, key: bytes, dest: memoryview) -> bool:
+        """The file of `key` into dest (page_bytes), checked: get_into's and get's read."""
         path = self.path(key)
         try:
             # unbuffered: each readinto is one read(2) into `dest`, no copy through a buffer
