@@ -83,7 +83,8 @@ def test_mover_loads_and_backs_up_any_slot_layout(layout):
     cut across staging chunks (a chunk of 90 tokens); loads queued back to back (no wait between
     them) and a backup in between."""
     from radixlm.runtime.mem_cache import host_pool
-    from radixlm.runtime.mem_cache.host_pool import HostKVPool, KVMover
+    from radixlm.runtime.mem_cache.host_pool import HostKVPool
+    from radixlm.runtime.mem_cache.kv_mover import KVMover
     from radixlm.runtime.mem_cache.kv_pool import KVPool
 
     dev = torch.device("cuda")

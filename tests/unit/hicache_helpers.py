@@ -10,7 +10,8 @@ import torch
 
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.hiradix_cache import HiRadixCache
-from radixlm.runtime.mem_cache.host_pool import HostKVPool, KVMover
+from radixlm.runtime.mem_cache.host_pool import HostKVPool
+from radixlm.runtime.mem_cache.kv_mover import KVMover
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 from radixlm.runtime.mem_cache.storage.file_backend import FileStorage

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from radixlm.runtime.mem_cache import host_pool
-from radixlm.runtime.mem_cache.host_pool import HostKVPool, KVMover, contiguous_runs, split_runs
+from radixlm.runtime.mem_cache.host_pool import HostKVPool, contiguous_runs, split_runs
+from radixlm.runtime.mem_cache.kv_mover import KVMover
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.page_reader import decode_page
 from radixlm.runtime.mem_cache.page_writer import PageWriteJob, PageWriter

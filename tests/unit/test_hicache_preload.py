@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from radixlm.runtime.mem_cache.host_pool import KVMover
+from radixlm.runtime.mem_cache.kv_mover import KVMover
 from test_hicache_engine import PROMPTS, SP, make_engine, reference, tiny_path  # noqa: F401
 
 

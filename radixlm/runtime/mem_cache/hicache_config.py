@@ -162,7 +162,8 @@ def make_tree_cache(args, runner) -> RadixCache:
         return RadixCache(runner.allocator, runner.req_to_token_pool,
                           disable=args.disable_radix_cache)
     from radixlm.runtime.mem_cache.hiradix_cache import HiRadixCache
-    from radixlm.runtime.mem_cache.host_pool import HostKVPool, KVMover
+    from radixlm.runtime.mem_cache.host_pool import HostKVPool
+    from radixlm.runtime.mem_cache.kv_mover import KVMover
 
     pool = runner.kv_pool
     heads, head_dim = pool.k_buffers[0].shape[1:]
