@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from radixlm.runtime.mem_cache import host_pool as new_host_pool  # noqa: E402
+from radixlm.runtime.mem_cache.kv_mover import KVMover  # noqa: E402
 from radixlm.runtime.mem_cache.kv_pool import KVPool  # noqa: E402
 
 MODULE = "radixlm/runtime/mem_cache/host_pool.py"
@@ -90,9 +91,10 @@ def main() -> None:
     pool = KVPool(capacity, args.layers, args.kv_heads, args.head_dim, dtype, device)
     pool.kv.normal_()
     movers = {}
-    for name, mod in (("old", old_host_pool), ("new", new_host_pool)):
+    for name, mod, mover in (("old", old_host_pool, old_host_pool.KVMover),
+                             ("new", new_host_pool, KVMover)):  # (the mover: kv_mover.py now)
         host = mod.HostKVPool(capacity, pool, device)
-        movers[name] = mod.KVMover(pool, host, device)
+        movers[name] = mover(pool, host, device)
     token_bytes = movers["new"].host.token_bytes
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
