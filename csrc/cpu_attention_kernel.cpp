@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "cpu_attention.h"
+#include "quant_pool.h"  // the claim pool the quantized GEMMs run on (one per process)
 
 using namespace radixlm_vec;
 
@@ -60,6 +61,11 @@ constexpr int KB = 64;            // keys per block (multiple of 8 and of W)
 constexpr int kTargetRows = 96;   // query rows (tokens x G heads) per extend task
 constexpr int kMinSplit = 128;    // fewest keys worth a split of their own
 constexpr int64_t kMinParallelWork = 1 << 18;  // (key, query row) pairs worth a 2nd thread
+// ... on the claim pool (quant_pool.h) instead of OpenMP, from this much: a speculative verify's
+// few query rows over a long prompt (SmolLM2, 6 rows x ~1k keys: ~100 us a layer on one thread,
+// 15% of the verify step) without an OpenMP region, whose waits next to the pool's helper thread
+// the threshold above avoids
+constexpr int64_t kMinPoolWork = 1 << 15;
 #if defined(__AVX512F__)
 constexpr int MR = 12, NV = 2;    // 24 accumulators + 2 B vectors + 1 broadcast of 32 registers
 #else
@@ -377,6 +383,17 @@ void merge_group(const Ctx& c, const Seq& sq, const Task& t) {
   }
 }
 
+// f(i) for i in [0, n) on the claim pool (this thread and its helpers); alone where the pool is
+// busy (another caller's job) or there is one task.
+template <class F>
+void pool_for(int64_t n, F& f) {
+  if (n <= 0) return;
+  const int helpers = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n)) - 1;
+  auto call = [](void* ctx, int64_t i) { (*static_cast<F*>(ctx))(i); };
+  if (!radixlm_quant::claim_pool().run(n, helpers, call, &f))
+    for (int64_t i = 0; i < n; ++i) f(i);
+}
+
 // Plan tasks (query blocks, key splits), run them biggest first, merge the splits.
 // A work item is the Hkv tasks of one (sequence, query block, key split), run one after another
 // on one thread. The heads of a slot are adjacent in the pool (Hkv x D per slot): head 0's pass
@@ -401,7 +418,9 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
   // thread alone, unsplit: a 2-thread OpenMP region here woke the team's other thread (asleep
   // while the GEMMs ran on quant_pool.h's helper) twice a layer, and that wait was ~80% of a
   // batch-1 decode step on the loaded 2-core box (py-spy, 2026-11-27)
-  const int nt = work * H * c.G < kMinParallelWork ? 1 : std::max(1, at::get_num_threads());
+  const int64_t pairs = work * H * c.G;
+  const bool pooled = pairs < kMinParallelWork && pairs >= kMinPoolWork && at::get_num_threads() > 1;
+  const int nt = pairs < kMinParallelWork && !pooled ? 1 : std::max(1, at::get_num_threads());
   // too few work items to keep every thread busy (batch-1 decode, one shared prefix): split the
   // key ranges of long sequences so there are ~8 items per thread
   const int64_t want = nt > 1 ? 8 * nt : 0;
@@ -447,6 +466,25 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
 
   std::atomic<bool> ok{true};
   const int n = (int)order.size(), ng = (int)groups.size();
+  if (pooled) {  // one item a claim (no prefetch of the next item's keys), then the merges
+    auto item = [&](int64_t i) {
+      const Task* it = &tasks[(size_t)order[i] * H];
+      const Seq& sq = seqs[it->s];
+#ifdef RLM_DECODE_ITEM
+      if (decode_item_ok(c, kv_type, sq)) {
+        if (!decode_item(c, sq, it, true, nullptr, 0)) ok = false;
+        return;
+      }
+#endif
+      for (int h = 0; h < H; ++h)
+        if (!run_task<TK>(c, sq, it[h])) ok = false;
+    };
+    pool_for(n, item);
+    auto merge = [&](int64_t i) { merge_group(c, seqs[groups[i].s], groups[i]); };
+    pool_for(ng, merge);
+    TORCH_CHECK(ok.load(), "cpu_attention: req_to_token holds a slot outside the KV pool");
+    return;
+  }
   // dynamic scheduling, biggest first, with a thread claiming its next item when it starts one,
   // so a decode item can prefetch the next one's first keys while it computes its last
   std::atomic<int> next_item{0};

@@ -116,6 +116,31 @@ def test_key_splits_merge(dtype, n_threads, threads):
         torch.testing.assert_close(split[1], unsplit[1], atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_claim_pool_paths_match_one_thread(dtype, threads):
+    """Work between kMinPoolWork and kMinParallelWork runs its split items on the GEMMs' claim
+    pool (no OpenMP region): a batch-1 decode over 4,000 keys (36k key x query-row pairs) and a
+    speculative verify's 6 query rows over 1,100 keys (59k). The same numbers as one thread and
+    as the dense reference."""
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d = 9, 3, 64
+    k, v, r2t, rows = make_pool([4000, 1100], hkv, d, dtype, gen, shared=900)
+    scale = d ** -0.5
+    q1 = torch.randn(1, hq, d, generator=gen).to(dtype)
+    q2 = torch.randn(6, hq, d, generator=gen).to(dtype)
+    indptr = torch.tensor([0, 6])
+    res = {}
+    for n in (1, 2):
+        threads(n)
+        res[n] = (cpu_kernels.decode(q1, k, v, r2t, rows[:1], torch.tensor([4000]), scale),
+                  cpu_kernels.extend(q2, k, v, r2t, rows[1:], indptr, torch.tensor([1100]), scale))
+    close(res[2][0], dense(q1, k, v, r2t[rows[0], :4000], scale)[0], dtype)
+    close(res[2][1], dense(q2, k, v, r2t[rows[1], :1100], scale, 1094)[0], dtype)
+    for pooled, alone in zip(res[2], res[1]):
+        torch.testing.assert_close(pooled.float(), alone.float(), atol=TOL[dtype] / 2,
+                                   rtol=TOL[dtype] / 2)
+
+
 def test_extend_writes_only_its_rows_and_any_strides():
     """q and out may be strided views (heads of a fused qkv); rows outside qo_indptr stay as
     they were; an empty sequence (n_q = 0) is skipped."""

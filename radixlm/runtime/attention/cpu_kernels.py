@@ -57,7 +57,7 @@ _SOURCES = ("cpu_attention.cpp", "cpu_attention_kernel.cpp", "cpu_elementwise.cp
             "cpu_gemm.cpp", "cpu_layers.cpp")
 _UNITY = "cpu_kernels_unity.cpp"
 _HEADERS = ("cpu_attention.h", "cpu_attention_gemm.h", "cpu_attention_bf16.h",
-            "cpu_attention_decode.h", "cpu_elementwise_bf16.h", "cpu_vec.h")
+            "cpu_attention_decode.h", "cpu_elementwise_bf16.h", "cpu_vec.h", "quant_pool.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
