@@ -65,13 +65,16 @@ def test_sigterm_drains_running_requests(private_server):
     srv = private_server("--timeout-graceful-shutdown", str(GRACE_S), name="sigterm")
     short = {"sampling_params": {"max_new_tokens": SHORT_TOKENS, "ignore_eos": True,
                                  "temperature": 0}}
-    jobs = [_background(lambda i=i: srv.post("/generate", {"text": f"Drain me {i}", **short}))
-            for i in range(2)]
-    jobs.append(_background(lambda: _stream(srv, {"text": "Drain my stream", **short})))
-    # requests that cannot finish within the grace period: they bound the shutdown
+    # requests that cannot finish within the grace period: they bound the shutdown. Running
+    # before the short ones are sent: sent after them, on a loaded machine (the whole suite) the
+    # short ones once finished before the long ones ran, and five never ran together
     never = {"sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     long_job = _background(lambda: srv.post("/generate", {"text": "Never ending", **never}))
     long_stream = _background(lambda: _stream(srv, {"text": "Never ending stream", **never}))
+    _wait_running(srv, 2)
+    jobs = [_background(lambda i=i: srv.post("/generate", {"text": f"Drain me {i}", **short}))
+            for i in range(2)]
+    jobs.append(_background(lambda: _stream(srv, {"text": "Drain my stream", **short})))
     _wait_running(srv, 5)
 
     t0 = time.monotonic()
