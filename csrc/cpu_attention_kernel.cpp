@@ -66,6 +66,7 @@ constexpr int64_t kMinParallelWork = 1 << 18;  // (key, query row) pairs worth a
 // 15% of the verify step) without an OpenMP region, whose waits next to the pool's helper thread
 // the threshold above avoids
 constexpr int64_t kMinPoolWork = 1 << 15;
+constexpr int64_t kPoolRows = 16;  // ... and at most this many query rows (see run_all)
 #if defined(__AVX512F__)
 constexpr int MR = 12, NV = 2;    // 24 accumulators + 2 B vectors + 1 broadcast of 32 registers
 #else
@@ -418,8 +419,14 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
   // thread alone, unsplit: a 2-thread OpenMP region here woke the team's other thread (asleep
   // while the GEMMs ran on quant_pool.h's helper) twice a layer, and that wait was ~80% of a
   // batch-1 decode step on the loaded 2-core box (py-spy, 2026-11-27)
+  // the pool only where the step's GEMMs run on it too (quant_direct.h's kPoolMaxM rows): next
+  // to OpenMP GEMMs (a 64-token extend over a 300-token prefix) its helper and OpenMP's spinning
+  // threads shared the second core, and such an extend took 6% longer than on one thread
+  int64_t q_rows = 0;
+  for (const auto& sq : seqs) q_rows += sq.n_q;
   const int64_t pairs = work * H * c.G;
-  const bool pooled = pairs < kMinParallelWork && pairs >= kMinPoolWork && at::get_num_threads() > 1;
+  const bool pooled = pairs < kMinParallelWork && pairs >= kMinPoolWork && q_rows <= kPoolRows &&
+                      at::get_num_threads() > 1;
   const int nt = pairs < kMinParallelWork && !pooled ? 1 : std::max(1, at::get_num_threads());
   // too few work items to keep every thread busy (batch-1 decode, one shared prefix): split the
   // key ranges of long sequences so there are ~8 items per thread
