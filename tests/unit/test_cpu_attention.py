@@ -84,61 +84,40 @@ def test_extend_kernel(hq, hkv, d, dtype, causal, with_start):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n_threads", [2, 3])
-def test_key_splits_merge(dtype, n_threads, threads):
+@pytest.mark.parametrize("decode_len,n_rows,n_threads", [(1029, 20, 2), (1029, 20, 3), (4000, 6, 2)],
+                         ids=["openmp-2", "openmp-3", "claim-pool"])
+def test_key_splits_merge(dtype, decode_len, n_rows, n_threads, threads):
     """Few (sequence, head) tasks for the threads (batch-1 decode, one short query block over a
     long prefix): the kernel splits each key range and merges the splits by log-sum-exp. The
-    same numbers as unsplit (1 thread) and as the dense reference, lse included."""
-    gen = torch.Generator().manual_seed(31 + n_threads)
+    same numbers as unsplit (1 thread) and as the dense reference, lse included. 20 query rows
+    over 1,100 keys (198k key x query-row pairs) split on OpenMP; between kMinPoolWork and
+    kMinParallelWork with at most 16 rows the splits run on the GEMMs' claim pool: a batch-1
+    decode over 4,000 keys (36k) and a speculative verify's 6 rows over 1,100 keys (59k)."""
+    gen = torch.Generator().manual_seed(31 + n_threads + decode_len)
     hq, hkv, d = 9, 3, 64
-    k, v, r2t, rows = make_pool([1029, 1100], hkv, d, dtype, gen, shared=900)
+    k, v, r2t, rows = make_pool([decode_len, 1100], hkv, d, dtype, gen, shared=900)
     scale = d ** -0.5
     q1 = torch.randn(1, hq, d, generator=gen).to(dtype)
-    q2 = torch.randn(20, hq, d, generator=gen).to(dtype)
-    indptr = torch.tensor([0, 20])
+    q2 = torch.randn(n_rows, hq, d, generator=gen).to(dtype)
+    indptr = torch.tensor([0, n_rows])
     res = {}
     for n in (1, n_threads):
         threads(n)
-        res[n] = (cpu_kernels.decode(q1, k, v, r2t, rows[:1], torch.tensor([1029]), scale,
+        res[n] = (cpu_kernels.decode(q1, k, v, r2t, rows[:1], torch.tensor([decode_len]), scale,
                                      return_lse=True),
                   cpu_kernels.extend(q2, k, v, r2t, rows[1:], indptr, torch.tensor([1100]), scale,
                                      return_lse=True))
     (o1, l1), (o2, l2) = res[n_threads]
-    ro, rl = dense(q1, k, v, r2t[rows[0], :1029], scale)
+    ro, rl = dense(q1, k, v, r2t[rows[0], :decode_len], scale)
     close(o1, ro, dtype)
     close_lse(l1, rl)
-    ro, rl = dense(q2, k, v, r2t[rows[1], :1100], scale, 1080)
+    ro, rl = dense(q2, k, v, r2t[rows[1], :1100], scale, 1100 - n_rows)
     close(o2, ro, dtype)
     close_lse(l2, rl)
     for split, unsplit in zip(res[n_threads], res[1]):
         torch.testing.assert_close(split[0].float(), unsplit[0].float(), atol=TOL[dtype] / 2,
                                    rtol=TOL[dtype] / 2)
         torch.testing.assert_close(split[1], unsplit[1], atol=1e-5, rtol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_claim_pool_paths_match_one_thread(dtype, threads):
-    """Work between kMinPoolWork and kMinParallelWork runs its split items on the GEMMs' claim
-    pool (no OpenMP region): a batch-1 decode over 4,000 keys (36k key x query-row pairs) and a
-    speculative verify's 6 query rows over 1,100 keys (59k). The same numbers as one thread and
-    as the dense reference."""
-    gen = torch.Generator().manual_seed(7)
-    hq, hkv, d = 9, 3, 64
-    k, v, r2t, rows = make_pool([4000, 1100], hkv, d, dtype, gen, shared=900)
-    scale = d ** -0.5
-    q1 = torch.randn(1, hq, d, generator=gen).to(dtype)
-    q2 = torch.randn(6, hq, d, generator=gen).to(dtype)
-    indptr = torch.tensor([0, 6])
-    res = {}
-    for n in (1, 2):
-        threads(n)
-        res[n] = (cpu_kernels.decode(q1, k, v, r2t, rows[:1], torch.tensor([4000]), scale),
-                  cpu_kernels.extend(q2, k, v, r2t, rows[1:], indptr, torch.tensor([1100]), scale))
-    close(res[2][0], dense(q1, k, v, r2t[rows[0], :4000], scale)[0], dtype)
-    close(res[2][1], dense(q2, k, v, r2t[rows[1], :1100], scale, 1094)[0], dtype)
-    for pooled, alone in zip(res[2], res[1]):
-        torch.testing.assert_close(pooled.float(), alone.float(), atol=TOL[dtype] / 2,
-                                   rtol=TOL[dtype] / 2)
 
 
 def test_extend_writes_only_its_rows_and_any_strides():
