@@ -60,6 +60,11 @@ def run_one(args) -> dict:
         res.update(bs1_tok_s=round(n / dt, 1), bs1_prefill_s=round(ttft, 4),
                    bs1_decode_tok_s=round((n - 1) / max(dt - ttft, 1e-9), 1))
         print(f"PROGRESS tp{args.tp} bs1 done at {time.perf_counter() - t0:.1f}s", flush=True)
+        if args.profile:
+            try:
+                res["bs1_profile"] = _profile_bs1(eng, prompt, args.log_dir, f"tp{args.one}")
+            except Exception as e:  # a measurement aid: never the run's end
+                res["bs1_profile"] = f"failed: {e!r}"
         eng.flush_cache()
         dt, n = timed_generate(eng, [rand_ids(rng, 512, vocab) for _ in range(128)], [128] * 128)
         res["batch128_out_tok_s"] = round(n / dt, 1)
@@ -75,6 +80,32 @@ def run_one(args) -> dict:
     return res
 
 
+def _profile_bs1(eng, prompt, log_dir: str, name: str) -> dict:
+    """torch.profiler over 64 batch-1 decode steps in this process (rank 0): the kernels' share
+    of the wall time (1 - idle: where a rank waits for its peer or for its host) and the top
+    kernels by device time; the table and a Chrome trace go to log_dir."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_suite_parts import timed_generate
+
+    eng.flush_cache()
+    timed_generate(eng, [prompt], [8])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        timed_generate(eng, [prompt], [64])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+    with open(os.path.join(log_dir, f"tp_gpu.{name}.profile.txt"), "w") as f:
+        f.write(table)
+    prof.export_chrome_trace(os.path.join(log_dir, f"tp_gpu.{name}.trace.json"))
+    return {"wall_s": round(wall, 4), "kernel_s": round(busy_us / 1e6, 4),
+            "kernel_share": round(busy_us / 1e6 / wall, 3), "kernels": len(kernels)}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default=os.path.join(_ROOT, "benchmarks/configs/llama-3.1-8b"))
@@ -84,6 +115,8 @@ def main(argv=None) -> dict:
     p.add_argument("--result-file", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode: a size
     p.add_argument("--timeout-s", type=float, default=240.0, help="per TP size")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 64 batch-1 steps on rank 0 (tables and traces in --log-dir)")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."),
                    help="each TP size's output (default $OUT or .)")
     args = p.parse_args(argv)
@@ -110,6 +143,7 @@ def main(argv=None) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", str(tp), "--timeout-s",
                str(args.timeout_s), "--model-path", args.model_path,
                "--tokenizer-path", args.tokenizer_path]
+        cmd += ["--log-dir", args.log_dir] + (["--profile"] if args.profile else [])
         if args.disable_cuda_graph:
             cmd.append("--disable-cuda-graph")
         log_path = os.path.join(args.log_dir, f"tp_gpu.tp{tp}.log")

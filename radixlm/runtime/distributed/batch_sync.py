@@ -1,15 +1,27 @@
-"""Rank 0 -> ranks 1..N-1: each step's ForwardBatch, as int64 tensors over the TP group.
+"""Rank 0 -> ranks 1..N-1: each step's ForwardBatch.
 
 Rank 0 (the scheduler's rank) decides every batch; the other ranks only run the same forward on
-their shard. Per step, two broadcasts from rank 0:
-  header (7,) int64: [cmd, mode, T, B, N, num_decode_tail, R]   (cmd 1 = forward, 0 = stop)
-  payload int64: input_ids (T) | positions (T) | out_cache_loc (T) | req_pool_indices (B)
-                 | seq_lens (B) | logits_indices (N) | extend_prefix_lens (B) | extend_lens (B)
-                 | req_to_token rows (R = sum of seq_lens: each request's row [:seq_len])
+their shard. Per step, rank 0 sends:
+  over the host group (gloo, `TPGroup.broadcast_host`), what a rank's host needs to launch the
+  forward without waiting for its GPU:
+    header (7,) int64: [cmd, mode, T, B, N, num_decode_tail, W]  (cmd 1 = forward, 0 = stop;
+                       W = the longest seq_len: the width of the rows sent below)
+    lens (B or 3B,) int64: seq_lens, then for EXTEND extend_prefix_lens and extend_lens
+  over the TP group (NCCL on CUDA: in stream order, so the payload may be produced by work
+  still queued, e.g. the overlap schedule's input ids, the previous step's samples):
+    payload int64: input_ids (T) | positions (T) | out_cache_loc (T) | req_pool_indices (B)
+                   | seq_lens (B) | logits_indices (N) | req_to_token rows (B x W, each row's
+                   first W entries)
+Neither side ever reads a device tensor on the host here. Before this split, everything went
+through NCCL and the workers read the header with .tolist(): a worker learnt of step k+1 only
+once rank 0's GPU had finished step k, so its host work (receive, scatter, launch) ran while
+both GPUs idled, every step, and rank 0 synced on its own req_pool_indices too.
+
 The rows carry whatever rank 0's scheduler wrote there (prefix matches, new slots, retractions),
 so a worker's req_to_token equals rank 0's for every row the batch reads; its allocator and
-radix cache are never used. Sending the whole rows each step (B * L ints) is the simple choice;
-sending only the new entries is an optimization for later.
+radix cache are never used. Rows are sent whole (B x W ints, W the longest row: a row beyond its
+own seq_len carries rank 0's entries there, which no attention reads); sending only new entries
+would be smaller but must see every host-side rewrite of a row.
 Not sent: `prefix_groups` (rank 0 runs TP batches without them: ModelRunner drops them) and
 `mm_inputs` (no TP for LLaVA, refused by sharding).
 """
@@ -27,51 +39,53 @@ _HEADER = 7
 _MODES = (ForwardMode.EXTEND, ForwardMode.DECODE)
 
 
+def _host(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def send_batch(tp: TPGroup, fb: ForwardBatch, req_to_token: torch.Tensor) -> None:
-    """Rank 0: broadcast `fb` and the req_to_token rows it reads."""
-    dev = fb.input_ids.device
-    b = fb.batch_size
-    seq_lens = fb.seq_lens_cpu or fb.seq_lens.tolist()
-    rows = fb.req_pool_indices.tolist()
-    r2t = [req_to_token[r, :n] for r, n in zip(rows, seq_lens)]
+    """Rank 0: broadcast `fb` and the req_to_token rows it reads (no device-to-host sync)."""
+    b, t, n = fb.batch_size, fb.num_tokens, int(fb.logits_indices.shape[0])
+    seq_lens = fb.seq_lens_cpu
+    if len(seq_lens) != b:
+        raise ValueError(f"a TP batch needs seq_lens_cpu ({len(seq_lens)} values for {b} rows)")
     extend = fb.mode == ForwardMode.EXTEND
-    prefix = fb.extend_prefix_lens_cpu if extend else [0] * b
-    ext = fb.extend_lens_cpu if extend else [0] * b
-    i64 = lambda x: torch.as_tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-    payload = torch.cat([i64(t) for t in (fb.input_ids, fb.positions, fb.out_cache_loc,
-                                          fb.req_pool_indices, fb.seq_lens, fb.logits_indices,
-                                          prefix, ext)] + [i64(t) for t in r2t])
-    header = i64([1, _MODES.index(fb.mode), fb.num_tokens, b, int(fb.logits_indices.shape[0]),
-                  fb.num_decode_tail, sum(seq_lens)])
-    tp.broadcast(header)
-    tp.broadcast(payload)
+    lens = list(seq_lens) + (list(fb.extend_prefix_lens_cpu) + list(fb.extend_lens_cpu)
+                             if extend else [])
+    width = max(seq_lens, default=0)
+    tp.broadcast_host(_host([1, _MODES.index(fb.mode), t, b, n, fb.num_decode_tail, width]))
+    if lens:
+        tp.broadcast_host(_host(lens))
+    parts = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens,
+             fb.logits_indices, req_to_token[fb.req_pool_indices, :width].reshape(-1)]
+    tp.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
 
 
-def send_stop(tp: TPGroup, device: torch.device | str) -> None:
+def send_stop(tp: TPGroup, device: torch.device | str = "cpu") -> None:
     """Rank 0: tell the workers to leave their loop."""
-    tp.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=device))
+    tp.broadcast_host(torch.zeros(_HEADER, dtype=torch.int64))
 
 
 def recv_batch(tp: TPGroup, req_to_token: torch.Tensor,
                device: torch.device | str) -> Optional[ForwardBatch]:
-    """Ranks 1..N-1: the next batch (its rows written into `req_to_token`), or None on stop."""
-    header = tp.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=device))
-    cmd, mode, t, b, n, tail, r = header.tolist()
+    """Ranks 1..N-1: the next batch (its rows written into `req_to_token`), or None on stop.
+    Blocks on the host group until rank 0 sends; then only enqueues device work."""
+    header = tp.broadcast_host(torch.empty(_HEADER, dtype=torch.int64))
+    cmd, mode, t, b, n, tail, width = header.tolist()
     if cmd == 0:
         return None
-    payload = tp.broadcast(torch.empty(3 * t + 4 * b + n + r, dtype=torch.int64, device=device))
-    ids, pos, loc, rpi, seq, logit_rows, prefix, ext, flat = payload.split(
-        [t, t, t, b, b, n, b, b, r])
-    seq_cpu, rows = seq.tolist(), rpi.tolist()
-    start = 0
-    for row, length in zip(rows, seq_cpu):
-        req_to_token[row, :length] = flat[start : start + length]
-        start += length
     fm = _MODES[mode]
     extend = fm == ForwardMode.EXTEND
+    lens = tp.broadcast_host(torch.empty(b * (3 if extend else 1), dtype=torch.int64)).tolist() \
+        if b else []
+    payload = tp.broadcast(torch.empty(3 * t + 2 * b + n + b * width, dtype=torch.int64,
+                                       device=device))
+    ids, pos, loc, rpi, seq, logit_rows, rows = payload.split([t, t, t, b, b, n, b * width])
+    if b and width:
+        req_to_token[rpi, :width] = rows.view(b, width).to(req_to_token.dtype)
     return ForwardBatch(mode=fm, input_ids=ids, positions=pos, out_cache_loc=loc,
                         req_pool_indices=rpi, seq_lens=seq, logits_indices=logit_rows,
-                        seq_lens_cpu=seq_cpu,
-                        extend_prefix_lens_cpu=prefix.tolist() if extend else [],
-                        extend_lens_cpu=ext.tolist() if extend else [],
+                        seq_lens_cpu=lens[:b],
+                        extend_prefix_lens_cpu=lens[b : 2 * b] if extend else [],
+                        extend_lens_cpu=lens[2 * b :] if extend else [],
                         num_decode_tail=tail)

@@ -10,6 +10,12 @@ Collectives:
   embedding). gloo on half dtypes sums in fp32 (gloo's bf16 support varies by build; fp32 sums
   are also the better numerics), then rounds once.
 - all_gather(x, dim): the ranks' slices side by side (the vocab-parallel LM head's logits).
+- broadcast(x): rank 0's batch payload to the workers (batch_sync), in stream order.
+- broadcast_host(x): a host tensor over a gloo group of its own (`host_group`), for what a
+  worker must read on its host (batch_sync's headers): over NCCL that read would wait for the
+  GPU. Its timeout is HOST_WAIT_TIMEOUT: an idle worker waits there for the next batch for as
+  long as the server idles (the TP group's own timeout, 300 s by default, would end an idle
+  server's workers).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class TPGroup:
     group: Optional[object] = None  # a torch.distributed ProcessGroup; None when size == 1
     backend: str = "gloo"
     fast: Optional[object] = None  # custom_all_reduce.SymmMemAllReduce (one node, CUDA) or None
+    host_group: Optional[object] = None  # gloo ProcessGroup for broadcast_host
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks; returns a tensor of x's shape and dtype (x may be reused)."""
@@ -72,8 +79,17 @@ class TPGroup:
             dist.broadcast(x, src=src, group=self.group)
         return x
 
+    def broadcast_host(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """As broadcast, for a CPU tensor, over the host group: returns once rank `src`'s data
+        is here, whatever the GPUs are doing."""
+        if self.size > 1:
+            dist.broadcast(x, src=src, group=self.host_group)
+        return x
+
 
 SINGLE = TPGroup(rank=0, size=1)
+# a worker waits for rank 0's next batch in broadcast_host for as long as the server idles
+HOST_WAIT_TIMEOUT = timedelta(days=365)
 _TP: TPGroup = SINGLE
 
 
@@ -114,8 +130,11 @@ def init_distributed(tp_size: int, tp_rank: int, init_method: str,
         from radixlm.runtime.distributed import custom_all_reduce as car
 
         fast = car.try_create(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
+    # every rank creates it, in the same order (a collective); a dead peer still ends a wait
+    # at once (gloo sees the closed connection), so the long timeout only covers idling
+    host_group = dist.new_group(backend="gloo", timeout=HOST_WAIT_TIMEOUT)
     _TP = TPGroup(rank=tp_rank, size=tp_size, group=dist.group.WORLD,
-                  backend=dist.get_backend(), fast=fast)
+                  backend=dist.get_backend(), fast=fast, host_group=host_group)
     return _TP
 
 
