@@ -115,3 +115,20 @@ def build_decode(reqs: list[Req], req_pool, allocator, tree_cache, device,
         logits_indices=torch.arange(bsz, device=device),
         seq_lens_cpu=seq_lens_cpu,
     )
+
+
+def as_decode(fb: ForwardBatch, rows: LogitRows, reqs: list[Req]) -> ForwardBatch:
+    """`fb` as a DECODE batch where it is one: every request extends exactly one token and
+    samples it, and nothing else reads its logits or hidden states. A decode computes the same
+    thing (one token at position kv_len over the cached prefix) and replays a decode CUDA graph
+    where an extend runs eagerly: a disaggregated decode server admits each arriving prompt so
+    (its KV came from the prefill server; the last prompt token is computed here), mixed with
+    every running request, and that eager step was each arrival's inter-token latency spike for
+    the whole batch. Left as it is: prompt logprob rows, images, embeddings, and per-layer
+    waits for KV still loading from the host pool (only the eager forward waits on them)."""
+    b = fb.batch_size
+    if (fb.num_tokens != b or fb.mm_inputs or fb.kv_load_events is not None or rows.input_spans
+            or rows.sample_rows != list(range(b)) or any(r.embed_pooling for r in reqs)):
+        return fb
+    fb.mode = ForwardMode.DECODE  # the extend lists stay (EAGLE-3 reads them after the step)
+    return fb

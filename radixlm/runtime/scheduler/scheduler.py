@@ -26,7 +26,7 @@ from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.sampling.sampler import Sampler
 from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
 from radixlm.runtime.scheduler import decode
-from radixlm.runtime.scheduler.batch_builder import build_decode, build_extend
+from radixlm.runtime.scheduler.batch_builder import as_decode, build_decode, build_extend
 from radixlm.runtime.scheduler.isolation import FaultIsolation
 from radixlm.runtime.scheduler.maintenance import Maintenance
 from radixlm.runtime.scheduler.output import record_embeddings
@@ -243,6 +243,7 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         fb.num_decode_tail = len(decoding)
         if self.tiered:  # CUDA: each layer waits for its own loaded KV (mem_cache/kv_mover.py)
             fb.kv_load_events = self.tree_cache.take_load_events()
+        fb = as_decode(fb, rows, reqs + decoding)
         logits = self._forward_or_oom(fb, reqs + decoding)  # (N, vocab)
         if logits is None:  # a CUDA OOM failed the batch (step() reports it)
             return []
