@@ -86,3 +86,40 @@ def test_overlap_chains_steps_and_settles_on_abort(eng, integrity):
     assert seen >= 3
     assert lens[0] == lens[2] == 20 and lens[1] < 20
     integrity(eng)
+
+
+def test_a_step_lists_each_request_once(eng, integrity):
+    """Requests arriving while others decode (mixed steps) with overlap: a running request
+    completes the step in flight and decodes again in the mixed extend, and step() used to
+    list it twice; the server then sent a finished request's output ids twice."""
+    import random
+
+    from radixlm.runtime.request import Req
+    from radixlm.runtime.sampling_params import SamplingParams
+
+    sched = eng.scheduler
+    eng.flush_cache()
+
+    def drive():
+        sched.overlap = True
+        try:
+            rng = random.Random(1)
+            reqs = [Req(f"once{i}", [rng.randrange(100, 40000) for _ in range(rng.randint(8, 40))],
+                        SamplingParams(temperature=0, max_new_tokens=rng.randint(3, 12),
+                                       ignore_eos=True)) for i in range(12)]
+            pending, repeats = list(reqs), []
+            while pending or sched.has_runnable_work():
+                if pending and rng.random() < 0.4:
+                    sched.add_request(pending.pop(0))
+                if sched.has_runnable_work():
+                    out = sched.step()
+                    repeats += [r.rid for r in out if sum(x is r for x in out) > 1]
+            return repeats, [(len(r.output_ids), r.sampling_params.max_new_tokens)
+                                     for r in reqs]
+        finally:
+            sched.overlap = False
+
+    repeats, lens = eng._call_in_loop(drive)
+    assert repeats == []
+    assert all(n == want for n, want in lens), lens
+    integrity(eng)

@@ -114,7 +114,12 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         t0 = time.perf_counter()
         try:
             done = self._step_or_chain()
-            return self._sweep_failed(done) if self._failed else done
+            done = self._sweep_failed(done) if self._failed else done
+            # once each: with overlap and mixed batches, a request can both complete the step in
+            # flight and decode in this step's extend. Listed twice, a request that finished had
+            # its update sent twice, the second (after its sent count was dropped) with every
+            # output id again: the client got them twice (completion_tokens up to 2x)
+            return list({id(r): r for r in done}.values())
         finally:
             self.stats["busy_s"] += time.perf_counter() - t0
 
