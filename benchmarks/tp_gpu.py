@@ -96,14 +96,30 @@ def _profile_bs1(eng, prompt, log_dir: str, name: str) -> dict:
         timed_generate(eng, [prompt], [64])
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    # idle: the gaps between the union of kernel intervals; which kernel each big gap follows
+    gaps, end, after = [], None, {}
+    for e in kernels:
+        if end is not None and e.time_range.start > end:
+            gaps.append(e.time_range.start - end)
+            if gaps[-1] > 20:
+                key = prev_name[:40]
+                after[key] = after.get(key, 0) + gaps[-1]
+        if end is None or e.time_range.end > end:
+            end, prev_name = e.time_range.end, e.name
+    span = (end - kernels[0].time_range.start) if kernels else 0
     table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
     with open(os.path.join(log_dir, f"tp_gpu.{name}.profile.txt"), "w") as f:
         f.write(table)
     prof.export_chrome_trace(os.path.join(log_dir, f"tp_gpu.{name}.trace.json"))
+    top_after = sorted(after.items(), key=lambda kv: -kv[1])[:6]
     return {"wall_s": round(wall, 4), "kernel_s": round(busy_us / 1e6, 4),
-            "kernel_share": round(busy_us / 1e6 / wall, 3), "kernels": len(kernels)}
+            "kernel_share": round(busy_us / 1e6 / wall, 3), "kernels": len(kernels),
+            "span_s": round(span / 1e6, 4), "idle_s": round(sum(gaps) / 1e6, 4),
+            "idle_gaps_over_20us": sum(g > 20 for g in gaps),
+            "idle_us_after": {k: round(v) for k, v in top_after}}
 
 
 def main(argv=None) -> dict:
