@@ -102,7 +102,7 @@ def _rank_main(rank: int, world: int, init_file: str, cases: list, out: str):
             runner = make_runner({**args_kw, "tp_size": world})
             if rank == 0:  # schedules: its runner sends each batch to the other ranks
                 logits = run_fixed_batches(runner, vocab)
-                batch_sync.send_stop(runner.tp, runner.device)
+                batch_sync.send_stop(runner.tp)
             else:  # as distributed/tp_worker runs a worker: rank 0's batches, until it stops
                 logits = []
                 r2t = runner.req_to_token_pool.req_to_token

@@ -61,7 +61,7 @@ def send_batch(tp: TPGroup, fb: ForwardBatch, req_to_token: torch.Tensor) -> Non
     tp.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
 
 
-def send_stop(tp: TPGroup, device: torch.device | str = "cpu") -> None:
+def send_stop(tp: TPGroup) -> None:
     """Rank 0: tell the workers to leave their loop."""
     tp.broadcast_host(torch.zeros(_HEADER, dtype=torch.int64))
 

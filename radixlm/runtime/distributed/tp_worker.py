@@ -92,7 +92,7 @@ class TPHandle:
         left = False
         if graceful and all(p.is_alive() for p in self.procs):
             try:
-                batch_sync.send_stop(self.tp, self.device)
+                batch_sync.send_stop(self.tp)
                 if self.tp.backend == "nccl":
                     # the workers leave the group as soon as they see the stop: leave with them,
                     # before joining them (NCCL's teardown pairs a node's ranks). The caller

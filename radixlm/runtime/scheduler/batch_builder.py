@@ -123,8 +123,8 @@ def as_decode(fb: ForwardBatch, rows: LogitRows, reqs: list[Req]) -> ForwardBatc
     thing (one token at position kv_len over the cached prefix) and replays a decode CUDA graph
     where an extend runs eagerly: a disaggregated decode server admits each arriving prompt so
     (its KV came from the prefill server; the last prompt token is computed here), mixed with
-    every running request, and that eager step was each arrival's inter-token latency spike for
-    the whole batch. Left as it is: prompt logprob rows, images, embeddings, and per-layer
+    every running request, which otherwise all waited for an eager step at each arrival (an
+    inter-token latency spike for the whole batch). Left as it is: prompt logprob rows, images, embeddings, and per-layer
     waits for KV still loading from the host pool (only the eager forward waits on them)."""
     b = fb.batch_size
     if (fb.num_tokens != b or fb.mm_inputs or fb.kv_load_events is not None or rows.input_spans
