@@ -237,7 +237,8 @@ def tiny_checkpoint(tmp_path_factory):
 
 def test_engine_greedy_matches_torch_native(tiny_checkpoint, monkeypatch):
     """Greedy tokens with attention_backend='triton' (interpreted) equal torch_native's: batched
-    prompts sharing a prefix (prefill, decode), then a cache-hit re-run (extend with a prefix)."""
+    prompts sharing a prefix (prefill, decode), a cache-hit re-run, and a prompt that extends a
+    cached one by a few tokens (extend with a prefix)."""
     import radixlm
 
     seen = []  # (mode, any cached prefix) of every batch the triton backend ran
@@ -252,6 +253,7 @@ def test_engine_greedy_matches_torch_native(tiny_checkpoint, monkeypatch):
     shared = torch.randint(3, 512, (20,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 11)]
     prompts.append(torch.randint(3, 512, (9,), generator=gen).tolist())
+    longer = prompts[1] + [7, 8, 9]  # extends 3 tokens past the cached prompts[1]
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     results = {}
     for backend in ("torch_native", "triton"):
@@ -263,12 +265,14 @@ def test_engine_greedy_matches_torch_native(tiny_checkpoint, monkeypatch):
                 "torch_native": "TorchNativeAttention", "triton": "TritonAttention"}[backend]
             first = [o["output_ids"] for o in eng.generate(input_ids=prompts,
                                                            sampling_params=params)]
+            # all but its last token cached: runs as a decode (batch_builder.as_decode)
             again = eng.generate(input_ids=prompts[1], sampling_params=params)["output_ids"]
+            more = eng.generate(input_ids=longer, sampling_params=params)["output_ids"]
             eng.wait_idle()
             eng.check_integrity()
         finally:
             eng.shutdown()
-        results[backend] = (first, again)
+        results[backend] = (first, again, more)
     assert results["triton"] == results["torch_native"]
     assert results["triton"][1] == results["triton"][0][1]  # the cache hit changes nothing
     assert (ForwardMode.DECODE, False) in seen and (ForwardMode.EXTEND, True) in seen
