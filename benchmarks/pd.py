@@ -121,6 +121,13 @@ async def run_rate(url: str, reqs: list[ds.BenchRequest], rate: float, seed: int
         return summarize(results, time.perf_counter() - start)
 
 
+def loop_costs(st: dict) -> dict:
+    """A scheduler's garbage-collection pauses and long loop turns (server/loop_stats.py),
+    cumulative since its start."""
+    return {k: st.get(k) for k in ("gc_pauses", "gc_pause_s_max", "gc_pause_s_total",
+                                   "loop_turn_s_max", "loop_turns_over_s")}
+
+
 def flush(servers: list[Proc]) -> None:
     """Empty the servers' radix caches between rates (the same trace runs again): a server
     answers 400 while requests still hold KV, so wait for it to drain."""
@@ -185,12 +192,16 @@ def main(argv=None) -> list[dict]:
                 flush(servers)
                 res = asyncio.run(run_rate(url, reqs, rate, args.seed))
                 info = httpx.get(procs[0].url + "/get_server_info", timeout=30).json()
+                loop = {srv.name: [loop_costs(st) for st in httpx.get(
+                    srv.url + "/get_server_info", timeout=30).json().get("internal_states", [])]
+                    for srv in servers}
                 res = {"bench": "pd", "arm": arm, "request_rate": rate, **res,
                        "device": info.get("device"), "dtype": info.get("dtype"),
                        "model": os.path.basename(args.model_path.rstrip("/")),
                        "trace": {k: getattr(args, k) for k in (*TRACE, "seed")},
                        "transfer_backend": args.transfer_backend if arm == "pd" else None,
                        "startup_s": round(startup_s, 1), "commit": git_commit(),
+                       "loop": loop,
                        "note": args.note}
                 lines.append(emit_result(res, args.result_file, __file__))
         finally:

@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import signal
+import time
 import traceback
 
 import torch
@@ -25,6 +26,7 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.pd_decode import DecodeSide
 from radixlm.runtime.scheduler.pd_prefill import PrefillSide
 from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.server.loop_stats import LoopStats, freeze_startup_objects
 from radixlm.server.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq,
                                       ReqUpdate, TokenizedGenerateReq)
 from radixlm.server.scheduler_control import Profiler, update_weights_from_disk
@@ -59,6 +61,9 @@ class SchedulerServer:
         self.sent: dict[str, int] = {}  # rid -> output tokens already sent
         self.input_lp_sent: set[str] = set()
         self.profiler = Profiler()
+        self.loop_stats = LoopStats(self.scheduler.stats, args.gc_warning_threshold_secs)
+        if args.enable_gc_freeze:  # start-up is done: weights, graphs, tokenizer, sockets
+            logger.info("gc.freeze(): %d objects kept out of collections", freeze_startup_objects())
 
     def info(self) -> dict:
         r = self.runner
@@ -79,7 +84,9 @@ class SchedulerServer:
                 timeout = 0
             else:  # 1 ms: a request's KV is arriving; 5 ms: only grammars are compiling
                 timeout = 1 if sched.pd is not None and sched.pd.busy() else 5
-            if poller.poll(timeout):
+            got = poller.poll(timeout)
+            t0 = time.perf_counter()
+            if got:
                 while True:
                     try:
                         msg = pickle.loads(self.recv.recv(zmq.NOBLOCK))
@@ -91,12 +98,15 @@ class SchedulerServer:
                 failed = sched.pd.poll()
                 if failed:
                     self.send_updates(failed)
-            if sched.has_runnable_work():
+            stepped = sched.has_runnable_work()
+            if stepped:
                 touched = sched.step()
                 if touched:
                     self.send_updates(touched)
                 if self.profiler.active:
                     self.profiler.on_step()
+            if stepped or got:
+                self.loop_stats.turn(time.perf_counter() - t0)
 
     def handle(self, msg):
         sched = self.scheduler
