@@ -125,7 +125,8 @@ def loop_costs(st: dict) -> dict:
     """A scheduler's garbage-collection pauses and long loop turns (server/loop_stats.py),
     cumulative since its start."""
     return {k: st.get(k) for k in ("gc_pauses", "gc_pause_s_max", "gc_pause_s_total",
-                                   "loop_turn_s_max", "loop_turns_over_s")}
+                                   "loop_turn_s_max", "loop_turns_over_s", "loop_part_s_max",
+                                   "loop_parts_over_10ms")}
 
 
 def flush(servers: list[Proc]) -> None:

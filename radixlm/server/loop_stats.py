@@ -11,8 +11,11 @@ time every collection (any thread's: they all hold the scheduler's GIL while it 
 imported modules) into the permanent generation (`gc.freeze()`), so later collections walk only
 what serving allocates.
 
-Loop turns: the wall time of each turn of the serve loop that did work (messages, a PD poll,
-a step, its updates), as counts over fixed bounds: `loop_turns_over_s` {"0.01": n, ...}.
+Loop turns: the wall time of each turn of the serve loop that did work, as counts over fixed
+bounds (`loop_turns_over_s` {"0.01": n, ...}), and of its parts (`loop_part_s_max` and
+`loop_parts_over_10ms`, each {part: ...}): `messages` (requests in), `pd_poll` (a PD role's
+arrived pages and handshakes), `step` (the scheduler step: on a GPU it includes waiting for the
+step it completes) and `updates` (tokens out).
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 TURN_BOUNDS_S = (0.01, 0.02, 0.05, 0.1)
+PARTS = ("messages", "pd_poll", "step", "updates")  # a turn's parts, in order
 
 
 class LoopStats:
     def __init__(self, stats: dict, gc_warning_s: float = 0.0):
         self.stats, self.gc_warning_s = stats, gc_warning_s
         stats.update(gc_pauses=0, gc_pause_s_total=0.0, gc_pause_s_max=0.0,
-                     loop_turn_s_max=0.0, loop_turns_over_s={str(b): 0 for b in TURN_BOUNDS_S})
+                     loop_turn_s_max=0.0, loop_turns_over_s={str(b): 0 for b in TURN_BOUNDS_S},
+                     loop_part_s_max=dict.fromkeys(PARTS, 0.0),
+                     loop_parts_over_10ms=dict.fromkeys(PARTS, 0))
         self._gc_start: Optional[float] = None
         gc.callbacks.append(self._on_gc)
 
@@ -51,12 +57,17 @@ class LoopStats:
                            "--enable-gc-freeze keeps start-up objects out of collections",
                            info.get("generation", -1), dt, info.get("collected", 0))
 
-    def turn(self, seconds: float) -> None:
+    def turn(self, marks: list[float]) -> None:
+        """marks: perf_counter() at the turn's start and after each of PARTS."""
         s = self.stats
+        seconds = marks[-1] - marks[0]
         s["loop_turn_s_max"] = max(s["loop_turn_s_max"], seconds)
         for b in TURN_BOUNDS_S:
             if seconds > b:
                 s["loop_turns_over_s"][str(b)] += 1
+        for part, t0, t1 in zip(PARTS, marks, marks[1:]):
+            s["loop_part_s_max"][part] = max(s["loop_part_s_max"][part], t1 - t0)
+            s["loop_parts_over_10ms"][part] += t1 - t0 > 0.01
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:

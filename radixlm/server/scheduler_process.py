@@ -85,7 +85,7 @@ class SchedulerServer:
             else:  # 1 ms: a request's KV is arriving; 5 ms: only grammars are compiling
                 timeout = 1 if sched.pd is not None and sched.pd.busy() else 5
             got = poller.poll(timeout)
-            t0 = time.perf_counter()
+            marks = [time.perf_counter()]  # the turn's parts: messages, pd_poll, step, updates
             if got:
                 while True:
                     try:
@@ -94,19 +94,22 @@ class SchedulerServer:
                         break
                     if self.handle(msg) == "shutdown":
                         return
+            marks.append(time.perf_counter())
             if sched.pd is not None:
                 failed = sched.pd.poll()
                 if failed:
                     self.send_updates(failed)
+            marks.append(time.perf_counter())
             stepped = sched.has_runnable_work()
-            if stepped:
-                touched = sched.step()
-                if touched:
-                    self.send_updates(touched)
-                if self.profiler.active:
-                    self.profiler.on_step()
+            touched = sched.step() if stepped else []
+            marks.append(time.perf_counter())
+            if touched:
+                self.send_updates(touched)
+            if stepped and self.profiler.active:
+                self.profiler.on_step()
             if stepped or got:
-                self.loop_stats.turn(time.perf_counter() - t0)
+                marks.append(time.perf_counter())
+                self.loop_stats.turn(marks)
 
     def handle(self, msg):
         sched = self.scheduler

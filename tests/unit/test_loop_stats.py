@@ -32,10 +32,13 @@ def test_turns_land_in_their_bounds():
     stats: dict = {}
     loop = LoopStats(stats)
     loop.close()
-    for seconds in (0.001, 0.015, 0.03, 0.2):
-        loop.turn(seconds)
-    assert stats["loop_turns_over_s"] == {"0.01": 3, "0.02": 2, "0.05": 1, "0.1": 1}
-    assert stats["loop_turn_s_max"] == 0.2
+    for seconds in (0.001, 0.015, 0.03, 0.2):  # all of it in the step
+        loop.turn([1.0, 1.0, 1.0, 1.0 + seconds, 1.0 + seconds])
+    loop.turn([2.0, 2.0, 2.012, 2.013, 2.0135])  # 12 ms in a PD poll
+    assert stats["loop_turns_over_s"] == {"0.01": 4, "0.02": 2, "0.05": 1, "0.1": 1}
+    assert abs(stats["loop_turn_s_max"] - 0.2) < 1e-9
+    assert stats["loop_parts_over_10ms"] == {"messages": 0, "pd_poll": 1, "step": 3, "updates": 0}
+    assert abs(stats["loop_part_s_max"]["pd_poll"] - 0.012) < 1e-9
 
 
 def test_freeze_moves_live_objects_out_of_collections():
