@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import pickle
 import queue
 import socket
@@ -41,12 +40,6 @@ logger = logging.getLogger(__name__)
 CTL_QUEUE = "pd/ctl"  # the store queue of decode -> prefill control messages
 OK, CANCEL = 0, 1
 CONNECT_TIMEOUT_S = 10.0
-# nccl links: at most this many thread blocks (each on its own SM) per send or recv kernel
-# (ncclConfig_t.maxCTAs; 0: NCCL's own choice). A receiver posts its recv when the request's
-# prompt starts prefilling elsewhere, and NCCL's kernel then spins on the decode GPU until
-# the bytes come, SMs taken from every decode step meanwhile; a page of 2048 tokens still
-# moves in a few milliseconds on two.
-PD_NCCL_MAX_CTAS = int(os.environ.get("RADIXLM_PD_NCCL_MAX_CTAS", "2"))
 
 
 def _settle(device: torch.device) -> None:
@@ -79,13 +72,6 @@ def make_group(store, rank: int, host: str, backend: str, timeout: float, device
         torch.cuda.set_device(0 if index is None else index)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _timeout(timeout)
-        if PD_NCCL_MAX_CTAS > 0:
-            config = getattr(opts, "config", None)
-            if config is not None and hasattr(config, "max_ctas"):
-                config.max_ctas = PD_NCCL_MAX_CTAS
-            else:
-                logger.warning("this torch's NCCL options have no max_ctas: the PD link uses "
-                               "NCCL's default number of thread blocks")
         return dist.ProcessGroupNCCL(store, rank, 2, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = _timeout(timeout)
