@@ -1,6 +1,7 @@
 """On a CUDA GPU, fp32: EAGLE3 (a random EAGLE-3 head) gives plain decoding's greedy tokens with
 the triton backend, its verifies replay the target's decode CUDA graphs (which then also
-write the captured layers), and the KV accounting holds. Once on a tiny Llama with a head
+write the captured layers), the head's chain steps replay the head's own graphs, and the KV
+accounting holds. Once on a tiny Llama with a head
 written to disk, once on the Llama-3.1-8B shape with `--load-format dummy` (config-only
 folders; the head shaped as yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: 32000-token draft
 vocabulary). fp32 rather than bf16: the verify's rows run in another batch size than a plain
@@ -46,10 +47,13 @@ def _generate(path, prompts, max_new, **kw):
     try:
         graphs = eng.runner.graph_runner
         assert graphs is not None, "the test needs captured decode graphs"
-        replays = graphs.replays
+        head = getattr(eng.scheduler.spec, "graphs", None)  # EAGLE3: the head's chain graphs
+        replays, head_replays = graphs.replays, head.replays if head is not None else 0
         outs = eng.generate(input_ids=prompts, sampling_params={
             "temperature": 0, "max_new_tokens": max_new, "ignore_eos": True})
-        stats = dict(eng.get_stats(), graph_replays=graphs.replays - replays)
+        stats = dict(eng.get_stats(), graph_replays=graphs.replays - replays,
+                     head_graph_replays=(head.replays - head_replays if head is not None
+                                         else None))
         eng.wait_idle()
         eng.check_integrity()
     finally:
@@ -62,6 +66,8 @@ def _check(ref, got, stats):
     assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
     # every decode step of EAGLE3 is a verify: the graphs replayed were verifies
     assert stats["graph_replays"] >= stats["spec_verify_steps"] > 0
+    # the head's chain (depths 2..k) replayed its own graphs (speculative/eagle3_graphs.py)
+    assert stats["head_graph_replays"] is not None and stats["head_graph_replays"] > 0
 
 
 def test_eagle3_tiny_greedy_matches_plain_decoding(tiny_llama_path, tmp_path):

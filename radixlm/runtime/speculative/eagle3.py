@@ -43,6 +43,7 @@ from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative import eagle3_config, grammar_drafts, isolation
 from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
+from radixlm.runtime.speculative.eagle3_graphs import HeadGraphRunner
 from radixlm.runtime.speculative.eagle3_model import build_head
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.standalone import StandaloneSpeculator, _tokens
@@ -102,6 +103,13 @@ class Eagle3Speculator(StandaloneSpeculator):
             AttentionSpec(scale=c.head_dim ** -0.5), device=runner.device,
             max_batch_size=args.max_running_requests + 1, max_context_len=runner.context_len + 1)
         self._init_chain(sched)
+        # the chain's decode steps replay CUDA graphs where the target's decode does
+        self.graphs: Optional[HeadGraphRunner] = None
+        if runner.graph_runner is not None and getattr(self.backend, "supports_cuda_graph", False):
+            # (rows: the drafting requests, at most max_running_requests; the head's backend
+            # is sized for that)
+            max_bs = min(runner.graph_runner.max_bs, args.max_running_requests)
+            self.graphs = HeadGraphRunner(self, runner, max_bs, sched.vocab_size)
 
     # --- the target's features in ---------------------------------------------------------------
     def after_extend(self, fb, reqs: list[Req]) -> None:
@@ -270,9 +278,17 @@ class Eagle3Speculator(StandaloneSpeculator):
                     out_cache_loc=slots, req_pool_indices=c_rows[:active], seq_lens=p + 1,
                     logits_indices=torch.arange(active, device=dev),
                     seq_lens_cpu=[r.kv_len + j - 1 for r in creqs[:active]])
-                normed, out = self._forward(fb, out[:active])
                 forwards += 1
-            logits = self.head.to_target(self.head.logits(normed), V)  # (active, V)
+                if self.graphs is not None and self.graphs.can_run(fb):
+                    # (a copy: sampling edits logits in place and q may be a view of them,
+                    # while the graph's buffer is rewritten at the next depth)
+                    logits, out = self.graphs.run(fb, out[:active])
+                    logits = logits.clone()
+                else:
+                    normed, out = self._forward(fb, out[:active])
+                    logits = self.head.to_target(self.head.logits(normed), V)
+            else:
+                logits = self.head.to_target(self.head.logits(normed), V)  # (active, V)
             self._sample_step(logits, grammar, info, creqs, active, sched, toks, qs)
         self.stats["spec_draft_forwards"] += forwards
         return self._collect(reqs, chain, chain_k, toks, qs, grammar), forwards
