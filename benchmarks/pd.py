@@ -129,6 +129,29 @@ def loop_costs(st: dict) -> dict:
                                    "loop_parts_over_10ms")}
 
 
+def start_profile(procs: list[Proc], arm: str, rate: float, steps: int, log_dir: str):
+    """--profile-decode: start the decode server's profiler for its next `steps` steps; returns
+    the trace's path (None when off or not the PD arm)."""
+    if not steps or arm != "pd":
+        return None
+    decode = next(p for p in procs if p.name == "decode")
+    r = httpx.post(decode.url + "/start_profile", timeout=30, json={
+        "output_dir": log_dir, "profile_id": f"decode-rate{rate:g}", "num_steps": steps})
+    r.raise_for_status()
+    return r.text.rsplit("written to ", 1)[-1].strip()  # (the route answers in plain text)
+
+
+def profile_summary(procs: list[Proc], trace: str) -> dict:
+    """The trace's sums once written (the profiler stops itself after its steps; a run shorter
+    than that is stopped here)."""
+    from benchmarks.trace_summary import summarize
+
+    decode = next(p for p in procs if p.name == "decode")
+    if not os.path.exists(trace):
+        httpx.post(decode.url + "/stop_profile", timeout=120)
+    return summarize(trace, gap_ms=2.0, top=10)
+
+
 def flush(servers: list[Proc]) -> None:
     """Empty the servers' radix caches between rates (the same trace runs again): a server
     answers 400 while requests still hold KV, so wait for it to drain."""
@@ -162,6 +185,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--result-file", default=None)
     p.add_argument("--note", default=None)
+    p.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
+                   help="PD arm: torch.profiler on the decode server for its first STEPS steps "
+                        "of each rate (/start_profile); the line gets trace_summary.py's sums")
     args = p.parse_args(argv)
     if args.tiny:
         args.device, args.dtype = "cpu", "float32"
@@ -191,7 +217,10 @@ def main(argv=None) -> list[dict]:
             servers = [p for p in procs if p.name != "router"]  # (dp2: its router broadcasts)
             for rate in args.request_rates:
                 flush(servers)
+                trace_path = start_profile(procs, arm, rate, args.profile_decode, log_dir)
                 res = asyncio.run(run_rate(url, reqs, rate, args.seed))
+                if trace_path:
+                    res["decode_profile"] = profile_summary(procs, trace_path)
                 info = httpx.get(procs[0].url + "/get_server_info", timeout=30).json()
                 loop = {srv.name: [loop_costs(st) for st in httpx.get(
                     srv.url + "/get_server_info", timeout=30).json().get("internal_states", [])]
