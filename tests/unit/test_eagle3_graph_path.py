@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from emulated_graphs import Replay
 from triton_interpreter import import_interpreted
 
 import_interpreted("radixlm.runtime.attention.triton_backend",
@@ -25,11 +26,6 @@ KW = dict(skip_tokenizer_init=True, max_total_tokens=2048, context_length=256, d
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-class _Replay:
-    def __init__(self, fn):
-        self.replay = fn
 
 
 class EmulatedHeadGraphs(HeadGraphRunner):
@@ -49,7 +45,7 @@ class EmulatedHeadGraphs(HeadGraphRunner):
                     out.copy_(fb.aux_hidden)
                     fb.aux_hidden = out
 
-            self.graphs[bs], self.outputs[bs], self.aux_outputs[bs] = _Replay(replay), logits, out
+            self.graphs[bs], self.outputs[bs], self.aux_outputs[bs] = Replay(replay), logits, out
 
 
 def test_chain_through_graph_buffers_keeps_plain_tokens(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import arch_parity as ap
+from emulated_graphs import Replay
 from triton_interpreter import import_interpreted
 
 import_interpreted("radixlm.runtime.attention.triton_mla_decode",
@@ -26,11 +27,6 @@ from test_model_parity_deepseek import CASES, MAX_NEW, prompts  # noqa: E402
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-class _Replay:
-    def __init__(self, fn):
-        self.replay = fn
 
 
 class EmulatedGraphRunner(CudaGraphRunner):
@@ -48,7 +44,7 @@ class EmulatedGraphRunner(CudaGraphRunner):
                 with torch.inference_mode():
                     out.copy_(self._run_model(fb))
 
-            self.graphs[bs], self.outputs[bs] = _Replay(replay), out
+            self.graphs[bs], self.outputs[bs] = Replay(replay), out
 
 
 # V3's shape only (q LoRA, sigmoid grouped routing, a dense first layer): the graph path is the
