@@ -74,6 +74,24 @@ def test_engine_tp2_matches_tp1(tiny_chat_path, tp1_outputs, before):
     assert [c for c in mp.active_children() if c.pid not in before] == []
 
 
+def test_engine_tp2_ngram_matches_tp1(tiny_chat_path, tp1_outputs, before):
+    """NGRAM speculative decoding under TP=2: the verify batches (several rows a request, the
+    rows of one request sharing its req_to_token row) reach the worker as any batch does."""
+    engine = Engine(tp_size=2, model_path=tiny_chat_path, speculative_algorithm="NGRAM",
+                    speculative_adaptive=False, **ARGS)
+    stats = {}
+    real_shutdown = engine.shutdown
+
+    def shutdown():  # (_run shuts the engine down: read its counters first)
+        stats.update(engine.get_stats())
+        real_shutdown()
+
+    engine.shutdown = shutdown
+    assert _run(engine) == tp1_outputs
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+    assert _tp_children(before) == []
+
+
 def test_engine_tp2_two_nodes(tiny_chat_path, tp1_outputs, before):
     """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does)."""
     addr = f"127.0.0.1:{free_port()}"
