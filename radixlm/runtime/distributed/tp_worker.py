@@ -80,8 +80,8 @@ def _device(args: ServerArgs) -> str:
 class TPHandle:
     """Rank 0's view of its worker processes (this node's)."""
 
-    def __init__(self, tp: parallel_state.TPGroup, procs: list, device: str):
-        self.tp, self.procs, self.device = tp, procs, device
+    def __init__(self, tp: parallel_state.TPGroup, procs: list):
+        self.tp, self.procs = tp, procs
         self.stopped = False
 
     def stop(self, graceful: bool = True) -> None:
@@ -146,7 +146,7 @@ def join_rank0(args: ServerArgs, procs: list = ()) -> TPHandle:
         for p in procs:
             p.kill()
         raise
-    return TPHandle(tp, list(procs), _device(args))
+    return TPHandle(tp, list(procs))
 
 
 def start_tp(args: ServerArgs) -> Optional[TPHandle]:
