@@ -91,7 +91,9 @@ def start_arm(arm: str, args, log_dir: str) -> tuple[str, list[Proc]]:
             procs.append(Proc("prefill", server_cmd(args, pp, 0, [
                 "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
                 "--disaggregation-transfer-backend", args.transfer_backend]), log_dir, pp, env))
-            procs.append(Proc("decode", server_cmd(args, dp, second, [
+            # (/start_profile writes only where the server allows)
+            extra_decode = ["--profile-allowed-dirs", log_dir] if args.profile_decode else []
+            procs.append(Proc("decode", server_cmd(args, dp, second, extra_decode + [
                 "--disaggregation-mode", "decode",
                 "--disaggregation-transfer-backend", args.transfer_backend]), log_dir, dp, env))
             procs.append(Proc("router", [sys.executable, "-m", "radixlm.router",
@@ -185,6 +187,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--result-file", default=None)
     p.add_argument("--note", default=None)
+    p.add_argument("--log-dir", default=None,
+                   help="servers' logs and profiles (default: a new temporary folder)")
     p.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
                    help="PD arm: torch.profiler on the decode server for its first STEPS steps "
                         "of each rate (/start_profile); the line gets trace_summary.py's sums")
@@ -201,7 +205,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    log_dir = tempfile.mkdtemp(prefix="pd_bench-")
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pd_bench-")
+    os.makedirs(log_dir, exist_ok=True)
     vocab = prepare_model(args, log_dir)
     reqs = trace(args, vocab)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
