@@ -29,6 +29,7 @@ import pickle
 import queue
 import socket
 import threading
+import time
 import uuid
 from typing import Optional
 
@@ -42,11 +43,23 @@ OK, CANCEL = 0, 1
 CONNECT_TIMEOUT_S = 10.0
 
 
-def _settle(device: torch.device) -> None:
+def _settle(device: torch.device, poll_s: float = 1e-4) -> None:
     """nccl: a send's or recv's wait() only orders the calling thread's stream; the host must
-    know the bytes moved before it reuses (sender) or hands over (receiver) the buffer."""
+    know the bytes moved before it reuses (sender) or hands over (receiver) the buffer. Polled,
+    never a blocking CUDA call: a recv waits for its peer (a prefill of hundreds of ms), and
+    while one thread sat in a blocking call on it (a stream synchronize, the header's copy to
+    pageable memory) the driver held the scheduler thread's launches and copies too: the
+    decode GPU idled 11-44 ms at a time, 13 times in 4.3 s (2 x H200, torch.profiler: the
+    scheduler's cudaGraphLaunch / cudaMemcpyAsync lasting exactly as long as the link
+    thread's cudaMemcpyAsync), which made PD's inter-token p99."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        _poll(torch.cuda.current_stream(device).record_event(), poll_s)
+
+
+def _poll(event, poll_s: float = 1e-4) -> None:
+    """Wait for a CUDA event by querying it (cudaEventQuery returns at once)."""
+    while not event.query():
+        time.sleep(poll_s)
 
 
 def _own_stream(device: torch.device):
@@ -92,8 +105,11 @@ class Page:
         self.ready_event = ready_event  # CUDA: the gather that filled payload
 
     def header(self, device) -> torch.Tensor:
-        return torch.tensor([self.room, self.start, self.count, self.status], dtype=torch.int64,
-                            device=device)
+        h = torch.tensor([self.room, self.start, self.count, self.status], dtype=torch.int64)
+        if device.type != "cuda":
+            return h
+        # through pinned memory: no blocking copy on the link's stream (see _settle)
+        return h.pin_memory().to(device, non_blocking=True)
 
 
 class _Link:
@@ -149,7 +165,7 @@ class SendLink(_Link):
                 self.group.send([page.header(self.device)], 1, 0).wait()
                 if page.payload is not None:
                     if page.ready_event is not None:
-                        page.ready_event.synchronize()
+                        _poll(page.ready_event)
                     data = page.payload.to(self.device).view(torch.uint8).reshape(-1)
                     self.group.send([data], 1, 0).wait()
                 _settle(self.device)
@@ -232,6 +248,8 @@ class RecvLink(_Link):
 
     def _receive(self) -> None:
         header = torch.empty(4, dtype=torch.int64, device=self.device)
+        # the header reaches the host through pinned memory once the recv is done (_settle)
+        header_host = torch.empty(4, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         while True:
             with self.cv:  # post a recv only while some room still expects bytes
                 while self.dead is None and not self.remaining:
@@ -240,7 +258,12 @@ class RecvLink(_Link):
                     return
             try:
                 self.group.recv([header], 0, 0).wait()
-                room, start, count, status = header.tolist()
+                if self.device.type == "cuda":
+                    header_host.copy_(header, non_blocking=True)
+                    _settle(self.device)
+                else:
+                    header_host.copy_(header)
+                room, start, count, status = header_host.tolist()
                 payload = None
                 if count:
                     data = torch.empty(count * self.bytes_per_token, dtype=torch.uint8,
