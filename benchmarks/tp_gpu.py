@@ -62,13 +62,23 @@ def run_one(args) -> dict:
         print(f"PROGRESS tp{args.tp} bs1 done at {time.perf_counter() - t0:.1f}s", flush=True)
         if args.profile:
             try:
-                res["bs1_profile"] = _profile_bs1(eng, prompt, args.log_dir, f"tp{args.one}")
+                eng.flush_cache()
+                timed_generate(eng, [prompt], [8])
+                res["bs1_profile"] = _profile(eng, [prompt], 64, args.log_dir, f"tp{args.one}")
             except Exception as e:  # a measurement aid: never the run's end
                 res["bs1_profile"] = f"failed: {e!r}"
         eng.flush_cache()
         dt, n = timed_generate(eng, [rand_ids(rng, 512, vocab) for _ in range(128)], [128] * 128)
         res["batch128_out_tok_s"] = round(n / dt, 1)
         print(f"PROGRESS tp{args.tp} batch128 done at {time.perf_counter() - t0:.1f}s", flush=True)
+        if args.profile_batch:  # the same run again, under the profiler (slower: not timed)
+            try:
+                eng.flush_cache()
+                res["batch128_profile"] = _profile(
+                    eng, [rand_ids(rng, 512, vocab) for _ in range(128)], 128, args.log_dir,
+                    f"tp{args.one}.batch128", trace=False)
+            except Exception as e:  # a measurement aid: never the run's end
+                res["batch128_profile"] = f"failed: {e!r}"
         res["peak_gpu0_mem_GB"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
         eng.check_integrity()
     except BaseException:
@@ -80,20 +90,18 @@ def run_one(args) -> dict:
     return res
 
 
-def _profile_bs1(eng, prompt, log_dir: str, name: str) -> dict:
-    """torch.profiler over 64 batch-1 decode steps in this process (rank 0): the kernels' share
-    of the wall time (1 - idle: where a rank waits for its peer or for its host) and the top
-    kernels by device time; the table and a Chrome trace go to log_dir."""
+def _profile(eng, prompts, out_len: int, log_dir: str, name: str, trace: bool = True) -> dict:
+    """torch.profiler over generating `out_len` tokens for each prompt in this process (rank 0):
+    the kernels' share of the wall time (1 - idle: where a rank waits for its peer or for its
+    host), the kernels with the most device time; the table (and a Chrome trace) go to log_dir."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.gpu_suite_parts import timed_generate
 
-    eng.flush_cache()
-    timed_generate(eng, [prompt], [8])
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        timed_generate(eng, [prompt], [64])
+        timed_generate(eng, prompts, [out_len] * len(prompts))
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
@@ -110,16 +118,23 @@ def _profile_bs1(eng, prompt, log_dir: str, name: str) -> dict:
         if end is None or e.time_range.end > end:
             end, prev_name = e.time_range.end, e.name
     span = (end - kernels[0].time_range.start) if kernels else 0
-    table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="device_time_total", row_limit=30)
     with open(os.path.join(log_dir, f"tp_gpu.{name}.profile.txt"), "w") as f:
         f.write(table)
-    prof.export_chrome_trace(os.path.join(log_dir, f"tp_gpu.{name}.trace.json"))
+    if trace:
+        prof.export_chrome_trace(os.path.join(log_dir, f"tp_gpu.{name}.trace.json"))
     top_after = sorted(after.items(), key=lambda kv: -kv[1])[:6]
+    by_kernel: dict = {}
+    for e in kernels:
+        by_kernel[e.name[:60]] = by_kernel.get(e.name[:60], 0) + e.time_range.elapsed_us()
     return {"wall_s": round(wall, 4), "kernel_s": round(busy_us / 1e6, 4),
             "kernel_share": round(busy_us / 1e6 / wall, 3), "kernels": len(kernels),
             "span_s": round(span / 1e6, 4), "idle_s": round(sum(gaps) / 1e6, 4),
             "idle_gaps_over_20us": sum(g > 20 for g in gaps),
-            "idle_us_after": {k: round(v) for k, v in top_after}}
+            "idle_us_after": {k: round(v) for k, v in top_after},
+            "top_kernels_ms": {k: round(v / 1e3, 1) for k, v in
+                               sorted(by_kernel.items(), key=lambda kv: -kv[1])[:10]}}
 
 
 def main(argv=None) -> dict:
@@ -133,6 +148,8 @@ def main(argv=None) -> dict:
     p.add_argument("--timeout-s", type=float, default=240.0, help="per TP size")
     p.add_argument("--profile", action="store_true",
                    help="also profile 64 batch-1 steps on rank 0 (tables and traces in --log-dir)")
+    p.add_argument("--profile-batch", action="store_true",
+                   help="also profile a second batch128 run on rank 0 (its table in --log-dir)")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."),
                    help="each TP size's output (default $OUT or .)")
     args = p.parse_args(argv)
@@ -159,7 +176,8 @@ def main(argv=None) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", str(tp), "--timeout-s",
                str(args.timeout_s), "--model-path", args.model_path,
                "--tokenizer-path", args.tokenizer_path]
-        cmd += ["--log-dir", args.log_dir] + (["--profile"] if args.profile else [])
+        cmd += ["--log-dir", args.log_dir] + (["--profile"] if args.profile else []) \
+            + (["--profile-batch"] if args.profile_batch else [])
         if args.disable_cuda_graph:
             cmd.append("--disable-cuda-graph")
         log_path = os.path.join(args.log_dir, f"tp_gpu.tp{tp}.log")
