@@ -7,7 +7,8 @@ workloads as benchmarks/gpu_suite.py:
   bs1        1 request, 128 in / 256 out: output tokens / wall time, and the prefill alone
   batch128   128 x (512 in, 128 out) offline: output tokens / wall time
 A size written "2c" is TP=2 with the symmetric-memory all-reduce on (--no-disable-custom-all-reduce;
-off by default), so `--sizes 1,2,2c` compares it with NCCL in one run.
+off by default), so `--sizes 1,2,2c` compares it with NCCL in one run; "2t" is TP=2 with
+--enable-two-batch-overlap (extends of >= 2048 tokens overlap their all-reduces).
 Prints one JSON line: each size's figures and the ratios tp2 / tp1. Both sizes use CUDA graphs
 for decode (every rank replays the same bucket; the NCCL all-reduces are inside the graphs).
 """
@@ -39,12 +40,14 @@ def run_one(args) -> dict:
     import radixlm
     from benchmarks.gpu_suite_parts import rand_ids, timed_generate
 
-    res: dict = {"tp_size": args.tp, "custom_all_reduce": args.custom_ar}
+    res: dict = {"tp_size": args.tp, "custom_all_reduce": args.custom_ar,
+                 "two_batch_overlap": args.tbo}
     t0 = time.perf_counter()
     eng = radixlm.Engine(model_path=args.model_path, load_format="dummy", dtype="bfloat16",
                          tokenizer_path=args.tokenizer_path, context_length=4096,
                          tp_size=args.tp, disable_cuda_graph=args.disable_cuda_graph,
-                         disable_custom_all_reduce=not args.custom_ar)
+                         disable_custom_all_reduce=not args.custom_ar,
+                         enable_two_batch_overlap=args.tbo)
     res["engine_ready_s"] = round(time.perf_counter() - t0, 1)
     print(f"PROGRESS tp{args.tp} engine ready in {res['engine_ready_s']}s", flush=True)
     try:
@@ -156,7 +159,8 @@ def main(argv=None) -> dict:
     if args.one is not None:
         import faulthandler
 
-        args.tp, args.custom_ar = int(args.one.rstrip("c")), args.one.endswith("c")
+        args.tp = int(args.one.rstrip("ct"))
+        args.custom_ar, args.tbo = "c" in args.one, "t" in args.one
         # a hang shows where it is: every thread's stack shortly before the parent's timeout
         faulthandler.dump_traceback_later(max(5.0, args.timeout_s - 10), exit=False)
         print("RESULT " + json.dumps(run_one(args)), flush=True)
@@ -200,7 +204,8 @@ def main(argv=None) -> dict:
                 + text[-3000:])
         print("PARTIAL " + json.dumps(res), flush=True)
     keys = ("bs1_tok_s", "bs1_decode_tok_s", "batch128_out_tok_s")
-    for a, b in (("tp2", "tp1"), ("tp2c", "tp1"), ("tp2c", "tp2")):
+    pairs = (("tp2", "tp1"), ("tp2c", "tp1"), ("tp2c", "tp2"), ("tp2t", "tp1"), ("tp2t", "tp2"))
+    for a, b in pairs:
         if res.get(a) and res.get(b):
             res[f"ratio_{a}_{b}"] = {k: round(res[a][k] / res[b][k], 3) for k in keys}
     print(json.dumps(res), flush=True)

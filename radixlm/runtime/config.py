@@ -143,6 +143,9 @@ class ServerArgs:
     # 2 x H200 (8.4-8.6 vs 17.8 us at 8 KB) yet batch-1 decode ran 0.93-0.965x of NCCL's end to
     # end; --no-disable-custom-all-reduce turns it on
     disable_custom_all_reduce: bool = True
+    # TP extends of >= 2048 tokens: each layer's all-reduces overlap the other half of the
+    # tokens' compute (models/two_batch_overlap.py; Llama-family models)
+    enable_two_batch_overlap: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: Optional[str] = None  # host:port of rank 0's TCP store; None: a free local port

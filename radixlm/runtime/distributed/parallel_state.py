@@ -56,6 +56,26 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_async(self, x: torch.Tensor):
+        """all_reduce started, not waited for: returns (result, wait). The result is valid
+        once wait() returned (CUDA: the calling stream waits for the collective, whose own
+        stream ran meanwhile beside the kernels launched after it). Messages the custom
+        all-reduce takes are reduced at once (wait is then a no-op)."""
+        if self.size == 1 or (self.fast is not None and self.fast.takes(x)):
+            return self.all_reduce(x), _no_wait
+        if self.backend == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
+            acc = x.float()
+            work = dist.all_reduce(acc, group=self.group, async_op=True)
+            out = torch.empty_like(x)
+
+            def wait():
+                work.wait()
+                out.copy_(acc)
+            return out, wait
+        x = x.contiguous()
+        work = dist.all_reduce(x, group=self.group, async_op=True)
+        return x, work.wait
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """(..., n, ...) per rank -> (..., size * n, ...), rank r's slice at [r * n, (r+1) * n)."""
         if self.size == 1:
@@ -169,3 +189,7 @@ def destroy_distributed(timeout_s: Optional[float] = None) -> bool:
     logger.warning("leaving the TP process group did not finish in %.0fs (a peer rank did not "
                    "leave with this one); abandoned", timeout_s)
     return False
+
+
+def _no_wait() -> None:
+    pass

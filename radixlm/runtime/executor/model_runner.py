@@ -18,6 +18,7 @@ from radixlm.runtime.attention.registry import (create_attention_backend, create
                                                 resolve_backend_name, resolve_mla_backend_name)
 from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
+from radixlm.runtime.models import two_batch_overlap
 from radixlm.runtime.executor import cpu_malloc, pack_cache
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
@@ -210,6 +211,9 @@ class ModelRunner:
                 cpu_linear.convert_model(model)
             # after loading the whole checkpoint, keep this rank's piece (distributed/sharding)
             sharding.shard_model(model, self.tp)
+            if self.args.enable_two_batch_overlap:  # raises where it cannot run
+                two_batch_overlap.check_supported(model, self.tp.size)
+                model.two_batch_overlap = self.tp
             if self.cpu_packed:  # packs of an earlier start where the cache keeps them
                 pack_cache.convert_model(model, self.model_path, self.load_format)
         finally:

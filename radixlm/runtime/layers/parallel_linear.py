@@ -15,6 +15,7 @@ Megatron-style split, as SGLang does it:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Sequence
 
@@ -47,6 +48,20 @@ def column_parallel(linear: nn.Module, rows: Sequence[torch.Tensor | slice]) -> 
     return _sliced_copy(linear, w, b)
 
 
+_DEFERRED = [False]  # reduce_deferred's state (the forward runs on one thread)
+
+
+@contextlib.contextmanager
+def reduce_deferred():
+    """Inside: every RowParallelLinear returns its rank's partial product (T, out), not yet
+    all-reduced (two-batch overlap reduces it itself, asynchronously)."""
+    prev, _DEFERRED[0] = _DEFERRED[0], True
+    try:
+        yield
+    finally:
+        _DEFERRED[0] = prev
+
+
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_r @ W[:, cols_r]^T) + b. x_r (T, in / tp) is the rank's slice of the
     input (its heads' attention output, its slice of the SiLU-and-mul); y (T, out) is whole."""
@@ -62,6 +77,9 @@ class RowParallelLinear(nn.Module):
         return self.inner.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _DEFERRED[0]:  # the caller reduces (reduce_deferred); no bias then
+            assert self.bias is None, "a row-parallel bias cannot wait for a deferred all-reduce"
+            return self.inner(x)
         y = self.tp.all_reduce(self.inner(x))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

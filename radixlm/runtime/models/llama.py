@@ -19,6 +19,7 @@ from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.layers import cpu_fused, cpu_layer_stack, cpu_linear, cpu_packed
 from radixlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from radixlm.runtime.models import two_batch_overlap
 from radixlm.runtime.models.sliding_windows import layer_windows
 
 
@@ -111,7 +112,9 @@ class Attention(nn.Module):
                              bias=cfg.attention_bias and cfg.hf.get("model_type") != "qwen2")
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                fb: ForwardBatch) -> torch.Tensor:
+                fb: ForwardBatch, project: bool = True) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden); project=False: the attention output before o_proj
+        (T, q_size) (two-batch overlap projects it half by half)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         ops = _fused_ops(qkv)
@@ -127,11 +130,11 @@ class Attention(nn.Module):
                                     self.hq, self.hkv, k_buf,
                                     backend.kv_pool.v_buffers[self.layer_id], fb.out_cache_loc)
                 q = qkv[:, : self.q_size].view(t, self.hq, self.d)
-                o = backend.forward(q, None, None, self.layer_id, fb)
-                return self.o_proj(o.reshape(t, self.q_size))
+                o = backend.forward(q, None, None, self.layer_id, fb).reshape(t, self.q_size)
+                return self.o_proj(o) if project else o
         q, k, v = self._rotated_qkv(qkv, ops, cos_sin)
-        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = fb.attn_backend.forward(q, k, v, self.layer_id, fb).reshape(t, self.q_size)
+        return self.o_proj(o) if project else o
 
     def forward_rows(self, x: torch.Tensor, cos_sin, fb: ForwardBatch,
                      rows: torch.Tensor) -> torch.Tensor:
@@ -250,6 +253,8 @@ class LlamaForCausalLM(nn.Module):
     lm_head_fp32: Optional[torch.Tensor] = None
     # the dense head prepacked for oneDNN (layers/cpu_packed; bf16 on CPUs with bf16 matmul)
     lm_head_packed: Optional[torch.Tensor] = None
+    # the TP group when --enable-two-batch-overlap (models/two_batch_overlap.py), else None
+    two_batch_overlap = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -308,10 +313,15 @@ class LlamaForCausalLM(nn.Module):
                  and _defined_by(type(last.self_attn), "forward")
                  is _defined_by(type(last.self_attn), "forward_rows"))
         run = self.layers[:-1] if prune else self.layers
+        tbo = (self.two_batch_overlap is not None
+               and two_batch_overlap.applies(fb, x.shape[0]))
         # (it checks each layer's classes: a subclass's own layer code runs in Python)
-        stacked = cpu_layer_stack.run(self, run, x, cos_sin, fb)
+        stacked = None if tbo else cpu_layer_stack.run(self, run, x, cos_sin, fb)
         if stacked is not None:  # the CPU fast path: the same kernels, one call for the stack
             x, residual = stacked
+        elif tbo:
+            x, residual = two_batch_overlap.run_layers(run, x, cos_sin, fb,
+                                                       self.two_batch_overlap)
         else:
             for layer in run:
                 x, residual = layer(x, cos_sin, fb, residual)
