@@ -58,3 +58,14 @@ def test_two_batch_overlap_refused_without_tp(tiny_chat_path):
     with pytest.raises(ValueError, match="enable-two-batch-overlap.*tp-size"):
         Engine(model_path=tiny_chat_path, enable_two_batch_overlap=True,
                **dict(ARGS, tp_size=1))
+
+
+def test_two_batch_overlap_refused_for_other_layers(tmp_path):
+    """Qwen3's layers (per-head q / k norms: their own attention class) are not llama.py's."""
+    import tp_harness as th
+
+    path = th.write_tiny_llama(str(tmp_path / "q3"), vocab=64, heads=4, kv_heads=2, tied=True,
+                               arch="qwen3")
+    with pytest.raises(ValueError, match="enable-two-batch-overlap.*not supported"):
+        Engine(model_path=path, enable_two_batch_overlap=True, skip_tokenizer_init=True,
+               **dict(ARGS, context_length=512))

@@ -271,6 +271,15 @@ class LlamaForCausalLM(nn.Module):
         # with dense rows kept too: more hidden rows than this take the dense head
         self.lm_head_dense_above: Optional[int] = None
 
+    def supports_two_batch_overlap(self) -> bool:
+        """Every layer is this file's (models/two_batch_overlap.py runs their pieces), its
+        o_proj and down_proj row-parallel without a bias."""
+        return all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                   and type(layer.mlp) is MLP
+                   and two_batch_overlap.row_parallel(layer.self_attn.o_proj)
+                   and two_batch_overlap.row_parallel(layer.mlp.down_proj)
+                   for layer in self.layers)
+
     @staticmethod
     def check_supported(cfg: ModelConfig, context_len: int) -> None:
         layer_windows(cfg)  # raises on layer types it cannot run

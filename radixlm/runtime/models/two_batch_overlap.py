@@ -28,22 +28,19 @@ MIN_TOKENS = 2048
 
 def check_supported(model, tp_size: int) -> None:
     """Raise (naming the flag) where two-batch overlap cannot run: without TP, or a model whose
-    layers are not llama.py's classes."""
-    from radixlm.runtime.models.llama import MLP, Attention, DecoderLayer
-
+    layers are not llama.py's classes (the model says: `supports_two_batch_overlap`)."""
     if tp_size < 2:
         raise ValueError("--enable-two-batch-overlap overlaps tensor-parallel all-reduces: it "
                          "needs --tp-size 2 or more")
-    layers = getattr(model, "layers", None)
-    ok = layers is not None and all(
-        type(layer) is DecoderLayer and type(layer.self_attn) is Attention
-        and type(layer.mlp) is MLP and isinstance(layer.self_attn.o_proj, RowParallelLinear)
-        and isinstance(layer.mlp.down_proj, RowParallelLinear)
-        and layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None
-        for layer in layers)
-    if not ok:
+    says = getattr(model, "supports_two_batch_overlap", None)
+    if says is None or not says():
         raise ValueError(f"--enable-two-batch-overlap: {type(model).__name__} is not supported "
                          f"(Llama-family layers without row-parallel biases are)")
+
+
+def row_parallel(linear) -> bool:
+    """A row-parallel projection whose all-reduce can wait (no bias to add after it)."""
+    return isinstance(linear, RowParallelLinear) and linear.bias is None
 
 
 def applies(fb, tokens: int) -> bool:
