@@ -436,9 +436,21 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
   std::vector<Task> tasks, groups;  // tasks: item i is tasks[i * H .. i * H + H)
   std::vector<double> item_cost;
   std::vector<int64_t> part(H);
+  // A decode batch (one query a sequence) splits each sequence as it would alone in a batch of
+  // one: a row's key splits, so its sums and their merge, then do not depend on the rows beside
+  // it, and a speculative verify run as decode rows (speculative/verify.py's as_decode) gives
+  // bit for bit what plain batch-1 steps give, in bf16 too. (Batch 1 plans as before; a wider
+  // decode batch splits only rows of >= kMinPoolWork pairs, where merging 8 x threads splits
+  // costs little beside reading the keys.)
+  bool all_decode = true;
+  for (const auto& sq : seqs) all_decode = all_decode && sq.n_q == 1;
+  const int threads = at::get_num_threads();
   for (int s = 0; s < (int)seqs.size(); ++s) {
     Seq& sq = seqs[s];
-    sq.nsplit = (int)std::min(target, std::max<int64_t>(1, sq.kv_len / kMinSplit));
+    int64_t seq_target = target;
+    if (all_decode)
+      seq_target = sq.kv_len * H * c.G >= kMinPoolWork && threads > 1 ? 8 * threads : 1;
+    sq.nsplit = (int)std::min(seq_target, std::max<int64_t>(1, sq.kv_len / kMinSplit));
     sq.chunk = std::max<int64_t>(1, (sq.kv_len + sq.nsplit - 1) / sq.nsplit);
     const int nblk = (sq.n_q + sq.qb - 1) / sq.qb;
     for (int b = 0; b < nblk; ++b) {

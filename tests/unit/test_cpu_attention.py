@@ -120,6 +120,31 @@ def test_key_splits_merge(dtype, decode_len, n_rows, n_threads, threads):
         torch.testing.assert_close(split[1], unsplit[1], atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n_threads", [1, 2], ids=["1-thread", "2-threads"])
+def test_decode_rows_do_not_depend_on_the_batch(dtype, n_threads, threads):
+    """Each decode row equals, bit for bit, the same row decoded alone (batch 1): its key
+    splits are planned as a batch of one would plan them, whatever the rows beside it, so a
+    speculative verify run as decode rows gives what plain decode steps give, in bf16 too.
+    Lengths below and above a lone row's split threshold (kMinPoolWork pairs: 3,641 keys at 9
+    query heads), one request's history at several lengths as a verify's rows are."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(5 + n_threads)
+    hq, hkv, d = 9, 3, 64
+    lens = [300, 1500, 3700, 5000]
+    k, v, r2t, rows = make_pool(lens, hkv, d, dtype, gen)
+    # a verify's shape too: request 3's history at 8 consecutive lengths
+    rows_b = torch.cat([rows, rows[3:].repeat(8)])
+    lens_b = torch.tensor(lens + [4993 + j for j in range(8)])
+    q = torch.randn(len(lens_b), hq, d, generator=gen).to(dtype)
+    out, lse = cpu_kernels.decode(q, k, v, r2t, rows_b, lens_b, d ** -0.5, return_lse=True)
+    for i in range(len(lens_b)):
+        o1, l1 = cpu_kernels.decode(q[i : i + 1], k, v, r2t, rows_b[i : i + 1],
+                                    lens_b[i : i + 1], d ** -0.5, return_lse=True)
+        assert torch.equal(out[i : i + 1], o1), f"row {i} ({int(lens_b[i])} keys)"
+        assert torch.equal(lse[i : i + 1], l1), f"row {i} ({int(lens_b[i])} keys)"
+
+
 def test_extend_writes_only_its_rows_and_any_strides():
     """q and out may be strided views (heads of a fused qkv); rows outside qo_indptr stay as
     they were; an empty sequence (n_q = 0) is skipped."""

@@ -186,3 +186,27 @@ def test_a_failure_in_one_verified_request_fails_it_alone(spec_engine, monkeypat
     assert eng.generate(CODE, sp)["output_ids"] == clean[1]
     eng.wait_idle()
     eng.check_integrity()
+
+
+def test_bf16_drafts_give_plain_tokens_bit_for_bit(make_engine, integrity):
+    """bf16 activations (the bundled GGUF's default dtype), where any other summation order
+    shows in the logprobs: on the CPU a verify runs as decode rows (speculative/verify.py's as_decode), over
+    GEMMs whose rows do not depend on the row count and attention whose key splits each row plans
+    as it would alone, so the tokens equal plain decoding's bit for bit, also past a lone row's
+    split threshold (~3.6k keys at SmolLM2's 9 query heads: the long prompt)."""
+    long_prompt = CODE * 105  # ~3.8k tokens of code to copy
+    prompts = [LIST, CODE, DOC, long_prompt]
+    kw = dict(dtype="bfloat16", context_length=4096)
+    plain = make_engine(**kw)
+    spec = make_engine(speculative_algorithm="NGRAM", speculative_adaptive=False,
+                       speculative_num_draft_tokens=6, **kw)
+    a = plain.generate(prompts, _params(max_new_tokens=40), return_logprob=True)
+    b = spec.generate(prompts, _params(max_new_tokens=40), return_logprob=True)
+    assert [r["output_ids"] for r in a] == [r["output_ids"] for r in b]
+    # the logits themselves, not only their argmax: every token's logprob to the last bit
+    assert ([r["meta_info"]["output_token_logprobs"] for r in a]
+            == [r["meta_info"]["output_token_logprobs"] for r in b])
+    assert spec.get_stats()["spec_draft_tokens"] > 0
+    assert len(plain.tokenizer.encode(long_prompt)) > 3641
+    integrity(plain)
+    integrity(spec)

@@ -100,6 +100,10 @@ class ModelRunner:
         # ... and dense weights too for many-row inputs where bf16 matmul is native (auto only)
         self.gguf_dense_rows = self.keep_quantized and quantized_linear.keep_dense_rows(
             args.gguf_keep_quantized, self.device, self.dtype)
+        # the most rows a forward may take for each row's arithmetic to be what it is at one
+        # row (None: any): past DIRECT_MAX_M the blocks' projections run another kernel (dense
+        # rows or dequantized tiles), so a speculative verify keeps within it (worker.step)
+        self.row_invariant_max = quantized_linear.DIRECT_MAX_M if self.keep_quantized else None
         # FP8 checkpoint (quantization_config): e4m3 projections through torch._scaled_mm on the
         # GPU, dequantized at load elsewhere (models/fp8_checkpoint, layers/fp8_linear)
         self.fp8 = fp8_checkpoint.plan(self.hf_config, args.fp8_linear, self.device,

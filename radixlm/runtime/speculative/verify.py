@@ -15,7 +15,10 @@ so row (b, j) sees exactly [.., last, d_1..d_j]: the chain's causal mask, with n
 The batch then replays the decode CUDA graph of R rows (an eager verify of 8 drafts cost 3.9x a
 graph-replayed decode step at batch 1 on an H200, Llama-3.1-8B shape), and each row computes
 what a plain decode step at its position computes. Its attention reads request b's history once
-per row, k_b + 1 times in all: the caller uses it where a graph replays the batch.
+per row, k_b + 1 times in all: the caller uses it where a graph replays the batch, and on the CPU,
+where the kernels' rows do not depend on the rows beside them (the GGUF projections up to
+DIRECT_MAX_M rows, the attention's key splits planned per row), so a verify row's logits equal
+a plain step's bit for bit, bf16 included.
 
 KV slots: R = sum(k_b + 1) new slots, taken without eviction (the caller checked they are
 free), written at req_to_token[row_b, L_b : L_b + k_b + 1]. After acceptance the caller keeps

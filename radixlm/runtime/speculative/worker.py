@@ -79,6 +79,9 @@ class Speculator:
             if not reqs:
                 return []
         tokens = len(reqs) + sum(len(d) for d in drafts)
+        cap = sched.runner.row_invariant_max
+        if cap is not None and len(reqs) <= cap < tokens:  # the plain step's arithmetic
+            drafts, tokens = _trim_drafts(drafts, cap - len(reqs)), cap
         if tokens > len(reqs) and sched.allocator.available_size() < tokens:
             # never evict cached prefixes for guesses
             drafts, tokens = [[] for _ in reqs], len(reqs)
@@ -156,9 +159,13 @@ class Speculator:
         breqs = [reqs[i] for i in order]
         bdrafts = [drafts[i] for i in order]
         rows = len(reqs) + sum(map(len, drafts))
+        # as decode rows where a graph replays them, and always on the CPU: there each row then
+        # computes exactly what a plain decode step computes (the kernels' rows do not depend
+        # on the rows beside them), where the extend kernel sums in another order (bf16:
+        # different tokens in about half the copy benchmark's requests)
+        as_decode = sched.runner.replays_decode_graph(rows) or sched.device.type == "cpu"
         fb, plan = build_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
-                                sched.device, self.device_drafts(breqs),
-                                as_decode=sched.runner.replays_decode_graph(rows))
+                                sched.device, self.device_drafts(breqs), as_decode=as_decode)
         try:
             logits = sched.runner.forward(fb)  # (R, V) float32
             sched.stats["forward_steps"] += 1
@@ -260,3 +267,12 @@ def _append(sched, req: Req, tokens: list[int], kv_len: int, logprobs, first_row
         if not sched._append_token(req, tok):
             return j + 1, False
     return len(tokens), True
+
+
+def _trim_drafts(drafts: list[list[int]], keep: int) -> list[list[int]]:
+    """The drafts cut to `keep` tokens in all, the longest ones shortened first (a chain keeps
+    its head: later tokens are the less likely accepted)."""
+    lens = [len(d) for d in drafts]
+    while sum(lens) > keep:
+        lens[lens.index(max(lens))] -= 1
+    return [d[:n] for d, n in zip(drafts, lens)]
