@@ -18,7 +18,6 @@ from radixlm.runtime.attention.registry import (create_attention_backend, create
                                                 resolve_backend_name, resolve_mla_backend_name)
 from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
-from radixlm.runtime.models import two_batch_overlap
 from radixlm.runtime.executor import cpu_malloc, pack_cache
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
@@ -27,7 +26,8 @@ from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_mover import LayerWaitingBackend
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
-from radixlm.runtime.models import fp8_checkpoint, int4_checkpoint, loader, registry
+from radixlm.runtime.models import (fp8_checkpoint, int4_checkpoint, loader, registry,
+                                     two_batch_overlap)
 from radixlm.runtime.speculative import spec_config
 
 logger = logging.getLogger(__name__)
