@@ -55,6 +55,9 @@ _HELP = {
                "a cache-aware router on --host/--port (radixlm/router)",
     "load_balance_method": "how the --dp-size router picks a replica: " + " | ".join(POLICIES),
     "base_gpu_id": "the first GPU to use (replica i: base_gpu_id + i * tp_size ...)",
+    "enable_two_batch_overlap": "TP extends of >= 2048 tokens: each layer's all-reduces run "
+                                "beside the other half of the tokens' compute (Llama-family "
+                                "models; no gain measured on 2 x H200, see docs/parallelism.md)",
     "gguf_keep_quantized": "GGUF on a CPU: keep Q4_1 / Q8_0 / Q4_K / Q6_K linear weights "
                            "quantized and multiply by their blocks (C++ kernel; fewer bytes per "
                            "decode step) "
