@@ -43,7 +43,7 @@ OK, CANCEL = 0, 1
 CONNECT_TIMEOUT_S = 10.0
 
 
-def _settle(device: torch.device, poll_s: float = 1e-4) -> None:
+def _settle(device: torch.device) -> None:
     """nccl: a send's or recv's wait() only orders the calling thread's stream; the host must
     know the bytes moved before it reuses (sender) or hands over (receiver) the buffer. Polled,
     never a blocking CUDA call: a recv waits for its peer (a prefill of hundreds of ms), and
@@ -53,7 +53,7 @@ def _settle(device: torch.device, poll_s: float = 1e-4) -> None:
     scheduler's cudaGraphLaunch / cudaMemcpyAsync lasting exactly as long as the link
     thread's cudaMemcpyAsync), which made PD's inter-token p99."""
     if device.type == "cuda":
-        _poll(torch.cuda.current_stream(device).record_event(), poll_s)
+        _poll(torch.cuda.current_stream(device).record_event())
 
 
 def _poll(event, poll_s: float = 1e-4) -> None:

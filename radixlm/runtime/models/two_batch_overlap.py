@@ -2,9 +2,10 @@
 beside compute instead of between it.
 
 A TP layer all-reduces twice (after o_proj and after down_proj), and in a large extend each is
-tens of MB (8192 tokens x 4096 x bf16 = 64 MB) during which the rank's GPU computes nothing
-(2 x H200, Llama-3.1-8B shape, 128 x 512-token prompts: NCCL all-reduce 16% of rank 0's
-kernel time, benchmarks/tp_gpu.py --profile-batch). Here each layer's tokens are cut in two
+tens of MB (8192 tokens x 4096 x bf16 = 64 MB) during which the rank's GPU computes nothing.
+Measured on 2 x H200 (Llama-3.1-8B shape, 128 x (512, 128), docs/parallelism.md) it does not
+pay: 0.977-0.993x of plain TP=2, the all-reduces and GEMMs slowing each other down when they
+share the SMs; so it is off by default. Here each layer's tokens are cut in two
 halves A and B after attention (attention itself runs once over the whole batch: its metadata
 is per request, and the halves are rows): o_proj(A), its all-reduce started; o_proj(B) runs
 while A's reduces; B's started; A's norm and MLP run while B's reduces, A's MLP all-reduce
