@@ -135,6 +135,14 @@ class Req:
         self.spec_verify_tokens = 0
         self.created_at = 0.0  # perf_counter() when submitted
         self.finished_at: Optional[float] = None
+        if self.return_logprob and self.logprob_start_len == 0 and len(self.origin_input_ids) == 1:
+            # a one-token prompt has no position to score: its only entry is the first token's
+            # None, as SGLang returns it (the extend's rows would add it before the second)
+            self.input_token_logprobs.append(None)
+            self.input_top_logprobs.append(None)
+            if self.token_ids_logprob:
+                self.input_token_ids_logprobs.append(None)
+            self.input_logprobs_done = True
 
     # --- derived views -------------------------------------------------------------------------
     @property

@@ -54,6 +54,16 @@ def test_token_ids_logprob_matches_the_chosen_token_logprob(engine, integrity):
         assert all(ev <= top[0][0] + 1e-6 for ev, _, _ in entries)
     assert m["input_token_ids_logprobs"][0] is None  # the first prompt token is not scored
     assert len(m["input_token_ids_logprobs"]) == m["prompt_tokens"]
+    # a one-token prompt: its one entry is that None (it was an empty list)
+    one = engine.tokenizer.encode("Hi", add_special_tokens=False)
+    assert len(one) == 1
+    o = engine.generate(input_ids=one, sampling_params={**GREEDY, "max_new_tokens": 2},
+                        return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+                        token_ids_logprob=[33])
+    m = o["meta_info"]
+    assert m["prompt_tokens"] == 1 and len(m["output_token_logprobs"]) == 2
+    assert [list(t) for t in m["input_token_logprobs"]] == [[None, one[0], None]]
+    assert m["input_top_logprobs"] == [None] and m["input_token_ids_logprobs"] == [None]
     integrity(engine)
 
 
