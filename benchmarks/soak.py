@@ -81,12 +81,16 @@ async def fill_pool(base: str, concurrency: int, seed: int, limit_s: float) -> f
     """Write every KV slot once before the clock starts: on the CPU the pool's pages become
     resident when first written, and a pool filling during the run looks like RSS growth. The
     allocator hands slots out first-in first-out, so computing `capacity` prompt tokens (distinct
-    long prompts, one output token each) has touched them all. Returns seconds."""
+    long prompts, one output token each) has touched them all. With the hierarchical cache the
+    host pool's slots count too (written through as the device pool's are evicted; lazily
+    committed on the CPU, so a host pool filling during the run read as 24 MB/min of RSS
+    growth). Returns seconds."""
     rnd, t0 = random.Random(seed + 1), time.monotonic()
     async with httpx.AsyncClient(timeout=300) as c:
         async def computed() -> tuple[int, int]:
             st = (await c.get(base + "/get_server_info")).json()["internal_states"][0]
-            return st["prompt_tokens"] - st["cached_tokens"], st["kv_capacity"]
+            host = ((st.get("hicache") or {}).get("host") or {}).get("capacity", 0)
+            return st["prompt_tokens"] - st["cached_tokens"], st["kv_capacity"] + host
 
         async def one() -> None:
             await c.post(base + "/generate", json={"text": words(rnd, 700), "sampling_params":

@@ -24,7 +24,8 @@ def kv_value(prefix) -> float:
 
 
 def make_tiered(capacity=16, host_capacity=24, policy="write_through", storage_dir=None,
-                page=2, seed=b"test-seed", write_queue_pages=0, **prefetch):
+                page=2, seed=b"test-seed", write_queue_pages=0, store_max_bytes=None,
+                **prefetch):
     """write_queue_pages 0: page writes land inside the backup (tests that look at the store
     right after an insert); > 0: on the writer thread, as in the engine. `prefetch`: the storage
     prefetch's keywords; by default its reader has no thread (`admit` and the tests run its jobs)
@@ -35,7 +36,8 @@ def make_tiered(capacity=16, host_capacity=24, policy="write_through", storage_d
     host = HostKVPool(host_capacity, pool, CPU)
     storage = None
     if storage_dir is not None:
-        storage = FileStorage(storage_dir, "ns", page * host.token_bytes)
+        storage = FileStorage(storage_dir, "ns", page * host.token_bytes,
+                              max_bytes=store_max_bytes)
     cache = HiRadixCache(alloc, ReqToTokenPool(4, 32), host, KVMover(pool, host, CPU), policy,
                          storage, seed, page, write_queue_pages=write_queue_pages,
                          prefetch=prefetch)

@@ -212,6 +212,9 @@ def _args(**kw):
     (dict(hicache_storage_backend="file",
           hicache_storage_backend_extra_config='{"prefetch_threshold": 2.5}'),
      "prefetch_threshold"),
+    (dict(hicache_storage_backend="file",
+          hicache_storage_backend_extra_config='{"file_storage_max_gb": 0}'),
+     "file_storage_max_gb"),
     (dict(disable_radix_cache=True), "enable_hierarchical_cache"),
     (dict(tp_size=2), "enable_hierarchical_cache")])
 def test_bad_flags_name_the_field(kw, field):

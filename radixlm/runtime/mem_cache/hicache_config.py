@@ -6,12 +6,15 @@
     --hicache-write-policy   write_through (default) | write_through_selective | write_back
     --hicache-storage-backend file
     --hicache-storage-prefetch-policy timeout (default) | best_effort | wait_complete
-    --hicache-storage-backend-extra-config '{"file_storage_path": DIR, "page_tokens": 64,
+    --hicache-storage-backend-extra-config '{"file_storage_path": DIR, "file_storage_max_gb": G,
+                                             "page_tokens": 64,
                                              "write_queue_pages": N, "prefetch_threshold": 256,
                                              "prefetch_timeout_base": 1,
                                              "prefetch_timeout_per_ki_token": 0.25,
                                              "prefetch_queue_pages": M}'
         DIR defaults to $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, then /tmp/hicache (SGLang's);
+        G caps this model's pages in DIR (GB, 1e9 bytes; least recently used pages removed past
+        it; default: none, writes stop when the disk is full);
         N bounds the pages queued for the writer thread (default: 1 GiB of pages, at most a
         quarter of the host pool; past it pages are dropped, not waited for); 0 writes them on
         the scheduler's thread; the prefetch keys are SGLang's (tokens, seconds, seconds per 1024
@@ -37,8 +40,9 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_FILE_DIR = "/tmp/hicache"
 DEFAULT_PAGE_TOKENS = 64
-EXTRA_KEYS = ("file_storage_path", "page_tokens", "write_queue_pages", "prefetch_threshold",
-              "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_queue_pages")
+EXTRA_KEYS = ("file_storage_path", "file_storage_max_gb", "page_tokens", "write_queue_pages",
+              "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+              "prefetch_queue_pages")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class HiCacheConfig:
     prefetch_policy: str = "timeout"
     # TierPrefetch._init_prefetch's keywords from the extra config (None: its defaults)
     prefetch: tuple = ()
+    storage_max_bytes: Optional[int] = None  # the file store's cap (None: the disk's size)
 
     @staticmethod
     def from_args(args, device_capacity: int, token_bytes: int) -> "HiCacheConfig":
@@ -95,15 +100,19 @@ class HiCacheConfig:
                     ("timeout_per_ki_token", _number(extra, "prefetch_timeout_per_ki_token",
                                                      float)),
                     ("queue_pages", _number(extra, "prefetch_queue_pages", int)))
-        folder = None
+        folder, max_gb = None, _number(extra, "file_storage_max_gb", float)
+        if max_gb is not None and max_gb <= 0:
+            raise ValueError(f"hicache_storage_backend_extra_config: file_storage_max_gb must be "
+                             f"> 0 (got {max_gb!r})")
         if backend == "file":
             folder = (extra.get("file_storage_path") or os.environ.get(FILE_DIR_ENV)
                       or DEFAULT_FILE_DIR)
             if not isinstance(folder, str):
                 raise ValueError("hicache_storage_backend_extra_config: file_storage_path must "
                                  f"be a string (got {folder!r})")
+        max_bytes = None if max_gb is None else int(max_gb * 1e9)
         return HiCacheConfig(host, args.hicache_write_policy, backend, folder, page, queue,
-                             policy, prefetch)
+                             policy, prefetch, max_bytes)
 
 
 def _number(extra: dict, key: str, kind: type):
@@ -190,7 +199,8 @@ def open_storage(cfg: HiCacheConfig, runner) -> tuple[bytes, object]:
     layout = (pool.num_layers, heads, head_dim, cfg.page_tokens, runner.tp.rank, runner.tp.size)
     seed = namespace_seed(model_fingerprint(runner), str(pool.dtype), layout)
     page_bytes = cfg.page_tokens * pool.bytes_per_token(pool.num_layers, heads, head_dim, pool.dtype)
-    return seed, BACKENDS[cfg.storage_backend](cfg.storage_dir, seed.hex()[:16], page_bytes)
+    return seed, BACKENDS[cfg.storage_backend](cfg.storage_dir, seed.hex()[:16], page_bytes,
+                                               max_bytes=cfg.storage_max_bytes)
 
 
 def rekey_storage(cache, runner) -> None:

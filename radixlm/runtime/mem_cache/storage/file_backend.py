@@ -28,7 +28,9 @@ Writes run on WRITER_THREADS background threads of the store's own (pages come f
 page writer thread, mem_cache/page_writer.py): each page goes to a temporary file in the same
 folder and is renamed into place, so a reader never sees half a page. No fsync: a crash can leave a truncated or empty page, which the
 checks above catch. A full disk (ENOSPC, EDQUOT) turns writes off for this process with one
-warning; reads go on. Queued pages are served from memory until they are on disk.
+warning; reads go on. Queued pages are served from memory until they are on disk. `max_bytes`
+(the extra config's `file_storage_max_gb`) caps the folder: past it a write removes the least
+recently written or read pages (storage/page_budget.py), so the store never fills its disk.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ except ImportError:
     CRC_IMPL = "zlib"
 
 from radixlm.runtime.mem_cache.storage.base import StorageBackend, byte_view
+from radixlm.runtime.mem_cache.storage.page_budget import PageBudget
 
 logger = logging.getLogger(__name__)
 
@@ -85,19 +88,25 @@ def _read_checked(f, dest: memoryview) -> tuple[int, int]:
 
 class FileStorage(StorageBackend):
     def __init__(self, root: str, namespace: str, page_bytes: int,
-                 max_pending_bytes: int = 512 << 20):
+                 max_pending_bytes: int = 512 << 20, max_bytes: Optional[int] = None):
+        """max_bytes: the cap on this namespace's page files (None: until the disk is full)."""
         self.dir = os.path.join(root, namespace)
         os.makedirs(self.dir, exist_ok=True)
         self.page_bytes = page_bytes
         self.max_pending_bytes = max_pending_bytes
         self.writes_enabled = True
-        self._known: set[bytes] = set()  # keys seen on disk (may go stale: get is the truth)
         self._pending: dict[bytes, bytes] = {}  # accepted, not yet on disk
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self.counters = {"pages_written": 0, "pages_read": 0, "pages_corrupt": 0,
-                         "pages_dropped": 0, "write_errors": 0}
+                         "pages_dropped": 0, "write_errors": 0, "pages_evicted": 0}
+        self.max_pages = None if max_bytes is None else max(
+            1, max_bytes // (_HEADER.size + page_bytes))
+        # keys seen on disk, least recently used first (may go stale: get is the truth)
+        self._known = PageBudget(self.max_pages)
+        if self.max_pages is not None:  # what earlier runs left counts against the cap
+            self._evict(self._known.scan(self.dir))
         self._writers = [threading.Thread(target=self._write_loop, daemon=True,
                                           name=f"radixlm-hicache-writer-{i}")
                          for i in range(WRITER_THREADS)]
@@ -113,7 +122,7 @@ class FileStorage(StorageBackend):
         if key in self._pending or key in self._known:
             return True
         if os.path.exists(self.path(key)):
-            self._known.add(key)
+            self._evict(self._known.touch(key))  # (another process wrote it)
             return True
         return False
 
@@ -152,7 +161,7 @@ class FileStorage(StorageBackend):
                     if got == len(dest) and f.read(1):  # the one byte more that get reads
                         got += 1
                     problem = self._check_payload(header, got, crc)
-        except FileNotFoundError:
+        except FileNotFoundError:  # (evicted, perhaps by another process)
             self._known.discard(key)
             return False
         except OSError as e:
@@ -185,7 +194,7 @@ class FileStorage(StorageBackend):
         """True for a good page (counted as read); else the file is counted, reported and
         removed (so the recomputed page can be written again)."""
         if problem is None:
-            self._known.add(key)
+            self._evict(self._known.touch(key))
             self._count("pages_read")
             return True
         self._count("pages_corrupt")
@@ -240,8 +249,8 @@ class FileStorage(StorageBackend):
                                      _checksum_field(crc32(payload))))
                 f.write(payload)
             os.replace(tmp, path)
-            self._known.add(key)
             self._count("pages_written")
+            self._evict(self._known.touch(key))
         except OSError as e:
             try:
                 os.remove(tmp)
@@ -255,6 +264,15 @@ class FileStorage(StorageBackend):
                 self.writes_enabled = False
             else:
                 logger.warning("hicache: writing %s failed: %s", path, e)
+
+    def _evict(self, keys: list) -> None:
+        """Remove the files of pages the budget let go (least recently used past the cap)."""
+        for key in keys:
+            try:
+                os.remove(self.path(key))
+            except OSError:  # (gone already: removed by another process, or never complete)
+                continue
+            self._count("pages_evicted")
 
     def _count(self, name: str) -> None:
         with self._lock:  # several reader and writer threads count
@@ -282,4 +300,5 @@ class FileStorage(StorageBackend):
 
     def stats(self) -> dict:
         return dict(self.counters, backend="file", dir=self.dir, writes_enabled=self.writes_enabled,
-                    pending_bytes=self._pending_bytes)
+                    pending_bytes=self._pending_bytes, pages_known=len(self._known),
+                    max_pages=self.max_pages)
