@@ -196,6 +196,8 @@ def run_radixlm(args, path: str, cfg: dict, prompts, res: dict) -> None:
             dt, n = timed(eng, [prompt], args.bs1_output_len)
             res["bs1_tok_s"] = round(n / dt, 1)
             res["bs1_decode_tok_s"] = round((n - 1) / max(dt - ttft, 1e-9), 1)
+            if args.profile_bs1:
+                res["bs1_profile"] = profile_bs1(eng, prompt, args.profile_bs1)
         res["engine_stats"] = eng.get_stats()
         if torch.cuda.is_available():
             res["peak_gpu_mem_GB"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
@@ -203,6 +205,27 @@ def run_radixlm(args, path: str, cfg: dict, prompts, res: dict) -> None:
         eng.shutdown()
         del eng
         gc.collect()
+
+
+def profile_bs1(eng, prompt, folder: str, steps: int = 64) -> dict:
+    """The GPU's kernels over one batch-1 request of `steps` output tokens (torch.profiler,
+    kernels only: CUPTI sees every thread's launches): trace_summary's view of the trace, with
+    the kernels a decode step launches."""
+    from benchmarks import trace_summary
+
+    os.makedirs(folder, exist_ok=True)
+    eng.flush_cache()
+    acts = [torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available()
+            else torch.profiler.ProfilerActivity.CPU]  # (CPU: no kernels, the window only)
+    with torch.profiler.profile(activities=acts) as prof:
+        timed(eng, [prompt], steps)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path = os.path.join(folder, "mla_bs1_trace.json")
+    prof.export_chrome_trace(path)
+    out = trace_summary.summarize(path, gap_ms=0.05, top=25)
+    out["kernels_per_token"] = round(out.get("kernels", 0) / steps, 1)
+    return out
 
 
 def default_bandwidth(device_name: str) -> float:
@@ -228,6 +251,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--result-file", default=None)
     p.add_argument("--note", default=None)
+    p.add_argument("--profile-bs1", default=None, metavar="DIR",
+                   help="also profile one batch-1 request's kernels, trace written to DIR")
     args = p.parse_args(argv)
     args.parts = set(args.parts.split(","))
     if args.tiny and "--num-requests" not in " ".join(argv or sys.argv):

@@ -47,9 +47,12 @@ def summarize(path: str, gap_ms: float = 2.0, top: int = 15) -> dict:
                        "at_ms": round((k["ts"] - start) / 1e3, 2)}
                       for k in sorted(kernels, key=lambda k: -k["dur"])[:top]]
     total: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
     for k in kernels:
         total[k["name"][:80]] += k["dur"]
-    out["most_time"] = [{"name": n, "ms": round(t / 1e3, 2)} for n, t in total.most_common(top)]
+        calls[k["name"][:80]] += 1
+    out["most_time"] = [{"name": n, "ms": round(t / 1e3, 2), "calls": calls[n]}
+                        for n, t in total.most_common(top)]
     busiest = max(by_stream.values(), key=lambda ks: sum(k["dur"] for k in ks))
     busiest.sort(key=lambda k: k["ts"])
     gaps, prev_end, prev_name = [], None, None

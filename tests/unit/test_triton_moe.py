@@ -113,3 +113,21 @@ def test_routing_covers_every_pair_once_without_host_sync(monkeypatch):
     ref = torch.argsort(flat, stable=True)  # expert order, pair order within an expert
     assert torch.equal(order, ref)
     assert int((expert >= 0).sum()) < expert.shape[0]  # spare blocks exist and are unused
+
+
+@pytest.mark.parametrize("t,n_exp,k,block_m", [(300, 256, 8, 16), (50, 60, 6, 16), (1, 64, 6, 16)],
+                         ids=["v3-batch300", "60-experts", "bs1"])
+def test_routing_kernel_sorts_like_a_stable_sort(t, n_exp, k, block_m):
+    """The routing kernel against its definition: a stable sort by expert, and each used block
+    a run of one expert's rows (many chunks of pairs and blocks; experts padded to a power of 2)."""
+    g = torch.Generator().manual_seed(t)
+    flat = torch.rand(t, n_exp, generator=g).topk(k, dim=-1)[1].sort(dim=-1)[0].reshape(-1)
+    order, expert, start, end = tm.route_blocks(flat, n_exp, block_m)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    counts = torch.bincount(flat, minlength=n_exp)
+    used = expert >= 0
+    assert int(used.sum()) == int(((counts + block_m - 1) // block_m).sum())
+    ends = torch.cumsum(counts, 0)
+    for b in used.nonzero()[:, 0].tolist():
+        e = int(expert[b])
+        assert int(end[b]) == int(ends[e]) and int(ends[e] - counts[e]) <= int(start[b]) < int(end[b])
