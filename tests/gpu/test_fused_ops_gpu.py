@@ -73,3 +73,28 @@ def test_fused_ops_match_torch_on_cuda(dtype, shape):
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiled kernels only")
     check_ops(dtype, "cuda", **shape)
+
+
+def check_rope_pairs(dtype, device, t=5, h=3, d=16):
+    """DeepSeek's rope kernel against apply_rope's torch math, both pair layouts, strided
+    inputs (a split of a wider projection, a single head unsqueezed)."""
+    from radixlm.runtime.layers import triton_ops
+    from radixlm.runtime.models import deepseek_rope
+
+    torch.manual_seed(1)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    cos = torch.randn(t, 1, d // 2, device=device)
+    sin = torch.randn(t, 1, d // 2, device=device)
+    q = torch.randn(t, h, 8 + d, device=device).to(dtype)[:, :, 8:]  # (T, H, d) strided
+    kv = torch.randn(t, 24 + d, device=device).to(dtype)[:, 24:]  # (T, d) of a wider row
+    for interleaved in (True, False):
+        for x in (q, kv.unsqueeze(1)):
+            ref = deepseek_rope.apply_rope(x.cpu(), cos.cpu(), sin.cpu(), interleaved)
+            got = triton_ops.rope_pairs(x, cos, sin, interleaved)
+            assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+            torch.testing.assert_close(got.cpu(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_pairs_match_torch(dtype):
+    check_rope_pairs(dtype, "cuda")

@@ -28,3 +28,8 @@ def _interpret(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_ops_match_torch(dtype):
     _checks.check_ops(dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_pairs_match_torch(dtype):
+    _checks.check_rope_pairs(dtype, "cpu")

@@ -106,6 +106,49 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 @triton.jit
+def _rope_pairs_kernel(X, Cos, Sin, Out, stride_xt, stride_xh, stride_ct, H,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
+                       INTERLEAVED: tl.constexpr):
+    # one token's H heads: pair i is (x[2i], x[2i+1]) (INTERLEAVED) or (x[i], x[i + HALF]);
+    # out = [x1 cos - x2 sin | x2 cos + x1 sin] in fp32, rounded once to Out's dtype
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK)
+    m = (hh[:, None] < H) & (offs[None, :] < HALF)
+    base = X + t * stride_xt + hh[:, None].to(tl.int64) * stride_xh
+    if INTERLEAVED:
+        p1, p2 = 2 * offs, 2 * offs + 1
+    else:
+        p1, p2 = offs, offs + HALF
+    x1 = tl.load(base + p1[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + p2[None, :], mask=m, other=0.0).to(tl.float32)
+    c = tl.load(Cos + t * stride_ct + offs, mask=offs < HALF, other=0.0)[None, :]
+    s = tl.load(Sin + t * stride_ct + offs, mask=offs < HALF, other=0.0)[None, :]
+    o = Out + t * (H * 2 * HALF) + hh[:, None] * (2 * HALF) + offs[None, :]
+    tl.store(o, (x1 * c - x2 * s).to(Out.dtype.element_ty), mask=m)
+    tl.store(o + HALF, (x2 * c + x1 * s).to(Out.dtype.element_ty), mask=m)
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool) -> torch.Tensor:
+    """DeepSeek's rope (models/deepseek_rope.apply_rope) in one launch: x (T, H, d), a strided
+    view allowed, cos / sin (T, 1, d/2) fp32 -> a new (T, H, d) in x's dtype. (The torch form is
+    ~9 kernels a call, two calls a layer: at batch 1 a third of DeepSeek-V2-Lite's kernels.)"""
+    t, h, d = x.shape
+    half = d // 2
+    assert x.stride(2) == 1 and d % 2 == 0
+    cos, sin = cos.reshape(t, half), sin.reshape(t, half)
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride()
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        _rope_pairs_kernel[(t,)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), h,
+                                 HALF=half, BLOCK_H=triton.next_power_of_2(h),
+                                 BLOCK=triton.next_power_of_2(half), INTERLEAVED=interleaved,
+                                 num_warps=1 if h * half <= 512 else 4)
+    return out
+
+
+@triton.jit
 def _rotary_store_kernel(X, Cos, Sin, KB, VB, Loc, stride_xt, stride_xh, stride_ct, stride_st,
                          stride_kb, stride_kh, stride_vb, stride_vh, HQ, HKV,
                          HALF: tl.constexpr, BLOCK: tl.constexpr):

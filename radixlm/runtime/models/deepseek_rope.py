@@ -109,7 +109,12 @@ class DeepseekRope(torch.nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                interleaved: bool) -> torch.Tensor:
     """x (T, H, d) -> rotated (T, H, d) in x's dtype (computed in fp32). Output layout
-    [rotated firsts | rotated seconds] of each pair (see the module docstring)."""
+    [rotated firsts | rotated seconds] of each pair (see the module docstring). On CUDA one
+    Triton kernel (layers/triton_ops.rope_pairs), the same math, eager and in graphs alike."""
+    if x.is_cuda:
+        from radixlm.runtime.layers import triton_ops
+
+        return triton_ops.rope_pairs(x, cos, sin, interleaved)
     xf = x.float()
     if interleaved:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]
