@@ -30,6 +30,8 @@ from radixlm.runtime.models.moe import Experts
 
 
 class Router(nn.Module):
+    kernel_on_cpu = False  # tests set this (with TRITON_INTERPRET=1) to run the CUDA path's kernel
+
     def __init__(self, cfg: ModelConfig, sigmoid: bool):
         super().__init__()
         hf = fields(cfg)
@@ -61,8 +63,18 @@ class Router(nn.Module):
         return mask.unsqueeze(-1).expand_as(grouped).reshape(t, self.n_experts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> (ids (T, k), weights (T, k) fp32)."""
+        """x (T, hidden) -> (ids (T, k), weights (T, k) fp32); on CUDA (and where tests set
+        `kernel_on_cpu`) the ids come in ascending order (layers/triton_router: one kernel)."""
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # (T, E)
+        if logits.is_cuda or self.kernel_on_cpu:
+            from radixlm.runtime.layers import triton_router as tr
+
+            groups = (tr.GROUP_TOP2 if self.sigmoid else
+                      tr.GROUP_MAX if self.method == "group_limited_greedy" else tr.GREEDY)
+            return tr.select(logits, self.top_k, self.scaling, sigmoid=self.sigmoid,
+                             groups=groups, n_group=self.n_group, topk_group=self.topk_group,
+                             norm=self.norm_topk,
+                             bias=self.e_score_correction_bias if self.sigmoid else None)
         if not self.sigmoid:
             scores = logits.softmax(dim=-1, dtype=torch.float32)
             if self.method == "group_limited_greedy":
@@ -95,7 +107,7 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)
-        out = self.experts(x, ids, w)
+        out = self.experts(x, ids, w, presorted=x.is_cuda or self.gate.kernel_on_cpu)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -86,11 +86,14 @@ class Experts(nn.Module):
         gate, up = gate_up.split(self.inter, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj[e])
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x (T, H); idx (T, k) chosen experts; w (T, k) their weights -> (T, H)."""
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                presorted: bool = False) -> torch.Tensor:
+        """x (T, H); idx (T, k) chosen experts; w (T, k) their weights -> (T, H). presorted:
+        each row of idx is ascending already (DeepSeek's router kernel): no sort."""
         t, k = idx.shape
-        idx, perm = idx.sort(dim=-1)  # each token's experts ascending: HF's order of addition
-        w = w.gather(-1, perm)
+        if not presorted:
+            idx, perm = idx.sort(dim=-1)  # each token's experts ascending: HF's order of addition
+            w = w.gather(-1, perm)
         if x.is_cuda or self.kernel_on_cpu:
             capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
             moe_kernel = _triton_moe()
