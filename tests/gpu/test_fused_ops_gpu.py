@@ -98,3 +98,36 @@ def check_rope_pairs(dtype, device, t=5, h=3, d=16):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rope_pairs_match_torch(dtype):
     check_rope_pairs(dtype, "cuda")
+
+
+def check_mla_latent_store(dtype, device, t=5, r=24, dr=16):
+    """MLA's latent written straight into its pool (triton_ops.mla_latent_store) against the
+    torch path: kv_a_layernorm, rope of k_pe, cat, index_copy at the slots; other slots stay."""
+    from radixlm.runtime.layers import triton_ops
+    from radixlm.runtime.models import deepseek_rope
+    from radixlm.runtime.models.llama import RMSNorm
+
+    torch.manual_seed(2)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    norm = RMSNorm(r, 1e-6).to(device, dtype)
+    norm.weight.data.normal_(1.0, 0.1)
+    kv = torch.randn(t, 8 + r + dr, device=device).to(dtype)[:, 8:]  # strided rows
+    cos = torch.randn(t, 1, dr // 2, device=device)
+    sin = torch.randn(t, 1, dr // 2, device=device)
+    loc = torch.randperm(2 * t + 1, generator=torch.Generator().manual_seed(3))[:t].to(device)
+    for interleaved in (True, False):
+        buf = torch.full((2 * t + 1, 1, r + dr), 7.0, device=device, dtype=dtype)
+        triton_ops.mla_latent_store(kv, r, norm.weight, norm.eps, cos, sin, interleaved, buf, loc)
+        c_kv, k_pe = kv.cpu().split([r, dr], dim=-1)
+        k_pe = deepseek_rope.apply_rope(k_pe.unsqueeze(1), cos.cpu(), sin.cpu(), interleaved)[:, 0]
+        ref = torch.cat((norm.cpu()._norm(c_kv), k_pe), dim=-1)
+        norm.to(device)
+        torch.testing.assert_close(buf[loc][:, 0].cpu(), ref, **tol)
+        others = torch.ones(2 * t + 1, dtype=torch.bool)
+        others[loc.cpu()] = False
+        assert torch.all(buf.cpu()[others] == 7.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mla_latent_store_matches_torch(dtype):
+    check_mla_latent_store(dtype, "cuda")

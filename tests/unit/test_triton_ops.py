@@ -33,3 +33,8 @@ def test_fused_ops_match_torch(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rope_pairs_match_torch(dtype):
     _checks.check_rope_pairs(dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mla_latent_store_matches_torch(dtype):
+    _checks.check_mla_latent_store(dtype, "cpu")

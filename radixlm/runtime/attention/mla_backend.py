@@ -163,11 +163,13 @@ class MLAAttention(TorchNativeAttention):
                     layer: int, fb: ForwardBatch, w_uk: torch.Tensor,
                     w_uv: torch.Tensor) -> torch.Tensor:
         """Store the new tokens' latent at fb.out_cache_loc, then attend. q_nope (T, H, dn),
-        q_pe (T, H, dr) rotated, latent (T, r + dr) (normalized c_kv | rotated k_pe), w_uk
+        q_pe (T, H, dr) rotated, latent (T, r + dr) (normalized c_kv | rotated k_pe), or None
+        when the caller wrote it to the pool already (triton_ops.mla_latent_store), w_uk
         (H, dn, r), w_uv (H, dv, r) -> (T, H, dv)."""
         if fb.prefix_groups is not None:
             raise ValueError("shared-prefix attention groups are not supported with MLA")
-        self.kv_pool.write(layer, fb.out_cache_loc, latent)
+        if latent is not None:
+            self.kv_pool.write(layer, fb.out_cache_loc, latent)
         buf = self.kv_pool.latent_buffers[layer][:, 0]  # (capacity + 1, r + dr), a view
         decode, segs = fb.attn_metadata
         if fb.mode == ForwardMode.DECODE:

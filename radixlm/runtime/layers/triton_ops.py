@@ -149,6 +149,61 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 @triton.jit
+def _mla_latent_store_kernel(KV, W, Cos, Sin, Buf, Loc, stride_kv, stride_ct, stride_buf, eps,
+                             R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # one token: kv = [c_kv (R) | k_pe (2 HALF)] -> Buf[Loc[t]] = [rmsnorm(c_kv) | rope(k_pe)],
+    # the math of _rmsnorm_kernel and _rope_pairs_kernel
+    t = tl.program_id(0).to(tl.int64)
+    row = KV + t * stride_kv
+    dst = Buf + tl.load(Loc + t).to(tl.int64) * stride_buf
+    offs = tl.arange(0, BLOCK_R)
+    m = offs < R
+    x = tl.load(row + offs, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / R + eps)).to(KV.dtype.element_ty)
+    w = tl.load(W + offs, mask=m, other=0.0)
+    tl.store(dst + offs, (w.to(tl.float32) * y.to(tl.float32)).to(Buf.dtype.element_ty), mask=m)
+    po = tl.arange(0, BLOCK)
+    pm = po < HALF
+    if INTERLEAVED:
+        p1, p2 = 2 * po, 2 * po + 1
+    else:
+        p1, p2 = po, po + HALF
+    x1 = tl.load(row + R + p1, mask=pm, other=0.0).to(tl.float32)
+    x2 = tl.load(row + R + p2, mask=pm, other=0.0).to(tl.float32)
+    c = tl.load(Cos + t * stride_ct + po, mask=pm, other=0.0)
+    s = tl.load(Sin + t * stride_ct + po, mask=pm, other=0.0)
+    # (rounded to k_pe's dtype first, as rope_pairs' output, then stored in the pool's)
+    o1 = (x1 * c - x2 * s).to(KV.dtype.element_ty)
+    o2 = (x2 * c + x1 * s).to(KV.dtype.element_ty)
+    tl.store(dst + R + po, o1.to(Buf.dtype.element_ty), mask=pm)
+    tl.store(dst + R + HALF + po, o2.to(Buf.dtype.element_ty), mask=pm)
+
+
+def mla_latent_store(kv: torch.Tensor, r: int, weight: torch.Tensor, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, buf: torch.Tensor,
+                     loc: torch.Tensor) -> None:
+    """MLA's new latent straight into its pool: kv (T, r + dr) = kv_a_proj's output (rows may be
+    strided), buf (slots, 1, r + dr) the layer's latent buffer, loc (T,) slots. Writes
+    buf[loc] = [kv_a_layernorm(c_kv) | rope(k_pe)]: one launch for the norm, the rope, the cat
+    and the pool's index_copy (4 kernels a layer before)."""
+    t, width = kv.shape
+    dr = width - r
+    assert kv.stride(1) == 1 and weight.is_contiguous() and buf.shape[-1] == width
+    assert buf.stride(-1) == 1 and dr % 2 == 0
+    half = dr // 2
+    cos, sin = cos.reshape(t, half), sin.reshape(t, half)
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride()
+    if t:
+        _mla_latent_store_kernel[(t,)](kv, weight, cos, sin, buf, loc, kv.stride(0),
+                                       cos.stride(0), buf.stride(0), eps, R=r, HALF=half,
+                                       BLOCK_R=triton.next_power_of_2(r),
+                                       BLOCK=triton.next_power_of_2(half),
+                                       INTERLEAVED=interleaved, num_warps=4)
+
+
+@triton.jit
 def _rotary_store_kernel(X, Cos, Sin, KB, VB, Loc, stride_xt, stride_xh, stride_ct, stride_st,
                          stride_kb, stride_kh, stride_vb, stride_vh, HQ, HKV,
                          HALF: tl.constexpr, BLOCK: tl.constexpr):

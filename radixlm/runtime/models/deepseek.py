@@ -33,7 +33,8 @@ from radixlm.runtime.models.deepseek_config import fields
 from radixlm.runtime.models.deepseek_moe import DeepseekMoE
 from radixlm.runtime.models.deepseek_rope import (ROPE_TYPES, DeepseekRope, apply_rope, rope_kind,
                                                   softmax_scale)
-from radixlm.runtime.models.llama import MLP, Embedding, Linear, LlamaForCausalLM, RMSNorm
+from radixlm.runtime.models.llama import (MLP, Embedding, Linear, LlamaForCausalLM, RMSNorm,
+                                          _fused_ops)
 from radixlm.runtime.models.moe import MoeWeights
 
 
@@ -73,10 +74,19 @@ class MLAttention(nn.Module):
             self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.h, self.dn + self.dr)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)  # (T, r + dr)
         q_pe = apply_rope(q_pe, *cos_sin, self.interleaved)  # (T, H, dr)
-        k_pe = apply_rope(k_pe.unsqueeze(1), *cos_sin, self.interleaved)[:, 0]  # (T, dr)
-        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # (T, r + dr)
+        ops = _fused_ops(kv) if kv.is_cuda else None
+        if ops is not None:  # the norm, the rope, the cat and the pool's write in one kernel
+            ops.mla_latent_store(
+                kv, self.r, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, *cos_sin,
+                self.interleaved, fb.attn_backend.kv_pool.latent_buffers[self.layer_id],
+                fb.out_cache_loc)
+            latent = None  # (written: forward_mla skips its write)
+        else:
+            c_kv, k_pe = kv.split([self.r, self.dr], dim=-1)
+            k_pe = apply_rope(k_pe.unsqueeze(1), *cos_sin, self.interleaved)[:, 0]  # (T, dr)
+            latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # (T, r + dr)
         w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.r)
         w_uk, w_uv = w[:, : self.dn], w[:, self.dn :]  # (H, dn, r), (H, dv, r)
         o = fb.attn_backend.forward_mla(q_nope, q_pe, latent, self.layer_id, fb, w_uk, w_uv)
