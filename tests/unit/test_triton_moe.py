@@ -131,3 +131,17 @@ def test_routing_kernel_sorts_like_a_stable_sort(t, n_exp, k, block_m):
     for b in used.nonzero()[:, 0].tolist():
         e = int(expert[b])
         assert int(end[b]) == int(ends[e]) and int(ends[e] - counts[e]) <= int(start[b]) < int(end[b])
+
+
+def test_shared_experts_output_joins_the_last_kernel():
+    ex, x, idx, w = _setup(5, 8, 2, torch.float32)
+    add = torch.randn_like(x)
+    got = tm.experts(x, ex.gate_up_proj.data, ex.down_proj.data, idx, w, add=add)
+    plain = tm.experts(x, ex.gate_up_proj.data, ex.down_proj.data, idx, w)
+    assert torch.equal(got, plain + add)  # the routed sum first, then the add, as HF
+    torch.testing.assert_close(ex(x, idx, w, add=add), ex(x, idx, w) + add, atol=0, rtol=0)
+    Experts.kernel_on_cpu = True
+    try:  # through Experts: the Triton path returns the sum with the add, once
+        assert torch.equal(ex(x, idx, w, add=add), got)
+    finally:
+        Experts.kernel_on_cpu = False

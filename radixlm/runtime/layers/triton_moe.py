@@ -183,9 +183,9 @@ def route_blocks(flat: torch.Tensor, n_experts: int, block_m: int):
 
 
 @triton.jit
-def _sum_slots_kernel(C, Out, H, K: tl.constexpr, BLOCK: tl.constexpr):
-    # Out[t] = C[t, 0] + C[t, 1] + ... + C[t, K-1], each sum rounded to Out's dtype (as K - 1
-    # torch additions in slot order round)
+def _sum_slots_kernel(C, A, Out, H, K: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    # Out[t] = C[t, 0] + C[t, 1] + ... + C[t, K-1] (+ A[t] with ADD), each sum rounded to Out's
+    # dtype (as K - 1 torch additions in slot order, then the shared experts' add, round)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = h < H
@@ -194,14 +194,17 @@ def _sum_slots_kernel(C, Out, H, K: tl.constexpr, BLOCK: tl.constexpr):
     for j in tl.static_range(1, K):
         nxt = tl.load(base + j * H + h, mask=ok, other=0.0)
         acc = (acc.to(tl.float32) + nxt.to(tl.float32)).to(Out.dtype.element_ty)
+    if ADD:
+        a = tl.load(A + t * H + h, mask=ok, other=0.0)
+        acc = (acc.to(tl.float32) + a.to(tl.float32)).to(Out.dtype.element_ty)
     tl.store(Out + t * H + h, acc, mask=ok)
 
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor,
-            w: torch.Tensor, block_m: int = 0) -> torch.Tensor:
+            w: torch.Tensor, block_m: int = 0, add: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, H); gate_up (E, 2I, H) rows [gate | up]; down (E, H, I); idx (T, k) experts, each
     token's in ascending order; w (T, k) weights (fp32 or the model dtype) -> (T, H).
-    block_m 0: block_m_for(E, k)."""
+    block_m 0: block_m_for(E, k). add (T, H): added to the sum last (the shared experts)."""
     t, k = idx.shape
     n_exp, two_i, hid = gate_up.shape
     inter = two_i // 2
@@ -222,5 +225,8 @@ def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: tor
     _down_kernel[(nb, triton.cdiv(hid, BLOCK_N))](
         h, down, contrib, order, wts, expert, start, end, hid, inter, **common)
     out = x.new_empty(t, hid)  # each token's k rows in ascending expert order (HF's index_add)
-    _sum_slots_kernel[(t, triton.cdiv(hid, 1024))](contrib, out, hid, K=k, BLOCK=1024)
+    if add is not None:
+        assert add.shape == out.shape and add.is_contiguous()
+    _sum_slots_kernel[(t, triton.cdiv(hid, 1024))](contrib, add if add is not None else out, out,
+                                                   hid, K=k, BLOCK=1024, ADD=add is not None)
     return out

@@ -107,10 +107,9 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)
-        out = self.experts(x, ids, w, presorted=x.is_cuda or self.gate.kernel_on_cpu)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        # (routed sum + shared, as HF adds them; on CUDA in the experts' last kernel)
+        return self.experts(x, ids, w, presorted=x.is_cuda or self.gate.kernel_on_cpu, add=shared)
 
 
 def _with_inter(cfg: ModelConfig, inter: int) -> ModelConfig:

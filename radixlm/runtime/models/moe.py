@@ -87,9 +87,15 @@ class Experts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj[e])
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-                presorted: bool = False) -> torch.Tensor:
+                presorted: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
         """x (T, H); idx (T, k) chosen experts; w (T, k) their weights -> (T, H). presorted:
-        each row of idx is ascending already (DeepSeek's router kernel): no sort."""
+        each row of idx is ascending already (DeepSeek's router kernel): no sort. add (T, H):
+        added to the result (DeepSeek's shared experts; in the Triton path's last kernel)."""
+        out, added = self._routed(x, idx, w, presorted, add)
+        return out if add is None or added else out + add
+
+    def _routed(self, x, idx, w, presorted, add) -> tuple[torch.Tensor, bool]:
+        """(forward's routed sum, whether `add` is in it already: the Triton path's)."""
         t, k = idx.shape
         if not presorted:
             idx, perm = idx.sort(dim=-1)  # each token's experts ascending: HF's order of addition
@@ -99,9 +105,9 @@ class Experts(nn.Module):
             moe_kernel = _triton_moe()
             if moe_kernel is not None and (capturing or t <= TRITON_MAX_TOKENS):
                 return moe_kernel.experts(x.contiguous(), self.gate_up_proj, self.down_proj,
-                                          idx, w)
+                                          idx, w, add=add), True
             if capturing:
-                return self._dense(x, idx, w)
+                return self._dense(x, idx, w), False
         flat = idx.reshape(-1)  # (T*k,) pair j = token j // k, slot j % k
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()  # the one host sync
@@ -118,7 +124,7 @@ class Experts(nn.Module):
         out = contrib[:, 0]
         for j in range(1, k):  # k is the config's top-k (2-8): a loop over slots, not tokens
             out = out + contrib[:, j]
-        return out
+        return out, False
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Every expert on every token (CUDA graph capture: no host sync, fixed shapes); weight 0
