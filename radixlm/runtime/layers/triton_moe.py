@@ -19,7 +19,7 @@ Roundings follow HF's module by module (gate, up, silu, product and down output 
 the model dtype; the weight product in fp32, then rounded), so the result equals the eager path
 up to GEMM accumulation order. A row's result does not depend on the other rows in its block
 (BLOCK_M only pads), so a graph's padded batch gives its real rows the eager values.
-Untuned (block sizes and warps are first guesses) and unmeasured on a GPU.
+Block sizes: see BLOCK_N below.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ import triton.language as tl
 from radixlm.runtime.attention.triton_decode import dot_dtype, dot_precision
 
 ENABLED = os.environ.get("RADIXLM_DISABLE_TRITON_MOE", "") in ("", "0")
-BLOCK_N, BLOCK_K = 64, 64
+# one config for every batch (BLOCK_K sets a row's summation order: graphs and eager must agree);
+# benchmarks/probes/moe_block_sweep.py on an H200, V2-Lite's shapes (2026-11-28): BLOCK_K 128
+# against 64: batch 1 47.2 vs 52.2 us a layer, batch 128 310 vs 318 us; BLOCK_N and warps
+# within 2% (benchmarks/results/moe_block_sweep-h200.jsonl)
+BLOCK_N, BLOCK_K = 64, 128
+NUM_WARPS, NUM_STAGES = 4, 3
 
 
 def block_m_for(n_experts: int, top_k: int, typical_batch: int = 128) -> int:
@@ -219,7 +224,7 @@ def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: tor
     dt = dot_dtype(x.dtype, gate_up.dtype)
     nb = expert.shape[0]
     common = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT=dt,
-                  PREC=dot_precision(dt), num_warps=4)
+                  PREC=dot_precision(dt), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _gate_up_kernel[(nb, triton.cdiv(inter, BLOCK_N))](
         x, gate_up, h, order, expert, start, end, hid, inter, k, **common)
     _down_kernel[(nb, triton.cdiv(hid, BLOCK_N))](
