@@ -18,24 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks.fp8_linear import graph_time_us  # noqa: E402
 from radixlm.runtime.layers import triton_moe as tm  # noqa: E402
-
-
-def time_us(fn, iters: int = 50) -> float:
-    fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * 10)
 
 
 def main(argv=None) -> None:
@@ -59,7 +43,7 @@ def main(argv=None) -> None:
         for bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)):
             tm.BLOCK_N, tm.BLOCK_K, tm.NUM_WARPS, tm.NUM_STAGES = bn, bk, warps, stages
             try:
-                us = time_us(lambda: tm.experts(x, gate_up, down, idx, w))
+                us = graph_time_us(lambda _: tm.experts(x, gate_up, down, idx, w), 10, 50)
             except Exception as ex:  # (a config past the shared memory)
                 print(json.dumps({"T": t, "BLOCK_N": bn, "BLOCK_K": bk, "warps": warps,
                                   "stages": stages, "error": str(ex)[:120]}))
