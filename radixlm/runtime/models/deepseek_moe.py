@@ -26,7 +26,7 @@ from torch import nn
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.models.deepseek_config import fields
 from radixlm.runtime.models.llama import MLP
-from radixlm.runtime.models.moe import Experts
+from radixlm.runtime.models.moe import Experts, _triton_moe
 
 
 class Router(nn.Module):
@@ -63,10 +63,11 @@ class Router(nn.Module):
         return mask.unsqueeze(-1).expand_as(grouped).reshape(t, self.n_experts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> (ids (T, k), weights (T, k) fp32); on CUDA (and where tests set
-        `kernel_on_cpu`) the ids come in ascending order (layers/triton_router: one kernel)."""
+        """x (T, hidden) -> (ids (T, k) ascending, weights (T, k) fp32): on CUDA (and where
+        tests set `kernel_on_cpu`) one kernel (layers/triton_router; off with the grouped
+        experts' RADIXLM_DISABLE_TRITON_MOE=1), else the torch ops below."""
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # (T, E)
-        if logits.is_cuda or self.kernel_on_cpu:
+        if (logits.is_cuda and _triton_moe() is not None) or self.kernel_on_cpu:
             from radixlm.runtime.layers import triton_router as tr
 
             groups = (tr.GROUP_TOP2 if self.sigmoid else
@@ -81,7 +82,7 @@ class Router(nn.Module):
                 mask = self._group_mask(scores, lambda g: g.max(dim=-1).values)
                 scores = scores.masked_fill(~mask, 0.0)
             w, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
-            return ids, w * self.scaling
+            return _ascending(ids, w * self.scaling)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         mask = self._group_mask(choice, lambda g: g.topk(2, dim=-1)[0].sum(dim=-1))
@@ -90,7 +91,7 @@ class Router(nn.Module):
         w = scores.gather(1, ids)
         if self.norm_topk:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, w * self.scaling
+        return _ascending(ids, w * self.scaling)
 
 
 class DeepseekMoE(nn.Module):
@@ -109,7 +110,14 @@ class DeepseekMoE(nn.Module):
         ids, w = self.gate(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         # (routed sum + shared, as HF adds them; on CUDA in the experts' last kernel)
-        return self.experts(x, ids, w, presorted=x.is_cuda or self.gate.kernel_on_cpu, add=shared)
+        return self.experts(x, ids, w, presorted=True, add=shared)
+
+
+def _ascending(ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts in ascending order (HF adds their outputs in that order), weights
+    alike."""
+    ids, perm = ids.sort(dim=-1)
+    return ids, w.gather(1, perm)
 
 
 def _with_inter(cfg: ModelConfig, inter: int) -> ModelConfig:

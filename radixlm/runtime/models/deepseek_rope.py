@@ -114,7 +114,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if x.is_cuda:
         from radixlm.runtime.layers import triton_ops
 
-        return triton_ops.rope_pairs(x, cos, sin, interleaved)
+        if triton_ops.ENABLED:  # (RADIXLM_DISABLE_FUSED_OPS=1: the torch ops below)
+            return triton_ops.rope_pairs(x, cos, sin, interleaved)
     xf = x.float()
     if interleaved:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]
