@@ -14,6 +14,8 @@ layer of a batch-1 decode step. Here one program per token does all of it in reg
     times routed_scaling_factor.
 Same math as Router.forward; softmax and sums may round differently from torch's kernels in
 the last bit of fp32 (a tie within one ulp at the k-th place could then choose another expert).
+The logits stay a cuBLAS GEMV: computed in this kernel (one program a token reading the router's
+0.5 MB fp32 weight, V2-Lite) batch-1 decode fell from 297 to 247 tok/s on an H200.
 """
 
 from __future__ import annotations
