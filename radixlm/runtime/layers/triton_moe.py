@@ -19,7 +19,7 @@ Roundings follow HF's module by module (gate, up, silu, product and down output 
 the model dtype; the weight product in fp32, then rounded), so the result equals the eager path
 up to GEMM accumulation order. A row's result does not depend on the other rows in its block
 (BLOCK_M only pads), so a graph's padded batch gives its real rows the eager values.
-Block sizes: see BLOCK_N below.
+Block sizes and warps: measured, see BLOCK_N below.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def route_blocks(flat: torch.Tensor, n_experts: int, block_m: int):
     only. One kernel (`_route_kernel`, a counting sort in one program): no host sync, so a
     CUDA graph captures it; pairs of one expert keep their pair order (as a stable sort
     would). It replaced ~20 torch kernels (one-hot, prefix sums, gathers, a scatter, a
-    searchsorted) that at batch 1 cost DeepSeek-V2-Lite ~0.5 ms a token in launches."""
+    searchsorted); with the slot sums in one kernel (`_sum_slots_kernel`, was k - 1 adds)
+    DeepSeek-V2-Lite's batch-1 decode went 160 -> 211 tok/s on an H200."""
     p = flat.shape[0]
     dev = flat.device
     nb = triton.cdiv(p, block_m) + n_experts
