@@ -73,6 +73,7 @@ def test_a_restart_serves_what_the_cap_kept(tmp_path):
     first, pool, alloc = make_tiered(storage_dir=str(tmp_path), store_max_bytes=two_pages)
     old, new = [1, 2, 3, 4], [9, 8, 7, 6]  # two pages each (page = 2 tokens)
     put(first, pool, alloc, old)
+    first.storage.flush()  # (the writer threads would race `old`'s and `new`'s order otherwise)
     put(first, pool, alloc, new)  # the store keeps two pages: `old`'s went
     first.close()
     assert first.storage.counters["pages_evicted"] == 2 and len(_files(tmp_path)) == 2
