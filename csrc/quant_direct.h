@@ -114,47 +114,49 @@ bool pool_run(Job& job, int64_t N) {
 }
 
 #ifdef RLQ_AVX512BF16
-// Q4_1 / Q8_0 with bf16 x (quant_bf16.h's group_bf16, F = Q4_1bf / Q8_0bf): FastJob's split on x's
-// own bf16 values, each task's W rows in groups of 16, x in tiles of up to 16 rows (a verify of
-// 8 drafted tokens, 9 rows, decodes each block once).
+// Q4_1 / Q8_0 with bf16 x (quant_bf16.h's group_q4_1 / group_bf16, F = Q4_1bf / Q8_0bf):
+// FastJob's split on x's own bf16 values, each task's W rows in groups of 16, x in tiles of up to
+// 16 rows (a verify of 8 drafted tokens, 9 rows, decodes each block once).
 template <class F>
 struct Bf16Job {
-  const uint16_t* x; const float* xs; int64_t M, K, N; const uint8_t* w; float* y; __m512i table;
+  const uint16_t* x; int64_t M, K, N; const uint8_t* w; float* y;
   int64_t nb = NB;  // W rows per task
 
   template <int MB>
-  void tile(const uint16_t* xm, const float* sm, int64_t n0, int64_t n1, float* ym) const {
+  void tile(const uint16_t* xm, int64_t n0, int64_t n1, float* ym) const {
     const int64_t row_bytes = K / 32 * F::BYTES;
-    for (int64_t n = n0; n < n1; n += 16)
-      group_bf16<F, MB>(xm, sm, K, w + n * row_bytes, static_cast<int>(std::min<int64_t>(16, n1 - n)),
-                        ym + n, N, table);
+    for (int64_t n = n0; n < n1; n += 16) {
+      const int rows = static_cast<int>(std::min<int64_t>(16, n1 - n));
+      if constexpr (std::is_same_v<F, Q4_1bf>)
+        group_q4_1<MB>(xm, K, w + n * row_bytes, rows, ym + n, N);
+      else
+        group_bf16<MB>(xm, K, w + n * row_bytes, rows, ym + n, N);
+    }
   }
 
   void task(int64_t t) const {
-    const int64_t nblk = K / 32;
     const int64_t n0 = t * nb, n1 = std::min(N, n0 + nb);
     for (int64_t m0 = 0; m0 < M;) {
       const int mb = static_cast<int>(std::min<int64_t>(16, M - m0));
       const uint16_t* xm = x + m0 * K;
-      const float* sm = F::kMin ? xs + m0 * nblk : nullptr;
       float* ym = y + m0 * N;
       switch (mb) {
-        case 16: tile<16>(xm, sm, n0, n1, ym); break;
-        case 15: tile<15>(xm, sm, n0, n1, ym); break;
-        case 14: tile<14>(xm, sm, n0, n1, ym); break;
-        case 13: tile<13>(xm, sm, n0, n1, ym); break;
-        case 12: tile<12>(xm, sm, n0, n1, ym); break;
-        case 11: tile<11>(xm, sm, n0, n1, ym); break;
-        case 10: tile<10>(xm, sm, n0, n1, ym); break;
-        case 9: tile<9>(xm, sm, n0, n1, ym); break;
-        case 8: tile<8>(xm, sm, n0, n1, ym); break;
-        case 7: tile<7>(xm, sm, n0, n1, ym); break;
-        case 6: tile<6>(xm, sm, n0, n1, ym); break;
-        case 5: tile<5>(xm, sm, n0, n1, ym); break;
-        case 4: tile<4>(xm, sm, n0, n1, ym); break;
-        case 3: tile<3>(xm, sm, n0, n1, ym); break;
-        case 2: tile<2>(xm, sm, n0, n1, ym); break;
-        default: tile<1>(xm, sm, n0, n1, ym); break;
+        case 16: tile<16>(xm, n0, n1, ym); break;
+        case 15: tile<15>(xm, n0, n1, ym); break;
+        case 14: tile<14>(xm, n0, n1, ym); break;
+        case 13: tile<13>(xm, n0, n1, ym); break;
+        case 12: tile<12>(xm, n0, n1, ym); break;
+        case 11: tile<11>(xm, n0, n1, ym); break;
+        case 10: tile<10>(xm, n0, n1, ym); break;
+        case 9: tile<9>(xm, n0, n1, ym); break;
+        case 8: tile<8>(xm, n0, n1, ym); break;
+        case 7: tile<7>(xm, n0, n1, ym); break;
+        case 6: tile<6>(xm, n0, n1, ym); break;
+        case 5: tile<5>(xm, n0, n1, ym); break;
+        case 4: tile<4>(xm, n0, n1, ym); break;
+        case 3: tile<3>(xm, n0, n1, ym); break;
+        case 2: tile<2>(xm, n0, n1, ym); break;
+        default: tile<1>(xm, n0, n1, ym); break;
       }
       m0 += mb;
     }
@@ -165,9 +167,7 @@ struct Bf16Job {
 template <class F>
 inline void gemm_bf16x(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                        float* y) {
-  std::vector<float> xs(F::kMin ? M * (K / 32) : 0);
-  if constexpr (F::kMin) block_sums_bf16(x, M, K, xs.data());
-  Bf16Job<F> job{x, xs.data(), M, K, N, w, y, q4_bf16_table()};
+  Bf16Job<F> job{x, M, K, N, w, y};
   if (M <= kPoolMaxM && pool_run(job, N)) return;
   const int64_t ntask = (N + NB - 1) / NB;
   const int nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));

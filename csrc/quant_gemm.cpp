@@ -22,7 +22,7 @@
 // NB-row tasks (~8 per thread); otherwise OpenMP (dynamic: on a shared box a preempted thread
 // then delays only its current task) over blocks of NB output rows. On AVX-512 the Q4_1 / Q8_0
 // kernels are quant_avx512.h's (block scales factored out), with bf16 x quant_bf16.h's (VDPBF16PS
-// where the CPU has AVX512-BF16). Inside a task, each x tile of MB <= 8 rows (bf16: 16) runs
+// where the CPU has AVX512-BF16; Q4_1 on its weights as bf16, d * q + m rounded). Inside a task, each x tile of MB <= 8 rows (bf16: 16) runs
 // against each W row of the block (the W block stays in L1/L2 across the x tiles). Decode
 // (M = 1..8, bf16 1..16) reads every weight byte once: 4-8x fewer bytes than the fp32 GEMM's.
 // Large M is better served by dequantized fp32 + a BLAS GEMM: gemm_tiled (per-thread tiles) and
