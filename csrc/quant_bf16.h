@@ -4,20 +4,15 @@
 // (8-bit x 8-bit significands) and they are summed in fp32. (VDPBF16PS treats bf16 denormals,
 // |x| < 1.2e-38, as 0: far below the fp32 sums' error.)
 //
-// Q4_1 (group_q4_1): a block's weights become bf16(d * q + m), the value a bf16 model's dense
-// weight holds (gguf.quants dequantizes in fp32, d * q then + m; torch rounds to bf16 nearest-
-// even): a 16-entry table per block (one multiply, one add, one conversion), looked up by the
-// nibbles. Then each x row costs ONE VDPBF16PS per block, accumulated straight across blocks. On
-// Zen 4 a 512-bit VDPBF16PS issues every other cycle, so that is the floor of 2 cycles a row and
-// block; factoring the scales out instead (d * sum q x + m * sum x, below for Q8_0) costs a
-// VDPBF16PS and an FMA: 3 cycles. Measured on one Zen 4 thread, K = 576, N = 1536: 0.67 vs 0.89
-// ns a row and block at 8 x rows, 0.56 vs 0.85 at 16, 2.24 vs 2.49 at 1 row.
-//
-// Q8_0 (group_bf16): a block's 32 int8 quants become bf16 values (exact), one VDPBF16PS per x row
-// and block, then one FMA by d:
-//   sum_i d q_i x_i = d * (sum_i q_i x_i)
-// (weights d * q as bf16 would save the FMA but cost 2 multiplies a block: one row, the tied
-// head's decode step, took 16% longer).
+// A block's weights become bf16 values, the ones a bf16 model's dense weight holds (gguf.quants
+// dequantizes in fp32; torch rounds to bf16 nearest-even): Q4_1's bf16(d * q + m) from a 16-entry
+// table per block (one multiply, one add, one conversion) looked up by the nibbles, Q8_0's
+// bf16(d * q) by two multiplies. Then each x row costs ONE VDPBF16PS per block, accumulated
+// straight across blocks. On Zen 4 a 512-bit VDPBF16PS issues every other cycle: the floor of 2
+// cycles a row and block. Factoring the scales out instead (d * sum q x + m * sum x, with the
+// exact d * q + m: the kernels before 2026-11-28) cost a VDPBF16PS and an FMA, 3 cycles. One Zen 4
+// thread, weights streamed from DRAM, old / new time: SmolLM2's four Q4_1 projections x 30 layers
+// 0.87 at 1 x row, 0.58 at 5, 0.81 at 9, 0.71 at 16; its Q8_0 head 0.97, 0.71, 0.73, 0.84.
 //
 // Work goes in groups of 16 W rows, so that what is per (x row, W row) rather than per block is
 // vectorized across the group: the 16 accumulators' horizontal sums (one shuffle tree, sum16).
@@ -58,16 +53,17 @@ struct Q4_1bf {
   }
 };
 
-// Q8_0 (34 bytes: fp16 d, 32 int8s): the quants widened, converted to fp32 and narrowed to bf16
-// (exact: |q| <= 128 has at most 8 significant bits); the scale is applied per block (group_bf16).
+// Q8_0 (34 bytes: fp16 d, 32 int8s): the block's 32 weights bf16(d * q), in order (q widened to
+// fp32 exactly, the product rounded once to fp32 as gguf.quants does, then to bf16).
 struct Q8_0bf {
   static constexpr int BYTES = 34;
-  static __m512bh quants(const uint8_t* b) {
+  static __m512bh weights(const uint8_t* b, __m512) {
+    const __m512 d = _mm512_set1_ps(f16(b));
     const __m512 lo = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
     const __m512 hi = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
-    return _mm512_cvtne2ps_pbh(hi, lo);  // lanes 0..15 from lo, 16..31 from hi
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d), _mm512_mul_ps(lo, d));  // lo: lanes 0..15
   }
 };
 
@@ -91,35 +87,6 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// y[m * ldy + j] for m < MB, j < rows (<= 16): x rows m (x + m * K) against Q8_0 W rows j (w + j *
-// row_bytes). Per W row, each block's quants are decoded once for all MB rows (one accumulator
-// per x row: MB <= 16 chains hide the FMA latency, and at MB = 1 a block's decode takes longer
-// than the chain's 4 cycles anyway).
-template <int MB>
-inline void group_bf16(const uint16_t* x, int64_t K, const uint8_t* w, int rows, float* y,
-                       int64_t ldy) {
-  const int64_t nblk = K / 32, row_bytes = nblk * Q8_0bf::BYTES;
-  alignas(64) __m512 part[MB][16];  // per x row, W row: 16 lanes of sums
-  for (int m = 0; m < MB; ++m)
-    for (int j = rows; j < 16; ++j) part[m][j] = _mm512_setzero_ps();
-  for (int j = 0; j < rows; ++j) {
-    const uint8_t* wr = w + j * row_bytes;
-    __m512 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nblk; ++b) {
-      const __m512bh q = Q8_0bf::quants(wr + b * Q8_0bf::BYTES);
-      const __m512 d = _mm512_set1_ps(f16(wr + b * Q8_0bf::BYTES));
-      for (int m = 0; m < MB; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + b * 32);
-        acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, xv), d, acc[m]);
-      }
-    }
-    for (int m = 0; m < MB; ++m) part[m][j] = acc[m];
-  }
-  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
-  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + m * ldy, keep, sum16(part[m]));
-}
-
 // Ask for the `bytes` of W that start kPrefetchAhead bytes past `next` (where the next W row
 // starts), a line each. Rows lie one after another, so this runs a fixed distance ahead of the
 // reads through the task's rows and into the next task's. Why: a W row's blocks are read
@@ -133,13 +100,16 @@ inline void prefetch_ahead(const uint8_t* next, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(next + kPrefetchAhead + o), _MM_HINT_T0);
 }
 
-// As group_bf16, for Q4_1 W rows (their bf16 weights: Q4_1bf::weights). One accumulator per
-// (x row, W row), blocks in order. (Two or four W rows at once gave one x row more independent
-// VDPBF16PS chains, but their interleaved reads streamed from DRAM 10-25% slower.)
-template <int MB>
-inline void group_q4_1(const uint16_t* x, int64_t K, const uint8_t* w, int rows, float* y,
+// y[m * ldy + j] for m < MB, j < rows (<= 16): x rows m (x + m * K) against W rows j (w + j *
+// row_bytes) of format F (Q4_1bf / Q8_0bf). Per W row, each block's bf16 weights are built once
+// for all MB x rows; one accumulator per (x row, W row), blocks in order (MB <= 16 chains; at
+// MB = 1 building a block's weights takes longer than the chain's 6 cycles anyway). (Two or
+// four W rows at once gave one x row more independent chains, but their interleaved reads
+// streamed from DRAM 10-25% slower.)
+template <class F, int MB>
+inline void group_bf16(const uint16_t* x, int64_t K, const uint8_t* w, int rows, float* y,
                        int64_t ldy) {
-  const int64_t nblk = K / 32, row_bytes = nblk * Q4_1bf::BYTES;
+  const int64_t nblk = K / 32, row_bytes = nblk * F::BYTES;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) __m512 part[MB][16];
   for (int m = 0; m < MB; ++m)
@@ -152,7 +122,7 @@ inline void group_q4_1(const uint16_t* x, int64_t K, const uint8_t* w, int rows,
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; ++b) {
-      const __m512bh wv = Q4_1bf::weights(wr + b * Q4_1bf::BYTES, iota);
+      const __m512bh wv = F::weights(wr + b * F::BYTES, iota);
 #pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {  // (unrolled: without it 6, 9 and 12 rows ran ~1.5x slower)
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + b * 32);

@@ -114,7 +114,7 @@ bool pool_run(Job& job, int64_t N) {
 }
 
 #ifdef RLQ_AVX512BF16
-// Q4_1 / Q8_0 with bf16 x (quant_bf16.h's group_q4_1 / group_bf16, F = Q4_1bf / Q8_0bf):
+// Q4_1 / Q8_0 with bf16 x (quant_bf16.h's group_bf16, F = Q4_1bf / Q8_0bf):
 // FastJob's split on x's own bf16 values, each task's W rows in groups of 16, x in tiles of up to
 // 16 rows (a verify of 8 drafted tokens, 9 rows, decodes each block once).
 template <class F>
@@ -127,10 +127,7 @@ struct Bf16Job {
     const int64_t row_bytes = K / 32 * F::BYTES;
     for (int64_t n = n0; n < n1; n += 16) {
       const int rows = static_cast<int>(std::min<int64_t>(16, n1 - n));
-      if constexpr (std::is_same_v<F, Q4_1bf>)
-        group_q4_1<MB>(xm, K, w + n * row_bytes, rows, ym + n, N);
-      else
-        group_bf16<MB>(xm, K, w + n * row_bytes, rows, ym + n, N);
+      group_bf16<F, MB>(xm, K, w + n * row_bytes, rows, ym + n, N);
     }
   }
 

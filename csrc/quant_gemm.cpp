@@ -22,7 +22,8 @@
 // NB-row tasks (~8 per thread); otherwise OpenMP (dynamic: on a shared box a preempted thread
 // then delays only its current task) over blocks of NB output rows. On AVX-512 the Q4_1 / Q8_0
 // kernels are quant_avx512.h's (block scales factored out), with bf16 x quant_bf16.h's (VDPBF16PS
-// where the CPU has AVX512-BF16; Q4_1 on its weights as bf16, d * q + m rounded). Inside a task, each x tile of MB <= 8 rows (bf16: 16) runs
+// on the weights rounded to bf16, where the CPU has AVX512-BF16; the many-row paths then round
+// their tiles alike: bf16_weights). Inside a task, each x tile of MB <= 8 rows (bf16: 16) runs
 // against each W row of the block (the W block stays in L1/L2 across the x tiles). Decode
 // (M = 1..8, bf16 1..16) reads every weight byte once: 4-8x fewer bytes than the fp32 GEMM's.
 // Large M is better served by dequantized fp32 + a BLAS GEMM: gemm_tiled (per-thread tiles) and
@@ -97,6 +98,23 @@ void check_w(const at::Tensor& w, int64_t fmt, int64_t K) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
                   w.is_contiguous() && w.size(1) == K / bk * bytes,
               "quant_gemm: w must be a contiguous uint8 (N, K / block * block_bytes) CPU tensor");
+}
+
+// Whether the direct kernel multiplies x by the weights rounded to bf16 (quant_bf16.h: Q4_1 /
+// Q8_0 against a bf16 model's activations on an AVX512-BF16 CPU). The many-row paths then round
+// their dequantized tiles alike, so that every row count of that model multiplies the same
+// weights: those of its dense bf16 weight (and of HF transformers loading the GGUF as bf16).
+bool bf16_weights(const at::Tensor& x, int64_t fmt) {
+#ifdef RLQ_AVX512BF16
+  return (fmt == 3 || fmt == 8) && x.scalar_type() == at::kBFloat16;
+#else
+  (void)x, (void)fmt;
+  return false;
+#endif
+}
+
+void round_bf16(float* p, int64_t n) {  // to nearest even, as torch's .to(torch.bfloat16)
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
 }
 
 }  // namespace
@@ -198,6 +216,7 @@ at::Tensor gemm_tiled(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, 
       N, std::max<int64_t>(32, ((N + nt_max * rounds - 1) / (nt_max * rounds) + 15) / 16 * 16));
   const int64_t ntile = (N + NT - 1) / NT;
   const int nt = std::max<int64_t>(1, std::min<int64_t>(nt_max, ntile));
+  const bool rounded = bf16_weights(x_in, fmt);
   at::Tensor tiles = at::empty({nt, NT, K}, x.options());
   at::Tensor yT = at::empty({N, M}, x.options());
   const at::Tensor xT = x.t();
@@ -221,6 +240,7 @@ at::Tensor gemm_tiled(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, 
         case 12: dequant_rows<Q4_K>(wp, rows, K, tp); break;
         default: dequant_rows<Q6_K>(wp, rows, K, tp); break;
       }
+      if (rounded) round_bf16(tp, rows * K);
       try {  // per iteration: every thread must still reach the loop's closing barrier
         at::Tensor dst = yT.narrow(0, n0, rows);
         at::mm_out(dst, tiles.select(0, tid).narrow(0, 0, rows), xT);
@@ -250,6 +270,7 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
   const int64_t CH = (N + nchunk - 1) / nchunk;
   static thread_local std::vector<float> scratch;
   if ((int64_t)scratch.size() < CH * K) scratch.resize(CH * K);
+  const bool rounded = bf16_weights(x_in, fmt);
   if (nchunk == 1) {  // the whole W fits: exactly F.linear's GEMM, y = x @ W^T, no transpose
     switch (fmt) {
       case 3: dequant_impl<Q4_1>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
@@ -257,6 +278,7 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
       case 12: dequant_impl<Q4_K>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
       default: dequant_impl<Q6_K>(w.data_ptr<uint8_t>(), N, K, scratch.data()); break;
     }
+    if (rounded) round_bf16(scratch.data(), N * K);
     return at::mm(x, at::from_blob(scratch.data(), {N, K}, x.options()).t());
   }
   at::Tensor yT = at::empty({N, M}, x.options());
@@ -270,6 +292,7 @@ at::Tensor gemm_chunked(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt
       case 12: dequant_impl<Q4_K>(wp, rows, K, scratch.data()); break;
       default: dequant_impl<Q6_K>(wp, rows, K, scratch.data()); break;
     }
+    if (rounded) round_bf16(scratch.data(), rows * K);
     at::Tensor dst = yT.narrow(0, n0, rows);
     at::mm_out(dst, at::from_blob(scratch.data(), {rows, K}, x.options()), xT);
   }

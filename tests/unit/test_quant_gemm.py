@@ -74,10 +74,10 @@ def blocks(fmt: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, np.nd
 
 
 def bf16_weights(ops, fmt: int, x: torch.Tensor, ref_w: np.ndarray) -> np.ndarray:
-    """The weights the kernel multiplies x by: Q4_1 against bf16 x on an AVX512-BF16 CPU takes
-    them as bf16 (gguf's fp32 dequantization rounded to nearest even, as a bf16 model's dense
-    weight holds them; quant_bf16.h), every other pair exactly."""
-    if fmt == 3 and x.dtype == torch.bfloat16 and ops.isa() == "avx512bf16":
+    """The weights the kernel multiplies x by: Q4_1 / Q8_0 against bf16 x on an AVX512-BF16 CPU
+    take them as bf16 (gguf's fp32 dequantization rounded to nearest even, as a bf16 model's
+    dense weight holds them; quant_bf16.h), every other pair exactly."""
+    if fmt in (3, 8) and x.dtype == torch.bfloat16 and ops.isa() == "avx512bf16":
         return torch.from_numpy(ref_w).to(torch.bfloat16).float().numpy()
     return ref_w
 
@@ -142,6 +142,18 @@ def test_bf16_rows_do_not_depend_on_the_row_count(ops, fmt, k):
 
 
 @pytest.mark.parametrize("fmt", FMTS.values(), ids=FMTS.keys())
+def test_bf16_x_takes_the_same_weights_on_every_path(ops, fmt):
+    # a bf16 model's prefill (tiles, chunks) and decode (direct) multiply the same weights: where
+    # the direct kernel rounds them to bf16, the tiles are rounded alike
+    raw, ref_w = blocks(fmt, 70, 512, seed=fmt)
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(fmt)).to(torch.bfloat16)
+    w = bf16_weights(ops, fmt, x, ref_w)
+    for y in (ops.gemm(x[:9], raw, fmt, 512), ops.gemm_tiled(x, raw, fmt, 512),
+              ops.gemm_chunked(x, raw, fmt, 512)):
+        check(y, x[: y.shape[0]].float(), w)
+
+
+@pytest.mark.parametrize("fmt", FMTS.values(), ids=FMTS.keys())
 def test_tiled_gemm_many_rows_and_tiles(ops, fmt):
     raw, ref_w = blocks(fmt, 1000, 512)  # 4 tiles of 256 rows at K = 512, the last partial
     x = torch.randn(67, 512)
@@ -185,7 +197,9 @@ def test_quantized_linear_layer(ops, m):
     xb = x.to(torch.bfloat16)
     yb = lin(xb)  # widened input, fp32 sums, one rounding of the result to bf16
     assert yb.dtype == torch.bfloat16
-    refb = xb.double() @ torch.from_numpy(ref_w).double().T + lin.bias.double()
+    # (every path multiplies the bf16 weights where the direct kernel does: bf16_weights)
+    refb = xb.double() @ torch.from_numpy(bf16_weights(ops, 8, xb, ref_w)).double().T \
+        + lin.bias.double()
     # rtol: the one bf16 rounding; atol: fp32 summation error where y is near 0 (|y| ~ 1e-3)
     torch.testing.assert_close(yb.double(), refb, rtol=2 ** -8, atol=1e-4)
 
