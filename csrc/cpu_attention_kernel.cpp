@@ -67,6 +67,10 @@ constexpr int64_t kMinParallelWork = 1 << 18;  // (key, query row) pairs worth a
 // the threshold above avoids
 constexpr int64_t kMinPoolWork = 1 << 15;
 constexpr int64_t kPoolRows = 16;  // ... and at most this many query rows (see run_all)
+// ... or from this much where it is several decode rows (a verify of 8 drafts over a 300-token
+// history: 24k pairs, ~120 us a layer on one thread), which go to the threads whole: no row's
+// sums change
+constexpr int64_t kMinPoolRowsWork = 1 << 13;
 #if defined(__AVX512F__)
 constexpr int MR = 12, NV = 2;    // 24 accumulators + 2 B vectors + 1 broadcast of 32 registers
 #else
@@ -423,9 +427,14 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
   // to OpenMP GEMMs (a 64-token extend over a 300-token prefix) its helper and OpenMP's spinning
   // threads shared the second core, and such an extend took 6% longer than on one thread
   int64_t q_rows = 0;
-  for (const auto& sq : seqs) q_rows += sq.n_q;
+  bool all_decode = true;
+  for (const auto& sq : seqs) {
+    q_rows += sq.n_q;
+    all_decode = all_decode && sq.n_q == 1;
+  }
   const int64_t pairs = work * H * c.G;
-  const bool pooled = pairs < kMinParallelWork && pairs >= kMinPoolWork && q_rows <= kPoolRows &&
+  const int64_t pool_from = all_decode && seqs.size() > 1 ? kMinPoolRowsWork : kMinPoolWork;
+  const bool pooled = pairs < kMinParallelWork && pairs >= pool_from && q_rows <= kPoolRows &&
                       at::get_num_threads() > 1;
   const int nt = pairs < kMinParallelWork && !pooled ? 1 : std::max(1, at::get_num_threads());
   // too few work items to keep every thread busy (batch-1 decode, one shared prefix): split the
@@ -442,8 +451,6 @@ void run_all(Ctx& c, std::vector<Seq>& seqs) {
   // bit for bit what plain batch-1 steps give, in bf16 too. (Batch 1 plans as before; a wider
   // decode batch splits only rows of >= kMinPoolWork pairs, where merging 8 x threads splits
   // costs little beside reading the keys.)
-  bool all_decode = true;
-  for (const auto& sq : seqs) all_decode = all_decode && sq.n_q == 1;
   const int threads = at::get_num_threads();
   for (int s = 0; s < (int)seqs.size(); ++s) {
     Seq& sq = seqs[s];
