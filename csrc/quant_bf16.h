@@ -47,7 +47,8 @@ struct Q4_1bf {
     // the 16 values twice: VPERMW reads an index's low 5 bits, so i and i + 16 find the same
     // weight and a low nibble needs no AND with 0x0F
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
-    const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+    const __m256i q =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
     return (__m512bh)_mm512_permutexvar_epi16(idx, table);
   }
