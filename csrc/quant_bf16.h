@@ -93,7 +93,7 @@ inline __m512 sum16(const __m512* v) {
 // reads through the task's rows and into the next task's. Why: a W row's blocks are read
 // between VDPBF16PS chains, so few loads miss at once; streaming a decode step's ~66 MB of
 // SmolLM2 blocks from DRAM, one x row ran at half the old kernel's speed in the engine (whose
-// scales prepass read each row ahead of its blocks); with this, 0.89-0.95x its time on one
+// scales prepass read each row ahead of its blocks); with this, 0.87-0.93x its time on one
 // thread. (A prefetch never faults past the tensor's end.)
 constexpr int64_t kPrefetchAhead = 2048;
 inline void prefetch_ahead(const uint8_t* next, int64_t bytes) {

@@ -114,9 +114,9 @@ bool pool_run(Job& job, int64_t N) {
 }
 
 #ifdef RLQ_AVX512BF16
-// Q4_1 / Q8_0 with bf16 x (quant_bf16.h's group_bf16, F = Q4_1bf / Q8_0bf):
-// FastJob's split on x's own bf16 values, each task's W rows in groups of 16, x in tiles of up to
-// 16 rows (a verify of 8 drafted tokens, 9 rows, decodes each block once).
+// Q4_1 / Q8_0 with bf16 x (quant_bf16.h's group_bf16, F = Q4_1bf / Q8_0bf): FastJob's split on x's
+// own bf16 values, each task's W rows in groups of 16, x in tiles of up to 16 rows (a verify of
+// 8 drafted tokens, 9 rows, builds each block's weights once).
 template <class F>
 struct Bf16Job {
   const uint16_t* x; int64_t M, K, N; const uint8_t* w; float* y;
