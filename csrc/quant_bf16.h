@@ -88,17 +88,18 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Ask for the `bytes` of W that start kPrefetchAhead bytes past `next` (where the next W row
-// starts), a line each. Rows lie one after another, so this runs a fixed distance ahead of the
-// reads through the task's rows and into the next task's. Why: a W row's blocks are read
+// Ask for `bytes` of W from `p` on, a line each. group_bf16 asks for the first kPrefetchAhead
+// bytes of its group, then before each W row for that row's length kPrefetchAhead bytes past the
+// next row's start: rows lie one after another, so this runs a fixed distance ahead of the reads
+// through the task's rows and into the next task's. Why: a W row's blocks are read
 // between VDPBF16PS chains, so few loads miss at once; streaming a decode step's ~66 MB of
 // SmolLM2 blocks from DRAM, one x row ran at half the old kernel's speed in the engine (whose
 // scales prepass read each row ahead of its blocks); with this, 0.87-0.93x its time on one
 // thread. (A prefetch never faults past the tensor's end.)
 constexpr int64_t kPrefetchAhead = 2048;
-inline void prefetch_ahead(const uint8_t* next, int64_t bytes) {
+inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(next + kPrefetchAhead + o), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
 
 // y[m * ldy + j] for m < MB, j < rows (<= 16): x rows m (x + m * K) against W rows j (w + j *
@@ -115,11 +116,10 @@ inline void group_bf16(const uint16_t* x, int64_t K, const uint8_t* w, int rows,
   alignas(64) __m512 part[MB][16];
   for (int m = 0; m < MB; ++m)
     for (int j = rows; j < 16; ++j) part[m][j] = _mm512_setzero_ps();
-  for (int64_t o = 0; o < kPrefetchAhead && o < rows * row_bytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(w + o), _MM_HINT_T0);
+  prefetch_lines(w, std::min(kPrefetchAhead, rows * row_bytes));
   for (int j = 0; j < rows; ++j) {
     const uint8_t* wr = w + j * row_bytes;
-    prefetch_ahead(wr + row_bytes, row_bytes);
+    prefetch_lines(wr + row_bytes + kPrefetchAhead, row_bytes);
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; ++b) {
