@@ -97,5 +97,58 @@ def test_linear_dispatch():
     torch.testing.assert_close(triton_gemv.linear(x, w_qkv), F.linear(x, w_qkv), atol=3e-2, rtol=2e-2)
     xs = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(triton_gemv.linear(xs, w_small), F.linear(xs, w_small))
-    x2 = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)  # two rows: cuBLAS
-    assert torch.equal(triton_gemv.linear(x2, w_o), F.linear(x2, w_o))
+    x2 = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)  # two rows: triton_skinny
+    torch.testing.assert_close(triton_gemv.linear(x2, w_o), F.linear(x2, w_o), atol=3e-2,
+                               rtol=2e-2)
+    x17 = torch.randn(17, 4096, device="cuda", dtype=torch.bfloat16)  # 17 rows: cuBLAS
+    assert torch.equal(triton_gemv.linear(x17, w_o), F.linear(x17, w_o))
+
+
+def check_skinny(device, shapes, rows=(2, 5, 9, 16), dtypes=(torch.bfloat16, torch.float16),
+                 configs=(None,)):
+    """layers/triton_skinny against a float64 reference (fp32 sums, one rounding), its fused
+    SiLU-and-mul against the same roundings in torch, and each row's value the same whatever
+    rows share the call (no split-K, rows independent in the dot)."""
+    from radixlm.runtime.layers import triton_skinny
+
+    gen = torch.Generator().manual_seed(2)
+    for n, k in shapes:
+        for dtype in dtypes:
+            ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+            w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
+            b = torch.randn(n, generator=gen).to(device, dtype)
+            for m in rows:
+                x = torch.randn(m, k, generator=gen).to(device, dtype)
+                for cfg in configs:
+                    for bias in (None, b):
+                        y = triton_skinny.matmul(x, w, bias, config=cfg)
+                        ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+                        assert y.shape == (m, n) and y.dtype == dtype
+                        tol = 2 * ref.abs() * ulp + 1e-3
+                        err = (y.double() - ref).abs()
+                        assert bool((err <= tol).all()), (n, k, m, dtype, cfg, float(err.max()))
+                        one = triton_skinny.matmul(x[-1:].contiguous(), w, bias, config=cfg)
+                        assert torch.equal(one[0], y[-1]), (n, k, m, cfg)
+                    if n % 2 == 0:
+                        y = triton_skinny.matmul(x, w, config=cfg, silu=True)
+                        gu = (x.double() @ w.double().T)
+                        g = gu[:, : n // 2].to(dtype).double()
+                        u = gu[:, n // 2:].to(dtype).double()
+                        ref = ((g / (1 + torch.exp(-g))).to(dtype).double() * u).to(dtype)
+                        assert y.shape == (m, n // 2)
+                        torch.testing.assert_close(y.double(), ref.double(), atol=2e-3,
+                                                   rtol=4 * ulp)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_skinny_llama_shapes_cuda():
+    check_skinny("cuda", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                          (1000, 4100), (2 * 5000, 4096)],
+                 configs=(None, (16, 256, 4, 3), (32, 128, 8, 4)))
+    from radixlm.runtime.layers import triton_skinny
+
+    # the shipped configs fit the shared memory with the SiLU kernel's two weight tiles
+    for n, k in [(6144, 4096), (2 * 5000, 4096), (28672, 4096), (128256, 4096)]:
+        x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)
+        triton_skinny.matmul(x, w, config=triton_skinny.tuned_config(n, k, silu=True), silu=True)

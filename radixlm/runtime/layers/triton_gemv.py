@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.runtime.layers import triton_skinny
+
 ENABLED = os.environ.get("RADIXLM_DISABLE_TRITON_GEMV", "") in ("", "0")
 
 
@@ -120,11 +122,16 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear, through `gemv` for one row of a tuned shape (batch-1 decode), else cuBLAS."""
+    """F.linear, through `gemv` for one row of a tuned shape (batch-1 decode), through
+    triton_skinny for 2-16 rows of one (a verify's rows, a small decode batch), else cuBLAS."""
     if supports(x, weight):
         cfg = tuned_config(weight.shape[0], weight.shape[1])
         if cfg is not None:
             return gemv(x, weight, bias, config=cfg)
+    elif triton_skinny.supports(x, weight):
+        cfg = triton_skinny.tuned_config(weight.shape[0], weight.shape[1])
+        if cfg is not None:
+            return triton_skinny.matmul(x, weight, bias, config=cfg)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -159,7 +166,12 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor,
     gate_up GEMV with the SiLU-and-mul in its epilogue (one launch, no (1, 2I) intermediate).
     The roundings of gemv() then triton_ops.silu_and_mul (sums may differ in order). None when this call is not taken (more
     than one row, not CUDA, an untuned shape): the caller runs the unfused ops."""
-    if not supports(x, weight) or weight.shape[0] % 2:
+    if weight.shape[0] % 2:
+        return None
+    if triton_skinny.supports(x, weight):  # 2-16 rows
+        cfg = triton_skinny.tuned_config(weight.shape[0], weight.shape[1], silu=True)
+        return None if cfg is None else triton_skinny.matmul(x, weight, config=cfg, silu=True)
+    if not supports(x, weight):
         return None
     cfg = config or silu_config(weight.shape[0], weight.shape[1])
     return None if cfg is None else gemv_silu(x, weight, cfg)

@@ -40,8 +40,9 @@ def _defined_by(cls: type, name: str) -> type:
 
 
 def _gemv(x: torch.Tensor):
-    """layers/triton_gemv for a one-row CUDA input (batch-1 decode), None elsewhere."""
-    if not x.is_cuda or x.shape[0] != 1:
+    """layers/triton_gemv for a CUDA input of 1-16 rows (small decode batches, a verify's
+    rows; it picks the kernel by the row count and shape), None elsewhere."""
+    if not x.is_cuda or x.shape[0] > 16:
         return None
     from radixlm.runtime.layers import triton_gemv
 
