@@ -35,6 +35,7 @@ the host, not by small device ops.
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -102,21 +103,22 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     # row, row index (the logits rows); requests (2, B): pool row, seq len; then the
     # (B, K + 1) grid. (Built here rather than by device ops: each op's launch is host time a
     # verify cannot hide behind the GPU.)
-    host = torch.tensor(ids + positions + [pool[b] for b in row_b] + [p + 1 for p in positions]
-                        + row_b + row_j + nxt + [running_rows[b] for b in row_b] + list(range(R))
-                        + pool
-                        + [n + e for n, e in zip(kv_lens, ext)]
-                        + list(itertools.chain.from_iterable(grid)), dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
+    # ... and last (R,) each row's flat index into req_to_token (its pool row, its position)
+    width = req_pool.req_to_token.shape[1]
+    flat = _STAGING.staging.to_device(
+        ids + positions + [pool[b] for b in row_b] + [p + 1 for p in positions] + row_b + row_j
+        + nxt + [running_rows[b] for b in row_b] + list(range(R)) + pool
+        + [n + e for n, e in zip(kv_lens, ext)] + list(itertools.chain.from_iterable(grid))
+        + [pool[b] * width + p for b, p in zip(row_b, positions)], device)
     rows, reqs_part = flat[: 9 * R].view(9, R), flat[9 * R : 9 * R + 2 * B].view(2, B)
     row = rows.unbind(0)  # (one op for the nine views)
     dev = {"row_b": row[4], "row_j": row[5], "draft": row[6], "info_row": row[7],
-           "grid": flat[9 * R + 2 * B :].view(B, K + 1)}
+           "grid": flat[9 * R + 2 * B : -R].view(B, K + 1)}
     if device_drafts is not None:
         _take_device_drafts(device_drafts, rows, dev)
-    req_pool.req_to_token[row[2], row[1]] = slots
+    # req_to_token[row[2], row[1]] = slots as one index_copy_ (advanced-index assignment cost
+    # ~3x its host time on a GPU, and this path's host time is the verify's idle GPU)
+    req_pool.req_to_token.view(-1).index_copy_(0, flat[-R:], slots)
     seq_lens = [n + e for n, e in zip(kv_lens, ext)]
     if as_decode:
         fb = ForwardBatch(
@@ -138,6 +140,42 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
         num_decode_tail=sum(1 for d in drafts if not d),
     )
     return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
+
+
+class _HostStaging:
+    """Python ints -> an int64 device tensor in one copy. On CUDA through a pinned buffer kept
+    across calls (pinning a fresh tensor each step cost ~30 us of host time on an H200's host);
+    before refilling it, the copy that last read it must have completed."""
+
+    def __init__(self):
+        self._pinned: Optional[torch.Tensor] = None
+        self._done: Optional[torch.cuda.Event] = None
+
+    def to_device(self, values: list[int], device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return torch.tensor(values, dtype=torch.int64, device=device)
+        n = len(values)
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 2 * (0 if self._pinned is None else
+                                                   self._pinned.numel()), 4096),
+                                       dtype=torch.int64).pin_memory()
+            self._host = self._pinned.numpy()
+            self._done = None
+        elif self._done is not None:
+            self._done.synchronize()
+        self._host[:n] = values
+        out = self._pinned[:n].to(device, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(device))
+        return out
+
+
+class _PerThread(threading.local):  # one staging buffer per scheduler thread (engine)
+    def __init__(self):
+        self.staging = _HostStaging()
+
+
+_STAGING = _PerThread()
 
 
 def _take_device_drafts(drafts: torch.Tensor, rows: torch.Tensor, dev: dict) -> None:
