@@ -6,7 +6,9 @@ parts: test_speculative_adaptive.py)."""
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import random
 
 import pytest
 import torch
@@ -227,3 +229,41 @@ def test_a_lazily_built_index_equals_the_eager_one():
         idx.sync(out, 0)
     assert (lazy.tokens, lazy.table, lazy.suffix) == (eager.tokens, eager.table, eager.suffix)
     assert propose(lazy, shared, 5) == propose(eager, shared, 5)
+
+
+def test_ngram_tables_built_in_numpy_equal_the_token_by_token_ones(monkeypatch):
+    from radixlm.runtime.speculative import ngram
+    from radixlm.runtime.speculative.ngram import roll
+
+    def shared_reference(table, tokens, start, lo, hi, k):  # SharedIndex.add, a token at a time
+        suffix = suffix_hashes(tokens[:start], hi)
+        for i in range(start, len(tokens)):
+            for n in range(lo, len(suffix) + 1):
+                table[suffix[n - 1]] = tuple(tokens[i : i + k])
+                table.move_to_end(suffix[n - 1])
+            suffix = roll(suffix, tokens[i], hi)
+
+    rng = random.Random(0)
+    for _ in range(60):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 7)
+        vocab = rng.choice([3, 50000])
+        parts = [[rng.randrange(vocab) for _ in range(rng.choice([0, 1, 5, 63, 64, 65, 300]))]
+                 for _ in range(3)]
+        vector = OwnIndex([], lo, hi)
+        monkeypatch.setattr(ngram, "VECTOR_MIN", 10 ** 9)
+        scalar = OwnIndex([], lo, hi)
+        for part in parts:  # (a prompt, then outputs appended in chunks)
+            monkeypatch.setattr(ngram, "VECTOR_MIN", 10 ** 9)
+            scalar.extend(part)
+            monkeypatch.undo()
+            vector.extend(part)
+            assert (vector.tokens, vector.table, vector.suffix) == (
+                scalar.tokens, scalar.table, scalar.suffix)
+        tokens = [t for p in parts for t in p]
+        start = rng.randint(0, len(tokens))
+        shared = SharedIndex(lo, hi, 4, capacity=10 ** 6)
+        shared.add(tokens, start)
+        ref = collections.OrderedDict()
+        shared_reference(ref, tokens, start, lo, hi, 4)
+        assert list(shared.table.items()) == list(ref.items())  # the LRU order too

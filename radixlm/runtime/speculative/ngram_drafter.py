@@ -20,7 +20,7 @@ from radixlm.runtime.speculative.shadow import ShadowDrafts
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
 
-LOOKUP_BUILD = 256  # prompt tokens a lookup indexes (~0.8 ms) before it gives up for the step
+LOOKUP_BUILD = 256  # prompt tokens a lookup indexes (~0.2 ms) before it gives up for the step
 IDLE_BUDGET_S = 0.0015  # host time `idle_work` spends per overlapped step
 MAX_PENDING_FINISHED = 256  # finished outputs waiting for the shared table (oldest dropped)
 
