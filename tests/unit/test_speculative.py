@@ -213,3 +213,29 @@ def test_bf16_drafts_give_plain_tokens_bit_for_bit(make_engine, integrity):
     assert len(plain.tokenizer.encode(long_prompt)) > 3641
     integrity(plain)
     integrity(spec)
+
+
+def test_bf16_batches_past_the_gguf_kernels_row_limit_stay_exact(make_engine, integrity):
+    """Past DIRECT_MAX_M running requests a GGUF model's plain step already multiplies by
+    another kernel (the dense rows' GEMM, whose sums depend on the row count): a verify's extra
+    rows there changed 4 of 32 batch-32 outputs. Such steps run plain (no lookups); drafting
+    resumes as the batch drains below the limit. Every logprob equals plain decoding's."""
+    from radixlm.runtime.layers import quantized_linear
+
+    n = quantized_linear.DIRECT_MAX_M + 4
+    prompts = [f"{i}. " + [LIST, CODE, DOC][i % 3] for i in range(n)]
+    kw = dict(dtype="bfloat16", max_running_requests=n)
+    plain = make_engine(**kw)
+    if not plain.runner.keep_quantized:
+        pytest.skip("the row limit is the GGUF kernels' direct path's; this CPU dequantizes")
+    spec = make_engine(speculative_algorithm="NGRAM", speculative_adaptive=False,
+                       speculative_num_draft_tokens=6, **kw)
+    params = [_params(max_new_tokens=12 + 3 * (i % 8)) for i in range(n)]  # the batch drains
+    a = plain.generate(prompts, params, return_logprob=True)
+    b = spec.generate(prompts, params, return_logprob=True)
+    assert [r["output_ids"] for r in a] == [r["output_ids"] for r in b]
+    assert ([r["meta_info"]["output_token_logprobs"] for r in a]
+            == [r["meta_info"]["output_token_logprobs"] for r in b])
+    assert spec.get_stats()["spec_draft_tokens"] > 0  # (below the limit)
+    integrity(plain)
+    integrity(spec)

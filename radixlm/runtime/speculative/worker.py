@@ -65,8 +65,16 @@ class Speculator:
             if self._decided == key - 1 and not self._wants and self._batch == len(sched.running):
                 self.policy.observe_fast(self._batch, now - self._decided_at)  # a skipped step
             self._decided, self._decided_at, self._batch = key, now, len(sched.running)
-            self._wants = self.policy.wants_verify(
-                [r.spec_draft and r.spec_draft.record for r in sched.running])
+            cap = sched.runner.row_invariant_max
+            if cap is not None and len(sched.running) >= cap:
+                # the plain step already takes the most rows whose arithmetic is each row's
+                # alone (GGUF blocks): a verify's extra rows would go to another kernel (the
+                # dense rows' GEMM, whose sums depend on the row count) and change tokens.
+                # No verify, so no lookups either
+                self._wants = False
+            else:
+                self._wants = self.policy.wants_verify(
+                    [r.spec_draft and r.spec_draft.record for r in sched.running])
         return self._wants
 
     def step(self, sched) -> list[Req]:
