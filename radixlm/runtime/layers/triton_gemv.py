@@ -164,8 +164,9 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor,
                  config: Optional[tuple[int, int, int, int]] = None) -> Optional[torch.Tensor]:
     """silu(x @ W_gate^T) * (x @ W_up^T) for one row, W = [gate | up] (2I, K) -> (1, I): the
     gate_up GEMV with the SiLU-and-mul in its epilogue (one launch, no (1, 2I) intermediate).
-    The roundings of gemv() then triton_ops.silu_and_mul (sums may differ in order). None when this call is not taken (more
-    than one row, not CUDA, an untuned shape): the caller runs the unfused ops."""
+    The roundings of gemv() then triton_ops.silu_and_mul (sums may differ in order). 2-16 rows
+    go to triton_skinny's fused kernel. None when this call is not taken (more than 16 rows,
+    not CUDA, an untuned shape): the caller runs the unfused ops."""
     if weight.shape[0] % 2:
         return None
     if triton_skinny.supports(x, weight):  # 2-16 rows

@@ -50,9 +50,10 @@ def _gemv(x: torch.Tensor):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row CUDA calls go through layers/triton_gemv.linear: batch-1 decode
-    streams every weight once per token, and for the shapes tuned there the Triton GEMV streams
-    faster than cuBLAS's M=1 kernels (untuned shapes still run cuBLAS)."""
+    """nn.Linear whose CUDA calls of 1-16 rows go through layers/triton_gemv.linear: a small
+    batch streams every weight once per step, and for the shapes tuned there the Triton GEMV (one
+    row) and few-row kernel (layers/triton_skinny) stream faster than cuBLAS (untuned shapes
+    still run cuBLAS)."""
 
     def reset_parameters(self) -> None:
         # as Embedding's below: kaiming_uniform_ on meta runs torch's Python decompositions

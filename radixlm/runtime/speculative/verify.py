@@ -116,8 +116,9 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
            "grid": flat[9 * R + 2 * B : -R].view(B, K + 1)}
     if device_drafts is not None:
         _take_device_drafts(device_drafts, rows, dev)
-    # req_to_token[row[2], row[1]] = slots as one index_copy_ (advanced-index assignment cost
-    # ~3x its host time on a GPU, and this path's host time is the verify's idle GPU)
+    # req_to_token[row[2], row[1]] = slots as one index_copy_ at host-computed flat indices
+    # (the advanced-index assignment runs index_put_'s broadcasting and checks: host time,
+    # which on this path the GPU waits through)
     req_pool.req_to_token.view(-1).index_copy_(0, flat[-R:], slots)
     seq_lens = [n + e for n, e in zip(kv_lens, ext)]
     if as_decode:
@@ -144,7 +145,8 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
 
 class _HostStaging:
     """Python ints -> an int64 device tensor in one copy. On CUDA through a pinned buffer kept
-    across calls (pinning a fresh tensor each step cost ~30 us of host time on an H200's host);
+    across calls (pinning a fresh tensor each step took ~30 us of host time on an H200's host,
+    cProfile);
     before refilling it, the copy that last read it must have completed."""
 
     def __init__(self):
