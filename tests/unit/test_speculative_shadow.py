@@ -61,7 +61,7 @@ def _speculator(running: list) -> tuple:
     sched = SimpleNamespace(device=SimpleNamespace(type="cuda"), running=running,
                             args=SimpleNamespace(disable_overlap_schedule=False),
                             stats={"forward_steps": 0}, context_len=1 << 20,
-                            runner=SimpleNamespace(graph_runner=None))
+                            runner=SimpleNamespace(graph_runner=None, row_invariant_max=None))
     cfg = SpecConfig("NGRAM", MAX_DRAFT, True, 1, 6, 65536)
     return ngram_drafter.NgramSpeculator(cfg, sched), sched
 
