@@ -270,10 +270,16 @@ def test_refusals_name_the_flag(paths):
                        **SPEC, **KW)
     for kw, name in ((dict(), "speculative_draft_model_path"),
                      (dict(speculative_draft_model_path="x", speculative_eagle_topk=4),
-                      "speculative_eagle_topk"),
-                     (dict(speculative_draft_model_path="x", tp_size=2), "tp_size")):
+                      "speculative_eagle_topk")):
         with pytest.raises(ValueError, match=name):
             spec_config.resolve(ServerArgs(speculative_algorithm="STANDALONE", **kw))
+    # a draft model under TP runs whole on rank 0 (test_tensor_parallel_engine.py); an EAGLE-3
+    # head, which reads the target's vocabulary-split embedding, is refused
+    spec_config.resolve(ServerArgs(speculative_algorithm="STANDALONE",
+                                   speculative_draft_model_path="x", tp_size=2))
+    with pytest.raises(ValueError, match="tp_size"):
+        spec_config.resolve(ServerArgs(speculative_algorithm="EAGLE3",
+                                       speculative_draft_model_path="x", tp_size=2))
     cfg = spec_config.resolve(ServerArgs(speculative_algorithm="standalone",
                                          speculative_draft_model_path="x"))
     assert (cfg.algorithm, cfg.max_draft, cfg.draft_model_path) == ("STANDALONE", 3, "x")

@@ -92,6 +92,28 @@ def test_engine_tp2_ngram_matches_tp1(tiny_chat_path, tp1_outputs, before):
     assert _tp_children(before) == []
 
 
+def test_engine_tp2_standalone_matches_tp1(tiny_chat_path, tp1_outputs, before):
+    """A draft model under TP=2 (the model as its own draft: every draft accepted): the draft
+    runs whole on rank 0, the verifies reach the worker as any batch does."""
+    engine = Engine(tp_size=2, model_path=tiny_chat_path, speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=tiny_chat_path, speculative_adaptive=False,
+                    speculative_num_draft_tokens=4, **ARGS)
+    assert engine.scheduler.spec.runner.tp.size == 1  # the draft: unsharded, on this rank
+    assert engine.runner.tp.size == 2
+    stats = {}
+    real_shutdown = engine.shutdown
+
+    def shutdown():
+        stats.update(engine.get_stats())
+        real_shutdown()
+
+    engine.shutdown = shutdown
+    assert _run(engine) == tp1_outputs
+    assert stats["spec_verify_steps"] > 0
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
+    assert _tp_children(before) == []
+
+
 def test_engine_tp2_two_nodes(tiny_chat_path, tp1_outputs, before):
     """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does)."""
     addr = f"127.0.0.1:{free_port()}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from typing import Optional
 
 import torch
 
@@ -59,7 +60,9 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, tp: Optional[parallel_state.TPGroup] = None):
+        """`tp`: the group this runner's model is sharded over (default: the process's, which
+        init_distributed set up); a draft model on rank 0 alone passes parallel_state.SINGLE."""
         self.args = args
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":  # reuse freed activation blocks (see cpu_malloc)
@@ -78,7 +81,7 @@ class ModelRunner:
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.model_cls = registry.model_class(cfg, self.context_len)  # refuses what it cannot run
         # tensor parallelism: the caller (a rank's process) joined the group first
-        self.tp = parallel_state.get_tp_group()
+        self.tp = parallel_state.get_tp_group() if tp is None else tp
         if args.tp_size != self.tp.size:
             raise ValueError(f"tp_size={args.tp_size} but this process is rank {self.tp.rank} of "
                              f"a TP group of {self.tp.size}: call parallel_state.init_distributed "

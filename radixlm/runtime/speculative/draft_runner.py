@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from radixlm.runtime.distributed import parallel_state
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative.adaptive import Acceptance
@@ -54,13 +55,17 @@ def build_draft_runner(args, target: ModelRunner, max_draft: int) -> ModelRunner
                          f"({target.model_config.vocab_size}); a draft must share the target's "
                          "tokenizer")
     capacity = pool_tokens(target.capacity, args, max_draft)
+    # under tensor parallelism too the draft is whole and runs on rank 0 alone, the scheduler's
+    # rank: its forwards are not sent to the other ranks, which only run the target's batches
+    # (the verify's among them). Every rank's budget set the draft's share aside
+    # (ModelRunner._draft_share), so the target's pools still hold the same slots.
     draft_args = args.replace(model_path=path, load_format=draft_load_format(args),
-                              tokenizer_path=None,
+                              tokenizer_path=None, tp_size=1, nnodes=1, node_rank=0,
                               max_total_tokens=capacity, context_length=target.context_len,
                               speculative_algorithm=None, speculative_draft_model_path=None,
                               speculative_num_steps=None, speculative_num_draft_tokens=None,
                               speculative_eagle_topk=None)
-    return ModelRunner(draft_args)
+    return ModelRunner(draft_args, tp=parallel_state.SINGLE)
 
 
 class DraftKV:
