@@ -18,7 +18,9 @@ from server_harness import http, ServerProcess, start_server, stop_and_check
 
 API_KEY = "sk-e2e-" + "5ecret" * 4
 MAX_RUNNING, MAX_QUEUED = 2, 2
-QUEUE_TOKENS = 40
+# long enough that no admitted request finishes between the last arrival and the refusals: at 40
+# a busy full-suite run once saw the first pair done by then, and the 5th request was admitted
+QUEUE_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
