@@ -94,8 +94,9 @@ def test_flags_refuse_what_is_not_built():
     from radixlm.runtime.config import ServerArgs
     from radixlm.runtime.speculative import spec_config
 
+    # (tp_size > 1 is built: the head runs on rank 0, test_tensor_parallel_engine.py)
     for extra, name in ((dict(speculative_eagle_topk=4), "speculative_eagle_topk"),
-                        (dict(tp_size=2), "tp_size"), (dict(), "speculative_draft_model_path")):
+                        (dict(), "speculative_draft_model_path")):
         args = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="x", **extra)
         if not extra:
             args.pop("speculative_draft_model_path")

@@ -114,6 +114,30 @@ def test_engine_tp2_standalone_matches_tp1(tiny_chat_path, tp1_outputs, before):
     assert _tp_children(before) == []
 
 
+def test_engine_tp2_eagle3_matches_tp1(tiny_chat_path, tp1_outputs, before, tmp_path):
+    """An EAGLE-3 head (random) under TP=2: it runs on rank 0 with the target's whole embedding
+    (the target's own is split by vocabulary there) and the layers' hidden states."""
+    from tiny_models import write_tiny_eagle3
+
+    head = write_tiny_eagle3(str(tmp_path / "head"), vocab=49152, hidden=96,
+                             aux_layers=(0, 1, 1))
+    engine = Engine(tp_size=2, model_path=tiny_chat_path, speculative_algorithm="EAGLE3",
+                    speculative_draft_model_path=head, speculative_adaptive=False, **ARGS)
+    assert engine.runner.whole_embedding.shape == (49152, 96)
+    assert engine.runner.model.embed_tokens.weight.shape[0] < 49152  # the rank's shard
+    stats = {}
+    real_shutdown = engine.shutdown
+
+    def shutdown():
+        stats.update(engine.get_stats())
+        real_shutdown()
+
+    engine.shutdown = shutdown
+    assert _run(engine) == tp1_outputs
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+    assert _tp_children(before) == []
+
+
 def test_engine_tp2_two_nodes(tiny_chat_path, tp1_outputs, before):
     """--nnodes 2: node 1's rank started by run_node (as launch_server --node-rank 1 does)."""
     addr = f"127.0.0.1:{free_port()}"

@@ -122,6 +122,9 @@ class ModelRunner:
         key = (self.model_path, self.load_format, self.dtype, str(self.device), args.seed,
                self.fp32_gemm, self.keep_quantized, self.gguf_dense_rows, self.fp8,
                self.int4, self.cpu_packed)
+        # the whole (vocab, hidden) embedding where the model holds a vocabulary shard of it and
+        # an EAGLE-3 head on this rank needs all of it (_load_model); None elsewhere
+        self.whole_embedding: Optional[torch.Tensor] = None
         if self.tp.size > 1:  # never shared: a shard's layers hold this engine's TP group
             self.model = self._load_model(cfg, args.seed)
         else:
@@ -216,6 +219,11 @@ class ModelRunner:
             model.eval().requires_grad_(False)
             if self.fp32_gemm:
                 cpu_linear.convert_model(model)
+            # an EAGLE-3 head (on rank 0, the scheduler's) embeds its inputs with the target's
+            # table, which sharding splits by vocabulary: rank 0 keeps the whole one too
+            if (self.tp.size > 1 and self.tp.rank == 0
+                    and str(self.args.speculative_algorithm).upper() == "EAGLE3"):
+                self.whole_embedding = model.embed_tokens.weight
             # after loading the whole checkpoint, keep this rank's piece (distributed/sharding)
             sharding.shard_model(model, self.tp)
             if self.args.enable_two_batch_overlap:  # raises where it cannot run

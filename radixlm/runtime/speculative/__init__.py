@@ -38,8 +38,8 @@ Invariants (tested in tests/unit/test_speculative*.py): greedy output equals pla
 capacity (the rejected drafts' slots are freed in the step that computed them), and for a draft
 model's own pool free + held by running requests == capacity; grammar, stop strings/regex,
 logprobs and abort see exactly the tokens kept.
-Not yet: draft trees (top-k > 1), an EAGLE-3 head under tensor parallelism (a STANDALONE
-draft model runs whole on rank 0), overlap of a verifying step (only skipped steps overlap).
+Not yet: draft trees (top-k > 1), overlap of a verifying step (only skipped steps overlap).
+Under tensor parallelism a draft model or an EAGLE-3 head runs whole on rank 0.
 
 `create(args, sched)` returns the scheduler's speculator, or None when speculation is off.
 """

@@ -24,8 +24,10 @@ One step of drafting, batched over the running requests:
 q_j: the head's logits placed into the target vocabulary (column d + d2t[d]; 0 probability
 elsewhere) and processed like the target's p (rejection.sample_draft); chains are cut by
 grammars and stop tokens as for a draft model (standalone.py's `_collect`).
-Not built: draft trees (--speculative-eagle-topk > 1), the head under tensor parallelism,
-targets whose forward is not llama.py's (Gemma, LLaVA).
+Under tensor parallelism the head runs on rank 0 with the target's whole embedding (kept there
+by ModelRunner) and the target's hidden states, which every rank holds whole.
+Not built: draft trees (--speculative-eagle-topk > 1), targets whose forward is not llama.py's
+(Gemma, LLaVA).
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ class Eagle3Speculator(StandaloneSpeculator):
                              f"{type(runner.model).__name__} does not expose its layers' hidden "
                              "states (Llama-family targets do)")
         e = eagle3_config.resolve(args, runner.model_config)
+        embed = (runner.whole_embedding if runner.whole_embedding is not None  # (under TP)
+                 else runner.model.embed_tokens.weight)
         self.head = build_head(e, cfg.draft_model_path, eagle3_config.load_format(args),
-                               runner.model, runner.dtype, runner.device, runner.context_len,
-                               args.seed)
+                               embed, runner.dtype, runner.device, runner.context_len, args.seed)
         c = e.model
         self.pool = KVPool(runner.capacity, 1, c.num_kv_heads, c.head_dim, runner.dtype,
                            runner.device)

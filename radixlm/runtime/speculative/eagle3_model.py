@@ -182,10 +182,10 @@ def _check(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return t
 
 
-def build_head(e: Eagle3Config, path: str, fmt: str, target_model, dtype: torch.dtype,
+def build_head(e: Eagle3Config, path: str, fmt: str, embed: torch.Tensor, dtype: torch.dtype,
                device: torch.device, max_positions: int, seed: int) -> Eagle3Head:
     """The head on `device` in `dtype`, its weights from `path` (or random with fmt dummy), its
-    embedding the target model's."""
+    embedding `embed` (vocab, hidden): the target model's whole table."""
     from radixlm.runtime.models import loader
 
     with torch.device("meta"):
@@ -200,7 +200,6 @@ def build_head(e: Eagle3Config, path: str, fmt: str, target_model, dtype: torch.
     else:
         head.load_weights(loader.iter_weights(path, fmt, dtype), vocab, hidden)
     head.eval().requires_grad_(False)
-    embed = target_model.embed_tokens.weight
     if tuple(embed.shape) != (vocab, hidden):
         raise ValueError(f"speculative_draft_model_path: the target's embedding "
                          f"{tuple(embed.shape)} cannot serve the head (vocab {vocab}, hidden "

@@ -67,11 +67,6 @@ def resolve(args) -> Optional[SpecConfig]:
             raise ValueError(f"speculative_draft_model_path: {algo} needs a draft model (" + (
                 "a smaller model with the target's tokenizer and vocabulary)" if algo ==
                 "STANDALONE" else "an EAGLE-3 head trained for the target)"))
-        if args.tp_size != 1 and algo == "EAGLE3":
-            raise ValueError(f"tp_size={args.tp_size}: the EAGLE3 head reads the target's "
-                             "embedding, which tensor parallelism splits by vocabulary; an "
-                             "EAGLE3 head under tensor parallelism is not built yet (STANDALONE "
-                             "is: its draft model runs whole on rank 0)")
     if args.speculative_eagle_topk not in (None, 1):
         raise ValueError(f"speculative_eagle_topk={args.speculative_eagle_topk}: only 1 (a draft "
                          "chain) is built; draft trees need a tree attention mask")
