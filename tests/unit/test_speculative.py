@@ -215,11 +215,14 @@ def test_bf16_drafts_give_plain_tokens_bit_for_bit(make_engine, integrity):
     integrity(spec)
 
 
-def test_bf16_batches_past_the_gguf_kernels_row_limit_stay_exact(make_engine, integrity):
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
+def test_bf16_batches_past_the_gguf_kernels_row_limit_stay_exact(algo, make_engine, integrity,
+                                                                  tmp_path):
     """Past DIRECT_MAX_M running requests a GGUF model's plain step already multiplies by
     another kernel (the dense rows' GEMM, whose sums depend on the row count): a verify's extra
-    rows there changed 4 of 32 batch-32 outputs. Such steps run plain (no lookups); drafting
-    resumes as the batch drains below the limit. Every logprob equals plain decoding's."""
+    rows there changed 4 of 32 batch-32 outputs. Such steps draft nothing (NGRAM: no lookups;
+    EAGLE3, which verifies every step, verifies the last tokens alone); drafting resumes as the
+    batch drains below the limit. Every logprob equals plain decoding's."""
     from radixlm.runtime.layers import quantized_linear
 
     n = quantized_linear.DIRECT_MAX_M + 4
@@ -228,7 +231,13 @@ def test_bf16_batches_past_the_gguf_kernels_row_limit_stay_exact(make_engine, in
     plain = make_engine(**kw)
     if not plain.runner.keep_quantized:
         pytest.skip("the row limit is the GGUF kernels' direct path's; this CPU dequantizes")
-    spec = make_engine(speculative_algorithm="NGRAM", speculative_adaptive=False,
+    if algo == "EAGLE3":  # a random head for the bundled SmolLM2 (576 wide, 30 layers)
+        from tiny_models import write_tiny_eagle3
+
+        head = write_tiny_eagle3(str(tmp_path / "head"), vocab=49152, hidden=576, heads=9,
+                                 kv_heads=3, inter=256, draft_vocab=4096, aux_layers=(1, 14, 26))
+        kw["speculative_draft_model_path"] = head
+    spec = make_engine(speculative_algorithm=algo, speculative_adaptive=False,
                        speculative_num_draft_tokens=6, **kw)
     params = [_params(max_new_tokens=12 + 3 * (i % 8)) for i in range(n)]  # the batch drains
     a = plain.generate(prompts, params, return_logprob=True)

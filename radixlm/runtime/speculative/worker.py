@@ -258,9 +258,14 @@ def draft_room(req: Req, max_draft: int, context_len: int) -> int:
 
 def verify_rows(sched):
     """The most tokens a verify may compute: the decode graphs' rows where there are graphs (a
-    verify past them runs eagerly: 10x a plain step at batch 64 on an H200), else no limit."""
+    verify past them runs eagerly: 10x a plain step at batch 64 on an H200), and at most the
+    rows whose arithmetic is each row's alone (a GGUF model's direct kernel on the CPU:
+    `runner.row_invariant_max`); else no limit. A batch already at that many requests drafts
+    nothing."""
     graphs = sched.runner.graph_runner
-    return graphs.max_bs if graphs is not None else None
+    limits = [n for n in (graphs.max_bs if graphs is not None else None,
+                          sched.runner.row_invariant_max) if n is not None]
+    return min(limits) if limits else None
 
 
 def _append(sched, req: Req, tokens: list[int], kv_len: int, logprobs, first_row: int):
