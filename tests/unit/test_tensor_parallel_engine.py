@@ -61,6 +61,19 @@ def _run(engine: Engine) -> list[list[int]]:
         engine.shutdown()
 
 
+def _run_with_stats(engine: Engine) -> tuple[list[list[int]], dict]:
+    """_run's outputs and the engine's counters, read before _run shuts it down."""
+    stats = {}
+    real_shutdown = engine.shutdown
+
+    def shutdown():
+        stats.update(engine.get_stats())
+        real_shutdown()
+
+    engine.shutdown = shutdown
+    return _run(engine), stats
+
+
 @pytest.fixture(scope="module")
 def tp1_outputs(tiny_chat_path):
     return _run(Engine(model_path=tiny_chat_path, **ARGS))
@@ -79,15 +92,8 @@ def test_engine_tp2_ngram_matches_tp1(tiny_chat_path, tp1_outputs, before):
     rows of one request sharing its req_to_token row) reach the worker as any batch does."""
     engine = Engine(tp_size=2, model_path=tiny_chat_path, speculative_algorithm="NGRAM",
                     speculative_adaptive=False, **ARGS)
-    stats = {}
-    real_shutdown = engine.shutdown
-
-    def shutdown():  # (_run shuts the engine down: read its counters first)
-        stats.update(engine.get_stats())
-        real_shutdown()
-
-    engine.shutdown = shutdown
-    assert _run(engine) == tp1_outputs
+    outputs, stats = _run_with_stats(engine)
+    assert outputs == tp1_outputs
     assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
     assert _tp_children(before) == []
 
@@ -100,15 +106,8 @@ def test_engine_tp2_standalone_matches_tp1(tiny_chat_path, tp1_outputs, before):
                     speculative_num_draft_tokens=4, **ARGS)
     assert engine.scheduler.spec.runner.tp.size == 1  # the draft: unsharded, on this rank
     assert engine.runner.tp.size == 2
-    stats = {}
-    real_shutdown = engine.shutdown
-
-    def shutdown():
-        stats.update(engine.get_stats())
-        real_shutdown()
-
-    engine.shutdown = shutdown
-    assert _run(engine) == tp1_outputs
+    outputs, stats = _run_with_stats(engine)
+    assert outputs == tp1_outputs
     assert stats["spec_verify_steps"] > 0
     assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
     assert _tp_children(before) == []
@@ -125,15 +124,8 @@ def test_engine_tp2_eagle3_matches_tp1(tiny_chat_path, tp1_outputs, before, tmp_
                     speculative_draft_model_path=head, speculative_adaptive=False, **ARGS)
     assert engine.runner.whole_embedding.shape == (49152, 96)
     assert engine.runner.model.embed_tokens.weight.shape[0] < 49152  # the rank's shard
-    stats = {}
-    real_shutdown = engine.shutdown
-
-    def shutdown():
-        stats.update(engine.get_stats())
-        real_shutdown()
-
-    engine.shutdown = shutdown
-    assert _run(engine) == tp1_outputs
+    outputs, stats = _run_with_stats(engine)
+    assert outputs == tp1_outputs
     assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
     assert _tp_children(before) == []
 
