@@ -87,9 +87,9 @@ class Speculator:
             if not reqs:
                 return []
         tokens = len(reqs) + sum(len(d) for d in drafts)
+        # every drafter chose within verify_rows (the plain step's arithmetic: see there)
         cap = sched.runner.row_invariant_max
-        if cap is not None and len(reqs) <= cap < tokens:  # the plain step's arithmetic
-            drafts, tokens = _trim_drafts(drafts, cap - len(reqs)), cap
+        assert cap is None or tokens <= max(cap, len(reqs)), (tokens, cap)
         if tokens > len(reqs) and sched.allocator.available_size() < tokens:
             # never evict cached prefixes for guesses
             drafts, tokens = [[] for _ in reqs], len(reqs)
@@ -281,11 +281,3 @@ def _append(sched, req: Req, tokens: list[int], kv_len: int, logprobs, first_row
             return j + 1, False
     return len(tokens), True
 
-
-def _trim_drafts(drafts: list[list[int]], keep: int) -> list[list[int]]:
-    """The drafts cut to `keep` tokens in all, the longest ones shortened first (a chain keeps
-    its head: later tokens are the less likely accepted)."""
-    lens = [len(d) for d in drafts]
-    while sum(lens) > keep:
-        lens[lens.index(max(lens))] -= 1
-    return [d[:n] for d, n in zip(drafts, lens)]
