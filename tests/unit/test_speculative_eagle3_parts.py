@@ -95,7 +95,8 @@ def test_flags_refuse_what_is_not_built():
     from radixlm.runtime.speculative import spec_config
 
     # (tp_size > 1 is built: the head runs on rank 0, test_tensor_parallel_engine.py)
-    for extra, name in ((dict(speculative_eagle_topk=4), "speculative_eagle_topk"),
+    # (top-k > 1, draft trees, is built: test_speculative_tree.py)
+    for extra, name in ((dict(speculative_eagle_topk=17), "speculative_eagle_topk"),
                         (dict(), "speculative_draft_model_path")):
         args = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="x", **extra)
         if not extra:

@@ -72,6 +72,35 @@ class RefHead:
             pos = torch.cat([pos, pos[-1:] + 1])
         return out
 
+    def tree(self, seq: list[int], aux: torch.Tensor, topk: int, depth: int, nodes: int):
+        """The draft tree after `seq`: level 1 the head's top-k after it; each level below,
+        every one of the top-k paths so far (by summed log-probability) runs its own rows
+        (its path appended to seq's) and proposes its top-k children; then the best `nodes`."""
+        from radixlm.runtime.speculative.tree import select_tree
+
+        n = len(seq) - 1
+        toks, g, pos = torch.tensor(seq[1:]), aux[:n] @ self.w["fc.weight"].T, torch.arange(n)
+        cands = ([], [], [], [])  # scores, tokens, parents, depths
+
+        def expand(path_toks, path_g, score, parent, level):
+            k = len(path_toks)
+            normed, pre = self.rows(torch.cat([toks, torch.tensor(path_toks, dtype=torch.long)]),
+                                    torch.cat([g] + path_g), torch.arange(n + k))
+            lp = torch.log_softmax(normed[-1] @ self.w["lm_head.weight"].T, -1).topk(topk)
+            kids = []
+            for v, i in zip(lp.values.tolist(), lp.indices.tolist()):
+                c = len(cands[0])
+                for lst, x in zip(cands, (score + v, int(self.hot[i]), parent, level)):
+                    lst.append(x)
+                kids.append((score + v, c, path_toks + [int(self.hot[i])], path_g + [pre[-1:]]))
+            return kids
+
+        beams = expand([], [], 0.0, -1, 1)
+        for level in range(2, depth + 1):
+            kids = [k for s, c, t, pg in beams for k in expand(t, pg, s, c, level)]
+            beams = sorted(kids, key=lambda k: -k[0])[:topk]
+        return select_tree(*cands, nodes, depth)
+
 
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])
 def test_drafts_equal_a_reference_head(backend, tmp_path, monkeypatch, integrity):
@@ -129,6 +158,65 @@ def test_drafts_equal_a_reference_head(backend, tmp_path, monkeypatch, integrity
     for rid, seq, drafts in seen:
         assert full[rid][: len(seq)] == seq
         assert ref.chain(seq, aux[rid], len(drafts)) == drafts, (rid, len(seq))
+
+
+def test_draft_trees_equal_a_reference_head(tmp_path, monkeypatch, integrity):
+    """Top-k 3, 3 steps, 16 tokens: every tree the engine drafts (its beams' rows in scratch
+    rows of req_to_token, prefill chunks of 16, verifies of earlier trees) equals the
+    reference's beam search over the same head."""
+    import radixlm
+    from radixlm.runtime.speculative import eagle3
+    from radixlm.runtime.speculative.tree import DraftTree
+    from safetensors.torch import load_file, save_file
+    from tiny_models import write_tiny_eagle3, write_tiny_llama
+    from transformers import LlamaForCausalLM
+
+    target = write_tiny_llama(str(tmp_path / "t"), vocab=V, heads=4, kv_heads=2, tied=False,
+                              layers=4)
+    head = write_tiny_eagle3(str(tmp_path / "h"), vocab=V, draft_vocab=DV, seed=3)
+    # sharper attention and a larger attention output, so that which path a row attends to
+    # changes its top-k (with the random 0.08-scaled weights it hardly does)
+    w = load_file(os.path.join(head, "model.safetensors"))
+    for name, scale in (("q_proj", 6.0), ("k_proj", 6.0), ("v_proj", 4.0), ("o_proj", 4.0)):
+        w[f"midlayer.self_attn.{name}.weight"] *= scale
+    save_file(w, os.path.join(head, "model.safetensors"))
+    seen = []  # (request, tokens so far, its tree)
+    orig_draft = eagle3.Eagle3Speculator.draft
+
+    def draft(self, sched, reqs):
+        out = orig_draft(self, sched, reqs)
+        seen.extend((r.rid, r.vocab_input_ids() + list(r.output_ids), d)
+                    for r, d in zip(reqs, out) if isinstance(d, DraftTree))
+        return out
+
+    monkeypatch.setattr(eagle3.Eagle3Speculator, "draft", draft)
+    eng = radixlm.Engine(model_path=target, speculative_algorithm="EAGLE3",
+                         speculative_draft_model_path=head, speculative_adaptive=False,
+                         speculative_eagle_topk=3, speculative_num_steps=3,
+                         speculative_num_draft_tokens=16, chunked_prefill_size=16,
+                         skip_tokenizer_init=True, max_total_tokens=2048, context_length=512,
+                         dtype="float32")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (50, 7, 20)]
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params={
+            "temperature": 0, "max_new_tokens": 16, "ignore_eos": True}, rid=["a", "b", "c"])
+        integrity(eng)
+    finally:
+        eng.shutdown()
+    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ref = RefHead(load_file(os.path.join(head, "model.safetensors")),
+                  hf.model.embed_tokens.weight.detach())
+    full = {rid: p + o["output_ids"] for rid, p, o in zip("abc", prompts, outs)}
+    assert len(seen) > 10 and max(t.depth for _, _, t in seen) == 3
+    with torch.no_grad():
+        for rid, seq, tree in seen:
+            hs = hf(torch.tensor([full[rid]]), output_hidden_states=True).hidden_states
+            aux = torch.cat([hs[1 + i][0] for i in (1, 1, 0)], -1)  # (N, 3H)
+            assert full[rid][: len(seq)] == seq
+            want = ref.tree(seq, aux, 3, min(3, 16 - (len(seq) - len(prompts["abc".index(rid)]))
+                                             - 1), len(tree))
+            assert want == tree, (rid, len(seq))
 
 
 if __name__ == "__main__":  # pragma: no cover

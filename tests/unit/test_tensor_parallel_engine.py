@@ -113,15 +113,18 @@ def test_engine_tp2_standalone_matches_tp1(tiny_chat_path, tp1_outputs, before):
     assert _tp_children(before) == []
 
 
-def test_engine_tp2_eagle3_matches_tp1(tiny_chat_path, tp1_outputs, before, tmp_path):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_engine_tp2_eagle3_matches_tp1(tiny_chat_path, tp1_outputs, before, tmp_path, topk):
     """An EAGLE-3 head (random) under TP=2: it runs on rank 0 with the target's whole embedding
-    (the target's own is split by vocabulary there) and the layers' hidden states."""
+    (the target's own is split by vocabulary there) and the layers' hidden states. Top-k 2:
+    draft trees, whose verify rows read scratch rows of req_to_token (sent with the batch)."""
     from tiny_models import write_tiny_eagle3
 
     head = write_tiny_eagle3(str(tmp_path / "head"), vocab=49152, hidden=96,
                              aux_layers=(0, 1, 1))
     engine = Engine(tp_size=2, model_path=tiny_chat_path, speculative_algorithm="EAGLE3",
-                    speculative_draft_model_path=head, speculative_adaptive=False, **ARGS)
+                    speculative_draft_model_path=head, speculative_adaptive=False,
+                    speculative_eagle_topk=topk, **ARGS)
     assert engine.runner.whole_embedding.shape == (49152, 96)
     assert engine.runner.model.embed_tokens.weight.shape[0] < 49152  # the rank's shard
     outputs, stats = _run_with_stats(engine)

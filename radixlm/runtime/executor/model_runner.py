@@ -140,9 +140,6 @@ class ModelRunner:
             self.kv_pool = KVPool(self.capacity, cfg.num_layers, self.num_kv_heads, cfg.head_dim,
                                   self.dtype, self.device)
         self.allocator = TokenSlotAllocator(self.capacity, self.device)
-        # +1 row of slack so a request being re-admitted never waits on its own row
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1,
-                                                self.context_len + 1, self.device)
         self.attention_backend_name = (
             resolve_backend_name(args.attention_backend, self.device) if self.mla_dims is None
             else "mla_" + resolve_mla_backend_name(args.attention_backend, self.device))
@@ -161,6 +158,11 @@ class ModelRunner:
 
             self.capture_layers = eagle3_config.capture_layers(args, cfg)
         decode_rows = args.max_running_requests * (spec.max_draft + 1 if spec else 1) + 1
+        # +1 row of slack so a request being re-admitted never waits on its own row; a draft
+        # tree's scratch rows after them
+        self.req_to_token_pool = ReqToTokenPool(
+            args.max_running_requests + 1, self.context_len + 1, self.device,
+            spare_rows=spec.spare_rows(args.max_running_requests) if spec else 0)
         if self.mla_dims is not None:
             self.attn_backend = create_mla_backend(
                 self.attention_backend_name.removeprefix("mla_"), self.kv_pool,

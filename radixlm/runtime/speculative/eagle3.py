@@ -26,8 +26,8 @@ elsewhere) and processed like the target's p (rejection.sample_draft); chains ar
 grammars and stop tokens as for a draft model (standalone.py's `_collect`).
 Under tensor parallelism the head runs on rank 0 with the target's whole embedding (kept there
 by ModelRunner) and the target's hidden states, which every rank holds whole.
-Not built: draft trees (--speculative-eagle-topk > 1), targets whose forward is not llama.py's
-(Gemma, LLaVA).
+Draft trees (--speculative-eagle-topk > 1): eagle3_tree.py. Not built: targets whose forward is
+not llama.py's (Gemma, LLaVA).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from radixlm.runtime.speculative import eagle3_config, grammar_drafts, isolation
 from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
 from radixlm.runtime.speculative.eagle3_graphs import HeadGraphRunner
 from radixlm.runtime.speculative.eagle3_model import build_head
+from radixlm.runtime.speculative.eagle3_tree import draft_trees
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.standalone import StandaloneSpeculator, _tokens
 from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
@@ -101,17 +102,17 @@ class Eagle3Speculator(StandaloneSpeculator):
         self.pool = KVPool(runner.capacity, 1, c.num_kv_heads, c.head_dim, runner.dtype,
                            runner.device)
         self.rt = runner.req_to_token_pool.req_to_token  # the target's: the head's slots too
+        # its decode rows: the drafting requests', or a tree's beams (a scratch row each)
+        rows = max(args.max_running_requests, len(runner.req_to_token_pool.spare_rows))
         self.backend = create_attention_backend(
             runner.attention_backend_name, self.pool, self.rt,
             AttentionSpec(scale=c.head_dim ** -0.5), device=runner.device,
-            max_batch_size=args.max_running_requests + 1, max_context_len=runner.context_len + 1)
+            max_batch_size=rows + 1, max_context_len=runner.context_len + 1)
         self._init_chain(sched)
         # the chain's decode steps replay CUDA graphs where the target's decode does
         self.graphs: Optional[HeadGraphRunner] = None
         if runner.graph_runner is not None and getattr(self.backend, "supports_cuda_graph", False):
-            # (rows: the drafting requests, at most max_running_requests; the head's backend
-            # is sized for that)
-            max_bs = min(runner.graph_runner.max_bs, args.max_running_requests)
+            max_bs = min(runner.graph_runner.max_bs, rows)
             self.graphs = HeadGraphRunner(self, runner, max_bs, sched.vocab_size)
 
     # --- the target's features in ---------------------------------------------------------------
@@ -127,15 +128,17 @@ class Eagle3Speculator(StandaloneSpeculator):
             self._state(req).add(start, g[off : off + n])
             off += n
 
-    def after_verify(self, fb, plan, kept: list[int]) -> None:
+    def after_verify(self, fb, plan, kept: list[int], paths: list[list[int]]) -> None:
         try:
             g = self.head.project(fb.aux_hidden)  # (R, H), rows of plan
         except Exception as e:
             return self._lost(plan.reqs, e, "after a verify")
         for b, req in enumerate(plan.reqs):
             if kept[b] > 0 and not req.finished:
-                off = plan.offsets[b]
-                self._state(req).add(plan.kv_lens[b], g[off : off + kept[b]])
+                rows = paths[b][: kept[b]]  # (a chain's: consecutive, taken as a view)
+                g_b = (g[rows[0] : rows[-1] + 1] if rows[-1] - rows[0] == len(rows) - 1
+                       else g[torch.tensor(rows, device=g.device)])
+                self._state(req).add(plan.kv_lens[b], g_b)
 
     def _lost(self, reqs: list[Req], exc: BaseException, when: str) -> None:
         """The features of `reqs`' new rows are lost: their pending rows go (drafts afresh)."""
@@ -176,11 +179,16 @@ class Eagle3Speculator(StandaloneSpeculator):
         self._q, self._q_rows, self._grid, self._grid_row = None, {}, None, {}
         self._timing = None
         states = [self._state(r) for r in reqs]
-        rooms = [draft_room(r, self.cfg.max_draft, sched.context_len) for r in reqs]
+        cfg = self.cfg
+        rooms = [draft_room(r, cfg.steps, sched.context_len) for r in reqs]
+        if cfg.topk > 1:  # a tree's depth is the chain the policy prices (grammars: none)
+            rooms = [0 if r.grammar is not None else n for r, n in zip(reqs, rooms)]
         ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs),
                                 verify_rows(sched))
-        if sched.allocator.available_size() < len(reqs) + sum(ks):
-            ks = [0] * len(reqs)  # (the verify's slots, and the chain's before them)
+        self._nodes = self._tree_nodes(sched, ks) if cfg.topk > 1 else ks
+        drafting = sum(k - 1 for k in ks if k) * cfg.topk  # (the head's own rows)
+        if sched.allocator.available_size() < len(reqs) + sum(self._nodes) + drafting:
+            ks = [0] * len(reqs)  # (the verify's slots, and the drafting's before them)
         chain, catch = self._plan(reqs, states, ks)
         if not catch:
             return [[] for _ in reqs]
@@ -188,6 +196,22 @@ class Eagle3Speculator(StandaloneSpeculator):
         steady = sum(catch.values()) <= 2 * len(catch)  # (as standalone.py prices a chain)
         self._timing = (time.perf_counter() - t0, forwards, steady, None)
         return drafts
+
+    def _tree_nodes(self, sched, ks: list[int]) -> list[int]:
+        """Each request's tree size for depth ks[i] (0: none), within the verify's rows and the
+        scratch rows (a beam's row while drafting, a node's in the verify); ks of requests that
+        do not fit become 0."""
+        cfg, spare, cap = self.cfg, len(sched.req_pool.spare_rows), verify_rows(sched)
+        rows, drafting, nodes = len(ks), 0, []
+        for i, k in enumerate(ks):
+            n = min(cfg.max_draft, cfg.tree_candidates(k))
+            if n and ((cap is not None and rows + n > cap) or sum(nodes) + n > spare
+                      or (drafting + 1) * cfg.topk > spare):
+                ks[i], n = 0, 0
+            rows += n
+            drafting += 1 if n else 0
+            nodes.append(n)
+        return nodes
 
     def _plan(self, reqs, states, ks) -> tuple[list[int], dict[int, int]]:
         """(chain: the requests that draft, longest k first; catch: request -> pending rows it
@@ -249,6 +273,14 @@ class Eagle3Speculator(StandaloneSpeculator):
             return [[] for _ in reqs], forwards
         chain_k = [ks[i] for i in chain]
         creqs = [reqs[i] for i in chain]
+        if self.cfg.topk > 1:
+            trees, n = draft_trees(self, sched, creqs, c_rows, chain_k,
+                                   [self._nodes[i] for i in chain], normed[:F], out[:F])
+            self.stats["spec_draft_forwards"] += forwards + n
+            drafts = [[] for _ in reqs]
+            for i, t in zip(chain, trees):
+                drafts[i] = t
+            return drafts, forwards + n
         n_temp = sum(k - 1 for k in chain_k)  # the chain's own K/V, past each kv_len
         temp = sched.allocator.alloc(n_temp) if n_temp else None
         assert temp is not None or not n_temp, "draft() checked the free slots"

@@ -5,8 +5,11 @@ SGLang's meaning of the numbers, kept here:
   (top-k 1) that is the request's last token plus `num_draft_tokens - 1` drafts.
 - `speculative_num_steps`: the chain's depth, `num_draft_tokens - 1` with top-k 1. Given both and
   inconsistent, SGLang sets num_draft_tokens = num_steps + 1 and warns; so does this.
-- `speculative_eagle_topk`: the draft tree's branching. Only 1 (a chain) is built: a tree needs
-  the tree attention mask in every backend (ForwardBatch would carry it; see verify.py).
+- `speculative_eagle_topk`: the draft tree's branching (EAGLE3; 1: a chain). With top-k > 1 each
+  of `num_steps` head forwards expands the best top-k nodes of the level before into top-k
+  children each, and the `num_draft_tokens - 1` best nodes by the head's path probability are
+  verified as a tree (eagle3_tree.py, tree_verify.py); SGLang's defaults there are the caller's
+  to give, else 3 steps and 1 + steps * top-k tokens. STANDALONE and NGRAM draft chains.
 - `speculative_draft_model_path`: STANDALONE's draft model (its vocabulary must be the
   target's: checked when the draft loads, standalone.py), or EAGLE3's head (a
   LlamaForCausalLMEagle3 checkpoint: eagle3_config.py). Their chains default to 3 drafts.
@@ -25,6 +28,11 @@ DEFAULT_NUM_DRAFT_TOKENS = 8  # 1 + 7 drafts: within one pass of the GGUF kernel
 # a draft model pays one forward per drafted token: a shorter chain (3 drafts) by default
 DEFAULT_STANDALONE_DRAFT_TOKENS = 4
 MAX_NUM_DRAFT_TOKENS = 64
+MAX_TOPK = 16
+DEFAULT_TREE_STEPS = 3
+# scratch rows of req_to_token a draft tree may use (each tree node and each beam of the head's
+# drafting has its own row: ReqToTokenPool.spare_rows), one row of the context's length each
+TREE_SPARE_ROWS_MAX = 128
 NOT_BUILT = {"EAGLE": "EAGLE (-1/-2) heads"}
 MODEL_DRAFTS = ("STANDALONE", "EAGLE3")  # the algorithms with a --speculative-draft-model-path
 
@@ -38,6 +46,19 @@ class SpecConfig:
     max_match: int
     capacity: int  # NGRAM: n-grams kept from finished requests' text
     draft_model_path: Optional[str] = None  # STANDALONE's draft model / EAGLE3's head
+    topk: int = 1  # a draft tree's branching (1: a chain)
+    steps: int = 0  # a tree's depth (head forwards per step); a chain's: max_draft
+
+    def tree_candidates(self, depth: int) -> int:
+        """Nodes a tree of `depth` levels can choose from: top-k at level 1, top-k beams of
+        top-k children each below."""
+        return self.topk + (depth - 1) * self.topk * self.topk if depth > 0 else 0
+
+    def spare_rows(self, max_running_requests: int) -> int:
+        """req_to_token scratch rows for draft trees (0 for chains)."""
+        if self.topk == 1:
+            return 0
+        return min(TREE_SPARE_ROWS_MAX, max_running_requests * max(self.topk, self.max_draft))
 
 
 def resolve(args) -> Optional[SpecConfig]:
@@ -67,14 +88,28 @@ def resolve(args) -> Optional[SpecConfig]:
             raise ValueError(f"speculative_draft_model_path: {algo} needs a draft model (" + (
                 "a smaller model with the target's tokenizer and vocabulary)" if algo ==
                 "STANDALONE" else "an EAGLE-3 head trained for the target)"))
-    if args.speculative_eagle_topk not in (None, 1):
-        raise ValueError(f"speculative_eagle_topk={args.speculative_eagle_topk}: only 1 (a draft "
-                         "chain) is built; draft trees need a tree attention mask")
+    topk = args.speculative_eagle_topk
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int)
+                             or not 1 <= topk <= MAX_TOPK):
+        raise ValueError(f"speculative_eagle_topk: must be an integer in [1, {MAX_TOPK}] "
+                         f"(got {topk!r})")
+    topk = topk or 1
+    if topk > 1 and algo != "EAGLE3":
+        raise ValueError(f"speculative_eagle_topk={topk}: draft trees are built for EAGLE3; "
+                         f"{algo} drafts chains (top-k 1)")
     steps, tokens = args.speculative_num_steps, args.speculative_num_draft_tokens
     for name, v in (("speculative_num_steps", steps), ("speculative_num_draft_tokens", tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}: must be a positive integer (got {v!r})")
-    if tokens is None:
+    if topk > 1:
+        steps = steps or DEFAULT_TREE_STEPS
+        cands = topk + (steps - 1) * topk * topk
+        if tokens is None:
+            tokens = min(MAX_NUM_DRAFT_TOKENS, 1 + steps * topk)
+        elif tokens - 1 > cands:
+            raise ValueError(f"speculative_num_draft_tokens={tokens}: a tree of "
+                             f"{steps} steps and top-k {topk} has only {cands} nodes to verify")
+    elif tokens is None:
         default = (DEFAULT_STANDALONE_DRAFT_TOKENS if algo in MODEL_DRAFTS
                    else DEFAULT_NUM_DRAFT_TOKENS)
         tokens = default if steps is None else steps + 1
@@ -94,4 +129,5 @@ def resolve(args) -> Optional[SpecConfig]:
         raise ValueError("speculative_ngram_capacity: must be >= 0")
     return SpecConfig(algo, tokens - 1, bool(args.speculative_adaptive), lo, hi,
                       int(args.speculative_ngram_capacity),
-                      draft_path if algo in MODEL_DRAFTS else None)
+                      draft_path if algo in MODEL_DRAFTS else None, topk,
+                      steps if topk > 1 else tokens - 1)

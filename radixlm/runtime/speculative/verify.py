@@ -69,7 +69,8 @@ class VerifyPlan:
 class VerifyResult:
     accepted: list[int]  # per request: draft tokens accepted (n_b <= k_b)
     tokens: list[list[int]]  # per request: the n_b + 1 tokens to append (drafts, then one more)
-    logprobs: Optional[LogprobRows]  # row offsets[b] + j: the logprob of tokens[b][j]
+    logprobs: Optional[LogprobRows]  # row paths[b][j]: the logprob of tokens[b][j]
+    paths: list[list[int]]  # per request: the rows of its kept tokens (a chain: off .. off + n)
 
 
 def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int]], req_pool,
@@ -230,11 +231,12 @@ def verify(logits: torch.Tensor, plan: VerifyPlan, running_info, sampler, apply_
     # the host (a handful of ints), rather than by a chain of small device ops before it
     flat = torch.cat([accept, token, draft]).tolist()
     acc, tok, drafted = flat[:R], flat[R : 2 * R], flat[2 * R :]
-    accepted, rows = [], []
+    accepted, rows, paths = [], [], []
     for b, off in enumerate(plan.offsets):
         n, k = 0, len(plan.drafts[b])
         while n < k and acc[off + n]:
             n += 1
         accepted.append(n)
         rows.append(drafted[off : off + n] + [tok[off + n]])
-    return VerifyResult(accepted, rows, lp)
+        paths.append(list(range(off, off + n + 1)))
+    return VerifyResult(accepted, rows, lp, paths)

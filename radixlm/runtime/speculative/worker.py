@@ -28,6 +28,8 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.speculative import grammar_drafts, isolation
 from radixlm.runtime.speculative.adaptive import AdaptivePolicy
 from radixlm.runtime.speculative.spec_config import SpecConfig
+from radixlm.runtime.speculative.tree import DraftTree
+from radixlm.runtime.speculative.tree_verify import build_tree_verify, verify_tree, write_paths
 from radixlm.runtime.speculative.verify import build_verify, verify
 
 STAT_KEYS = ("spec_verify_steps", "spec_verify_reqs", "spec_verify_tokens", "spec_draft_tokens",
@@ -147,8 +149,8 @@ class Speculator:
         """After the scheduler's extend forward of `reqs` (fb's order; kv_len counts the new
         rows): EAGLE-3 keeps the target features of those rows (fb.aux_hidden)."""
 
-    def after_verify(self, fb, plan, kept: list[int]) -> None:
-        """After a verify: request plan.reqs[b] kept the KV of its first kept[b] rows (-1:
+    def after_verify(self, fb, plan, kept: list[int], paths: list[list[int]]) -> None:
+        """After a verify: request plan.reqs[b] kept the KV of rows paths[b][:kept[b]] (-1:
         it finished or its output was rewritten)."""
 
     def idle_work(self, sched) -> None:
@@ -172,17 +174,27 @@ class Speculator:
         # on the rows beside them), where the extend kernel sums in another order (bf16:
         # different tokens in about half the copy benchmark's requests)
         as_decode = sched.runner.replays_decode_graph(rows) or sched.device.type == "cpu"
-        fb, plan = build_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
-                                sched.device, self.device_drafts(breqs), as_decode=as_decode)
+        tree = any(isinstance(d, DraftTree) for d in bdrafts)  # (always decode rows)
+        if tree:
+            fb, plan = build_tree_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
+                                         sched.device)
+        else:
+            fb, plan = build_verify(breqs, order, bdrafts, sched.req_pool, sched.allocator,
+                                    sched.device, self.device_drafts(breqs), as_decode=as_decode)
         try:
             logits = sched.runner.forward(fb)  # (R, V) float32
             sched.stats["forward_steps"] += 1
             mask = grammar_drafts.masker(breqs, bdrafts, plan.offsets, plan.num_rows,
                                          sched.masks, self.draft_failed)
             lp_reqs = [r for r in reqs if r.return_logprob]
-            res = verify(logits, plan, sched.running_info, sched.sampler, mask, bool(lp_reqs),
-                         max((r.top_logprobs_num for r in lp_reqs), default=0),
-                         self.draft_probs(plan))
+            top_n = max((r.top_logprobs_num for r in lp_reqs), default=0)
+            if tree:
+                res = verify_tree(logits, plan, sched.running_info, sched.sampler, mask,
+                                  bool(lp_reqs), top_n)
+                write_paths(plan, res.paths, sched.req_pool)  # (before a finish caches them)
+            else:
+                res = verify(logits, plan, sched.running_info, sched.sampler, mask,
+                             bool(lp_reqs), top_n, self.draft_probs(plan))
         except torch.cuda.OutOfMemoryError as e:  # again without drafts, or the batch fails
             if sched.args.tp_size > 1:  # the other ranks are in the same collective
                 raise
@@ -200,20 +212,21 @@ class Speculator:
         for b, req in enumerate(breqs):
             k, off = len(bdrafts[b]), plan.offsets[b]
             state = req.spec_draft  # (a finish below hands it to on_finish)
+            path = res.paths[b]  # the rows of its tokens; those of its kept KV: path[:m]
             if id(req) in masked_out:  # its grammar's masks failed: all of its rows go back
                 free.extend(range(off, off + k + 1))
                 sched._fail_request(req, *masked_out[id(req)])
                 continue
             try:
-                m, alive = _append(sched, req, res.tokens[b], plan.kv_lens[b], res.logprobs, off)
+                m, alive = _append(sched, req, res.tokens[b], plan.kv_lens[b], res.logprobs, path)
             except Exception as e:  # its own tokens' handling: it fails alone (isolation.py)
-                # rows [off, off + m) lie inside its kv_len, which the failure frees; the rest
-                # of its rows are this step's to free, as after a finish
+                # rows path[:m] lie inside its kv_len, which the failure frees; the rest of its
+                # rows are this step's to free, as after a finish
                 m = req.kv_len - plan.kv_lens[b]
-                free.extend(range(off + m, off + k + 1))
+                free.extend(_unkept(off, k, path[:m]))
                 sched._fail_request(req, e, "processing its verified tokens")
                 continue
-            free.extend(range(off + m, off + k + 1))
+            free.extend(_unkept(off, k, path[:m]))
             i = order[b]
             counts[i] = m
             accepted[i] = res.accepted[b]
@@ -222,16 +235,18 @@ class Speculator:
             if alive:
                 keep.add(i)
                 kept_kv[b] = m
-            if k:
-                self.policy.record(state.record, state.match, k, res.accepted[b])
+            if k:  # (a tree's trial: its depth, as deep as a chain of that length)
+                depth = bdrafts[b].depth if isinstance(bdrafts[b], DraftTree) else k
+                self.policy.record(state.record, state.match, depth, res.accepted[b])
                 req.spec_verify_steps += 1
                 req.spec_verify_tokens += m
                 stats["spec_verify_reqs"] += 1
                 stats["spec_verify_tokens"] += m
                 stats["spec_draft_tokens"] += k
                 stats["spec_accepted_tokens"] += res.accepted[b]
-        self.after_verify(fb, plan, kept_kv)
+        self.after_verify(fb, plan, kept_kv, res.paths)
         if free:
+            free.sort()
             # (plan.slots: what alloc() returned, never written: no copy needed)
             sched.allocator.free(_rows_of(plan.slots, free), copy=False)
         sched.running_info.advance(kept_rows, kept_toks, counts)
@@ -268,15 +283,22 @@ def verify_rows(sched):
     return min(limits) if limits else None
 
 
-def _append(sched, req: Req, tokens: list[int], kv_len: int, logprobs, first_row: int):
+def _unkept(off: int, k: int, kept: list[int]) -> list[int]:
+    """A request's rows off .. off + k without the `kept` ones."""
+    keep = set(kept)
+    return [r for r in range(off, off + k + 1) if r not in keep]
+
+
+def _append(sched, req: Req, tokens: list[int], kv_len: int, logprobs, rows: list[int]):
     """Append a verify's tokens to `req` one by one through the plain decoding code; the first
-    that finishes the request (or splices a jump-forward) is the last. Returns (tokens kept m,
-    still running). Before token j, kv_len covers [.., last, d_1..d_j]: a finish or splice hands
-    exactly that KV to the tree, and the step's slots from row m on are the caller's to free."""
+    that finishes the request (or splices a jump-forward) is the last. Token j came from logits
+    row rows[j]. Returns (tokens kept m, still running). Before token j, kv_len covers [.., last,
+    d_1..d_j]: a finish or splice hands exactly that KV to the tree, and the step's slots of
+    rows other than rows[:m] are the caller's to free."""
     for j, tok in enumerate(tokens):
         req.kv_len = kv_len + 1 + j
         if logprobs is not None:
-            logprobs.append(req, first_row + j)
+            logprobs.append(req, rows[j])
         if not sched._append_token(req, tok):
             return j + 1, False
     return len(tokens), True

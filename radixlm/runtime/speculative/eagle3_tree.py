@@ -1,0 +1,127 @@
+"""EAGLE3's draft trees (`--speculative-eagle-topk` > 1): the head expands the best paths.
+
+From the catch-up's last row of each drafting request (eagle3.py: the head's output after
+the request's last token), level 1 is the head's top-k tokens. Then at each level j = 2..S
+the top-k beams (the best paths so far by summed log-probability under the head) each run one
+head decode row, (beam token, features of the forward that drafted it) at position
+kv_len + j - 2, and propose top-k children: k * k candidates, of which the best k are the next
+beams. Every candidate is kept; after the last level the best `nodes` of them (never deeper
+than the request's chosen depth) form its tree (tree.select_tree), verified by tree_verify.py.
+
+A beam's head row attends to its own path only: each beam has a scratch row of the target's
+req_to_token (ReqToTokenPool.spare_rows) holding the request's history and its path's slots,
+copied from its parent's row at each level (one gather), its K/V in a slot taken from the
+target's free slots for the drafting and freed after it (the verify's features recompute the
+rows it keeps). Rows are request-major: request f's beams are rows f*k .. f*k + k - 1, and a
+request whose depth ends before level j leaves the batch there (the requests come deepest
+first), so no row ever runs past its request's room.
+
+Scores are the head's raw log-probabilities (no penalties, temperature or grammar: they only
+choose which nodes are verified; the verify applies the request's sampling exactly). One
+device -> host copy of all candidates after the last level: the tree's shape is the host's
+to know (the verify's rows and scratch rows are laid out there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.speculative.tree import DraftTree, select_tree
+
+
+def draft_trees(spec, sched, creqs: list, c_rows: torch.Tensor, depths: list[int],
+                nodes: list[int], normed: torch.Tensor, out: torch.Tensor
+                ) -> tuple[list[DraftTree], int]:
+    """creqs: the drafting requests, deepest first; c_rows (F,) their pool rows on the device;
+    depths / nodes: each one's tree depth (<= its room) and node count; normed, out (F, H): the
+    head's output after each one's last token. Returns (their trees, head forwards run)."""
+    T, F, S = spec.cfg.topk, len(creqs), max(depths)
+    head, rt, dev, V = spec.head, spec.rt, sched.device, sched.vocab_size
+    lp, tok = _top(head.logits(normed), T, head.hot)  # (F, T) each
+    levels = [(lp, tok, None)]  # per level: scores, tokens (a, k or k * k), parent candidate
+    beam_score, beam_tok = lp, tok  # (a, T)
+    beam_cand = torch.arange(T, device=dev).expand(F, T)  # candidate index within the request
+    feat = out.repeat_interleave(T, dim=0)  # (F * T, H) the features each beam's row reads
+    src = c_rows.repeat_interleave(T)  # (F * T,) the req_to_token row its history comes from
+    spare = torch.tensor(sched.req_pool.spare_rows[: F * T], device=dev)
+    kv = [r.kv_len for r in creqs]
+    base = torch.tensor(kv, device=dev).repeat_interleave(T)  # (F * T,)
+    n_temp = T * sum(max(0, d - 1) for d in depths)
+    temp = sched.allocator.alloc(n_temp) if n_temp else None
+    assert temp is not None or not n_temp, "draft() checked the free slots"
+    forwards, used, n_cand = 0, 0, T
+    try:
+        for j in range(2, S + 1):
+            a = sum(1 for d in depths if d >= j)  # requests still drafting (a prefix)
+            rows, p = spare[: a * T], base[: a * T] + (j - 2)
+            width = max(kv[:a]) + j - 2  # columns before each row's own position
+            rt[rows, :width] = rt[src[: a * T], :width]  # (gathered first: rows may be sources)
+            slots = temp[used : used + a * T]
+            used += a * T
+            rt[rows, p] = slots
+            fb = ForwardBatch(
+                mode=ForwardMode.DECODE, input_ids=beam_tok[:a].reshape(-1), positions=p,
+                out_cache_loc=slots, req_pool_indices=rows, seq_lens=p + 1,
+                logits_indices=torch.arange(a * T, device=dev),
+                seq_lens_cpu=[kv[f] + j - 1 for f in range(a) for _ in range(T)])
+            forwards += 1
+            if spec.graphs is not None and spec.graphs.can_run(fb):
+                logits, nxt = spec.graphs.run(fb, feat[: a * T])  # (target vocabulary)
+                c_lp, c_tok = _top(logits, T, None)
+            else:
+                h, nxt = spec._forward(fb, feat[: a * T])
+                c_lp, c_tok = _top(head.logits(h), T, head.hot)
+            # (a, T * T): child (beam i, choice c) at column i * T + c
+            score = (beam_score[:a].reshape(-1, 1) + c_lp).view(a, T * T)
+            c_tok = c_tok.view(a, T * T)
+            parent = beam_cand[:a].repeat_interleave(T, dim=1)  # (a, T * T)
+            levels.append((score, c_tok, parent))
+            if j < S:
+                b = sum(1 for d in depths if d > j)
+                beam_score, best = score[:b].topk(T, dim=-1)  # (b, T)
+                beam_tok = c_tok[:b].gather(1, best)
+                beam_cand = n_cand + best
+                from_row = (torch.arange(b, device=dev).view(-1, 1) * T
+                            + torch.div(best, T, rounding_mode="floor")).view(-1)  # (b * T,)
+                feat, src = nxt[from_row], rows[from_row]  # (copies: nxt may be a graph buffer)
+            n_cand += T * T
+    finally:
+        if temp is not None:
+            sched.allocator.free(temp)
+    return _trees(levels, depths, nodes, T), forwards
+
+
+def _top(logits: torch.Tensor, k: int, hot) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V') -> the k best (log-probabilities (N, k) float32, target ids (N, k)); `hot`
+    maps draft-vocabulary columns to target ids (None: the columns are target ids)."""
+    lp, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return lp, (hot[ids] if hot is not None else ids)
+
+
+def _trees(levels, depths: list[int], nodes: list[int], T: int) -> list[DraftTree]:
+    """Every level's candidates to the host in one copy, then each request's tree."""
+    parts = []
+    for score, tok, parent in levels:
+        parts += [score.double().reshape(-1), tok.double().reshape(-1)]
+        if parent is not None:
+            parts.append(parent.double().reshape(-1))
+    flat = torch.cat(parts).tolist()  # the drafting's one sync
+    F = len(depths)
+    cand = [([], [], [], []) for _ in range(F)]  # per request: scores, tokens, parents, depths
+    at = 0
+    for j, (score, _, parent) in enumerate(levels, start=1):
+        a, w = score.shape
+        s, t = flat[at : at + a * w], flat[at + a * w : at + 2 * a * w]
+        at += 2 * a * w
+        par = [-1.0] * (a * w)
+        if parent is not None:
+            par = flat[at : at + a * w]
+            at += a * w
+        for f in range(a):
+            c = cand[f]
+            c[0].extend(s[f * w : (f + 1) * w])
+            c[1].extend(int(x) for x in t[f * w : (f + 1) * w])
+            c[2].extend(int(x) for x in par[f * w : (f + 1) * w])
+            c[3].extend([j] * w)
+    return [select_tree(*cand[f], nodes[f], depths[f]) for f in range(F)]
