@@ -70,7 +70,10 @@ def _check(ref, got, stats):
     assert stats["head_graph_replays"] is not None and stats["head_graph_replays"] > 0
 
 
-def test_eagle3_tiny_greedy_matches_plain_decoding(tiny_llama_path, tmp_path):
+@pytest.mark.parametrize("topk", [1, 4])
+def test_eagle3_tiny_greedy_matches_plain_decoding(tiny_llama_path, tmp_path, topk):
+    """Top-k 4: draft trees of 3 levels, 8 nodes; their beams' rows replay the head's graphs
+    and their verify rows (a scratch req_to_token row per node) the target's."""
     from tiny_models import write_tiny_eagle3
 
     head = write_tiny_eagle3(str(tmp_path / "head"), vocab=512, hidden=256, heads=4,
@@ -80,17 +83,22 @@ def test_eagle3_tiny_greedy_matches_plain_decoding(tiny_llama_path, tmp_path):
                for n in (5, 8, 11, 90, 3, 17, 30, 64)]
     kw = dict(max_total_tokens=8192)
     ref, _ = _generate(tiny_llama_path, prompts, 40, **kw)
+    tree = dict(speculative_eagle_topk=4, speculative_num_steps=3,
+                speculative_num_draft_tokens=9) if topk > 1 else {}
     got, stats = _generate(tiny_llama_path, prompts, 40, speculative_algorithm="EAGLE3",
-                           speculative_draft_model_path=head, speculative_adaptive=False, **kw)
+                           speculative_draft_model_path=head, speculative_adaptive=False,
+                           **tree, **kw)
     _check(ref, got, stats)
     # 8 requests x 3 drafts a step: not held to the policy's 16-row probe (adaptive.PROBE_ROWS),
     # which waits for an overlapped plain step that EAGLE3 never runs
     assert stats["spec_draft_tokens"] > 16 * stats["spec_verify_steps"]
 
 
-def test_eagle3_llama_8b_shape_dummy_weights(tmp_path):
+@pytest.mark.parametrize("topk", [1, 4])
+def test_eagle3_llama_8b_shape_dummy_weights(tmp_path, topk):
     """Random Llama-3.1-8B (32 GB in fp32) and a random head: capture of layers 1, 15, 28 in
-    the eager prefill and in the verify graphs, a 32000-token draft vocabulary."""
+    the eager prefill and in the verify graphs, a 32000-token draft vocabulary (top-k 4: trees
+    of 3 levels, 5 nodes, within the 16-row graphs)."""
     target = _config_folder(tmp_path / "llama-8b", LLAMA_8B)
     head = _config_folder(tmp_path / "eagle3-8b", HEAD_8B)
     gen = torch.Generator().manual_seed(7)
@@ -99,5 +107,7 @@ def test_eagle3_llama_8b_shape_dummy_weights(tmp_path):
     ref, _ = _generate(target, prompts, 16, **kw)
     got, stats = _generate(target, prompts, 16, speculative_algorithm="EAGLE3",
                            speculative_draft_model_path=head, speculative_adaptive=False,
-                           speculative_num_steps=3, **kw)
+                           speculative_num_steps=3, **kw, **(dict(
+                               speculative_eagle_topk=4, speculative_num_draft_tokens=6)
+                               if topk > 1 else {}))
     _check(ref, got, stats)

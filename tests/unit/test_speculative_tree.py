@@ -79,6 +79,52 @@ def test_select_tree_takes_the_best_nodes_parents_first():
     assert shallow == DraftTree([10, 11], [-1, -1])
 
 
+class EvenTokens:
+    """A grammar matcher over even token ids, ending after 3 tokens (or at token 0)."""
+
+    def __init__(self):
+        self.toks: list[int] = []
+
+    def is_terminated(self) -> bool:
+        return len(self.toks) == 3 or (bool(self.toks) and self.toks[-1] == 0)
+
+    def accept_token(self, t: int) -> bool:
+        if self.is_terminated() or t % 2:
+            return False
+        self.toks.append(t)
+        return True
+
+    def rollback(self, n: int) -> None:
+        del self.toks[len(self.toks) - n :]
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = len(self.toks)  # (which state the row's mask was filled in)
+
+
+def test_grammar_prunes_and_masks_a_tree_along_each_path():
+    from radixlm.runtime.speculative.grammar_drafts import fill_tree_rows, prune_tree
+
+    #      root -> 2 -> 4 -> 6          (6: the grammar's third token, it ends there)
+    #           |    `-> 5              (odd: pruned)
+    #           |-> 3 -> 8              (odd 3 pruned, its child with it)
+    #           `-> 0 -> 2              (0 ends the grammar: its child pruned)
+    tree = DraftTree([2, 3, 0, 4, 5, 8, 2, 6], [-1, -1, -1, 0, 0, 1, 2, 3])
+    req = _req()
+    req.stop_token_ids = set()
+    req.grammar = EvenTokens()
+    req.grammar.toks = []
+    pruned = prune_tree(req, tree)
+    assert pruned == DraftTree([2, 0, 4, 6], [-1, -1, 0, 2]) and req.grammar.toks == []
+    bitmask = torch.full((5, 1), -1, dtype=torch.int32)
+    rows = fill_tree_rows(req, pruned, 0, bitmask)
+    # root: state 0; node 2 (path [2]): 1; node 0 ended the grammar, node 4 (path [2, 4]): 2;
+    # node 6 ended it (three tokens): unfilled, never kept
+    assert rows == [0, 1, 3] and bitmask.view(-1).tolist() == [0, 1, -1, 2, -1]
+    assert req.grammar.toks == []
+    req.grammar, req.stop_token_ids = None, {4}  # no grammar: nothing below a stop token
+    assert prune_tree(req, tree) == DraftTree([2, 3, 0, 4, 5, 8, 2], [-1, -1, -1, 0, 0, 1, 2])
+
+
 def test_tree_flags():
     def resolve(**kw):
         return spec_config.resolve(ServerArgs(speculative_algorithm="EAGLE3",

@@ -181,8 +181,6 @@ class Eagle3Speculator(StandaloneSpeculator):
         states = [self._state(r) for r in reqs]
         cfg = self.cfg
         rooms = [draft_room(r, cfg.steps, sched.context_len) for r in reqs]
-        if cfg.topk > 1:  # a tree's depth is the chain the policy prices (grammars: none)
-            rooms = [0 if r.grammar is not None else n for r, n in zip(reqs, rooms)]
         ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs),
                                 verify_rows(sched))
         self._nodes = self._tree_nodes(sched, ks) if cfg.topk > 1 else ks
@@ -278,8 +276,11 @@ class Eagle3Speculator(StandaloneSpeculator):
                                    [self._nodes[i] for i in chain], normed[:F], out[:F])
             self.stats["spec_draft_forwards"] += forwards + n
             drafts = [[] for _ in reqs]
-            for i, t in zip(chain, trees):
-                drafts[i] = t
+            for i, t in zip(chain, trees):  # (cut at stop tokens and by grammars)
+                try:
+                    drafts[i] = grammar_drafts.prune_tree(reqs[i], t)
+                except Exception as e:
+                    self.draft_failed(reqs[i], e, "its grammar in the draft tree")
             return drafts, forwards + n
         n_temp = sum(k - 1 for k in chain_k)  # the chain's own K/V, past each kv_len
         temp = sched.allocator.alloc(n_temp) if n_temp else None

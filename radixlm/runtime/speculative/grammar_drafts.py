@@ -8,7 +8,8 @@ The simplest exact scheme: walk the matcher through the draft and roll it back.
   walking the matcher again and rolled back, so the matcher is unchanged afterwards; the tokens
   the verify keeps are then accepted one by one as in plain decoding (TokenProcessing).
 Per draft token that is two matcher steps on the host, the same kind of work plain decoding does
-per token; only requests with a grammar pay it. A draft model's chain (`ChainGrammar`) masks its
+per token; only requests with a grammar pay it. A draft tree the same, node by node along each
+node's path (`prune_tree`, `fill_tree_rows`). A draft model's chain (`ChainGrammar`) masks its
 q the same way, walking each depth's drafts before the next depth.
 A matcher that raises in `masker` or `ChainGrammar` is its request's own failure: `fail(req,
 exc, where)` records it (the step fails that request alone, speculative/isolation.py) and the
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from radixlm.runtime.constrained.grammar import MaskBuffer, apply_bitmask_rows
+from radixlm.runtime.speculative.tree import DraftTree
 
 
 def truncate(req, draft: list[int]) -> list[int]:
@@ -51,7 +53,8 @@ def masker(reqs: list, drafts: list[list[int]], offsets: list[int], rows: int,
         if req.grammar is None:
             continue
         try:
-            constrained += fill_rows(req, d, off, bitmask)
+            fill = fill_tree_rows if isinstance(d, DraftTree) else fill_rows
+            constrained += fill(req, d, off, bitmask)
         except Exception as e:
             bitmask[off : off + len(d) + 1].fill_(-1)
             fail(req, e, "its grammar's masks of its verify rows")
@@ -77,6 +80,63 @@ def fill_rows(req, d: list[int], off: int, bitmask: torch.Tensor) -> list[int]:
     if walked:
         m.rollback(walked)
     return rows
+
+
+def prune_tree(req, tree: DraftTree) -> DraftTree:
+    """The nodes of a draft tree that `req` could keep: none below a stop token, and under a
+    grammar none whose token it does not allow after the node's path (or after it ended): the
+    target's masked p gives such a node probability 0, so it and its subtree are never kept."""
+    stops, m = req.stop_token_ids, req.grammar
+    new: list[int] = []  # old node -> new node, -1: pruned
+    tokens, parents = [], []
+    for n, (tok, par) in enumerate(zip(tree.tokens, tree.parents)):
+        ok = par < 0 or (new[par] >= 0 and tree.tokens[par] not in stops)
+        if ok and m is not None:
+            path = _path(tree, n)
+            walked = 0
+            for t in path:
+                if m.is_terminated() or not m.accept_token(t):
+                    break
+                walked += 1
+            ok = walked == len(path)
+            if walked:
+                m.rollback(walked)
+        new.append(len(tokens) if ok else -1)
+        if ok:
+            tokens.append(tok)
+            parents.append(-1 if par < 0 else new[par])
+    return DraftTree(tokens, parents)
+
+
+def fill_tree_rows(req, tree: DraftTree, off: int, bitmask: torch.Tensor) -> list[int]:
+    """Fill the masks of `req`'s tree verify rows: row off (the root) and off + 1 + n (node n)
+    hold the grammar's mask after the node's path (its matcher walked along it and rolled
+    back; prune_tree kept only paths it allows). A row whose path ended the grammar is left
+    unfilled: the request finishes at that node's token, its row is never kept."""
+    m = req.grammar
+    rows = []
+    if not m.is_terminated():
+        m.fill_next_token_bitmask(bitmask, off)
+        rows.append(off)
+    for n in range(len(tree)):
+        path = _path(tree, n)
+        for t in path:
+            accepted = m.accept_token(t)
+            assert accepted, "prune_tree() kept only paths the grammar allows"
+        if not m.is_terminated():
+            m.fill_next_token_bitmask(bitmask, off + 1 + n)
+            rows.append(off + 1 + n)
+        m.rollback(len(path))
+    return rows
+
+
+def _path(tree: DraftTree, n: int) -> list[int]:
+    """The tokens from the root's child down to node n."""
+    out = []
+    while n >= 0:
+        out.append(tree.tokens[n])
+        n = tree.parents[n]
+    return out[::-1]
 
 
 class ChainGrammar:
