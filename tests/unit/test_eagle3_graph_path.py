@@ -94,3 +94,52 @@ def test_chain_through_graph_buffers_keeps_plain_tokens(tmp_path):
         on.check_integrity()
     finally:
         on.shutdown()
+
+
+def test_trees_through_graph_buffers_equal_eager_trees(tmp_path):
+    """Top-k 2: the catch-up rows (as decode rows) and every level's beams replay the emulated
+    head graphs; the trees drafted equal the eager path's (same nodes, same parents) and the
+    tokens plain decoding's."""
+    import radixlm
+    from radixlm.runtime.speculative.tree import DraftTree
+    from tiny_models import write_tiny_eagle3, write_tiny_llama
+
+    target = write_tiny_llama(str(tmp_path / "t"), vocab=V, heads=4, kv_heads=2, tied=False,
+                              layers=4)
+    head = write_tiny_eagle3(str(tmp_path / "h"), vocab=V, draft_vocab=DV)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 19)]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    off = radixlm.Engine(model_path=target, **KW)
+    try:
+        want = [o["output_ids"] for o in off.generate(input_ids=prompts, sampling_params=params)]
+    finally:
+        off.shutdown()
+    on = radixlm.Engine(model_path=target, speculative_algorithm="EAGLE3",
+                        speculative_adaptive=False, speculative_eagle_topk=2,
+                        speculative_num_steps=3, speculative_num_draft_tokens=6,
+                        speculative_draft_model_path=head, **KW)
+    try:
+        spec = on.scheduler.spec
+        trees, draft = [], spec.draft
+
+        def recording(sched, reqs):
+            out = draft(sched, reqs)
+            trees[-1].append([d for d in out if isinstance(d, DraftTree)])
+            return out
+
+        spec.draft = recording
+        runs = {}
+        for name, graphs in (("eager", None), ("graphs", EmulatedHeadGraphs(spec, on.runner, 8, V))):
+            spec.graphs = graphs
+            trees.append([])
+            on.flush_cache()
+            runs[name] = [o["output_ids"] for o in on.generate(input_ids=prompts,
+                                                               sampling_params=params)]
+        assert runs["eager"] == runs["graphs"] == want
+        assert trees[0] == trees[1] and sum(map(len, trees[0])) > 5
+        assert spec.graphs.replays > 0
+        on.wait_idle()
+        on.check_integrity()
+    finally:
+        on.shutdown()

@@ -50,6 +50,7 @@ from radixlm.runtime.speculative.eagle3_model import build_head
 from radixlm.runtime.speculative.eagle3_tree import draft_trees
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.standalone import StandaloneSpeculator, _tokens
+from radixlm.runtime.speculative.verify import staged
 from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
 
 
@@ -252,28 +253,50 @@ class Eagle3Speculator(StandaloneSpeculator):
             g.append(states[i].take(catch[i]))
         F = len(chain)
         logit_order = chain + [i for i in entries if i not in chain]  # the chain's rows first
-        host = torch.tensor(ids + rows + pos + [reqs[i].req_pool_idx for i in entries]
-                            + [p + catch[i] for p, i in zip(pre_lens, entries)]
-                            + [ends[i] for i in logit_order]
-                            + [reqs[i].req_pool_idx for i in chain], dtype=torch.int64)
+        # one copy (through a pinned buffer on CUDA: a blocking copy would wait for the GPU)
+        # of the catch-up's rows, and the chain's pool rows, first positions and a tree's
+        # scratch rows (a beam's each)
+        beams = F * self.cfg.topk if self.cfg.topk > 1 else 0
+        host = staged(
+            ids + rows + pos + [reqs[i].req_pool_idx for i in entries]
+            + [p + catch[i] for p, i in zip(pre_lens, entries)] + [ends[i] for i in logit_order]
+            + [reqs[i].req_pool_idx for i in chain] + [reqs[i].kv_len for i in chain]
+            + sched.req_pool.spare_rows[:beams], dev)
         T, E = len(ids), len(entries)
-        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows = torch.split(
-            host.to(dev), [T, T, T, E, E, E, F])
-        fb = ForwardBatch(
-            mode=ForwardMode.EXTEND, input_ids=d_ids, positions=d_pos,
-            out_cache_loc=self.rt[d_rows, d_pos], req_pool_indices=e_rows, seq_lens=e_lens,
-            logits_indices=e_last, seq_lens_cpu=[p + catch[i] for p, i in zip(pre_lens, entries)],
-            extend_prefix_lens_cpu=pre_lens, extend_lens_cpu=[catch[i] for i in entries],
-            num_decode_tail=sum(1 for i in entries if catch[i] == 1))
-        normed, out = self._forward(fb, torch.cat(g))  # (E, H) each, in logit_order
+        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows, c_base, c_spare = torch.split(
+            host, [T, T, T, E, E, E, F, F, beams])
+        slots, g = self.rt[d_rows, d_pos], torch.cat(g)
+        if self.graphs is not None and T <= self.graphs.max_bs:
+            # each row as a decode row of seq_len position + 1: every row's K/V is in the pool
+            # before any attention runs, so row p sees rows <= p, as in the extend. One graph
+            # replay instead of the eager head (0.84 ms a step at batch 1 on an H200, ~0.2 of
+            # it the GPU's)
+            fb = ForwardBatch(
+                mode=ForwardMode.DECODE, input_ids=d_ids, positions=d_pos, out_cache_loc=slots,
+                req_pool_indices=d_rows, seq_lens=d_pos + 1,
+                logits_indices=torch.arange(T, device=dev), seq_lens_cpu=[p + 1 for p in pos])
+            logits, out = self.graphs.run(fb, g)  # (T, V), (T, H): the graph's buffers
+            last = e_last[:F]
+            logits, out = logits[last], out[last]  # (F, V), (F, H) copies, in chain order
+        else:
+            fb = ForwardBatch(
+                mode=ForwardMode.EXTEND, input_ids=d_ids, positions=d_pos, out_cache_loc=slots,
+                req_pool_indices=e_rows, seq_lens=e_lens, logits_indices=e_last,
+                seq_lens_cpu=[p + catch[i] for p, i in zip(pre_lens, entries)],
+                extend_prefix_lens_cpu=pre_lens, extend_lens_cpu=[catch[i] for i in entries],
+                num_decode_tail=sum(1 for i in entries if catch[i] == 1))
+            normed, out = self._forward(fb, g)  # (E, H) each, in logit_order
+            logits = (self.head.to_target(self.head.logits(normed[:F]), sched.vocab_size)
+                      if F else None)
+            out = out[:F]
         forwards = 1
         if not F:
             return [[] for _ in reqs], forwards
         chain_k = [ks[i] for i in chain]
         creqs = [reqs[i] for i in chain]
         if self.cfg.topk > 1:
-            trees, n = draft_trees(self, sched, creqs, c_rows, chain_k,
-                                   [self._nodes[i] for i in chain], normed[:F], out[:F])
+            trees, n = draft_trees(self, sched, creqs, c_rows, c_base, c_spare, chain_k,
+                                   [self._nodes[i] for i in chain], logits, out)
             self.stats["spec_draft_forwards"] += forwards + n
             drafts = [[] for _ in reqs]
             for i, t in zip(chain, trees):  # (cut at stop tokens and by grammars)
@@ -286,16 +309,18 @@ class Eagle3Speculator(StandaloneSpeculator):
         temp = sched.allocator.alloc(n_temp) if n_temp else None
         assert temp is not None or not n_temp, "draft() checked the free slots"
         try:
-            return self._chain(sched, creqs, reqs, chain, chain_k, c_rows, normed[:F], out[:F],
+            return self._chain(sched, creqs, reqs, chain, chain_k, c_rows, c_base, logits, out,
                                temp, forwards)
         finally:  # (the verify computes those positions for real; a failed chain frees too)
             if temp is not None:
                 sched.allocator.free(temp)
 
-    def _chain(self, sched, creqs, reqs, chain, chain_k, c_rows, normed, out, temp, forwards):
-        """Depths 1..k of the chain from the catch-up's last rows (normed, out: (F, H))."""
+    def _chain(self, sched, creqs, reqs, chain, chain_k, c_rows, base, first, out, temp,
+               forwards):
+        """Depths 1..k of the chain from the catch-up's last rows: first (F, V) their logits in
+        the target's vocabulary (depth 1's), out (F, H) their pre-norm outputs; base (F,) the
+        first draft positions (kv_len)."""
         dev, V, depth = sched.device, sched.vocab_size, max(chain_k)
-        base = torch.tensor([r.kv_len for r in creqs], device=dev)  # (F,) first draft position
         info = sched.running_info.take(chain)
         grammar = grammar_drafts.ChainGrammar(creqs, self.masks, self.draft_failed)
         self.undo.append(grammar.rollback)
@@ -324,7 +349,7 @@ class Eagle3Speculator(StandaloneSpeculator):
                     normed, out = self._forward(fb, out[:active])
                     logits = self.head.to_target(self.head.logits(normed), V)
             else:
-                logits = self.head.to_target(self.head.logits(normed), V)  # (active, V)
+                logits = first  # (active, V)
             self._sample_step(logits, grammar, info, creqs, active, sched, toks, qs)
         self.stats["spec_draft_forwards"] += forwards
         return self._collect(reqs, chain, chain_k, toks, qs, grammar), forwards

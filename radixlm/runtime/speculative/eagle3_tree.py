@@ -30,23 +30,24 @@ from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.speculative.tree import DraftTree, select_tree
 
 
-def draft_trees(spec, sched, creqs: list, c_rows: torch.Tensor, depths: list[int],
-                nodes: list[int], normed: torch.Tensor, out: torch.Tensor
-                ) -> tuple[list[DraftTree], int]:
-    """creqs: the drafting requests, deepest first; c_rows (F,) their pool rows on the device;
-    depths / nodes: each one's tree depth (<= its room) and node count; normed, out (F, H): the
-    head's output after each one's last token. Returns (their trees, head forwards run)."""
+def draft_trees(spec, sched, creqs: list, c_rows: torch.Tensor, c_base: torch.Tensor,
+                spare: torch.Tensor, depths: list[int], nodes: list[int], first: torch.Tensor,
+                out: torch.Tensor) -> tuple[list[DraftTree], int]:
+    """creqs: the drafting requests, deepest first; c_rows, c_base (F,) their pool rows and
+    kv_lens on the device; spare (F * k,) scratch rows of req_to_token, a beam's each;
+    depths / nodes: each one's tree depth (<= its room) and node count; first (F, V): the head's
+    logits after each one's last token, in the target's vocabulary; out (F, H): its pre-norm
+    output there. Returns (their trees, head forwards run)."""
     T, F, S = spec.cfg.topk, len(creqs), max(depths)
     head, rt, dev, V = spec.head, spec.rt, sched.device, sched.vocab_size
-    lp, tok = _top(head.logits(normed), T, head.hot)  # (F, T) each
+    lp, tok = _top(first, T, None)  # (F, T) each
     levels = [(lp, tok, None)]  # per level: scores, tokens (a, k or k * k), parent candidate
     beam_score, beam_tok = lp, tok  # (a, T)
     beam_cand = torch.arange(T, device=dev).expand(F, T)  # candidate index within the request
     feat = out.repeat_interleave(T, dim=0)  # (F * T, H) the features each beam's row reads
     src = c_rows.repeat_interleave(T)  # (F * T,) the req_to_token row its history comes from
-    spare = torch.tensor(sched.req_pool.spare_rows[: F * T], device=dev)
     kv = [r.kv_len for r in creqs]
-    base = torch.tensor(kv, device=dev).repeat_interleave(T)  # (F * T,)
+    base = c_base.repeat_interleave(T)  # (F * T,)
     n_temp = T * sum(max(0, d - 1) for d in depths)
     temp = sched.allocator.alloc(n_temp) if n_temp else None
     assert temp is not None or not n_temp, "draft() checked the free slots"

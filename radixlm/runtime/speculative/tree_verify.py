@@ -27,7 +27,7 @@ from radixlm.runtime.sampling.logprobs import token_logprobs
 from radixlm.runtime.sampling.sampler import SampleOutput
 from radixlm.runtime.scheduler.output import LogprobRows
 from radixlm.runtime.speculative.tree import DraftTree, accept_tree_rows
-from radixlm.runtime.speculative.verify import _STAGING, VerifyPlan, VerifyResult
+from radixlm.runtime.speculative.verify import VerifyPlan, VerifyResult, staged
 
 
 @dataclass
@@ -88,7 +88,7 @@ def build_tree_verify(reqs: list[Req], running_rows: list[int], drafts: list, re
     kid_grid = [[ids[c] for c in k] + [-1] * (T - len(k)) for k in children]
     anc_grid = [a + [-1] * (D - len(a)) for a in anc]
     S, H = len(src), len(path_flat)
-    flat = _STAGING.staging.to_device(
+    flat = staged(
         ids + pos + pool + [p + 1 for p in pos] + row_b + depth
         + [running_rows[b] for b in row_b] + list(range(R))
         + list(itertools.chain.from_iterable(kid_grid))
@@ -167,7 +167,7 @@ def write_paths(plan: TreePlan, paths: list[list[int]], req_pool) -> None:
         flat += [base + j for j in range(1, len(path))]
         rows += path[1:]
     if flat:
-        idx = _STAGING.staging.to_device(flat + rows, plan.slots.device)
+        idx = staged(flat + rows, plan.slots.device)
         n = len(flat)
         req_pool.req_to_token.view(-1).index_copy_(0, idx[:n], plan.slots[idx[n:]])
 

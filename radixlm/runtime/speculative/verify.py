@@ -106,7 +106,7 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
     # verify cannot hide behind the GPU.)
     # ... and last (R,) each row's flat index into req_to_token (its pool row, its position)
     width = req_pool.req_to_token.shape[1]
-    flat = _STAGING.staging.to_device(
+    flat = staged(
         ids + positions + [pool[b] for b in row_b] + [p + 1 for p in positions] + row_b + row_j
         + nxt + [running_rows[b] for b in row_b] + list(range(R)) + pool
         + [n + e for n, e in zip(kv_lens, ext)] + list(itertools.chain.from_iterable(grid))
@@ -179,6 +179,12 @@ class _PerThread(threading.local):  # one staging buffer per scheduler thread (e
 
 
 _STAGING = _PerThread()
+
+
+def staged(values: list[int], device: torch.device) -> torch.Tensor:
+    """Python ints -> an int64 tensor on `device`, in one copy through this thread's pinned
+    buffer on CUDA (a blocking copy from pageable memory would wait for the GPU's queue)."""
+    return _STAGING.staging.to_device(values, device)
 
 
 def _take_device_drafts(drafts: torch.Tensor, rows: torch.Tensor, dev: dict) -> None:
