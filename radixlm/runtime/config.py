@@ -218,12 +218,12 @@ class ServerArgs:
     metrics_names: str = "sglang"
     # --- speculative decoding (runtime/speculative): SGLang's flags ---
     speculative_algorithm: Optional[str] = None  # NGRAM | STANDALONE | EAGLE3
-    # chain depth (draft tokens per verify, top-k 1); None: num_draft_tokens - 1
+    # chain depth (draft tokens per verify, top-k 1) or a tree's levels; None: num_draft_tokens - 1
     speculative_num_steps: Optional[int] = None
     # tokens one verify forward computes per request: the last token + the drafts (SGLang's
     # meaning: with top-k 1 it is num_steps + 1); None: 8 (STANDALONE, EAGLE3: 4)
     speculative_num_draft_tokens: Optional[int] = None
-    speculative_eagle_topk: Optional[int] = None  # branching of a draft tree; only 1 (a chain)
+    speculative_eagle_topk: Optional[int] = None  # a draft tree's branching (EAGLE3); 1: a chain
     speculative_draft_model_path: Optional[str] = None  # STANDALONE's draft / EAGLE3's head
     # choose each step's draft lengths from acceptance and the batch's cost (0: plain decode)
     speculative_adaptive: bool = True

@@ -101,7 +101,7 @@ _HELP = {
     "speculative_num_draft_tokens": "tokens one verify computes per request (the last token + "
                                     "up to this - 1 drafts; default 8, STANDALONE 4)",
     "speculative_num_steps": "draft chain depth (default: num_draft_tokens - 1)",
-    "speculative_eagle_topk": "draft tree branching; only 1 (a chain) is built",
+    "speculative_eagle_topk": "draft tree branching (EAGLE3; 1: a chain)",
     "speculative_adaptive": "choose each step's draft lengths from recent acceptance and the "
                             "batch's measured step cost (--no-speculative-adaptive: always the "
                             "longest draft found)",

@@ -125,6 +125,19 @@ def test_grammar_prunes_and_masks_a_tree_along_each_path():
     assert prune_tree(req, tree) == DraftTree([2, 3, 0, 4, 5, 8, 2], [-1, -1, -1, 0, 0, 1, 2])
 
 
+def test_tree_sizes_stay_within_the_verify_rows_and_the_scratch_rows():
+    from radixlm.runtime.speculative.eagle3_tree import tree_sizes
+
+    cfg = spec_config.resolve(ServerArgs(speculative_algorithm="EAGLE3", speculative_eagle_topk=2,
+                                         speculative_draft_model_path="x"))  # 6 nodes at most
+    ks = [3, 1, 0, 2]
+    assert tree_sizes(cfg, 128, None, ks) == [6, 2, 0, 6] and ks == [3, 1, 0, 2]
+    ks = [3, 3, 3]  # 3 rows + 6 + 6 fit 16 verify rows; a third tree does not
+    assert tree_sizes(cfg, 128, 16, ks) == [6, 6, 0] and ks == [3, 3, 0]
+    ks = [3, 1, 2]  # 8 scratch rows: 6 nodes, then 2 more; a third tree's nodes would not fit
+    assert tree_sizes(cfg, 8, None, ks) == [6, 2, 0] and ks == [3, 1, 0]
+
+
 def test_tree_flags():
     def resolve(**kw):
         return spec_config.resolve(ServerArgs(speculative_algorithm="EAGLE3",

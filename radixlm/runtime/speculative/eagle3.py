@@ -15,9 +15,10 @@ KV the request kept). The target captures its features (fb.aux_hidden) only when
 (ModelRunner.capture_layers; also inside its decode CUDA graphs, which a verify replays).
 
 One step of drafting, batched over the running requests:
-  1. catch-up extend: each request's pending rows (at most `chunked_prefill_size` in all);
-     the last row of a request (position kv_len - 1, token: its last one) gives d_1 and the
-     head's pre-norm output o_1.
+  1. catch-up: each request's pending rows (at most `chunked_prefill_size` in all), an extend,
+     or decode rows of seq_len position + 1 through the head's graphs where they fit; the last
+     row of a request (position kv_len - 1, token: its last one) gives d_1 and the head's
+     pre-norm output o_1.
   2. depth j = 2..k: one decode forward of (d_{j-1}, o_{j-1}) at position kv_len + j - 2, its
      K/V in a slot taken from the target's free slots and freed after the chain (the verify's
      features recompute those rows for real).
@@ -47,7 +48,7 @@ from radixlm.runtime.speculative import eagle3_config, grammar_drafts, isolation
 from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
 from radixlm.runtime.speculative.eagle3_graphs import HeadGraphRunner
 from radixlm.runtime.speculative.eagle3_model import build_head
-from radixlm.runtime.speculative.eagle3_tree import draft_trees
+from radixlm.runtime.speculative.eagle3_tree import draft_trees, tree_sizes
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.standalone import StandaloneSpeculator, _tokens
 from radixlm.runtime.speculative.verify import staged
@@ -184,7 +185,8 @@ class Eagle3Speculator(StandaloneSpeculator):
         rooms = [draft_room(r, cfg.steps, sched.context_len) for r in reqs]
         ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs),
                                 verify_rows(sched))
-        self._nodes = self._tree_nodes(sched, ks) if cfg.topk > 1 else ks
+        self._nodes = (tree_sizes(cfg, len(sched.req_pool.spare_rows), verify_rows(sched), ks)
+                       if cfg.topk > 1 else ks)
         drafting = sum(k - 1 for k in ks if k) * cfg.topk  # (the head's own rows)
         if sched.allocator.available_size() < len(reqs) + sum(self._nodes) + drafting:
             ks = [0] * len(reqs)  # (the verify's slots, and the drafting's before them)
@@ -195,22 +197,6 @@ class Eagle3Speculator(StandaloneSpeculator):
         steady = sum(catch.values()) <= 2 * len(catch)  # (as standalone.py prices a chain)
         self._timing = (time.perf_counter() - t0, forwards, steady, None)
         return drafts
-
-    def _tree_nodes(self, sched, ks: list[int]) -> list[int]:
-        """Each request's tree size for depth ks[i] (0: none), within the verify's rows and the
-        scratch rows (a beam's row while drafting, a node's in the verify); ks of requests that
-        do not fit become 0."""
-        cfg, spare, cap = self.cfg, len(sched.req_pool.spare_rows), verify_rows(sched)
-        rows, drafting, nodes = len(ks), 0, []
-        for i, k in enumerate(ks):
-            n = min(cfg.max_draft, cfg.tree_candidates(k))
-            if n and ((cap is not None and rows + n > cap) or sum(nodes) + n > spare
-                      or (drafting + 1) * cfg.topk > spare):
-                ks[i], n = 0, 0
-            rows += n
-            drafting += 1 if n else 0
-            nodes.append(n)
-        return nodes
 
     def _plan(self, reqs, states, ks) -> tuple[list[int], dict[int, int]]:
         """(chain: the requests that draft, longest k first; catch: request -> pending rows it

@@ -11,7 +11,8 @@ at scratch slot 0), one more static input, g (the previous depth's pre-norm outp
 and two outputs: the (B, V) float32 target-vocabulary logits as the "logits" and the (B, H)
 pre-norm output, the next depth's g, where the base class keeps a target's layer features
 (`aux_outputs`). Both are views of the graph's buffers, valid until the next replay.
-The catch-up extend (depth 1's rows) stays eager: its row count varies from step to step.
+The catch-up (depth 1's rows) replays them too, one decode row per position, where its
+rows fit a bucket.
 """
 
 from __future__ import annotations

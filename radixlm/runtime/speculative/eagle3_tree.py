@@ -93,6 +93,22 @@ def draft_trees(spec, sched, creqs: list, c_rows: torch.Tensor, c_base: torch.Te
     return _trees(levels, depths, nodes, T), forwards
 
 
+def tree_sizes(cfg, spare: int, cap, ks: list[int]) -> list[int]:
+    """Each request's tree size for depth ks[i] (0: none), within the verify's rows (`cap`,
+    None: no limit) and the `spare` scratch rows (a beam's row while drafting, a node's in the
+    verify); ks of requests that do not fit become 0 (edited in place)."""
+    rows, drafting, nodes = len(ks), 0, []
+    for i, k in enumerate(ks):
+        n = min(cfg.max_draft, cfg.tree_candidates(k))
+        if n and ((cap is not None and rows + n > cap) or sum(nodes) + n > spare
+                  or (drafting + 1) * cfg.topk > spare):
+            ks[i], n = 0, 0
+        rows += n
+        drafting += 1 if n else 0
+        nodes.append(n)
+    return nodes
+
+
 def _top(logits: torch.Tensor, k: int, hot) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, V') -> the k best (log-probabilities (N, k) float32, target ids (N, k)); `hot`
     maps draft-vocabulary columns to target ids (None: the columns are target ids)."""
