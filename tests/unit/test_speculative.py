@@ -215,7 +215,7 @@ def test_bf16_drafts_give_plain_tokens_bit_for_bit(make_engine, integrity):
     integrity(spec)
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3", "EAGLE3-tree"])
 def test_bf16_batches_past_the_gguf_kernels_row_limit_stay_exact(algo, make_engine, integrity,
                                                                   tmp_path):
     """Past DIRECT_MAX_M running requests a GGUF model's plain step already multiplies by
@@ -231,14 +231,16 @@ def test_bf16_batches_past_the_gguf_kernels_row_limit_stay_exact(algo, make_engi
     plain = make_engine(**kw)
     if not plain.runner.keep_quantized:
         pytest.skip("the row limit is the GGUF kernels' direct path's; this CPU dequantizes")
-    if algo == "EAGLE3":  # a random head for the bundled SmolLM2 (576 wide, 30 layers)
+    if algo.startswith("EAGLE3"):  # a random head for the bundled SmolLM2 (576 wide, 30 layers)
         from tiny_models import write_tiny_eagle3
 
         head = write_tiny_eagle3(str(tmp_path / "head"), vocab=49152, hidden=576, heads=9,
                                  kv_heads=3, inter=256, draft_vocab=4096, aux_layers=(1, 14, 26))
         kw["speculative_draft_model_path"] = head
-    spec = make_engine(speculative_algorithm=algo, speculative_adaptive=False,
-                       speculative_num_draft_tokens=6, **kw)
+    if algo == "EAGLE3-tree":  # (trees of 5 nodes: each a decode row on a scratch row)
+        kw.update(speculative_eagle_topk=3, speculative_num_steps=2)
+    spec = make_engine(speculative_algorithm=algo.removesuffix("-tree"),
+                       speculative_adaptive=False, speculative_num_draft_tokens=6, **kw)
     params = [_params(max_new_tokens=12 + 3 * (i % 8)) for i in range(n)]  # the batch drains
     a = plain.generate(prompts, params, return_logprob=True)
     b = spec.generate(prompts, params, return_logprob=True)
