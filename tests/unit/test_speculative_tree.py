@@ -68,6 +68,28 @@ def test_greedy_rows_take_the_child_holding_the_argmax():
     assert choice.tolist() == [1, -1, -1, -1] and token.tolist() == [1, 0, 1, 0]
 
 
+def test_tree_rows_count_their_paths_drafts_for_min_tokens_and_penalties():
+    """verify_tree on a hand-made plan, one request, a chain-shaped tree root -> a -> b: with
+    2 tokens to go before its stop token may come, the root's row and a's (depth 1) mask it and
+    b's (depth 2) does not; a frequency penalty counts each row's path (b's row sees a and b)."""
+    from radixlm.runtime.speculative.tree_verify import TreePlan, verify_tree
+
+    req = _req(temperature=0, min_new_tokens=5, frequency_penalty=2.0)
+    req.stop_token_ids = {6}
+    info = SamplingBatchInfo.from_reqs([req], VS, "cpu")  # 3 outputs so far: 2 to go
+    logits = torch.tensor([[0, 0, 0, 0, 4.0, 2.0, 9.0, 0],  # stop masked: 4 (a)
+                           [0, 0, 0, 0, 4.0, 3.5, 9.0, 0],  # stop masked; 4 penalized: 5 (b)
+                           [0, 0, 0, 0, 4.0, 3.5, 9.0, 0]])  # the stop token, allowed now
+    dev = {"row_b": torch.zeros(3, dtype=torch.int64), "depth": torch.tensor([0, 1, 2]),
+           "info_row": torch.zeros(3, dtype=torch.int64),
+           "children": torch.tensor([[4], [5], [-1]]),
+           "ancestors": torch.tensor([[-1, -1], [4, -1], [4, 5]])}
+    plan = TreePlan([req], [0], [[4, 5]], [0], [10], torch.arange(3), [0, 0, 0], dev,
+                    children=[[1], [2], []], node_tokens=[0, 4, 5])
+    res = verify_tree(logits, plan, info, Sampler(), lambda x: None, False, 0)
+    assert res.tokens == [[4, 5, 6]] and res.accepted == [2] and res.paths == [[0, 1, 2]]
+
+
 def test_select_tree_takes_the_best_nodes_parents_first():
     # level 1: a (-0.1), b (-1.0); level 2 below a: c (-0.3), d (-0.1: a tie with its parent)
     tree = select_tree([-0.1, -1.0, -0.3, -0.1], [10, 11, 12, 13], [-1, -1, 0, 0], [1, 1, 2, 2],
@@ -230,6 +252,25 @@ def test_complete_trees_accept_every_path_of_hot_tokens(target, plain, integrity
         stats = eng.get_stats()
         assert (stats["spec_draft_tokens"], stats["spec_accepted_tokens"]) == want
         assert want[1] >= 10 and sum(s[2] for s in sims) >= 3  # (whole paths of depth 2)
+        # accepted paths under penalties (each row counts its path's drafts as output), a
+        # min-tokens floor on a hot stop token (each row's floor counts its depth), logprobs
+        # (each kept token's from its path row)
+        kw = dict(return_logprob=True, top_logprobs_num=2)
+        params = [_greedy(frequency_penalty=0.4, presence_penalty=0.2),
+                  _greedy(repetition_penalty=1.2), _greedy(stop_token_ids=[hot[0]],
+                                                           ignore_eos=False, min_new_tokens=6)]
+        for p in params:
+            a = plain.generate(input_ids=prompts, sampling_params=p, **kw)
+            before = eng.get_stats()["spec_accepted_tokens"]
+            b = eng.generate(input_ids=prompts, sampling_params=p, **kw)
+            assert [x["output_ids"] for x in a] == [x["output_ids"] for x in b]
+            for x, y in zip(a, b):
+                for u, v in zip(x["meta_info"]["output_token_logprobs"],
+                                y["meta_info"]["output_token_logprobs"]):
+                    assert u[1] == v[1] and abs(u[0] - v[0]) < 2e-4
+                assert ([t[1] for t in x["meta_info"]["output_top_logprobs"][-1]]
+                        == [t[1] for t in y["meta_info"]["output_top_logprobs"][-1]])
+            assert eng.get_stats()["spec_accepted_tokens"] > before
         # a stop token inside an accepted path: the tokens after it are dropped, their KV freed
         for o in ref:
             stop = next((t for t, u in zip(o[1:], o[2:]) if t in hot and u in hot), None)
