@@ -54,6 +54,20 @@ def test_standalone_greedy_matches_plain_decoding(tiny_llama_path):
     assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
 
 
+def test_standalone_trees_greedy_matches_plain_decoding(tiny_llama_path):
+    """The same draft drafting trees (top-k 2, 2 steps, all 6 nodes): its beams run on scratch
+    rows of its own req_to_token through its runner (decode graphs), the target verifies them
+    on its scratch rows; a verify accepts a depth-2 path wherever two tokens are left (fp32
+    near-ties aside)."""
+    ref, _ = _generate(tiny_llama_path)
+    got, stats = _generate(tiny_llama_path, speculative_algorithm="STANDALONE",
+                           speculative_draft_model_path=tiny_llama_path,
+                           speculative_adaptive=False, speculative_eagle_topk=2,
+                           speculative_num_steps=2, speculative_num_draft_tokens=7)
+    assert got == ref
+    assert stats["spec_accepted_tokens"] > 1.5 * stats["spec_verify_reqs"] > 0
+
+
 def test_rejection_sampling_on_the_device():
     from radixlm.runtime.request import Req
     from radixlm.runtime.sampling.sampler import Sampler

@@ -268,8 +268,9 @@ def test_refusals_name_the_flag(paths):
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         radixlm.Engine(model_path=paths["target"], speculative_draft_model_path=paths["vocab300"],
                        **SPEC, **KW)
+    # (top-k > 1, draft trees, is built: test_speculative_tree.py)
     for kw, name in ((dict(), "speculative_draft_model_path"),
-                     (dict(speculative_draft_model_path="x", speculative_eagle_topk=4),
+                     (dict(speculative_draft_model_path="x", speculative_eagle_topk=0),
                       "speculative_eagle_topk")):
         with pytest.raises(ValueError, match=name):
             spec_config.resolve(ServerArgs(speculative_algorithm="STANDALONE", **kw))

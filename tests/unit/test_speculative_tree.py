@@ -148,7 +148,7 @@ def test_grammar_prunes_and_masks_a_tree_along_each_path():
 
 
 def test_tree_sizes_stay_within_the_verify_rows_and_the_scratch_rows():
-    from radixlm.runtime.speculative.eagle3_tree import tree_sizes
+    from radixlm.runtime.speculative.draft_tree import tree_sizes
 
     cfg = spec_config.resolve(ServerArgs(speculative_algorithm="EAGLE3", speculative_eagle_topk=2,
                                          speculative_draft_model_path="x"))  # 6 nodes at most
@@ -407,3 +407,48 @@ def test_tree_stop_strings_and_regexes_match_plain_decoding(tiny_chat_path, tmp_
     finally:
         off.shutdown()
         on.shutdown()
+
+
+def test_standalone_trees_match_plain_decoding(target, plain, integrity):
+    """A draft model's trees (top-k 2, 2 steps, all 6 nodes): with the target as its own draft
+    each verify accepts a whole path of the tree's depth (the greedy path is in every complete
+    tree), so the accepted tokens are what the depths predict; with a
+    perturbed copy as the draft, part of them. Tokens, logprobs and both KV pools as plain
+    decoding's; the draft keeps none of a tree's KV (its next catch-up computes the kept
+    tokens)."""
+    import radixlm
+
+    from test_speculative_standalone import _perturbed
+
+    other = _perturbed(target[1], str(target[0] / "perturbed"), 0.01)
+    prompts = _prompts(5)
+    kw = dict(return_logprob=True, top_logprobs_num=2)
+    params = [_greedy(), _greedy(max_new_tokens=9), _greedy(max_new_tokens=20)]
+    ref = plain.generate(input_ids=prompts[:3], sampling_params=params, **kw)
+    # (penalties apply in the verify, not to the draft's scores: its greedy path is then no
+    # longer always in the tree)
+    penalized = dict(input_ids=prompts[3:], sampling_params=_greedy(frequency_penalty=0.3))
+    ref_penalized = plain.generate(**penalized)
+    for draft in (target[1], other):
+        eng = radixlm.Engine(model_path=target[1], speculative_algorithm="STANDALONE",
+                             speculative_adaptive=False, speculative_draft_model_path=draft,
+                             speculative_eagle_topk=2, speculative_num_steps=2,
+                             speculative_num_draft_tokens=7, **KW)
+        try:
+            outs = eng.generate(input_ids=prompts[:3], sampling_params=params, **kw)
+            for a, b in zip(ref, outs):
+                assert a["output_ids"] == b["output_ids"]
+                for x, y in zip(a["meta_info"]["output_token_logprobs"],
+                                b["meta_info"]["output_token_logprobs"]):
+                    assert x[1] == y[1] and abs(x[0] - y[0]) < 2e-4
+            stats = eng.get_stats()
+            if draft == target[1]:  # (room: min(2, tokens left - 1) a verify)
+                want = sum(_predicted(o["output_ids"], set(range(V)), 2, 2, 6)[1] for o in ref)
+                assert stats["spec_accepted_tokens"] == want
+            else:
+                assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+            assert ([o["output_ids"] for o in eng.generate(**penalized)]
+                    == [o["output_ids"] for o in ref_penalized])
+            integrity(eng)
+        finally:
+            eng.shutdown()

@@ -60,9 +60,12 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, tp: Optional[parallel_state.TPGroup] = None):
+    def __init__(self, args: ServerArgs, tp: Optional[parallel_state.TPGroup] = None,
+                 spare_rows: Optional[int] = None):
         """`tp`: the group this runner's model is sharded over (default: the process's, which
-        init_distributed set up); a draft model on rank 0 alone passes parallel_state.SINGLE."""
+        init_distributed set up); a draft model on rank 0 alone passes parallel_state.SINGLE.
+        `spare_rows`: req_to_token scratch rows for draft trees (default: what the args'
+        speculative flags need; a draft model's runner is told its beams' share)."""
         self.args = args
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":  # reuse freed activation blocks (see cpu_malloc)
@@ -157,12 +160,16 @@ class ModelRunner:
             from radixlm.runtime.speculative import eagle3_config  # (only with EAGLE3)
 
             self.capture_layers = eagle3_config.capture_layers(args, cfg)
-        decode_rows = args.max_running_requests * (spec.max_draft + 1 if spec else 1) + 1
+        if spare_rows is None:
+            spare_rows = spec.spare_rows(args.max_running_requests) if spec else 0
+        # (a draft tree's beams run as decode rows, a scratch row each)
+        decode_rows = max(args.max_running_requests * (spec.max_draft + 1 if spec else 1),
+                          spare_rows) + 1
         # +1 row of slack so a request being re-admitted never waits on its own row; a draft
         # tree's scratch rows after them
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests + 1, self.context_len + 1, self.device,
-            spare_rows=spec.spare_rows(args.max_running_requests) if spec else 0)
+            spare_rows=spare_rows)
         if self.mla_dims is not None:
             self.attn_backend = create_mla_backend(
                 self.attention_backend_name.removeprefix("mla_"), self.kv_pool,
@@ -276,8 +283,8 @@ class ModelRunner:
         from radixlm.runtime.speculative import draft_budget, spec_config  # (only here)
 
         draft_bpt, draft_weights = draft_budget.draft_memory(self.args, self.dtype)
-        max_draft = spec_config.resolve(self.args).max_draft
-        slack = draft_budget.pool_tokens(0, self.args, max_draft) * draft_bpt
+        per_request = spec_config.resolve(self.args).draft_inputs()
+        slack = draft_budget.pool_tokens(0, self.args, per_request) * draft_bpt
         return budget - draft_weights - slack, bpt + draft_bpt
 
     def replays_decode_graph(self, batch_size: int) -> bool:

@@ -19,8 +19,8 @@ prefill, retraction, jump-forward, finishing) is the scheduler's own code.
   draft_budget.py    the draft's config, pool tokens and bytes (the GPU budget's share)
   eagle3.py          EAGLE3 drafts: an EAGLE-3 head's chain over the target's captured features,
                      its one-layer KV indexed by the target's slots
-  eagle3_tree.py     EAGLE3 draft trees (top-k > 1): the head's beams, each on a scratch
-                     req_to_token row holding its path
+  draft_tree.py      draft trees (top-k > 1) of a draft model or an EAGLE-3 head: the draft's
+                     beams, each on a scratch req_to_token row holding its path
   eagle3_model.py    the head (fc, one decoder layer, d2t vocabulary map) and its checkpoint
   eagle3_config.py   the head's config, the target layers it reads, its memory
   adaptive.py        per step, whether to look drafts up at all (skipped steps, probes) and
@@ -42,8 +42,7 @@ Invariants (tested in tests/unit/test_speculative*.py): greedy output equals pla
 capacity (the rejected drafts' slots are freed in the step that computed them), and for a draft
 model's own pool free + held by running requests == capacity; grammar, stop strings/regex,
 logprobs and abort see exactly the tokens kept.
-Not yet: trees from STANDALONE or NGRAM, overlap of a verifying step (only skipped steps
-overlap).
+Not yet: n-gram trees, overlap of a verifying step (only skipped steps overlap).
 Under tensor parallelism a draft model or an EAGLE-3 head runs whole on rank 0.
 
 `create(args, sched)` returns the scheduler's speculator, or None when speculation is off.

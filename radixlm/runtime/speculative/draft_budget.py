@@ -25,9 +25,10 @@ def draft_config(args) -> ModelConfig:
     return ModelConfig.from_hf(loader.load_hf_config(path, draft_load_format(args)))
 
 
-def pool_tokens(target_capacity: int, args, max_draft: int) -> int:
-    """The draft pool's tokens: the target's plus one chain per running request."""
-    return target_capacity + (args.max_running_requests + 1) * (max_draft + 1)
+def pool_tokens(target_capacity: int, args, per_request: int) -> int:
+    """The draft pool's tokens: the target's plus one chain (or a tree's beams: `per_request`
+    draft inputs, SpecConfig.draft_inputs) per running request."""
+    return target_capacity + (args.max_running_requests + 1) * (per_request + 1)
 
 
 def draft_memory(args, dtype: torch.dtype) -> tuple[int, int]:

@@ -43,10 +43,12 @@ class DraftState:
         self.chain = 0  # this step: draft inputs held past base
 
 
-def build_draft_runner(args, target: ModelRunner, max_draft: int) -> ModelRunner:
+def build_draft_runner(args, target: ModelRunner, per_request: int,
+                       spare_rows: int = 0) -> ModelRunner:
     """The draft model's runner. Refuses a draft whose vocabulary differs from the target's (its
-    token ids would mean other text). Its pool: the target's tokens plus one chain of drafts per
-    running request (see the module docstring)."""
+    token ids would mean other text). Its pool: the target's tokens plus `per_request` draft
+    inputs per running request (see the module docstring); `spare_rows` scratch rows of its
+    req_to_token for a draft tree's beams."""
     path = args.speculative_draft_model_path
     cfg = draft_config(args)
     if cfg.vocab_size != target.model_config.vocab_size:
@@ -54,7 +56,7 @@ def build_draft_runner(args, target: ModelRunner, max_draft: int) -> ModelRunner
                          f"({cfg.vocab_size} tokens) differs from the target's "
                          f"({target.model_config.vocab_size}); a draft must share the target's "
                          "tokenizer")
-    capacity = pool_tokens(target.capacity, args, max_draft)
+    capacity = pool_tokens(target.capacity, args, per_request)
     # under tensor parallelism too the draft is whole and runs on rank 0 alone, the scheduler's
     # rank: its forwards are not sent to the other ranks, which only run the target's batches
     # (the verify's among them). Every rank's budget set the draft's share aside
@@ -65,7 +67,7 @@ def build_draft_runner(args, target: ModelRunner, max_draft: int) -> ModelRunner
                               speculative_algorithm=None, speculative_draft_model_path=None,
                               speculative_num_steps=None, speculative_num_draft_tokens=None,
                               speculative_eagle_topk=None)
-    return ModelRunner(draft_args, tp=parallel_state.SINGLE)
+    return ModelRunner(draft_args, tp=parallel_state.SINGLE, spare_rows=spare_rows)
 
 
 class DraftKV:

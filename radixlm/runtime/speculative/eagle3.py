@@ -27,8 +27,8 @@ elsewhere) and processed like the target's p (rejection.sample_draft); chains ar
 grammars and stop tokens as for a draft model (standalone.py's `_collect`).
 Under tensor parallelism the head runs on rank 0 with the target's whole embedding (kept there
 by ModelRunner) and the target's hidden states, which every rank holds whole.
-Draft trees (--speculative-eagle-topk > 1): eagle3_tree.py. Not built: targets whose forward is
-not llama.py's (Gemma, LLaVA).
+Draft trees (--speculative-eagle-topk > 1): draft_tree.py, the head's beams on scratch rows of
+the target's req_to_token. Not built: targets whose forward is not llama.py's (Gemma, LLaVA).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from radixlm.runtime.speculative import eagle3_config, grammar_drafts, isolation
 from radixlm.runtime.speculative.adaptive import Acceptance, AdaptivePolicy
 from radixlm.runtime.speculative.eagle3_graphs import HeadGraphRunner
 from radixlm.runtime.speculative.eagle3_model import build_head
-from radixlm.runtime.speculative.eagle3_tree import draft_trees, tree_sizes
+from radixlm.runtime.speculative.draft_tree import (Beams, draft_trees, prune_trees,
+                                                     tree_sizes)
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.standalone import StandaloneSpeculator, _tokens
 from radixlm.runtime.speculative.verify import staged
@@ -281,16 +282,12 @@ class Eagle3Speculator(StandaloneSpeculator):
         chain_k = [ks[i] for i in chain]
         creqs = [reqs[i] for i in chain]
         if self.cfg.topk > 1:
-            trees, n = draft_trees(self, sched, creqs, c_rows, c_base, c_spare, chain_k,
-                                   [self._nodes[i] for i in chain], logits, out)
+            beams = Beams(self.cfg.topk, self.rt, sched.allocator, self._beam_forward)
+            trees, n = draft_trees(beams, creqs, c_rows, c_base, [r.kv_len for r in creqs],
+                                   c_spare, chain_k, [self._nodes[i] for i in chain], logits,
+                                   out)
             self.stats["spec_draft_forwards"] += forwards + n
-            drafts = [[] for _ in reqs]
-            for i, t in zip(chain, trees):  # (cut at stop tokens and by grammars)
-                try:
-                    drafts[i] = grammar_drafts.prune_tree(reqs[i], t)
-                except Exception as e:
-                    self.draft_failed(reqs[i], e, "its grammar in the draft tree")
-            return drafts, forwards + n
+            return prune_trees(self, reqs, chain, trees), forwards + n
         n_temp = sum(k - 1 for k in chain_k)  # the chain's own K/V, past each kv_len
         temp = sched.allocator.alloc(n_temp) if n_temp else None
         assert temp is not None or not n_temp, "draft() checked the free slots"
@@ -300,6 +297,14 @@ class Eagle3Speculator(StandaloneSpeculator):
         finally:  # (the verify computes those positions for real; a failed chain frees too)
             if temp is not None:
                 sched.allocator.free(temp)
+
+    def _beam_forward(self, fb: ForwardBatch, g: torch.Tensor):
+        """A tree's beams: (logits (B, V) in the target's vocabulary, pre-norm outputs (B, H)),
+        through the head's graphs where they take the batch."""
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.run(fb, g)
+        normed, out = self._forward(fb, g)
+        return self.head.to_target(self.head.logits(normed), self.vocab), out
 
     def _chain(self, sched, creqs, reqs, chain, chain_k, c_rows, base, first, out, temp,
                forwards):

@@ -5,11 +5,11 @@ SGLang's meaning of the numbers, kept here:
   (top-k 1) that is the request's last token plus `num_draft_tokens - 1` drafts.
 - `speculative_num_steps`: the chain's depth, `num_draft_tokens - 1` with top-k 1. Given both and
   inconsistent, SGLang sets num_draft_tokens = num_steps + 1 and warns; so does this.
-- `speculative_eagle_topk`: the draft tree's branching (EAGLE3; 1: a chain). With top-k > 1 each
-  of `num_steps` head forwards expands the best top-k nodes of the level before into top-k
-  children each, and the `num_draft_tokens - 1` best nodes by the head's path probability are
-  verified as a tree (eagle3_tree.py, tree_verify.py); SGLang's defaults there are the caller's
-  to give, else 3 steps and 1 + steps * top-k tokens. STANDALONE and NGRAM draft chains.
+- `speculative_eagle_topk`: the draft tree's branching (STANDALONE, EAGLE3; 1: a chain). With
+  top-k > 1 each of `num_steps` draft forwards expands the best top-k nodes of the level before
+  into top-k children each, and the `num_draft_tokens - 1` best nodes by the draft's path
+  probability are verified as a tree (draft_tree.py, tree_verify.py); SGLang's defaults there
+  are the caller's to give, else 3 steps and 1 + steps * top-k tokens. NGRAM drafts chains.
 - `speculative_draft_model_path`: STANDALONE's draft model (its vocabulary must be the
   target's: checked when the draft loads, standalone.py), or EAGLE3's head (a
   LlamaForCausalLMEagle3 checkpoint: eagle3_config.py). Their chains default to 3 drafts.
@@ -54,6 +54,11 @@ class SpecConfig:
         top-k children each below."""
         return self.topk + (depth - 1) * self.topk * self.topk if depth > 0 else 0
 
+    def draft_inputs(self) -> int:
+        """Draft KV slots one request's drafting holds past its own KV: a chain's inputs (at
+        most max_draft), or a tree's beams (top-k at each level below the first)."""
+        return max(self.max_draft, self.topk * max(0, self.steps - 1))
+
     def spare_rows(self, max_running_requests: int) -> int:
         """req_to_token scratch rows for draft trees (0 for chains)."""
         if self.topk == 1:
@@ -94,9 +99,10 @@ def resolve(args) -> Optional[SpecConfig]:
         raise ValueError(f"speculative_eagle_topk: must be an integer in [1, {MAX_TOPK}] "
                          f"(got {topk!r})")
     topk = topk or 1
-    if topk > 1 and algo != "EAGLE3":
-        raise ValueError(f"speculative_eagle_topk={topk}: draft trees are built for EAGLE3; "
-                         f"{algo} drafts chains (top-k 1)")
+    if topk > 1 and algo not in MODEL_DRAFTS:
+        raise ValueError(f"speculative_eagle_topk={topk}: draft trees are built for a draft "
+                         f"model or an EAGLE-3 head (STANDALONE, EAGLE3); {algo} drafts chains "
+                         "(top-k 1)")
     steps, tokens = args.speculative_num_steps, args.speculative_num_draft_tokens
     for name, v in (("speculative_num_steps", steps), ("speculative_num_draft_tokens", tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

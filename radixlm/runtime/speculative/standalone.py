@@ -17,6 +17,9 @@ the grammar's end (nothing after them can be kept). The verify accepts d_j with
 min(1, p/q_j) and resamples from max(0, p - q_j) (rejection.py). After it (`settle`), the
 draft keeps the KV of its inputs the verify accepted; the rest is freed in the same step.
 
+Draft trees (`--speculative-eagle-topk` > 1): after the catch-up, draft_tree.py's beams on
+scratch rows of the draft's req_to_token, their KV freed after the drafting (the next
+catch-up computes the tokens the verify kept); one more sync (the tree's shape).
 Host syncs: the verify's only; the drafts stay on the device (verify.build_verify reads them
 there), unless a drafting request has a grammar (its matcher walks each depth's drafts on the
 host: one sync per depth). The draft forwards are timed apart: the adaptive policy prices a
@@ -35,15 +38,19 @@ from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative import grammar_drafts, isolation
 from radixlm.runtime.speculative.draft_runner import DraftKV, build_draft_runner
+from radixlm.runtime.speculative.draft_tree import Beams, draft_trees, prune_trees, tree_sizes
 from radixlm.runtime.speculative.rejection import sample_draft
 from radixlm.runtime.speculative.spec_config import SpecConfig
+from radixlm.runtime.speculative.verify import staged
 from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
 
 
 class StandaloneSpeculator(Speculator):
     def __init__(self, cfg: SpecConfig, sched):
         super().__init__(cfg, sched)
-        self.kv = DraftKV(build_draft_runner(sched.args, sched.runner, cfg.max_draft))
+        self.kv = DraftKV(build_draft_runner(
+            sched.args, sched.runner, cfg.draft_inputs(),
+            cfg.spare_rows(sched.args.max_running_requests)))
         self.runner = self.kv.runner
         self._init_chain(sched)
 
@@ -79,10 +86,15 @@ class StandaloneSpeculator(Speculator):
         self._q, self._q_rows, self._grid, self._grid_row = None, {}, None, {}
         self._timing = None
         states = [self.kv.state(r) for r in reqs]
-        rooms = [draft_room(r, self.cfg.max_draft, sched.context_len) for r in reqs]
+        cfg = self.cfg
+        rooms = [draft_room(r, cfg.steps, sched.context_len) for r in reqs]
         ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs),
                                 verify_rows(sched))
-        if not any(ks) or sched.allocator.available_size() < len(reqs) + sum(ks):
+        self._nodes = ks
+        if cfg.topk > 1:  # (scratch rows: the target's for the verify, the draft's for beams)
+            spare = min(len(sched.req_pool.spare_rows), len(self.kv.req_pool.spare_rows))
+            self._nodes = tree_sizes(cfg, spare, verify_rows(sched), ks)
+        if not any(ks) or sched.allocator.available_size() < len(reqs) + sum(self._nodes):
             return [[] for _ in reqs]  # (the verify's target slots are never evicted for)
         chain, catch = self._plan(reqs, states, ks)
         drafts = [[] for _ in reqs]
@@ -128,7 +140,9 @@ class StandaloneSpeculator(Speculator):
             elif budget > 0:  # a long prompt: part of it now, the draft later
                 catch[i] = budget
                 budget = 0
-        need = lambda: sum(catch.values()) + sum(ks[i] - 1 for i in chain)  # noqa: E731
+        # (a chain's inputs past the catch-up; a tree's: top-k beams a level below the first)
+        need = lambda: sum(catch.values()) + self.cfg.topk * sum(  # noqa: E731
+            ks[i] - 1 for i in chain)
         if need() > self.kv.free_size():  # the idle requests' draft KV goes first
             self.stats["spec_draft_kv_short"] += 1
             for i, req in enumerate(reqs):
@@ -147,7 +161,10 @@ class StandaloneSpeculator(Speculator):
         n_catch = sum(catch.values())
         chain_k = [ks[i] for i in chain]
         F, depth = len(chain), max(chain_k, default=1)
-        slots = kv.allocator.alloc(n_catch + sum(k - 1 for k in chain_k))
+        tree = self.cfg.topk > 1
+        if tree:  # (the beams' inputs: draft_tree.py's own slots and scratch rows)
+            depth = 1
+        slots = kv.allocator.alloc(n_catch + sum(k - 1 for k in chain_k) * (not tree))
         assert slots is not None, "_plan fitted the draft pool"
         # a failed chain (isolation.py) frees the slots it took and puts the states back
         self.undo += [lambda: kv.allocator.free(slots),
@@ -162,22 +179,22 @@ class StandaloneSpeculator(Speculator):
             ends[i] = len(pos) - 1
         grid = []  # (F, depth - 1) indices into `slots` of each chain's inputs d_1 .. d_{k-1}
         for i, k in zip(chain, chain_k):
+            if tree:
+                break
             base = reqs[i].seqlen
             grid.append([len(pos) + j for j in range(k - 1)] + [0] * (depth - k))
             rows += [states[i].row] * (k - 1)
             pos += range(base, base + k - 1)
         E = len(entries)
-        host = torch.tensor(ids + rows + pos + [states[i].row for i in entries]
-                            + [states[i].kv_len + catch[i] for i in entries]
-                            + [ends[i] for i in chain + [i for i in entries if i not in chain]]
-                            + [states[i].row for i in chain] + [reqs[i].seqlen for i in chain]
-                            + sum(grid, []), dtype=torch.int64)
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(dev, non_blocking=True)
+        beams = F * self.cfg.topk if tree else 0
+        flat = staged(ids + rows + pos + [states[i].row for i in entries]
+                      + [states[i].kv_len + catch[i] for i in entries]
+                      + [ends[i] for i in chain + [i for i in entries if i not in chain]]
+                      + [states[i].row for i in chain] + [reqs[i].seqlen for i in chain]
+                      + sum(grid, []) + kv.req_pool.spare_rows[:beams], dev)
         N, T = n_catch, len(pos)
-        parts = torch.split(flat, [N, T, T, E, E, E, F, F, F * (depth - 1)])
-        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows, c_base, c_grid = parts
+        parts = torch.split(flat, [N, T, T, E, E, E, F, F, F * (depth - 1), beams])
+        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows, c_base, c_grid, c_spare = parts
         kv.rt[d_rows, d_pos] = slots
         fb = ForwardBatch(
             mode=ForwardMode.EXTEND, input_ids=d_ids, positions=d_pos[:N],
@@ -193,6 +210,15 @@ class StandaloneSpeculator(Speculator):
         forwards = 1
         if not F:  # catch-ups only (a long prompt's next part)
             return [[] for _ in reqs], forwards
+        if tree:  # (the draft keeps none of the beams' KV: its next catch-up computes the
+            # tokens the verify kept)
+            forward = lambda fb, _: (self.runner.forward(fb), None)  # noqa: E731
+            trees, n = draft_trees(Beams(self.cfg.topk, kv.rt, kv.allocator, forward),
+                                   [reqs[i] for i in chain], c_rows, c_base,
+                                   [reqs[i].seqlen for i in chain], c_spare, chain_k,
+                                   [self._nodes[i] for i in chain], logits, None)
+            self.stats["spec_draft_forwards"] += forwards + n
+            return prune_trees(self, reqs, chain, trees), forwards + n
         c_grid = c_grid.view(F, depth - 1)
         creqs = [reqs[i] for i in chain]
         info = sched.running_info.take(chain)

@@ -1,22 +1,24 @@
-"""EAGLE3's draft trees (`--speculative-eagle-topk` > 1): the head expands the best paths.
+"""Draft trees of a draft model or an EAGLE-3 head (`--speculative-eagle-topk` > 1): the
+draft expands the best paths.
 
-From the catch-up's last row of each drafting request (eagle3.py: the head's output after
-the request's last token), level 1 is the head's top-k tokens. Then at each level j = 2..S
-the top-k beams (the best paths so far by summed log-probability under the head) each run one
-head decode row, (beam token, features of the forward that drafted it) at position
-kv_len + j - 2, and propose top-k children: k * k candidates, of which the best k are the next
-beams. Every candidate is kept; after the last level the best `nodes` of them (never deeper
-than the request's chosen depth) form its tree (tree.select_tree), verified by tree_verify.py.
+From the draft's logits after each drafting request's last token, level 1 is its top-k tokens.
+Then at each level j = 2..S the top-k beams (the best paths so far by summed log-probability
+under the draft) each run one draft decode row, the beam's token at position base + j - 2
+(base: the position of the request's first draft input: the draft model's seqlen, the head's
+kv_len), and propose top-k children: k * k candidates, of which the best k are the next beams.
+Every candidate is kept; after the last level the best `nodes` of them (never deeper than the
+request's chosen depth) form its tree (tree.select_tree), verified by tree_verify.py.
 
-A beam's head row attends to its own path only: each beam has a scratch row of the target's
-req_to_token (ReqToTokenPool.spare_rows) holding the request's history and its path's slots,
+A beam's row attends to its own path only: each beam has a scratch row of the draft's
+req_to_token (ReqToTokenPool.spare_rows: the target's for the head, whose KV is indexed by the
+target's slots; the draft model's own) holding the request's history and its path's slots,
 copied from its parent's row at each level (one gather), its K/V in a slot taken from the
-target's free slots for the drafting and freed after it (the verify's features recompute the
-rows it keeps). Rows are request-major: request f's beams are rows f*k .. f*k + k - 1, and a
-request whose depth ends before level j leaves the batch there (the requests come deepest
-first), so no row ever runs past its request's room.
+draft's free slots and freed after the drafting: the verify computes the kept tokens for real,
+and the draft's next catch-up computes them on the draft. Rows are request-major: request f's
+beams are rows f*k .. f*k + k - 1, and a request whose depth ends before level j leaves the
+batch there (the requests come deepest first), so no row ever runs past its request's room.
 
-Scores are the head's raw log-probabilities (no penalties, temperature or grammar: they only
+Scores are the draft's raw log-probabilities (no penalties, temperature or grammar: they only
 choose which nodes are verified; the verify applies the request's sampling exactly). One
 device -> host copy of all candidates after the last level: the tree's shape is the host's
 to know (the verify's rows and scratch rows are laid out there).
@@ -24,38 +26,56 @@ to know (the verify's rows and scratch rows are laid out there).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.speculative import grammar_drafts
 from radixlm.runtime.speculative.tree import DraftTree, select_tree
 
 
-def draft_trees(spec, sched, creqs: list, c_rows: torch.Tensor, c_base: torch.Tensor,
-                spare: torch.Tensor, depths: list[int], nodes: list[int], first: torch.Tensor,
-                out: torch.Tensor) -> tuple[list[DraftTree], int]:
-    """creqs: the drafting requests, deepest first; c_rows, c_base (F,) their pool rows and
-    kv_lens on the device; spare (F * k,) scratch rows of req_to_token, a beam's each;
-    depths / nodes: each one's tree depth (<= its room) and node count; first (F, V): the head's
-    logits after each one's last token, in the target's vocabulary; out (F, H): its pre-norm
-    output there. Returns (their trees, head forwards run)."""
-    T, F, S = spec.cfg.topk, len(creqs), max(depths)
-    head, rt, dev, V = spec.head, spec.rt, sched.device, sched.vocab_size
-    lp, tok = _top(first, T, None)  # (F, T) each
+@dataclass
+class Beams:
+    """The draft side of a tree's drafting."""
+
+    topk: int
+    rt: torch.Tensor  # (rows, context) the draft's req_to_token (scratch rows included)
+    allocator: object  # the draft's slot allocator (the beams' K/V)
+    # forward(fb, state (rows, H) or None) -> (logits (rows, V) float32 over the target's
+    # vocabulary, the next level's state (rows, H) or None): one decode batch of beams
+    forward: Callable
+
+
+def draft_trees(beams: Beams, creqs: list, c_rows: torch.Tensor, c_base: torch.Tensor,
+                base: list[int], spare: torch.Tensor, depths: list[int], nodes: list[int],
+                first: torch.Tensor, state: Optional[torch.Tensor]
+                ) -> tuple[list[DraftTree], int]:
+    """creqs: the drafting requests, deepest first; c_rows (F,) their rows of beams.rt,
+    c_base / base (F,) on the device / host their first draft positions; spare (F * k,)
+    scratch rows of beams.rt, a beam's each; depths / nodes: each one's tree depth (<= its
+    room) and node count; first (F, V): the draft's logits after each one's last token;
+    state (F, H): what a beam's row reads besides its token (EAGLE-3: the head's pre-norm
+    output there), or None. Returns (their trees, draft forwards run)."""
+    T, F, S = beams.topk, len(creqs), max(depths)
+    rt, dev = beams.rt, first.device
+    lp, tok = _top(first, T)  # (F, T) each
     levels = [(lp, tok, None)]  # per level: scores, tokens (a, k or k * k), parent candidate
     beam_score, beam_tok = lp, tok  # (a, T)
     beam_cand = torch.arange(T, device=dev).expand(F, T)  # candidate index within the request
-    feat = out.repeat_interleave(T, dim=0)  # (F * T, H) the features each beam's row reads
+    feat = None if state is None else state.repeat_interleave(T, dim=0)  # (F * T, H)
     src = c_rows.repeat_interleave(T)  # (F * T,) the req_to_token row its history comes from
-    kv = [r.kv_len for r in creqs]
-    base = c_base.repeat_interleave(T)  # (F * T,)
+    kv = base
+    pos0 = c_base.repeat_interleave(T)  # (F * T,)
     n_temp = T * sum(max(0, d - 1) for d in depths)
-    temp = sched.allocator.alloc(n_temp) if n_temp else None
+    temp = beams.allocator.alloc(n_temp) if n_temp else None
     assert temp is not None or not n_temp, "draft() checked the free slots"
     forwards, used, n_cand = 0, 0, T
     try:
         for j in range(2, S + 1):
             a = sum(1 for d in depths if d >= j)  # requests still drafting (a prefix)
-            rows, p = spare[: a * T], base[: a * T] + (j - 2)
+            rows, p = spare[: a * T], pos0[: a * T] + (j - 2)
             width = max(kv[:a]) + j - 2  # columns before each row's own position
             rt[rows, :width] = rt[src[: a * T], :width]  # (gathered first: rows may be sources)
             slots = temp[used : used + a * T]
@@ -67,12 +87,8 @@ def draft_trees(spec, sched, creqs: list, c_rows: torch.Tensor, c_base: torch.Te
                 logits_indices=torch.arange(a * T, device=dev),
                 seq_lens_cpu=[kv[f] + j - 1 for f in range(a) for _ in range(T)])
             forwards += 1
-            if spec.graphs is not None and spec.graphs.can_run(fb):
-                logits, nxt = spec.graphs.run(fb, feat[: a * T])  # (target vocabulary)
-                c_lp, c_tok = _top(logits, T, None)
-            else:
-                h, nxt = spec._forward(fb, feat[: a * T])
-                c_lp, c_tok = _top(head.logits(h), T, head.hot)
+            logits, nxt = beams.forward(fb, None if feat is None else feat[: a * T])
+            c_lp, c_tok = _top(logits, T)
             # (a, T * T): child (beam i, choice c) at column i * T + c
             score = (beam_score[:a].reshape(-1, 1) + c_lp).view(a, T * T)
             c_tok = c_tok.view(a, T * T)
@@ -85,12 +101,26 @@ def draft_trees(spec, sched, creqs: list, c_rows: torch.Tensor, c_base: torch.Te
                 beam_cand = n_cand + best
                 from_row = (torch.arange(b, device=dev).view(-1, 1) * T
                             + torch.div(best, T, rounding_mode="floor")).view(-1)  # (b * T,)
-                feat, src = nxt[from_row], rows[from_row]  # (copies: nxt may be a graph buffer)
+                src = rows[from_row]
+                if nxt is not None:  # (a copy: nxt may be a graph's buffer)
+                    feat = nxt[from_row]
             n_cand += T * T
     finally:
         if temp is not None:
-            sched.allocator.free(temp)
+            beams.allocator.free(temp)
     return _trees(levels, depths, nodes, T), forwards
+
+
+def prune_trees(spec, reqs: list, chain: list[int], trees: list[DraftTree]) -> list:
+    """Each drafting request's tree cut by its stop tokens and grammar (reqs[chain[f]] drafted
+    trees[f]); the others' drafts: [] each. A grammar that raises fails its request alone."""
+    drafts: list = [[] for _ in reqs]
+    for i, t in zip(chain, trees):
+        try:
+            drafts[i] = grammar_drafts.prune_tree(reqs[i], t)
+        except Exception as e:
+            spec.draft_failed(reqs[i], e, "its grammar in the draft tree")
+    return drafts
 
 
 def tree_sizes(cfg, spare: int, cap, ks: list[int]) -> list[int]:
@@ -109,11 +139,9 @@ def tree_sizes(cfg, spare: int, cap, ks: list[int]) -> list[int]:
     return nodes
 
 
-def _top(logits: torch.Tensor, k: int, hot) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (N, V') -> the k best (log-probabilities (N, k) float32, target ids (N, k)); `hot`
-    maps draft-vocabulary columns to target ids (None: the columns are target ids)."""
-    lp, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return lp, (hot[ids] if hot is not None else ids)
+def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V) -> the k best (log-probabilities (N, k) float32, token ids (N, k))."""
+    return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
 
 
 def _trees(levels, depths: list[int], nodes: list[int], T: int) -> list[DraftTree]:
