@@ -54,6 +54,21 @@ def test_adaptive_drafts_where_it_pays():
     assert AdaptivePolicy(False, "cpu").choose(_records(0, 40, 2), [3, 5], [1, 1]) == [3, 5]
 
 
+def test_tree_depths_are_priced_by_their_rows():
+    """A draft tree of depth j takes rows(j) verify rows: within the step's rows with adaptivity
+    off; with it on, a depth that adds many rows must pay for all of them."""
+    rows = [0, 2, 6, 6].__getitem__  # top-k 2, 6 nodes at most
+    fixed = AdaptivePolicy(False, "cpu")
+    assert fixed.choose(_records(0, 40, 2), [3, 3], [1, 1], 2 + 10, rows) == [3, 1]
+    pol = AdaptivePolicy(adaptive=True, device_type="cpu")
+    for _ in range(40):  # a row costs a fifth of the fixed cost
+        for T in (1, 4, 8):
+            pol.observe_step(T, 0.05 * (1 + 0.2 * T))
+    assert pol.choose(_records(40, 42, 1), [3], [1]) == [3]  # a chain: 3 rows pay
+    deep = pol.choose(_records(40, 42, 1), [3], [1], None, [0, 2, 30, 60].__getitem__)
+    assert deep == [1]  # the second level's 28 rows do not
+
+
 def _plain_and_verify_steps(pol, plain_s: float, verify_s: float, n: int = 30) -> None:
     for _ in range(n):  # batch 1: plain steps, and verifies of 3 tokens that cost verify_s
         pol.observe_step(1, plain_s)

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from radixlm.runtime.speculative.step_cost import COST_BIN_WEIGHT, CostModel
 
@@ -217,9 +217,13 @@ class AdaptivePolicy:
             self.dry_steps = 0  # accepted drafts: look them up every step again
 
     def choose(self, recs: list[Acceptance], lens: list[int], matches: list[int],
-               max_tokens: Optional[int] = None) -> list[int]:
+               max_tokens: Optional[int] = None,
+               rows: Optional[Callable[[int], int]] = None) -> list[int]:
         """Draft length per request (<= lens[i], the draft it has); 0: plain decode. The step
-        computes at most `max_tokens` tokens (B + drafts), when given."""
+        computes at most `max_tokens` tokens (B + drafts), when given. `rows(j)`: the verify
+        rows a draft of length j takes (a draft tree's nodes at depth j; default j): the
+        j-th token's cost is then rows(j) - rows(j - 1) rows."""
+        width = (lambda j: 1) if rows is None else (lambda j: rows(j) - rows(j - 1))
         B = len(lens)
         room = (max_tokens - B) if max_tokens is not None else sum(lens)
         if self.probing or (self.fast_skips and not self.ov_measured):
@@ -233,8 +237,11 @@ class AdaptivePolicy:
             cap = lens if not self.probing else [min(n, PROBE_TOKENS) for n in lens]
             ks = []
             for n in cap:
-                ks.append(min(n, max(room, 0)))
-                room -= ks[-1]
+                k = 0
+                while k < n and width(k + 1) <= room:
+                    k += 1
+                    room -= width(k)
+                ks.append(k)
             return ks
         if found and self.fast_skips and self._plain_time(B) is None:
             return [0] * B  # a plain step of this batch first: verifies are measured against it
@@ -252,15 +259,15 @@ class AdaptivePolicy:
         S = 0  # the chain's depth so far (draft forwards)
         while heap and room > 0:
             neg, i, j = heap[0]
-            g = -neg
-            dc = rho_m + (rho_dm if j > S else 0.0)
-            if g <= E * dc / (1.0 + rho_m * (T - B) + rho_dm * S + OV):
+            g, w = -neg, width(j)
+            dc = rho_m * w + (rho_dm if j > S else 0.0)
+            if w > room or g <= E * dc / (1.0 + rho_m * (T - B) + rho_dm * S + OV):
                 break
             heapq.heappop(heap)
             ks[i] = j
             E += g
-            T += 1
-            room -= 1
+            T += w
+            room -= w
             S = max(S, j)
             if j < lens[i]:
                 heapq.heappush(heap, (-g * rates[i], i, j + 1))

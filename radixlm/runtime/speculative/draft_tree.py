@@ -129,7 +129,7 @@ def tree_sizes(cfg, spare: int, cap, ks: list[int]) -> list[int]:
     verify); ks of requests that do not fit become 0 (edited in place)."""
     rows, drafting, nodes = len(ks), 0, []
     for i, k in enumerate(ks):
-        n = min(cfg.max_draft, cfg.tree_candidates(k))
+        n = cfg.tree_rows(k)
         if n and ((cap is not None and rows + n > cap) or sum(nodes) + n > spare
                   or (drafting + 1) * cfg.topk > spare):
             ks[i], n = 0, 0

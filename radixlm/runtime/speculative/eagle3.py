@@ -185,7 +185,7 @@ class Eagle3Speculator(StandaloneSpeculator):
         cfg = self.cfg
         rooms = [draft_room(r, cfg.steps, sched.context_len) for r in reqs]
         ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs),
-                                verify_rows(sched))
+                                verify_rows(sched), cfg.tree_rows if cfg.topk > 1 else None)
         self._nodes = (tree_sizes(cfg, len(sched.req_pool.spare_rows), verify_rows(sched), ks)
                        if cfg.topk > 1 else ks)
         drafting = sum(k - 1 for k in ks if k) * cfg.topk  # (the head's own rows)

@@ -54,6 +54,10 @@ class SpecConfig:
         top-k children each below."""
         return self.topk + (depth - 1) * self.topk * self.topk if depth > 0 else 0
 
+    def tree_rows(self, depth: int) -> int:
+        """Verify rows of a tree of `depth` levels (its nodes)."""
+        return min(self.max_draft, self.tree_candidates(depth))
+
     def draft_inputs(self) -> int:
         """Draft KV slots one request's drafting holds past its own KV: a chain's inputs (at
         most max_draft), or a tree's beams (top-k at each level below the first)."""

@@ -89,7 +89,7 @@ class StandaloneSpeculator(Speculator):
         cfg = self.cfg
         rooms = [draft_room(r, cfg.steps, sched.context_len) for r in reqs]
         ks = self.policy.choose([s.record for s in states], rooms, [1] * len(reqs),
-                                verify_rows(sched))
+                                verify_rows(sched), cfg.tree_rows if cfg.topk > 1 else None)
         self._nodes = ks
         if cfg.topk > 1:  # (scratch rows: the target's for the verify, the draft's for beams)
             spare = min(len(sched.req_pool.spare_rows), len(self.kv.req_pool.spare_rows))
