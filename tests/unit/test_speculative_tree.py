@@ -286,6 +286,19 @@ def test_complete_trees_accept_every_path_of_hot_tokens(target, plain, integrity
         integrity(eng)
     finally:
         eng.shutdown()
+    # the adaptive policy choosing each step's depths (priced by the rows they add): tokens
+    # equal whatever it chooses
+    eng = radixlm.Engine(model_path=target[1], speculative_algorithm="EAGLE3",
+                         speculative_draft_model_path=head, speculative_eagle_topk=2,
+                         speculative_num_steps=2, speculative_num_draft_tokens=7, **KW)
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params=_greedy())
+        assert [o["output_ids"] for o in outs] == ref
+        assert eng.get_stats()["spec_verify_steps"] > 0  # (drafting where it pays: here
+        # the head's forward and a tree's 2 + 4 rows cost more than its hits bring, so none)
+        integrity(eng)
+    finally:
+        eng.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -353,12 +366,13 @@ def test_tree_stop_tokens_sampling_seeds_and_abort(plain, tree_engine, integrity
     integrity(eng)
 
 
-def test_tree_chunked_prefill_retraction_and_adaptive(target, tree_engine, plain, integrity):
-    """16-token prefill chunks, a pool too small for every output (retraction) and the adaptive
-    policy choosing the depths (the default steps and tokens: 3, 1 + 3 * 2)."""
+def test_tree_chunked_prefill_and_retraction(target, tree_engine, plain, integrity):
+    """16-token prefill chunks and a pool too small for every output (retraction), with the
+    default steps and tokens (3, 1 + 3 * 2)."""
     import radixlm
 
     eng = radixlm.Engine(model_path=target[1], speculative_algorithm="EAGLE3",
+                         speculative_adaptive=False,
                          speculative_draft_model_path=tree_engine[1], speculative_eagle_topk=2,
                          **dict(KW, max_total_tokens=300), chunked_prefill_size=16,
                          schedule_conservativeness=0.05, max_running_requests=4)

@@ -225,7 +225,8 @@ class AdaptivePolicy:
         j-th token's cost is then rows(j) - rows(j - 1) rows."""
         width = (lambda j: 1) if rows is None else (lambda j: rows(j) - rows(j - 1))
         B = len(lens)
-        room = (max_tokens - B) if max_tokens is not None else sum(lens)
+        room = ((max_tokens - B) if max_tokens is not None
+                else sum(lens) if rows is None else sum(map(rows, lens)))
         if self.probing or (self.fast_skips and not self.ov_measured):
             room = min(room, PROBE_ROWS)  # (the first verify measures the overhead: keep it small)
         found = any(lens)
