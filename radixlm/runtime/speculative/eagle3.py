@@ -248,10 +248,10 @@ class Eagle3Speculator(StandaloneSpeculator):
             ids + rows + pos + [reqs[i].req_pool_idx for i in entries]
             + [p + catch[i] for p, i in zip(pre_lens, entries)] + [ends[i] for i in logit_order]
             + [reqs[i].req_pool_idx for i in chain] + [reqs[i].kv_len for i in chain]
-            + sched.req_pool.spare_rows[:beams], dev)
+            + chain + sched.req_pool.spare_rows[:beams], dev)
         T, E = len(ids), len(entries)
-        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows, c_base, c_spare = torch.split(
-            host, [T, T, T, E, E, E, F, F, beams])
+        (d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows, c_base, c_info,
+         c_spare) = torch.split(host, [T, T, T, E, E, E, F, F, F, beams])
         slots, g = self.rt[d_rows, d_pos], torch.cat(g)
         if self.graphs is not None and T <= self.graphs.max_bs:
             # each row as a decode row of seq_len position + 1: every row's K/V is in the pool
@@ -292,8 +292,8 @@ class Eagle3Speculator(StandaloneSpeculator):
         temp = sched.allocator.alloc(n_temp) if n_temp else None
         assert temp is not None or not n_temp, "draft() checked the free slots"
         try:
-            return self._chain(sched, creqs, reqs, chain, chain_k, c_rows, c_base, logits, out,
-                               temp, forwards)
+            return self._chain(sched, creqs, reqs, chain, chain_k, c_rows, c_base, c_info,
+                               logits, out, temp, forwards)
         finally:  # (the verify computes those positions for real; a failed chain frees too)
             if temp is not None:
                 sched.allocator.free(temp)
@@ -306,13 +306,16 @@ class Eagle3Speculator(StandaloneSpeculator):
         normed, out = self._forward(fb, g)
         return self.head.to_target(self.head.logits(normed), self.vocab), out
 
-    def _chain(self, sched, creqs, reqs, chain, chain_k, c_rows, base, first, out, temp,
-               forwards):
+    def _chain(self, sched, creqs, reqs, chain, chain_k, c_rows, base, c_info, first, out,
+               temp, forwards):
         """Depths 1..k of the chain from the catch-up's last rows: first (F, V) their logits in
         the target's vocabulary (depth 1's), out (F, H) their pre-norm outputs; base (F,) the
-        first draft positions (kv_len)."""
+        first draft positions (kv_len); c_info (F,) their sampling rows (`chain`) on the
+        device."""
         dev, V, depth = sched.device, sched.vocab_size, max(chain_k)
-        info = sched.running_info.take(chain)
+        # (the rows' index already on the device: a blocking copy here would wait for the
+        # catch-up's forward; lazy: a greedy chain reads none of the sampling tensors)
+        info = sched.running_info.take(chain, index=c_info, lazy=True)
         grammar = grammar_drafts.ChainGrammar(creqs, self.masks, self.draft_failed)
         self.undo.append(grammar.rollback)
         toks, qs, used = [], [], 0

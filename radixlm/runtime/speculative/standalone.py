@@ -191,10 +191,11 @@ class StandaloneSpeculator(Speculator):
                       + [states[i].kv_len + catch[i] for i in entries]
                       + [ends[i] for i in chain + [i for i in entries if i not in chain]]
                       + [states[i].row for i in chain] + [reqs[i].seqlen for i in chain]
-                      + sum(grid, []) + kv.req_pool.spare_rows[:beams], dev)
+                      + sum(grid, []) + chain + kv.req_pool.spare_rows[:beams], dev)
         N, T = n_catch, len(pos)
-        parts = torch.split(flat, [N, T, T, E, E, E, F, F, F * (depth - 1), beams])
-        d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows, c_base, c_grid, c_spare = parts
+        parts = torch.split(flat, [N, T, T, E, E, E, F, F, F * (depth - 1), F, beams])
+        (d_ids, d_rows, d_pos, e_rows, e_lens, e_last, c_rows, c_base, c_grid, c_info,
+         c_spare) = parts
         kv.rt[d_rows, d_pos] = slots
         fb = ForwardBatch(
             mode=ForwardMode.EXTEND, input_ids=d_ids, positions=d_pos[:N],
@@ -221,7 +222,9 @@ class StandaloneSpeculator(Speculator):
             return prune_trees(self, reqs, chain, trees), forwards + n
         c_grid = c_grid.view(F, depth - 1)
         creqs = [reqs[i] for i in chain]
-        info = sched.running_info.take(chain)
+        # (the rows' index already on the device: a blocking copy here would wait for the
+        # catch-up's forward; lazy: a greedy chain reads none of the sampling tensors)
+        info = sched.running_info.take(chain, index=c_info, lazy=True)
         grammar = grammar_drafts.ChainGrammar(creqs, self.masks, self.draft_failed)
         self.undo.append(grammar.rollback)
         toks, qs = [], []
@@ -288,7 +291,8 @@ class StandaloneSpeculator(Speculator):
             return None
         F = self._grid.shape[0] - 1
         index = [self._grid_row.get(id(r), F) for r in reqs]
-        out = self._grid[torch.tensor(index, device=self._grid.device)]  # (B, depth)
+        # (B, depth); the index staged: a blocking copy would wait for the chain's forwards
+        out = self._grid[staged(index, self._grid.device)]
         self._grid, self._grid_row = None, {}
         return out
 

@@ -145,31 +145,36 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
 
 
 class _HostStaging:
-    """Python ints -> an int64 device tensor in one copy. On CUDA through a pinned buffer kept
+    """Python ints -> an int64 device tensor in one copy. On CUDA through pinned buffers kept
     across calls (pinning a fresh tensor each step took ~30 us of host time on an H200's host,
-    cProfile);
-    before refilling it, the copy that last read it must have completed."""
+    cProfile), a ring of RING of them: before refilling one, the copy that last read it must
+    have completed, and that copy may sit behind the GPU work queued before it (a step's draft
+    forwards): with one buffer the next staging of the same step waited for them all."""
+
+    RING = 8
 
     def __init__(self):
-        self._pinned: Optional[torch.Tensor] = None
-        self._done: Optional[torch.cuda.Event] = None
+        self._slots: list = [[None, None, None] for _ in range(self.RING)]  # pinned, numpy, done
+        self._next = 0
 
     def to_device(self, values: list[int], device: torch.device) -> torch.Tensor:
         if device.type != "cuda":
             return torch.tensor(values, dtype=torch.int64, device=device)
         n = len(values)
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 2 * (0 if self._pinned is None else
-                                                   self._pinned.numel()), 4096),
-                                       dtype=torch.int64).pin_memory()
-            self._host = self._pinned.numpy()
-            self._done = None
-        elif self._done is not None:
-            self._done.synchronize()
-        self._host[:n] = values
-        out = self._pinned[:n].to(device, non_blocking=True)
-        self._done = torch.cuda.Event()
-        self._done.record(torch.cuda.current_stream(device))
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % self.RING
+        pinned, host, done = slot
+        if pinned is None or pinned.numel() < n:
+            pinned = torch.empty(max(n, 2 * (0 if pinned is None else pinned.numel()), 4096),
+                                 dtype=torch.int64).pin_memory()
+            host, done = pinned.numpy(), None
+        elif done is not None:
+            done.synchronize()  # (issued RING stagings ago: a step or more before)
+        host[:n] = values
+        out = pinned[:n].to(device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        slot[:] = [pinned, host, done]
         return out
 
 
