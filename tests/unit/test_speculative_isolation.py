@@ -1,6 +1,6 @@
 """Faults injected into speculative decoding (runtime/speculative/isolation.py), fp32 on the CPU
 on tiny random checkpoints (tests/tiny_models.py), for NGRAM, STANDALONE (the target as its
-own draft) and EAGLE3:
+own draft) and EAGLE3, the last two with chains and with draft trees:
 - one request's own drafting raises (its n-gram lookup, its grammar along a draft chain or on
   its verify rows): it fails alone with a 500 abort, the others keep the tokens of a clean run;
 - a draft chain raises (the draft model's or head's forward; it names no request): the step
@@ -45,6 +45,12 @@ def engines(tmp_path_factory):
                                          speculative_draft_model_path=target, **spec),
             "eagle3": radixlm.Engine(model_path=target, speculative_algorithm="EAGLE3",
                                      speculative_draft_model_path=head, **spec)}
+    tree = dict(speculative_eagle_topk=2, speculative_num_steps=2, speculative_num_draft_tokens=7)
+    made["standalone-tree"] = radixlm.Engine(model_path=target, **spec, **tree,
+                                             speculative_algorithm="STANDALONE",
+                                             speculative_draft_model_path=target)
+    made["eagle3-tree"] = radixlm.Engine(model_path=target, speculative_algorithm="EAGLE3",
+                                         speculative_draft_model_path=head, **spec, **tree)
     yield made
     for eng in made.values():
         eng.shutdown()
@@ -133,7 +139,7 @@ def test_a_failure_in_one_requests_ngram_lookup_fails_it_alone(engines, clean, m
     _serves_on(eng, clean)
 
 
-@pytest.mark.parametrize("algo", ["standalone", "eagle3"])
+@pytest.mark.parametrize("algo", ["standalone", "eagle3", "standalone-tree", "eagle3-tree"])
 @pytest.mark.parametrize("error", [RuntimeError, OOM])
 def test_a_failed_draft_chain_runs_the_step_without_drafts(engines, clean, monkeypatch, caplog,
                                                            algo, error):
@@ -142,7 +148,8 @@ def test_a_failed_draft_chain_runs_the_step_without_drafts(engines, clean, monke
     caplog.set_level(logging.ERROR)
     eng = engines[algo]
     spec = eng.scheduler.spec
-    owner, attr = (spec.runner, "forward") if algo == "standalone" else (spec, "_forward")
+    owner, attr = ((spec.runner, "forward") if algo.startswith("standalone")
+                   else (spec, "_forward"))
     real = getattr(owner, attr)
     calls = []
 
@@ -170,16 +177,18 @@ def _inject_verify_oom(monkeypatch, eng, where: str, twice: bool):
     """An OOM in the second verify that has drafts (its forward or its acceptance); `twice`:
     in the forward after it too (the step's retry)."""
     drafted = []
-    real_build = worker.build_verify
 
-    def build(*a, **kw):
-        fb, plan = real_build(*a, **kw)
-        if any(plan.drafts):
-            drafted.append(fb)
-        return fb, plan
-    monkeypatch.setattr(worker, "build_verify", build)
+    def recording(real_build):
+        def build(*a, **kw):
+            fb, plan = real_build(*a, **kw)
+            if any(plan.drafts):
+                drafted.append(fb)
+            return fb, plan
+        return build
+    for name in ("build_verify", "build_tree_verify"):  # (chains, trees)
+        monkeypatch.setattr(worker, name, recording(getattr(worker, name)))
     runner = eng.scheduler.runner
-    real_forward, real_verify = runner.forward, worker.verify
+    real_forward = runner.forward
     state = {"fired": False, "retry": False}
 
     def forward(fb, *a, **kw):
@@ -191,18 +200,22 @@ def _inject_verify_oom(monkeypatch, eng, where: str, twice: bool):
             raise OOM("CUDA out of memory (injected)")
         return real_forward(fb, *a, **kw)
 
-    def verify(logits, plan, *a, **kw):
-        if len(drafted) == 2 and any(plan.drafts) and not state["fired"]:
-            state["fired"], state["retry"] = True, twice
-            raise OOM("CUDA out of memory (injected)")
-        return real_verify(logits, plan, *a, **kw)
+    def failing(real_verify):
+        def verify(logits, plan, *a, **kw):
+            if len(drafted) == 2 and any(plan.drafts) and not state["fired"]:
+                state["fired"], state["retry"] = True, twice
+                raise OOM("CUDA out of memory (injected)")
+            return real_verify(logits, plan, *a, **kw)
+        return verify
     monkeypatch.setattr(runner, "forward", forward)
     if where == "acceptance":
-        monkeypatch.setattr(worker, "verify", verify)
+        for name in ("verify", "verify_tree"):
+            monkeypatch.setattr(worker, name, failing(getattr(worker, name)))
     return state
 
 
-@pytest.mark.parametrize("algo", ["ngram", "standalone", "eagle3"])
+@pytest.mark.parametrize("algo", ["ngram", "standalone", "eagle3", "standalone-tree",
+                                  "eagle3-tree"])
 @pytest.mark.parametrize("where", ["forward", "acceptance"])
 def test_a_verify_out_of_memory_runs_the_step_without_drafts(engines, clean, monkeypatch, caplog,
                                                              algo, where):
