@@ -85,7 +85,7 @@ def test_tree_rows_count_their_paths_drafts_for_min_tokens_and_penalties():
            "children": torch.tensor([[4], [5], [-1]]),
            "ancestors": torch.tensor([[-1, -1], [4, -1], [4, 5]])}
     plan = TreePlan([req], [0], [[4, 5]], [0], [10], torch.arange(3), [0, 0, 0], dev,
-                    children=[[1], [2], []], node_tokens=[0, 4, 5])
+                    children=[[1], [2], []])
     res = verify_tree(logits, plan, info, Sampler(), lambda x: None, False, 0)
     assert res.tokens == [[4, 5, 6]] and res.accepted == [2] and res.paths == [[0, 1, 2]]
 

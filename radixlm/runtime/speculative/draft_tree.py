@@ -48,17 +48,16 @@ class Beams:
     forward: Callable
 
 
-def draft_trees(beams: Beams, creqs: list, c_rows: torch.Tensor, c_base: torch.Tensor,
-                base: list[int], spare: torch.Tensor, depths: list[int], nodes: list[int],
-                first: torch.Tensor, state: Optional[torch.Tensor]
-                ) -> tuple[list[DraftTree], int]:
-    """creqs: the drafting requests, deepest first; c_rows (F,) their rows of beams.rt,
-    c_base / base (F,) on the device / host their first draft positions; spare (F * k,)
+def draft_trees(beams: Beams, c_rows: torch.Tensor, c_base: torch.Tensor, base: list[int],
+                spare: torch.Tensor, depths: list[int], nodes: list[int], first: torch.Tensor,
+                state: Optional[torch.Tensor]) -> tuple[list[DraftTree], int]:
+    """For F drafting requests, deepest first: c_rows (F,) their rows of beams.rt, c_base /
+    base (F,) on the device / host their first draft positions; spare (F * k,)
     scratch rows of beams.rt, a beam's each; depths / nodes: each one's tree depth (<= its
     room) and node count; first (F, V): the draft's logits after each one's last token;
     state (F, H): what a beam's row reads besides its token (EAGLE-3: the head's pre-norm
     output there), or None. Returns (their trees, draft forwards run)."""
-    T, F, S = beams.topk, len(creqs), max(depths)
+    T, F, S = beams.topk, len(depths), max(depths)
     rt, dev = beams.rt, first.device
     lp, tok = _top(first, T)  # (F, T) each
     levels = [(lp, tok, None)]  # per level: scores, tokens (a, k or k * k), parent candidate
@@ -66,7 +65,6 @@ def draft_trees(beams: Beams, creqs: list, c_rows: torch.Tensor, c_base: torch.T
     beam_cand = torch.arange(T, device=dev).expand(F, T)  # candidate index within the request
     feat = None if state is None else state.repeat_interleave(T, dim=0)  # (F * T, H)
     src = c_rows.repeat_interleave(T)  # (F * T,) the req_to_token row its history comes from
-    kv = base
     pos0 = c_base.repeat_interleave(T)  # (F * T,)
     n_temp = T * sum(max(0, d - 1) for d in depths)
     temp = beams.allocator.alloc(n_temp) if n_temp else None
@@ -76,7 +74,7 @@ def draft_trees(beams: Beams, creqs: list, c_rows: torch.Tensor, c_base: torch.T
         for j in range(2, S + 1):
             a = sum(1 for d in depths if d >= j)  # requests still drafting (a prefix)
             rows, p = spare[: a * T], pos0[: a * T] + (j - 2)
-            width = max(kv[:a]) + j - 2  # columns before each row's own position
+            width = max(base[:a]) + j - 2  # columns before each row's own position
             rt[rows, :width] = rt[src[: a * T], :width]  # (gathered first: rows may be sources)
             slots = temp[used : used + a * T]
             used += a * T
@@ -85,7 +83,7 @@ def draft_trees(beams: Beams, creqs: list, c_rows: torch.Tensor, c_base: torch.T
                 mode=ForwardMode.DECODE, input_ids=beam_tok[:a].reshape(-1), positions=p,
                 out_cache_loc=slots, req_pool_indices=rows, seq_lens=p + 1,
                 logits_indices=torch.arange(a * T, device=dev),
-                seq_lens_cpu=[kv[f] + j - 1 for f in range(a) for _ in range(T)])
+                seq_lens_cpu=[base[f] + j - 1 for f in range(a) for _ in range(T)])
             forwards += 1
             logits, nxt = beams.forward(fb, None if feat is None else feat[: a * T])
             c_lp, c_tok = _top(logits, T)

@@ -283,7 +283,7 @@ class Eagle3Speculator(StandaloneSpeculator):
         creqs = [reqs[i] for i in chain]
         if self.cfg.topk > 1:
             beams = Beams(self.cfg.topk, self.rt, sched.allocator, self._beam_forward)
-            trees, n = draft_trees(beams, creqs, c_rows, c_base, [r.kv_len for r in creqs],
+            trees, n = draft_trees(beams, c_rows, c_base, [r.kv_len for r in creqs],
                                    c_spare, chain_k, [self._nodes[i] for i in chain], logits,
                                    out)
             self.stats["spec_draft_forwards"] += forwards + n

@@ -215,8 +215,8 @@ class StandaloneSpeculator(Speculator):
             # tokens the verify kept)
             forward = lambda fb, _: (self.runner.forward(fb), None)  # noqa: E731
             trees, n = draft_trees(Beams(self.cfg.topk, kv.rt, kv.allocator, forward),
-                                   [reqs[i] for i in chain], c_rows, c_base,
-                                   [reqs[i].seqlen for i in chain], c_spare, chain_k,
+                                   c_rows, c_base, [reqs[i].seqlen for i in chain], c_spare,
+                                   chain_k,
                                    [self._nodes[i] for i in chain], logits, None)
             self.stats["spec_draft_forwards"] += forwards + n
             return prune_trees(self, reqs, chain, trees), forwards + n

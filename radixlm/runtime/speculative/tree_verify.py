@@ -33,7 +33,6 @@ from radixlm.runtime.speculative.verify import VerifyPlan, VerifyResult, staged
 @dataclass
 class TreePlan(VerifyPlan):
     children: list[list[int]] = None  # (R,) each row's children's rows, in trial order
-    node_tokens: list[int] = None  # (R,) each row's token (the root's: the last token)
 
 
 def build_tree_verify(reqs: list[Req], running_rows: list[int], drafts: list, req_pool,
@@ -50,9 +49,9 @@ def build_tree_verify(reqs: list[Req], running_rows: list[int], drafts: list, re
     assert slots is not None, "the caller checked the free slots"
     width = req_pool.req_to_token.shape[1]
     kv_lens = [r.kv_len for r in reqs]
-    ids, pos, pool, row_b, depth, children, node_tokens = [], [], [], [], [], [], []
+    ids, pos, pool, row_b, depth, children = [], [], [], [], [], []
     anc: list[list[int]] = []  # (R,) each row's path tokens below the root (the drafts before)
-    src, dst_flat, path_flat, path_slot = [], [], [], []  # scratch rows' history and paths
+    src, dst, path_flat, path_slot = [], [], [], []  # scratch rows' history and paths
     root_flat, root_row = [], []
     used = 0
     for b, (req, t) in enumerate(zip(reqs, trees)):
@@ -72,7 +71,6 @@ def build_tree_verify(reqs: list[Req], running_rows: list[int], drafts: list, re
         row_b += [b] * (len(t) + 1)
         depth += [0] + dep
         children += kids
-        node_tokens += ids[-len(t) - 1:]
         root_flat.append(P * width + L)
         root_row.append(off)
         anc.append([])  # the root's row: no drafts before it
@@ -80,7 +78,7 @@ def build_tree_verify(reqs: list[Req], running_rows: list[int], drafts: list, re
             path = paths[n + 1]
             anc.append([ids[r] for r in path])  # (ids: the tokens by row, so far)
             src.append(P)
-            dst_flat.append(row)
+            dst.append(row)
             path_flat += [row * width + L + 1 + i for i in range(len(path))]
             path_slot += path
     T = max(map(len, children), default=0) or 1
@@ -93,7 +91,7 @@ def build_tree_verify(reqs: list[Req], running_rows: list[int], drafts: list, re
         + [running_rows[b] for b in row_b] + list(range(R))
         + list(itertools.chain.from_iterable(kid_grid))
         + list(itertools.chain.from_iterable(anc_grid))
-        + root_flat + root_row + src + dst_flat + path_flat + path_slot, device)
+        + root_flat + root_row + src + dst + path_flat + path_slot, device)
     rows8 = flat[: 8 * R].view(8, R)
     row = rows8.unbind(0)
     at = 8 * R
@@ -116,7 +114,7 @@ def build_tree_verify(reqs: list[Req], running_rows: list[int], drafts: list, re
         req_pool_indices=row[2], seq_lens=row[3], logits_indices=row[7],
         seq_lens_cpu=[p + 1 for p in pos], graph_inputs=rows8[:4])
     plan = TreePlan(reqs, running_rows, [list(t.tokens) for t in trees], offsets, kv_lens, slots,
-                    row_b, dev, children=children, node_tokens=node_tokens)
+                    row_b, dev, children=children)
     return fb, plan
 
 
