@@ -3,7 +3,8 @@ random 4-layer Llama (tests/tiny_models.py; SGLang's default layers 1, L // 2 - 
 1, 1, 0 there) and random heads (write_tiny_eagle3, a 100-token draft vocabulary).
 
 Greedy tokens equal plain decoding's (penalties, cache hits, chunked prefill, retraction, a
-batch, n > 1, adaptive lengths, stop strings, regexes and jump-forward); d2t is what maps
+batch, n > 1, adaptive lengths, stop strings, regexes and jump-forward; greedy and sampled
+requests with draft trees too: the "tree" arm); d2t is what maps
 drafts to target ids (a head that always drafts its id 0 is accepted exactly where the target
 emits d2t's target id); the KV accounting holds after every test. Elsewhere: the head's drafts
 against a plain-torch reference (test_speculative_eagle3_reference.py); q, 0 outside the draft
@@ -39,7 +40,12 @@ def engines(paths):
 
     made = {"off": radixlm.Engine(model_path=paths["target"], **KW),
             "on": radixlm.Engine(model_path=paths["target"], **SPEC, **KW,
-                                 speculative_draft_model_path=paths["head"])}
+                                 speculative_draft_model_path=paths["head"]),
+            # draft trees: top-k 3, 3 levels, 7 nodes (test_speculative_tree.py has the rest)
+            "tree": radixlm.Engine(model_path=paths["target"], **SPEC, **KW,
+                                   speculative_draft_model_path=paths["head"],
+                                   speculative_eagle_topk=3, speculative_num_steps=3,
+                                   speculative_num_draft_tokens=8)}
     yield made
     for eng in made.values():
         eng.shutdown()
@@ -56,14 +62,15 @@ def _greedy(**kw) -> dict:
     return {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True, **kw}
 
 
-def test_greedy_tokens_match_plain_decoding(engines, integrity):
+@pytest.mark.parametrize("arm", ["on", "tree"])
+def test_greedy_tokens_match_plain_decoding(engines, integrity, arm):
     prompts = _prompts()
     params = [_greedy(), _greedy(frequency_penalty=0.5, presence_penalty=0.3),
               _greedy(repetition_penalty=1.3, logit_bias={"7": 3.0}),
               _greedy(min_new_tokens=8, max_new_tokens=20), _greedy(max_new_tokens=9)]
     kw = dict(return_logprob=True, top_logprobs_num=2)
     ref = engines["off"].generate(input_ids=prompts, sampling_params=params, **kw)
-    eng = engines["on"]
+    eng = engines[arm]
     for round_ in range(2):  # round 2: the radix cache serves the prompts (and the head's rows)
         before = eng.get_stats()
         outs = eng.generate(input_ids=prompts, sampling_params=params, **kw)
@@ -125,8 +132,9 @@ def test_adaptive_policy_keeps_plain_decodings_tokens(paths, engines, integrity)
         eng.shutdown()
 
 
-def test_sampling_seeds_n_and_abort(engines, integrity):
-    eng = engines["on"]
+@pytest.mark.parametrize("arm", ["on", "tree"])
+def test_sampling_seeds_n_and_abort(engines, integrity, arm):
+    eng = engines[arm]
     prompts = _prompts(2)[:3]
     params = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "min_p": 0.01,
               "frequency_penalty": 0.2, "max_new_tokens": 24, "ignore_eos": True, "seed": 11}
@@ -136,9 +144,9 @@ def test_sampling_seeds_n_and_abort(engines, integrity):
     outs = eng.generate(input_ids=prompts[:1], sampling_params=dict(params, n=3, seed=None))
     assert len(outs) == 3 and all(len(o["output_ids"]) == 24 for o in outs)
     stream = eng.generate(input_ids=prompts[2], sampling_params=_greedy(max_new_tokens=400),
-                          stream=True, rid="to-abort")
+                          stream=True, rid=f"to-abort-{arm}")
     next(stream)
-    eng.abort_request("to-abort")
+    eng.abort_request(f"to-abort-{arm}")
     assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     integrity(eng)
 
