@@ -48,6 +48,20 @@ class EmulatedHeadGraphs(HeadGraphRunner):
             self.graphs[bs], self.outputs[bs], self.aux_outputs[bs] = Replay(replay), logits, out
 
 
+def _eager_then_graphs(eng, spec, max_bs: int, seen: list, prompts, params) -> dict:
+    """The same generation eagerly, then through emulated head graphs of `max_bs` rows: each
+    run's output ids; `seen` gets a fresh list per run (what the test records into)."""
+    runs = {}
+    for name, graphs in (("eager", None), ("graphs", EmulatedHeadGraphs(spec, eng.runner,
+                                                                        max_bs, V))):
+        spec.graphs = graphs
+        seen.append([])
+        eng.flush_cache()
+        runs[name] = [o["output_ids"] for o in eng.generate(input_ids=prompts,
+                                                            sampling_params=params)]
+    return runs
+
+
 def test_chain_through_graph_buffers_keeps_plain_tokens(tmp_path):
     import radixlm
     from tiny_models import write_tiny_eagle3, write_tiny_llama
@@ -76,13 +90,7 @@ def test_chain_through_graph_buffers_keeps_plain_tokens(tmp_path):
             return sample_step(logits, *args)
 
         spec._sample_step = recording
-        runs = {}
-        for name, graphs in (("eager", None), ("graphs", EmulatedHeadGraphs(spec, on.runner, 4, V))):
-            spec.graphs = graphs
-            chains.append([])
-            on.flush_cache()
-            runs[name] = [o["output_ids"] for o in on.generate(input_ids=prompts,
-                                                               sampling_params=params)]
+        runs = _eager_then_graphs(on, spec, 4, chains, prompts, params)
         assert runs["eager"] == runs["graphs"] == want
         # the chain's logits at every depth (2 and 3 from the head's decode forwards) are the
         # eager ones: the drafts do not show it (a random head drafts one id over and over)
@@ -129,13 +137,7 @@ def test_trees_through_graph_buffers_equal_eager_trees(tmp_path):
             return out
 
         spec.draft = recording
-        runs = {}
-        for name, graphs in (("eager", None), ("graphs", EmulatedHeadGraphs(spec, on.runner, 8, V))):
-            spec.graphs = graphs
-            trees.append([])
-            on.flush_cache()
-            runs[name] = [o["output_ids"] for o in on.generate(input_ids=prompts,
-                                                               sampling_params=params)]
+        runs = _eager_then_graphs(on, spec, 8, trees, prompts, params)
         assert runs["eager"] == runs["graphs"] == want
         assert trees[0] == trees[1] and sum(map(len, trees[0])) > 5
         assert spec.graphs.replays > 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_speculative_eagle3 import _prompts  # (five prompts, two sharing a prefix)
+
 V = 256
 KW = dict(skip_tokenizer_init=True, max_total_tokens=4096, context_length=512, dtype="float32")
 
@@ -30,13 +32,6 @@ def plain(target):
     eng = radixlm.Engine(model_path=target[1], **KW)
     yield eng
     eng.shutdown()
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(0, V, (n,), generator=g).tolist()  # noqa: E731
-    shared = ids(30)
-    return [ids(n) for n in (3, 17, 60)] + [shared + ids(5), shared + ids(40)]
 
 
 def _greedy(**kw) -> dict:
