@@ -106,7 +106,7 @@ def draft_trees(beams: Beams, c_rows: torch.Tensor, c_base: torch.Tensor, base: 
     finally:
         if temp is not None:
             beams.allocator.free(temp)
-    return _trees(levels, depths, nodes, T), forwards
+    return _trees(levels, depths, nodes), forwards
 
 
 def prune_trees(spec, reqs: list, chain: list[int], trees: list[DraftTree]) -> list:
@@ -142,7 +142,7 @@ def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
 
 
-def _trees(levels, depths: list[int], nodes: list[int], T: int) -> list[DraftTree]:
+def _trees(levels, depths: list[int], nodes: list[int]) -> list[DraftTree]:
     """Every level's candidates to the host in one copy, then each request's tree."""
     parts = []
     for score, tok, parent in levels:
