@@ -55,6 +55,9 @@ def test_two_batch_overlap_matches_plain_tp2(tiny_chat_path, monkeypatch):
 
 
 def test_two_batch_overlap_refused_without_tp(tiny_chat_path):
+    # an engine of the same model first: the refusal must hold for a model the loader's cache
+    # serves too (it was checked only on a fresh load, so it depended on the tests' order)
+    Engine(model_path=tiny_chat_path, **dict(ARGS, tp_size=1)).shutdown()
     with pytest.raises(ValueError, match="enable-two-batch-overlap.*tp-size"):
         Engine(model_path=tiny_chat_path, enable_two_batch_overlap=True,
                **dict(ARGS, tp_size=1))

@@ -134,6 +134,9 @@ class ModelRunner:
             self.model = _MODEL_CACHE.get(key) or self._load_model(cfg, args.seed)
             _MODEL_CACHE.clear()
             _MODEL_CACHE[key] = self.model
+        if args.enable_two_batch_overlap:  # raises where it cannot run (a cached model too)
+            two_batch_overlap.check_supported(self.model, self.tp.size)
+            self.model.two_batch_overlap = self.tp
 
         self.capacity = self._kv_capacity()
         if self.mla_dims is not None:
@@ -235,9 +238,6 @@ class ModelRunner:
                 self.whole_embedding = model.embed_tokens.weight
             # after loading the whole checkpoint, keep this rank's piece (distributed/sharding)
             sharding.shard_model(model, self.tp)
-            if self.args.enable_two_batch_overlap:  # raises where it cannot run
-                two_batch_overlap.check_supported(model, self.tp.size)
-                model.two_batch_overlap = self.tp
             if self.cpu_packed:  # packs of an earlier start where the cache keeps them
                 pack_cache.convert_model(model, self.model_path, self.load_format)
         finally:
