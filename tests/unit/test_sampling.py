@@ -281,6 +281,27 @@ def test_filter_and_merge_match_from_reqs():
     assert len(info_a) == 0 and info_a.is_all_greedy
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_keep_first_matches_filter_of_a_prefix(lazy):
+    """keep_first(n) (a draft chain's rows as its shallower requests stop: no index copy) is
+    filter(list(range(n))): the same effective tensors and flags, lazy takes too, and later
+    steps keep matching."""
+    reqs = [make_req(0, temperature=0.8, top_k=10, min_new_tokens=4, frequency_penalty=0.3),
+            make_req(1, temperature=0.0, repetition_penalty=1.3, prompt=[6, 7, 8]),
+            make_req(2, temperature=1.2, top_p=0.9, seed=3, prompt=[4, 5]),
+            make_req(3, temperature=0.5, min_p=0.1, min_new_tokens=2, presence_penalty=0.7)]
+    base = SamplingBatchInfo.from_reqs(reqs, V, "cpu")
+    base.update(torch.tensor([1, 2, 3, 4]))
+    for n in (3, 1):
+        a, b = base.take([0, 1, 2, 3], lazy=lazy), base.take([0, 1, 2, 3])
+        a.keep_first(n)
+        b.filter(list(range(n)))
+        assert_same(effective(a), effective(b))
+        a.update(torch.arange(n) + 5)
+        b.update(torch.arange(n) + 5)
+        assert_same(effective(a), effective(b))
+
+
 def assert_same(got: dict, want: dict):
     assert got.keys() == want.keys()
     for k in got:

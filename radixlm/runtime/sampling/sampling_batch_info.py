@@ -283,6 +283,31 @@ class SamplingBatchInfo:
         if not self.need_logit_bias:
             self.logit_bias = None
 
+    def keep_first(self, n: int) -> None:
+        """filter(list(range(n))) without a host -> device index copy (which, on a GPU, waits
+        for the work queued before it): the first n rows of each tensor, as views; a lazy
+        take's pending tensors keep the first n of their index. For batches whose tensors no
+        one else holds (a draft chain's take: its requests drafting deepest first)."""
+        step = self.step
+        self.flags = self.flags.take(list(range(n)))
+        self._refresh_flags()
+        lazy = self.__dict__.get("_lazy")
+        for name, (t, idx) in list((lazy or {}).items()):
+            lazy[name] = (t, idx[:n])
+        for name in self._ROW_TENSORS + self._OPTIONAL_TENSORS:
+            t = self.__dict__.get(name)
+            if t is not None:
+                self.__dict__[name] = t[:n]
+        self.step = step
+        if not self.need_penalties:  # (as filter: (B, V) tensors no remaining row needs)
+            self.output_counts = None
+        if not self.need_repetition:
+            self.prompt_seen = None
+        if not self.need_min_tokens:
+            self.min_tokens_left = self.stop_mask = None
+        if not self.need_logit_bias:
+            self.logit_bias = None
+
     def merge(self, other: "SamplingBatchInfo") -> None:
         """Append other's rows after ours. A (B, V) tensor that only one side has is padded with
         the neutral value (zero counts, nothing seen, no stop mask, all tokens allowed)."""

@@ -323,7 +323,7 @@ class Eagle3Speculator(StandaloneSpeculator):
             active = sum(1 for k in chain_k if k >= j)
             if j > 1:  # (d_{j-1}, o_{j-1}) at position kv_len + j - 2
                 if active < len(info):
-                    info.filter(list(range(active)))
+                    info.keep_first(active)  # (the deepest requests come first)
                 p = base[:active] + (j - 2)
                 slots = temp[used : used + active]
                 used += active

@@ -232,7 +232,7 @@ class StandaloneSpeculator(Speculator):
             active = sum(1 for k in chain_k if k >= j)
             if j > 1:  # the decode of d_{j-1} at position base + j - 2
                 if active < len(info):
-                    info.filter(list(range(active)))
+                    info.keep_first(active)  # (the deepest requests come first)
                 p = c_base[:active] + (j - 2)
                 fb = ForwardBatch(
                     mode=ForwardMode.DECODE, input_ids=toks[-1][:active], positions=p,
