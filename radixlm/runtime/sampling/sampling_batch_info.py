@@ -273,7 +273,10 @@ class SamplingBatchInfo:
         step = self.step
         self.__dict__.update(self.take(keep).__dict__)
         self.step = step
-        # Drop (B, V) tensors that no remaining row needs.
+        self._drop_unneeded()
+
+    def _drop_unneeded(self) -> None:
+        """Drop (B, V) tensors that no remaining row needs."""
         if not self.need_penalties:
             self.output_counts = None
         if not self.need_repetition:
@@ -299,14 +302,7 @@ class SamplingBatchInfo:
             if t is not None:
                 self.__dict__[name] = t[:n]
         self.step = step
-        if not self.need_penalties:  # (as filter: (B, V) tensors no remaining row needs)
-            self.output_counts = None
-        if not self.need_repetition:
-            self.prompt_seen = None
-        if not self.need_min_tokens:
-            self.min_tokens_left = self.stop_mask = None
-        if not self.need_logit_bias:
-            self.logit_bias = None
+        self._drop_unneeded()
 
     def merge(self, other: "SamplingBatchInfo") -> None:
         """Append other's rows after ours. A (B, V) tensor that only one side has is padded with
