@@ -102,13 +102,31 @@ class RefHead:
         return select_tree(*cands, nodes, depth)
 
 
+def _generate_then_reference(eng, target: str, head: str, max_new: int, integrity):
+    """Greedy outputs of three prompts (rids a, b, c) from `eng` (shut down after), then HF's
+    model of the target and the reference head: (prompts, rid -> prompt + output, hf, ref)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (50, 7, 20)]
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params={
+            "temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}, rid=["a", "b", "c"])
+        integrity(eng)
+    finally:
+        eng.shutdown()
+    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ref = RefHead(load_file(os.path.join(head, "model.safetensors")),
+                  hf.model.embed_tokens.weight.detach())
+    return prompts, {rid: p + o["output_ids"] for rid, p, o in zip("abc", prompts, outs)}, hf, ref
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch_native"])
 def test_drafts_equal_a_reference_head(backend, tmp_path, monkeypatch, integrity):
     import radixlm
     from radixlm.runtime.speculative import eagle3
-    from safetensors.torch import load_file
     from tiny_models import write_tiny_eagle3, write_tiny_llama
-    from transformers import LlamaForCausalLM
 
     target = write_tiny_llama(str(tmp_path / "t"), vocab=V, heads=4, kv_heads=2, tied=False,
                               layers=4)
@@ -137,18 +155,7 @@ def test_drafts_equal_a_reference_head(backend, tmp_path, monkeypatch, integrity
                          speculative_num_steps=4, chunked_prefill_size=16,
                          skip_tokenizer_init=True, max_total_tokens=2048, context_length=512,
                          dtype="float32", attention_backend=backend)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (50, 7, 20)]
-    try:
-        outs = eng.generate(input_ids=prompts, sampling_params={
-            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True}, rid=["a", "b", "c"])
-        integrity(eng)
-    finally:
-        eng.shutdown()
-    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    ref = RefHead(load_file(os.path.join(head, "model.safetensors")),
-                  hf.model.embed_tokens.weight.detach())
-    full = {rid: p + o["output_ids"] for rid, p, o in zip("abc", prompts, outs)}
+    prompts, full, hf, ref = _generate_then_reference(eng, target, head, 24, integrity)
     aux = {}
     with torch.no_grad():
         for rid, seq in full.items():
@@ -169,7 +176,6 @@ def test_draft_trees_equal_a_reference_head(tmp_path, monkeypatch, integrity):
     from radixlm.runtime.speculative.tree import DraftTree
     from safetensors.torch import load_file, save_file
     from tiny_models import write_tiny_eagle3, write_tiny_llama
-    from transformers import LlamaForCausalLM
 
     target = write_tiny_llama(str(tmp_path / "t"), vocab=V, heads=4, kv_heads=2, tied=False,
                               layers=4)
@@ -196,18 +202,7 @@ def test_draft_trees_equal_a_reference_head(tmp_path, monkeypatch, integrity):
                          speculative_num_draft_tokens=16, chunked_prefill_size=16,
                          skip_tokenizer_init=True, max_total_tokens=2048, context_length=512,
                          dtype="float32")
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (50, 7, 20)]
-    try:
-        outs = eng.generate(input_ids=prompts, sampling_params={
-            "temperature": 0, "max_new_tokens": 16, "ignore_eos": True}, rid=["a", "b", "c"])
-        integrity(eng)
-    finally:
-        eng.shutdown()
-    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    ref = RefHead(load_file(os.path.join(head, "model.safetensors")),
-                  hf.model.embed_tokens.weight.detach())
-    full = {rid: p + o["output_ids"] for rid, p, o in zip("abc", prompts, outs)}
+    prompts, full, hf, ref = _generate_then_reference(eng, target, head, 16, integrity)
     assert len(seen) > 10 and max(t.depth for _, _, t in seen) == 3
     with torch.no_grad():
         for rid, seq, tree in seen:
