@@ -80,8 +80,9 @@ def test_mover_loads_and_backs_up_any_slot_layout(layout):
     """KVMover on CUDA, slot-major host pool: host rows -> device slots and back, bit for bit (bf16
     random bits, so NaN payloads too), for one run of host slots, 24 runs of 20 (the direct DMA
     path past MAX_DIRECT_RUNS), a random scatter (the CPU gather into pinned staging), and runs
-    cut across staging chunks (a chunk of 90 tokens); loads queued back to back (no wait between
-    them) and a backup in between."""
+    cut across staging chunks (chunks of 90 tokens: a load of 480 goes round the ring of staging
+    buffers, each reused after its scatter); loads queued back to back (no wait between them),
+    the compute stream waiting only for their events, and a backup of the first in between."""
     from radixlm.runtime.mem_cache import host_pool
     from radixlm.runtime.mem_cache.host_pool import HostKVPool
     from radixlm.runtime.mem_cache.kv_mover import KVMover
@@ -92,7 +93,6 @@ def test_mover_loads_and_backs_up_any_slot_layout(layout):
     host = HostKVPool(2048, pool, dev)
     mover = KVMover(pool, host, dev)
     if layout == "chunked":
-        mover.staging_bytes = 0  # no load scattered on the compute stream: chunks of 90 tokens,
         mover.chunk = 90  # cutting runs of 20 (at offsets 80..100, 180..200, ...)
     gen = torch.Generator().manual_seed(0)
     host.kv.view(torch.int16).copy_(torch.randint(-2**15, 2**15 - 1, host.kv.shape, generator=gen,
@@ -109,14 +109,8 @@ def test_mover_loads_and_backs_up_any_slot_layout(layout):
     expect = host.kv[host_idx].clone().view(torch.int16)  # (n, L, 2, H, D)
     dev_a = (torch.randperm(1000, generator=gen)[:n] + 1).to(dev)
     dev_b = (torch.randperm(1000, generator=gen)[:n] + 1001).to(dev)
-    mover.to_device(host_idx, dev_a)
-    mover.to_device(host_idx, dev_b)  # queued right behind the first
-    events = mover.take_layer_events()  # a chunked load's: one a layer (the same event)
-    if layout == "chunked":
-        assert events is not None and len(events) == pool.num_layers
-        torch.cuda.current_stream().wait_event(events[0])  # as the forward's first layer does
-    else:  # scattered on the compute stream: the forward is ordered after it already
-        assert events is None
+    for slots in (dev_a, dev_b):  # the second queued right behind the first
+        torch.cuda.current_stream().wait_event(mover.to_device(host_idx, slots))  # as load_back
     back = torch.arange(1, n + 1) + 1500 if layout != "scattered" else host_idx.flip(0)
     mover.to_host(dev_a, back)  # and a backup of the first into other host rows
     mover.complete()
@@ -128,3 +122,37 @@ def test_mover_loads_and_backs_up_any_slot_layout(layout):
             assert torch.equal(pool.v_buffers[layer][slots].cpu().view(torch.int16),
                                expect[:, layer, 1])
     assert torch.equal(host.kv[back].view(torch.int16), expect)
+
+
+def test_a_load_dma_runs_beside_the_forwards_and_the_backups():
+    """A load's DMA waits for neither the compute stream nor a backup queued before it (one
+    that reads other host rows): with the compute stream busy for ~0.5 s and such a backup
+    waiting for it, the load's DMA completes first; its scatter waits for the compute stream
+    (evicted slots' readers), so the load's event does not. (With one copy stream for loads and
+    backups, the DMA waited behind the backup, and so for the compute stream.)"""
+    from radixlm.runtime.mem_cache.host_pool import HostKVPool
+    from radixlm.runtime.mem_cache.kv_mover import KVMover
+    from radixlm.runtime.mem_cache.kv_pool import KVPool
+
+    dev = torch.device("cuda")
+    pool = KVPool(2048, 3, 8, 64, torch.bfloat16, dev)
+    host = HostKVPool(2048, pool, dev)
+    mover = KVMover(pool, host, dev)
+    host.kv.view(torch.int16).copy_(torch.randint(-2**15, 2**15 - 1, host.kv.shape,
+                                                  dtype=torch.int16))
+    host_idx, dev_idx = torch.arange(1, 257), torch.arange(300, 556, device=dev)
+    mover.to_device(host_idx, dev_idx)  # warm-up: the ring's buffers are allocated
+    torch.cuda.synchronize()
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of a busy compute stream (clock cycles)
+    busy = torch.cuda.Event()
+    busy.record(compute)
+    mover.to_host(torch.arange(1, 65, device=dev), torch.arange(1001, 1065))
+    done = mover.to_device(host_idx, dev_idx)
+    mover._direct_loads[-1].synchronize()  # the load's DMA has landed in the staging ring
+    assert not busy.query(), "the DMA waited for the compute stream"
+    assert not done.query(), "the scatter ran before the compute stream's queued work"
+    torch.cuda.synchronize()
+    for layer in range(pool.num_layers):
+        assert torch.equal(pool.k_buffers[layer][dev_idx].cpu().view(torch.int16),
+                           host.kv[host_idx, layer, 0].view(torch.int16))

@@ -183,7 +183,8 @@ class _FakeStream:
 @pytest.mark.parametrize("chunked", [False, True])
 def test_cuda_paths_move_the_right_rows(monkeypatch, chunked):
     """The CUDA branches of KVMover (DMA run by run, the pinned staging of a scattered copy,
-    chunks that cut runs, the compute-stream scatter) run here with streams and events faked:
+    staging chunks that cut runs and reuse the ring's buffers) run here with streams and
+    events faked:
     every copy is synchronous, so this checks which rows go where, not the streams' ordering
     (tests/gpu/test_hicache_gpu.py does that on a GPU)."""
     import contextlib
@@ -196,19 +197,18 @@ def test_cuda_paths_move_the_right_rows(monkeypatch, chunked):
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     pool, host, mover, gen = _pools(torch.bfloat16, capacity=400, host_capacity=400)
-    mover.cuda, mover.stream = True, _FakeStream()
+    mover.cuda = True
+    mover.stream = mover.load_stream = mover.scatter_stream = _FakeStream()
     host.kv.copy_(_random_bits(host.kv.shape, torch.bfloat16, gen))
-    if chunked:  # no staging budget: loads go in chunks of 25 tokens on the copy stream
-        mover.staging_bytes, mover.chunk = 0, 25
+    if chunked:  # chunks of 25 tokens: a load of 90 goes through 4 ring buffers
+        mover.chunk = 25
     for name, host_idx in _layouts(gen).items():
         n = host_idx.numel()
         want = host.kv[host_idx].clone()
         a = torch.randperm(200, generator=gen)[:n] + 1
         b = torch.randperm(200, generator=gen)[:n] + 201
-        mover.to_device(host_idx, a)
+        assert mover.to_device(host_idx, a) is not None, name  # the event to wait for
         mover.to_device(host_idx, b)
-        events = mover.take_layer_events()
-        assert (events is not None) == chunked, name
         back = host_idx.flip(0)  # a backup into the rows a load read (staged when scattered)
         mover.to_host(a, back)
         mover.complete()

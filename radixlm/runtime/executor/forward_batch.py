@@ -43,9 +43,6 @@ class ForwardBatch:
     # EXTEND only, None unless a request of the batch has images: (first row of its tokens in
     # the batch, its first position computed, its number of tokens, its MultimodalInputs) each
     mm_inputs: Optional[list] = None
-    # EXTEND, CUDA: one event per layer of the KV loads from the host pool this forward reads
-    # (mem_cache/kv_mover.py); layer l waits for its own event only. None: nothing in flight
-    kv_load_events: Optional[list] = None
     # EAGLE-3 (speculative/eagle3.py): the target keeps the hidden states after these layers
     # (x + residual at each layer's output, 0-based) for every row; () captures nothing
     capture_layers: tuple = ()

@@ -24,7 +24,6 @@ from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
-from radixlm.runtime.mem_cache.kv_mover import LayerWaitingBackend
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 from radixlm.runtime.models import (fp8_checkpoint, int4_checkpoint, loader, registry,
@@ -315,8 +314,6 @@ class ModelRunner:
                 and self.graph_runner.can_run(fb)):
             return self.graph_runner.replay(fb)
         fb.attn_backend = self.attn_backend
-        if fb.kv_load_events is not None:
-            fb.attn_backend = LayerWaitingBackend(self.attn_backend, fb.kv_load_events)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb)
         fb.hidden_states = hidden  # (N, H) final hidden states of the logits rows (embeddings)

@@ -178,7 +178,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         if num_tokens <= 0:
             return 0
         heap = lru_heap(self._dev_leaves, "lock_ref")
-        freed, values = 0, []
+        freed, values, backups = 0, [], []
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
             if node not in self._dev_leaves or node.lock_ref:
@@ -189,7 +189,8 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
                 self.counters["dropped_tokens"] += n
             else:
                 values.append(node.value)
-                node.value = None
+                backups.append(node.backup)
+                node.value, node.backup = None, None
                 self._evictable -= n
                 self._sync(node)
                 self._sync(parent)
@@ -197,7 +198,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
             if parent in self._dev_leaves and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         if values:
-            self.mover.guard_device_reuse()
+            self.mover.guard_device_reuse(backups)
             self.allocator.free(torch.cat(values))
         self.counters["device_evicted_tokens"] += freed
         return freed
@@ -253,7 +254,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         """Remove node and everything below it from the tree, freeing their slots in every tier."""
         parent = node.parent
         del parent.children[node.key[0]]
-        stack, dev, host = [node], [], []
+        stack, dev, host, backups = [node], [], [], []
         while stack:
             x = stack.pop()
             stack.extend(x.children.values())
@@ -261,6 +262,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
             if x.value is not None:
                 assert x.lock_ref == 0 and x.host_ref == 0, f"dropping locked {x}"
                 dev.append(x.value)
+                backups.append(x.backup)
                 self._evictable -= n
             if x.host_value is not None:
                 host.append(x.host_value)
@@ -272,7 +274,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
             x.parent, x.children = None, {}  # detached: a stale reference cannot lock it
         self._sync(parent)
         if dev:
-            self.mover.guard_device_reuse()
+            self.mover.guard_device_reuse(backups)
             self.allocator.free(torch.cat(dev))
         if host:
             self._free_host(torch.cat(host))
@@ -310,7 +312,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         upper.storage_len = min(node.storage_len, n)
         node.storage_len = max(node.storage_len - n, 0)
         upper.lock_ref, upper.host_ref = node.lock_ref, node.host_ref
-        upper.loading = node.loading
+        upper.loading, upper.backup = node.loading, node.backup
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
         upper.children[node.key[n]] = node
         node.parent.children[node.key[0]] = upper

@@ -2,27 +2,25 @@
 
 `KVMover` does the copies:
 - CPU: synchronous index copies (the forward runs after them on the same thread).
-- CUDA: on its own stream. A load (host -> device) DMAs each run of consecutive host slots into a
-  device staging block (n, layers, 2, H, D) (a scattered load gathers the rows into a pinned
-  staging block on the CPU first, then one DMA), records an event, and the compute stream waits
-  for it and scatters the block into the device slots with one kernel: the copy stream never
-  waits for compute on a load, so the DMAs of every load of a round overlap the work queued
-  before them, and the forward that follows on the compute stream is ordered after the scatter
-  (no per-layer events; with the layer-major pool, layer l's copies were awaited by layer l).
-  Staging blocks awaiting their scatter are bounded (STAGING_BYTES); past that a load goes in
-  chunks whose scatters run on the copy stream after it waits for the compute stream (evictions'
-  readers of the device slots may still be queued), and the next forward's attention waits for
-  that load's event at its first layer (`LayerWaitingBackend`). A backup (device -> host)
-  gathers on the copy stream after the compute stream's pending work (one kernel a chunk) and
-  DMAs each run straight into the host rows (a scattered one into pinned staging, landed in the
-  rows by `complete()`);
-  `complete()` runs before any host read or write and waits for the copies in flight, and the
-  compute stream waits for a backup before a freed device slot can be written again
-  (`guard_device_reuse`). Loads and backups share the one copy stream, so a backup into slots
-  that a queued load still reads runs after it.
-- The scheduler's loads on CUDA are preloads (`to_device(detached=True)`): DMA and scatter both on
-  the copy stream, nothing on the compute stream; the caller waits for the returned event
-  before a forward reads the slots (scheduler/prefill.py).
+- CUDA: three streams of its own, so that no copy waits behind a copy the other way and the
+  compute stream never waits for a load.
+  - Backups (device -> host) on `stream`: after the compute stream's pending work (the forwards
+    that wrote the KV), one gather kernel a chunk, then each run of host slots DMA'd straight
+    into its rows (a scattered backup into pinned staging, landed by `complete()`). Before the
+    device slots of an evicted node are written again the compute stream waits for that node's
+    own backup (`guard_device_reuse(events)`), if it is still in flight.
+  - Loads (host -> device): each chunk is DMA'd on `load_stream` into a ring of device staging
+    buffers (RING x STAGING_BYTES / RING, allocated once), then scattered into the device slots
+    by one kernel on `scatter_stream`. A DMA waits only for a backup still writing host rows it
+    reads and for the scatter that last read its ring buffer; a load's scatters wait for the
+    compute stream's pending work (evicted slots' readers may still be queued, and evictions
+    waited for their backups there). `to_device` returns the event after the load's last
+    scatter: a preload polls it (scheduler/prefill.py: the request is admitted once it has
+    completed), `load_back` has the compute stream wait for it.
+  Before (until 2026-11-28) loads and backups shared one copy stream: a backup queued behind a
+  wave's loads made every eviction's wait on the compute stream a wait for those loads, and each
+  load's scatter waited for the compute stream in the queue before the next load's DMA, so the
+  host -> device copies ran serialized with the forwards (16.5% of an H100 run's window).
 """
 
 from __future__ import annotations
@@ -36,12 +34,13 @@ from radixlm.runtime.mem_cache.host_pool import (HostKVPool, as_words, direct_ru
                                                  split_runs)
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 
-# Device staging: loads whose blocks await their scatter on the compute stream hold at most this
-# much (a longer load, or one past the budget, goes in chunks of this size through copy-stream
-# memory that is reused at once); also the chunk of a backup's gather. Large enough for a long
-# chat's history (4k tokens of an 8B model) in one DMA a run, small beside the activations'
-# share of device memory (1 - mem_fraction_static).
-STAGING_BYTES = 512 << 20
+# Device staging of loads: a ring of RING buffers of STAGING_BYTES / RING each, allocated at the
+# first load and kept (small beside the activations' share of device memory). A DMA into a buffer
+# waits for the scatter that last read it, so loads of any size go through it in chunks; RING
+# chunks in flight let the DMAs run ahead of scatters that wait for a forward (~1 ms a chunk of
+# 32 MiB at PCIe 5 speed). The chunk is also a backup's gather unit.
+STAGING_BYTES = 256 << 20
+RING = 8
 
 
 class KVMover:
@@ -53,16 +52,20 @@ class KVMover:
         if self.slot_words.dtype != self.host_words.dtype:
             self.slot_words, self.host_words = device_pool.slot_view(), host.kv
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.staging_bytes = STAGING_BYTES
-        self.chunk = max(1, STAGING_BYTES // host.token_bytes)  # tokens per staging chunk
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # backups
+        self.load_stream = torch.cuda.Stream(device) if self.cuda else None  # load DMAs
+        self.scatter_stream = torch.cuda.Stream(device) if self.cuda else None  # load scatters
+        # tokens a staging chunk (a ring buffer; never more than the device pool holds)
+        self.chunk = max(1, min(STAGING_BYTES // RING // host.token_bytes, device_pool.capacity))
+        self._ring: list[Optional[torch.Tensor]] = [None] * RING
+        self._ring_free: list[Optional[torch.cuda.Event]] = [None] * RING  # its last scatter
+        self._ring_pos = 0
         self._backups: deque = deque()  # (pinned staging, host slots, event), in issue order
+        # backups whose DMA may still write host rows: (first row, last row, event); a load
+        # reading rows in that span waits for it on the GPU
+        self._backup_spans: deque = deque()
         self._staged_loads: deque = deque()  # (pinned staging, event): alive until copied
         self._direct_loads: deque = deque()  # events of loads that read the host rows
-        self._last_backup = None
-        self._layer_events: Optional[list] = None
-        # loads scattered on the compute stream: (event after the scatter, staging bytes)
-        self._compute_staged: deque = deque()
 
     def _gather(self, dev_idx: torch.Tensor) -> torch.Tensor:
         """(n, L, 2, H, D) contiguous copy of device slots dev_idx: one kernel."""
@@ -77,8 +80,11 @@ class KVMover:
             self.slot_words.view(self.host.dtype).index_copy_(0, dev_idx, block)
 
     # --- device -> host ------------------------------------------------------------------------
-    def to_host(self, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
-        """Copy the KV at device slots dev_idx (n,) into host slots host_idx (n,)."""
+    def to_host(self, dev_idx: torch.Tensor, host_idx: torch.Tensor
+                ) -> Optional[torch.cuda.Event]:
+        """Copy the KV at device slots dev_idx (n,) into host slots host_idx (n,). CUDA: returns
+        the copy's event (the device slots are read until it completes; pass it to
+        `guard_device_reuse` before freeing them). None on the CPU, where the copy is done."""
         kv = self.host.kv
         runs = direct_runs(host_idx, self.host.token_bytes)
         n = host_idx.numel()
@@ -88,7 +94,7 @@ class KVMover:
             for off, start, length in runs or ():
                 torch.index_select(self.slot_words, 0, dev_idx[off:off + length],
                                    out=self.host_words[start:start + length])
-            return
+            return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV's forwards first
         staging = None
         if runs is None:
@@ -96,7 +102,7 @@ class KVMover:
         with torch.cuda.stream(self.stream):
             for lo in range(0, n, self.chunk):
                 hi = min(n, lo + self.chunk)
-                block = self._gather(dev_idx[lo:hi])  # on the copy stream, freed back to it
+                block = self._gather(dev_idx[lo:hi])  # on this stream, freed back to it
                 if staging is not None:
                     staging[lo:hi].copy_(block, non_blocking=True)
                     continue
@@ -106,7 +112,9 @@ class KVMover:
             event.record(self.stream)
         dev_idx.record_stream(self.stream)
         self._backups.append((staging, None if staging is None else host_idx, event))
-        self._last_backup = event
+        if staging is None:  # (a staged one lands on the CPU: loads complete() it first)
+            self._backup_spans.append((int(host_idx.min()), int(host_idx.max()), event))
+        return event
 
     def backups_in_flight(self) -> bool:
         """Whether a backup may not have landed in its host rows yet (CUDA until `complete()`;
@@ -117,10 +125,13 @@ class KVMover:
         """Whether a load's DMA may still be reading host rows (CUDA until `complete()`)."""
         return bool(self._direct_loads)
 
-    def guard_device_reuse(self) -> None:
-        """Before freeing device slots: later compute-stream writes wait for backups reading them."""
-        if self.cuda and self._last_backup is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._last_backup)
+    def guard_device_reuse(self, events: list) -> None:
+        """Before freeing device slots: later compute-stream work (and loads, whose scatters
+        wait for it) waits for the backups still reading them (`events`: theirs, from to_host)."""
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        for event in events:
+            if event is not None and not event.query():
+                compute.wait_event(event)
 
     def complete(self) -> None:
         """Land finished backups in the host rows; call before reading or writing host rows."""
@@ -131,20 +142,24 @@ class KVMover:
             event.synchronize()
             if staging is not None:  # direct backups are in the host rows already
                 self.host.put_rows(host_idx, staging)
-        while self._staged_loads and self._staged_loads[0][1].query():
-            self._staged_loads.popleft()
+        self._backup_spans.clear()
+        self._forget_done()
+
+    def _forget_done(self) -> None:
+        for queue, event_of in ((self._staged_loads, lambda x: x[1]),
+                                (self._backup_spans, lambda x: x[2]),
+                                (self._direct_loads, lambda x: x)):
+            while queue and event_of(queue[0]).query():
+                queue.popleft()
 
     # --- host -> device ------------------------------------------------------------------------
-    def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor,
-                  detached: bool = False) -> Optional[torch.cuda.Event]:
-        """Copy host slots host_idx (n,) into device slots dev_idx (n,). On CUDA asynchronous: the
-        next forward must be handed `take_layer_events()` (events only for a chunked load; a
-        load scattered on the compute stream is ordered before the forward already).
-        `detached` (CUDA): DMA and scatter both on the copy stream, nothing queued on the compute
-        stream and no event for the next forward: returns the load's event, which the caller
-        waits for (event.query()) before any forward reads dev_idx. The forwards queued
-        meanwhile run beside the copy (a preload: scheduler/prefill.py). None otherwise."""
-        kv, n = self.host.kv, host_idx.numel()
+    def to_device(self, host_idx: torch.Tensor, dev_idx: torch.Tensor
+                  ) -> Optional[torch.cuda.Event]:
+        """Copy host slots host_idx (n,) into device slots dev_idx (n,). CUDA: asynchronous,
+        nothing queued on the compute stream; returns the event after the last scatter, which
+        must have completed (or be waited for by the compute stream) before any forward reads
+        dev_idx. None on the CPU, where the copy is done."""
+        n = host_idx.numel()
         runs = direct_runs(host_idx, self.host.token_bytes)
         if not self.cuda:  # each run scattered straight from its host rows, no block in between
             if runs is None:
@@ -157,79 +172,55 @@ class KVMover:
         # on the CPU: either waits for the backups in flight first
         if self._backups and (runs is None or any(b[0] is not None for b in self._backups)):
             self.complete()
-        while self._staged_loads and self._staged_loads[0][1].query():
-            self._staged_loads.popleft()
-        # (a load by DMA waits for no earlier copy: it only reads host rows, and the one copy
-        # stream orders it after earlier loads and the direct backups into those rows)
+        self._forget_done()
         staging = None
-        if runs is None:  # scattered: gathered on the CPU into pinned memory, then one DMA
-            staging = torch.empty(self.host.block_shape(n), dtype=kv.dtype, pin_memory=True)
+        if runs is None:  # scattered: gathered on the CPU into pinned memory, then DMA'd
+            staging = torch.empty(self.host.block_shape(n), dtype=self.host.dtype,
+                                  pin_memory=True)
             self.host.rows(host_idx, out=staging)
-        compute = torch.cuda.current_stream(self.device)
-        while self._compute_staged and self._compute_staged[0][0].query():
-            self._compute_staged.popleft()
-        nbytes = n * self.host.token_bytes
-        detached_event = None
-        if detached:
-            event = detached_event = self._load_on_copy_stream(runs, staging, dev_idx, n, compute)
-        elif nbytes <= self.staging_bytes - sum(b for _, b in self._compute_staged):
-            # DMA on the copy stream, scatter on the compute stream: the copy stream never waits
-            # for compute, so the DMAs of every load of a round overlap the work queued before
-            # them, and the forward, queued after the scatter, needs no event of its own
-            with torch.cuda.stream(self.stream):
-                up = self._dma_up(runs, staging, 0, n)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            compute.wait_event(event)
-            up.record_stream(compute)  # its memory waits for the scatter before reuse
-            self._scatter(dev_idx, up)
-            done = torch.cuda.Event()
-            done.record(compute)
-            self._compute_staged.append((done, nbytes))
-        else:  # past the staging budget: chunks through copy-stream memory, reused at once
-            event = self._load_on_copy_stream(runs, staging, dev_idx, n, compute)
-            # one copy stream: this load's event implies every earlier load is done too; every
-            # layer waits for it (a slot-major run moves all layers in one copy)
-            self._layer_events = [event] * self.host.num_layers
+        else:  # the DMAs wait for backups still writing rows they read (a node evicted from
+            lo, hi = int(host_idx.min()), int(host_idx.max())  # the device as its backup ran)
+            for first, last, event in self._backup_spans:
+                if first <= hi and lo <= last:
+                    self.load_stream.wait_event(event)
+        # the scatters follow the compute stream's queued work: it may still read slots that
+        # evictions freed for this load (and it waits for their backups: guard_device_reuse)
+        self.scatter_stream.wait_stream(torch.cuda.current_stream(self.device))
+        dma = done = None
+        for lo in range(0, n, self.chunk):
+            hi = min(n, lo + self.chunk)
+            j = self._ring_pos
+            self._ring_pos = (j + 1) % RING
+            buf = self._ring_buffer(j)[:hi - lo]
+            if self._ring_free[j] is not None:
+                self.load_stream.wait_event(self._ring_free[j])  # its last scatter read it
+            with torch.cuda.stream(self.load_stream):
+                if staging is not None:
+                    buf.copy_(staging[lo:hi], non_blocking=True)
+                else:
+                    for off, start, length in split_runs(runs, lo, hi):
+                        buf[off:off + length].copy_(self.host.kv[start:start + length],
+                                                    non_blocking=True)
+                dma = torch.cuda.Event()
+                dma.record(self.load_stream)
+            self.scatter_stream.wait_event(dma)
+            with torch.cuda.stream(self.scatter_stream):
+                self._scatter(dev_idx[lo:hi], buf)
+                done = torch.cuda.Event()
+                done.record(self.scatter_stream)
+            self._ring_free[j] = done
+        dev_idx.record_stream(self.scatter_stream)
         if staging is None:
-            self._direct_loads.append(event)  # (the DMAs' end: host rows read)
+            self._direct_loads.append(dma)  # (the DMAs' end: host rows read)
         else:
-            self._staged_loads.append((staging, event))
-        return detached_event
+            self._staged_loads.append((staging, dma))
+        return done
 
-    def _load_on_copy_stream(self, runs, staging, dev_idx: torch.Tensor, n: int,
-                             compute) -> torch.cuda.Event:
-        """DMA and scatter on the copy stream, in chunks through copy-stream memory (reused at
-        once); the event after the last scatter."""
-        with torch.cuda.stream(self.stream):
-            for lo in range(0, n, self.chunk):
-                hi = min(n, lo + self.chunk)
-                up = self._dma_up(runs, staging, lo, hi)
-                if lo == 0:
-                    # the device slots may have been freed by evictions whose readers are
-                    # still queued: the scatter waits for them; the DMA above touches no
-                    # slot, so it overlaps them
-                    self.stream.wait_stream(compute)
-                self._scatter(dev_idx[lo:hi], up)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        dev_idx.record_stream(self.stream)
-        return event
-
-    def _dma_up(self, runs, staging, lo: int, hi: int) -> torch.Tensor:
-        """Copy stream: rows [lo, hi) of a load into a new device block, from the pinned staging
-        block or run by run from the host rows."""
-        up = torch.empty(self.host.block_shape(hi - lo), dtype=self.host.dtype, device=self.device)
-        if staging is not None:
-            up.copy_(staging[lo:hi], non_blocking=True)
-        else:
-            for off, start, length in split_runs(runs, lo, hi):
-                up[off:off + length].copy_(self.host.kv[start:start + length], non_blocking=True)
-        return up
-
-    def take_layer_events(self) -> Optional[list]:
-        events, self._layer_events = self._layer_events, None
-        return events
+    def _ring_buffer(self, j: int) -> torch.Tensor:
+        if self._ring[j] is None:
+            self._ring[j] = torch.empty(self.host.block_shape(self.chunk), dtype=self.host.dtype,
+                                        device=self.device)
+        return self._ring[j]
 
     # --- host rows for storage -------------------------------------------------------------------
     def read_host(self, host_idx: torch.Tensor) -> torch.Tensor:
@@ -245,22 +236,3 @@ class KVMover:
     def read_device(self, dev_idx: torch.Tensor) -> torch.Tensor:
         """(n, L, 2, H, D) host copy of device slots dev_idx (synchronous)."""
         return self._gather(dev_idx).cpu()
-
-
-class LayerWaitingBackend:
-    """An attention backend whose layer l first waits (on the GPU, not the host) for the event of
-    the load that brought layer l's KV: handed to one forward when loads are pending (CUDA)."""
-
-    def __init__(self, backend, events: list):
-        self._backend, self._events = backend, events
-
-    def __getattr__(self, name):
-        attr = getattr(self._backend, name)
-        if name not in ("forward", "forward_rows"):
-            return attr
-
-        def call(q, k, v, layer, fb, *rest):
-            torch.cuda.current_stream().wait_event(self._events[layer])
-            return attr(q, k, v, layer, fb, *rest)
-
-        return call

@@ -18,7 +18,8 @@ STORAGE_HIT_WEIGHT = 0.25
 
 
 class TierNode(TreeNode):
-    __slots__ = ("host_value", "storage_len", "start", "hit_count", "host_ref", "loading")
+    __slots__ = ("host_value", "storage_len", "start", "hit_count", "host_ref", "loading",
+                 "backup")
 
     def __init__(self, key: tuple = (), value: Optional[torch.Tensor] = None, parent=None,
                  start: int = 0):
@@ -32,6 +33,9 @@ class TierNode(TreeNode):
         # CUDA: the event of a preload (tier_transfers.preload_back) still writing `value`; no
         # forward may read the node before it has completed (None: nothing in flight)
         self.loading = None
+        # CUDA: the event of the backup that copied `value` to `host_value` (KVMover.to_host):
+        # the device slots are read until it completes (None: nothing in flight)
+        self.backup = None
 
     def __repr__(self) -> str:
         tiers = "D" * (self.value is not None) + "H" * (self.host_value is not None)

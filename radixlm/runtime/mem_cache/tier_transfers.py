@@ -5,8 +5,8 @@ mixin: the state is HiRadixCache's.
 
 Load of a match (`load_back`), for the request the scheduler is admitting, whose device prefix it
 has locked: device slots for every host-resident node of the path (evicting others to make room),
-one batched copy (KVMover: synchronous on the CPU; on CUDA queued on the copy stream with an event
-per layer that the forward's layers wait on). The path's nodes are pinned (host_ref) throughout,
+one batched copy (KVMover: synchronous on the CPU; on CUDA queued on the mover's streams, with an
+event that the compute stream waits for, or that the scheduler polls for a preload). The path's nodes are pinned (host_ref) throughout,
 so the evictions a load causes cannot take the copies it is moving. Storage is never read here:
 what the prefetch landed for the request was put into the tree as host nodes just before.
 """
@@ -115,8 +115,10 @@ class TierTransfers:
         try:
             n_tok = sum(len(n.key) for n in nodes)
             dev = self._alloc_device(n_tok)
-            event = self.mover.to_device(torch.cat([n.host_value for n in nodes]), dev,
-                                         detached=detached)
+            event = self.mover.to_device(torch.cat([n.host_value for n in nodes]), dev)
+            if event is not None and not detached:  # the next forward is ordered after it
+                torch.cuda.current_stream(self.mover.device).wait_event(event)
+                event = None
             off = 0
             for n in nodes:  # root-down: each node's parent is on the device before it
                 n.value = dev[off:off + len(n.key)]
@@ -174,10 +176,6 @@ class TierTransfers:
         if not alloc.can_alloc(n):
             self.evict_host(n - alloc.available_size())
         return alloc.alloc(n)
-
-    def take_load_events(self) -> Optional[list]:
-        """CUDA: the per-layer events of this round's loads, for the next forward to wait on."""
-        return self.mover.take_layer_events()
 
 
 def _ema(old: Optional[float], new: float) -> float:

@@ -53,7 +53,7 @@ class TierWrites:
         host_slots = self._alloc_host(n)
         if host_slots is None:
             return False
-        self.mover.to_host(node.value, host_slots)
+        node.backup = self.mover.to_host(node.value, host_slots)
         node.host_value = host_slots
         self._host_tokens += n
         self.counters["bytes_device_to_host"] += n * self.host.token_bytes

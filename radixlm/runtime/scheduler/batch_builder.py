@@ -124,10 +124,9 @@ def as_decode(fb: ForwardBatch, rows: LogitRows, reqs: list[Req]) -> ForwardBatc
     where an extend runs eagerly: a disaggregated decode server admits each arriving prompt so
     (its KV came from the prefill server; the last prompt token is computed here), mixed with
     every running request, which otherwise all waited for an eager step at each arrival (an
-    inter-token latency spike for the whole batch). Left as it is: prompt logprob rows, images, embeddings, and per-layer
-    waits for KV still loading from the host pool (only the eager forward waits on them)."""
+    inter-token latency spike for the whole batch). Left as it is: prompt logprob rows, images and embeddings."""
     b = fb.batch_size
-    if (fb.num_tokens != b or fb.mm_inputs or fb.kv_load_events is not None or rows.input_spans
+    if (fb.num_tokens != b or fb.mm_inputs or rows.input_spans
             or rows.sample_rows != list(range(b)) or any(r.embed_pooling for r in reqs)):
         return fb
     fb.mode = ForwardMode.DECODE  # the extend lists stay (EAGLE-3 reads them after the step)

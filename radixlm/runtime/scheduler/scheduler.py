@@ -246,8 +246,6 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         fb, rows = build_extend(reqs + decoding, self.req_pool, self.allocator, self.tree_cache,
                                 self.device)
         fb.num_decode_tail = len(decoding)
-        if self.tiered:  # CUDA: each layer waits for its own loaded KV (mem_cache/kv_mover.py)
-            fb.kv_load_events = self.tree_cache.take_load_events()
         fb = as_decode(fb, rows, reqs + decoding)
         logits = self._forward_or_oom(fb, reqs + decoding)  # (N, vocab)
         if logits is None:  # a CUDA OOM failed the batch (step() reports it)
