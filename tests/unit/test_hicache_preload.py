@@ -125,3 +125,50 @@ def test_abort_while_preloading_releases_the_path(make_engine, integrity, slow_l
     assert done["meta_info"]["finish_reason"]["type"] == "abort"
     slow_loads.set()
     integrity(eng)  # no lock left on the loaded path
+
+
+def test_the_batch_decodes_with_overlap_while_a_load_is_in_flight(make_engine,  # noqa: F811
+                                                                   integrity, reference,
+                                                                   slow_loads):
+    """A request waiting for its preload cannot be admitted before the copy lands, so it does
+    not stop the running batch's overlap schedule (chaining): decode steps stay chained while
+    the load is in flight, and the loaded request is admitted once it lands (CPU: the overlap
+    logic turned on by hand, as tests/unit/test_overlap_schedule.py does)."""
+    eng = _host_only(make_engine)
+    for i in range(4):
+        eng.generate(input_ids=PROMPTS[i], sampling_params=SP)
+    sched = eng.scheduler
+    real, chained = sched._chainable, []
+
+    def chainable():
+        chain = real()
+        if any(r.preload is not None for r in sched.waiting):
+            chained.append(bool(chain))
+        return chain
+
+    slow_loads.hold = True
+    outs = {}
+    eng._call_in_loop(lambda: setattr(sched, "_chainable", chainable))
+    eng._call_in_loop(lambda: setattr(sched, "overlap", True))
+    try:
+        long_run = threading.Thread(target=lambda: outs.update(long=eng.generate(
+            input_ids=[5, 6, 7], sampling_params=dict(SP, max_new_tokens=50))))
+        loaded = threading.Thread(target=lambda: outs.update(loaded=eng.generate(
+            input_ids=PROMPTS[0], sampling_params=SP)))
+        long_run.start()
+        loaded.start()
+        deadline = time.monotonic() + 10
+        while not any(chained):
+            assert "long" not in outs, "the batch never chained while the load was in flight"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert "loaded" not in outs
+        slow_loads.set()
+        long_run.join(timeout=10)
+        loaded.join(timeout=10)
+    finally:
+        eng._call_in_loop(lambda: setattr(sched, "overlap", False))
+        eng._call_in_loop(lambda: setattr(sched, "_chainable", real))
+    assert outs["loaded"]["output_ids"] == reference[0]
+    assert len(outs["long"]["output_ids"]) == 50
+    integrity(eng)

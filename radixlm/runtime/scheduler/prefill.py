@@ -87,6 +87,8 @@ class PrefillAdder:
     def add(self, req: Req) -> AddResult:
         if self.rem_step <= 0:
             return AddResult.NO_COMPUTE
+        if req.preload is not None and self.tree_cache.loading(req.preload[0]):
+            return AddResult.DEFERRED  # still copying: not worth a match (it waits anyway)
         if req.prefetch is not None:  # what landed from the store joins the tree (host nodes)
             req.prefetch_range = _union(req.prefetch_range,
                                         self.tree_cache.adopt_prefetch(req.prefetch))

@@ -1,0 +1,171 @@
+"""Where the hierarchical cache's `on` run of benchmarks/multiturn_long.py spends its time (GPU).
+
+    python benchmarks/probes/multiturn_profile.py [multiturn_long.py's arguments] \
+        --window-start 8 --window 3 [--skip-run-stats]
+
+Runs the `on` arm (host pool only) once, counts the scheduler's steps by kind for the whole run
+(decode chained with overlap, decode run synchronously, extend; host seconds in each), and takes
+a torch.profiler trace of the scheduler thread and the GPU for `--window` seconds from
+`--window-start`. Prints one JSON line: the step counts, and from the trace the compute stream's
+busy share, the host -> device copies' time and how much of it ran while the compute stream was
+busy, the compute stream's idle gaps, and benchmarks/trace_summary.py's per-stream summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks import multiturn_long as mt  # noqa: E402
+from benchmarks.trace_summary import load_events, summarize  # noqa: E402
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """Microseconds of `spans` that fall inside the (sorted, disjoint) `busy` intervals."""
+    total, j = 0.0, 0
+    for a, b in sorted(spans):
+        while j < len(busy) and busy[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(busy) and busy[k][0] < b:
+            total += max(0.0, min(b, busy[k][1]) - max(a, busy[k][0]))
+            k += 1
+    return total
+
+
+def copy_overlap(path: str) -> dict:
+    """The compute stream (the one with the most kernel time) against the host -> device copies."""
+    events = [e for e in load_events(path) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    if not kernels:
+        return {}
+    by_stream = collections.defaultdict(list)
+    for k in kernels:
+        by_stream[k.get("args", {}).get("stream")].append((k["ts"], k["ts"] + k["dur"]))
+    compute = max(by_stream, key=lambda s: sum(b - a for a, b in by_stream[s]))
+    busy = _union(by_stream[compute])
+    start, end = busy[0][0], busy[-1][1]
+    h2d = [(c["ts"], c["ts"] + c["dur"]) for c in copies if "HtoD" in c.get("name", "")]
+    d2h = [(c["ts"], c["ts"] + c["dur"]) for c in copies if "DtoH" in c.get("name", "")]
+    busy_us = sum(b - a for a, b in busy)
+    h2d_us = sum(b - a for a, b in _union(h2d))
+    return {"compute_stream": compute, "window_ms": round((end - start) / 1e3, 1),
+            "compute_busy_share": round(busy_us / (end - start), 3),
+            "compute_idle_ms": round((end - start - busy_us) / 1e3, 1),
+            "h2d_ms": round(h2d_us / 1e3, 1),
+            "h2d_beside_compute_share": round(_overlap(_union(h2d), busy) / max(h2d_us, 1), 3),
+            "h2d_bytes_gb": round(sum(c.get("args", {}).get("bytes", 0) for c in copies
+                                      if "HtoD" in c.get("name", "")) / 1e9, 2),
+            "d2h_ms": round(sum(b - a for a, b in _union(d2h)) / 1e3, 1),
+            "other_streams_busy_ms": {str(s): round(sum(b - a for a, b in _union(v)) / 1e3, 1)
+                                      for s, v in by_stream.items() if s != compute}}
+
+
+def _count_steps(sched) -> dict:
+    """Wrap the scheduler's step paths: calls and host seconds of each kind."""
+    stats = collections.defaultdict(lambda: [0, 0.0])
+    for name in ("_run_extend", "_run_decode", "_launch_decode", "_complete_decode", "_admit"):
+        real = getattr(sched, name)
+
+        def wrapped(*a, _real=real, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                s = stats[_name]
+                s[0] += 1
+                s[1] += time.perf_counter() - t0
+
+        setattr(sched, name, wrapped)
+    return stats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--window-start", type=float, default=8.0)
+    p.add_argument("--window", type=float, default=3.0)
+    own, rest = p.parse_known_args()
+    args = mt.parse_args(rest)
+    args.model_path = args.model_path or mt.default_model_path()
+    import radixlm
+    import torch
+
+    convs = mt._conversations(args)
+    per_conv = (args.first_turn_len + (args.turns - 1) * args.question_len
+                + args.turns * args.output_len)
+    working_set = per_conv * len(convs)
+    device_pool = int(working_set * args.device_fraction)
+    eng = radixlm.Engine(model_path=args.model_path, load_format=args.load_format,
+                         dtype=args.dtype, device=args.device, max_total_tokens=device_pool,
+                         context_length=per_conv + 64, tokenizer_path=args.tokenizer_path,
+                         enable_hierarchical_cache=True,
+                         hicache_ratio=args.hicache_ratio or 1.25 / args.device_fraction,
+                         hicache_write_policy=args.hicache_write_policy)
+    trace = os.path.join(tempfile.mkdtemp(), "trace.json")
+    out: dict = {"probe": "multiturn_profile", "git_commit": mt.git_commit(),
+                 "device": (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"), "window_start_s": own.window_start,
+                 "window_s": own.window}
+    try:
+        eng.generate(input_ids=list(range(1000, 1016)), sampling_params={"max_new_tokens": 4})
+        eng.flush_cache()
+        stats = eng._call_in_loop(lambda: _count_steps(eng.scheduler))
+        kinds = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            kinds.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=kinds)
+
+        def profile_window():
+            time.sleep(own.window_start)
+            eng._call_in_loop(prof.start)
+            time.sleep(own.window)
+            eng._call_in_loop(prof.stop)
+
+        t = threading.Thread(target=profile_window)
+        t.start()
+        t0 = time.perf_counter()
+        hist = [[] for _ in convs]
+        records = asyncio.run(mt._turns(eng, convs, hist, range(args.turns - 1), args,
+                                        args.concurrency))
+        out["duration_s"] = round(time.perf_counter() - t0, 2)
+        t.join()
+        prof.export_chrome_trace(trace)
+        ttfts = sorted(r["ttft"] for r in records)
+        out["ttft_p50_s"] = round(mt._pct(ttfts, 50), 4)
+        out["steps"] = {k: {"calls": v[0], "host_s": round(v[1], 2)} for k, v in stats.items()}
+        st = eng.get_stats()
+        out["forward_steps"], out["extend_steps"] = st["forward_steps"], st["extend_steps"]
+        out["busy_s"] = round(st["busy_s"], 2)
+    finally:
+        eng.shutdown()
+    out["copies"] = copy_overlap(trace)
+    summary = summarize(trace, gap_ms=1.0, top=8)
+    out["streams"] = summary.get("streams")
+    out["most_time"] = summary.get("most_time")
+    out["gaps_over_1ms"] = summary.get("gaps_over_ms")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
