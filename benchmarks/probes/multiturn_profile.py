@@ -85,20 +85,33 @@ def copy_overlap(path: str) -> dict:
 
 def _count_steps(sched) -> dict:
     """Wrap the scheduler's step paths: calls and host seconds of each kind."""
-    stats = collections.defaultdict(lambda: [0, 0.0])
-    for name in ("_run_extend", "_run_decode", "_launch_decode", "_complete_decode", "_admit"):
-        real = getattr(sched, name)
+    from radixlm.runtime.scheduler import scheduler as module
 
-        def wrapped(*a, _real=real, _name=name, **k):
+    stats = collections.defaultdict(lambda: [0, 0.0])
+
+    def wrap(obj, name, tag):
+        real = getattr(obj, name)
+
+        def wrapped(*a, **k):
             t0 = time.perf_counter()
             try:
-                return _real(*a, **k)
+                return real(*a, **k)
             finally:
-                s = stats[_name]
+                s = stats[tag]
                 s[0] += 1
                 s[1] += time.perf_counter() - t0
 
-        setattr(sched, name, wrapped)
+        setattr(obj, name, wrapped)
+
+    for name in ("_run_extend", "_run_decode", "_launch_decode", "_complete_decode", "_admit",
+                 "_forward_or_oom", "_sample", "_process_tokens", "_decode_results",
+                 "_sampling_info", "_merge_running", "_record_input_logprobs", "_step"):
+        wrap(sched, name, name)
+    for name in ("cache_unfinished_req", "cache_finished_req", "preload_back", "match_prefix",
+                 "evict", "loading"):
+        wrap(sched.tree_cache, name, "tree." + name)
+    for name in ("build_extend", "build_decode", "as_decode"):
+        wrap(module, name, name)
     return stats
 
 
@@ -165,6 +178,12 @@ def main() -> None:
     out["most_time"] = summary.get("most_time")
     out["gaps_over_1ms"] = summary.get("gaps_over_ms")
     print(json.dumps(out))
+    keep = os.environ.get("OUT")
+    if keep:  # the trace itself, gzipped, for a closer look
+        import gzip
+        import shutil
+        with open(trace, "rb") as src, gzip.open(os.path.join(keep, "trace.json.gz"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 if __name__ == "__main__":
