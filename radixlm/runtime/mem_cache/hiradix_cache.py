@@ -81,7 +81,7 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         page writes finish first (their pages stay in the store), prefetches are cancelled."""
         self.finish_writes()
         self.drain_prefetch()
-        self.mover.complete()
+        self.mover.complete(loads=True)
         self.root = TierNode(value=self._empty())
         self.root.host_value = torch.empty(0, dtype=torch.int64)
         self._evictable = self._protected = 0

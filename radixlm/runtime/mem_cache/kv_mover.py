@@ -36,11 +36,13 @@ from radixlm.runtime.mem_cache.kv_pool import KVPool
 
 # Device staging of loads: a ring of RING buffers of STAGING_BYTES / RING each, allocated at the
 # first load and kept (small beside the activations' share of device memory). A DMA into a buffer
-# waits for the scatter that last read it, so loads of any size go through it in chunks; RING
-# chunks in flight let the DMAs run ahead of scatters that wait for a forward (~1 ms a chunk of
-# 32 MiB at PCIe 5 speed). The chunk is also a backup's gather unit.
-STAGING_BYTES = 256 << 20
-RING = 8
+# waits for the scatter that last read it, so loads of any size go through it in chunks; the
+# ring lets the DMAs run ~10 ms (PCIe 5) ahead of scatters that wait for a forward. Each chunk
+# costs the scheduler's thread its calls (copies, two events, waits): with 32 MiB chunks an H200
+# host spent 2.5 ms in a preload of ~3k tokens of an 8B model (2026-11-28), so chunks are large.
+# The chunk is also a backup's gather unit.
+STAGING_BYTES = 512 << 20
+RING = 4
 
 
 class KVMover:
@@ -117,13 +119,12 @@ class KVMover:
         return event
 
     def backups_in_flight(self) -> bool:
-        """Whether a backup may not have landed in its host rows yet (CUDA until `complete()`;
-        never on the CPU, where to_host copies at once)."""
+        """Whether a backup may not have landed in its host rows yet (CUDA: one still copying,
+        or a staged one that `complete()` has not landed; never on the CPU, where to_host copies
+        at once)."""
+        while self._backups and self._backups[0][0] is None and self._backups[0][2].query():
+            self._backups.popleft()
         return bool(self._backups)
-
-    def loads_in_flight(self) -> bool:
-        """Whether a load's DMA may still be reading host rows (CUDA until `complete()`)."""
-        return bool(self._direct_loads)
 
     def guard_device_reuse(self, events: list) -> None:
         """Before freeing device slots: later compute-stream work (and loads, whose scatters
@@ -133,10 +134,15 @@ class KVMover:
             if event is not None and not event.query():
                 compute.wait_event(event)
 
-    def complete(self) -> None:
-        """Land finished backups in the host rows; call before reading or writing host rows."""
-        while self._direct_loads:  # DMA still reading host rows that the CPU may write next
-            self._direct_loads.popleft().synchronize()
+    def complete(self, loads: bool = False) -> None:
+        """Land the backups in the host rows, waiting for those in flight: before the CPU reads
+        or writes host rows. A load's DMA only reads rows of nodes it is making device nodes,
+        whose host slots cannot be freed (and written by the CPU) before the load is done, so
+        loads are not waited for; `loads`: they are too, scatters included (before both pools
+        are reset)."""
+        if loads and self.cuda:
+            self.load_stream.synchronize()
+            self.scatter_stream.synchronize()
         while self._backups:
             staging, host_idx, event = self._backups.popleft()
             event.synchronize()

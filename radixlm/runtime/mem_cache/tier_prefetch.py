@@ -25,9 +25,9 @@ read is running) stay held until the read ends. check_integrity counts them:
     host free + host tokens in the tree + held (page writes, prefetches) == host capacity
 Pages that fail their checks are never served: the read stops there, the store deletes the file,
 the tree forgets the storage-only nodes from that page on, and the tokens are recomputed.
-CUDA: the reader writes host rows with the CPU, so a read starts only when no backup or load DMA
-is in flight on the host rows (else it waits, staged, for the next step's start: one
-`KVMover.complete` there, as for page writes).
+CUDA: the reader writes host rows with the CPU, so a read starts only when no backup's DMA is in
+flight (else it waits, staged, for the next step's start: one `KVMover.complete` there, as for
+page writes; a load's DMA only reads rows that cannot be freed before it is done).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ class TierPrefetch:
             return
         op.slots = slots
         self._pages_held += take
-        if self.mover.backups_in_flight() or self.mover.loads_in_flight():
-            op.staged = True  # (CUDA) DMA may still touch rows the reader would write
+        if self.mover.backups_in_flight():
+            op.staged = True  # (CUDA) a backup's DMA may still write rows the reader would
             self._staged.append(op)
         else:
             op.reading = True
