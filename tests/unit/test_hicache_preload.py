@@ -129,11 +129,23 @@ def test_abort_while_preloading_releases_the_path(make_engine, integrity, slow_l
 
 def test_the_batch_decodes_with_overlap_while_a_load_is_in_flight(make_engine,  # noqa: F811
                                                                    integrity, reference,
-                                                                   slow_loads):
-    """A request waiting for its preload cannot be admitted before the copy lands, so it does
-    not stop the running batch's overlap schedule (chaining): decode steps stay chained while
-    the load is in flight, and the loaded request is admitted once it lands (CPU: the overlap
+                                                                   slow_loads, monkeypatch):
+    """A request that arrives while a batch runs has its host prefix's copy started beside the
+    running step (`_preload_waiting`, not an admission round), and while it waits for the
+    copy, which it must, the running batch's overlap schedule goes on (chaining); the loaded
+    request is admitted once the copy lands, with its host hits reported (CPU: the overlap
     logic turned on by hand, as tests/unit/test_overlap_schedule.py does)."""
+    from radixlm.runtime.scheduler.prefill import PrefillAdder
+
+    started = []
+    real_preload = PrefillAdder.preload
+
+    def preload(self, req):
+        ok = real_preload(self, req)
+        started.append(ok)
+        return ok
+
+    monkeypatch.setattr(PrefillAdder, "preload", preload)
     eng = _host_only(make_engine)
     for i in range(4):
         eng.generate(input_ids=PROMPTS[i], sampling_params=SP)
@@ -156,8 +168,10 @@ def test_the_batch_decodes_with_overlap_while_a_load_is_in_flight(make_engine,  
         loaded = threading.Thread(target=lambda: outs.update(loaded=eng.generate(
             input_ids=PROMPTS[0], sampling_params=SP)))
         long_run.start()
-        loaded.start()
         deadline = time.monotonic() + 10
+        while not eng._call_in_loop(lambda: sched.inflight is not None):  # decoding, chained
+            assert time.monotonic() < deadline
+        loaded.start()
         while not any(chained):
             assert "long" not in outs, "the batch never chained while the load was in flight"
             assert time.monotonic() < deadline
@@ -170,5 +184,7 @@ def test_the_batch_decodes_with_overlap_while_a_load_is_in_flight(make_engine,  
         eng._call_in_loop(lambda: setattr(sched, "overlap", False))
         eng._call_in_loop(lambda: setattr(sched, "_chainable", real))
     assert outs["loaded"]["output_ids"] == reference[0]
+    assert outs["loaded"]["meta_info"]["cached_tokens_details"]["host"] == 47
+    assert started.count(True) == 1, started  # the copy started beside the running step
     assert len(outs["long"]["output_ids"]) == 50
     integrity(eng)

@@ -128,6 +128,27 @@ class PrefillAdder:
                 req.cached_tokens_details = details
         return result
 
+    def preload(self, req: Req) -> bool:
+        """Start copying a waiting request's host-resident prefix to the device before a round
+        admits it, while a forward runs (CUDA; scheduler.waiting `_preload_waiting`): what
+        `add` does up to the load, with the same budget, and this request's whole need kept out
+        of the budget for the rest of the pass. True when a copy is in flight; a later round
+        admits the request once it has landed."""
+        if not self.tiered or req.preload is not None or req.prefetch is not None:
+            return False
+        req.match = self.tree_cache.match_prefix(req.fill_ids[:match_len_cap(req,
+                                                                              self.tree_cache)])
+        slots, node = req.match
+        if not req.match.lower_len or self.tree_cache.loading(node):
+            return False
+        self._lock(node)
+        slots, node, details = self._load_lower(req, slots, node)
+        if details is not None:  # not loaded (no room), or copied already (the CPU's loads)
+            self._unlock(node)
+            return False
+        self.rem_total -= req.seqlen - len(slots) + reserved_decode_tokens(req, self.ratio)
+        return True
+
     def _load_lower(self, req: Req, slots, node):
         """Load the match's host / storage part into device slots (unless the request cannot be
         admitted anyway); moves the request's lock to the loaded path's end. Returns the new

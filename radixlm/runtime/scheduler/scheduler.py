@@ -150,7 +150,11 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
     def _chainable(self) -> list[Req]:
         """The running requests to launch the next decode step for before completing the one in
         flight, or [] when chaining could change a result (see overlap.py)."""
-        if not self.overlap or self.chunked or self._admission_pending():
+        if not self.overlap or self.chunked:
+            return []
+        if self.tiered and self.waiting and self.running:
+            self._preload_waiting()
+        if self._admission_pending():
             return []
         if not self._overlappable():
             return []
@@ -167,13 +171,6 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
             staying = {id(r) for r in chain}
             self._drop_from_running({id(r) for r in self.running if id(r) not in staying})
         return chain
-
-    def _admission_pending(self) -> bool:
-        """Whether a waiting request may be admitted now: any but those whose host prefix is
-        still being copied to the device (a preload, prefill.py), which wait for the copy
-        whatever the step does; meanwhile the running batch goes on decoding with overlap."""
-        return any(r.preload is None or not self.tree_cache.loading(r.preload[0])
-                   for r in self.waiting)
 
     def _overlappable(self) -> bool:
         """Whether the running batch may decode with overlap: not with a grammar (the next mask

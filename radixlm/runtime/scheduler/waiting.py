@@ -9,6 +9,7 @@ import time
 from radixlm.runtime.constrained.grammar import GrammarCompilerPool, constraint_of
 from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.scheduler.policy import match_len_cap
+from radixlm.runtime.scheduler.prefill import PrefillAdder
 
 
 class WaitingQueue:
@@ -86,3 +87,31 @@ class WaitingQueue:
                 self._fail_request(req, e, "creating its grammar matcher")
                 return False
         return True
+
+    # --- preloads beside the running batch (hierarchical cache, CUDA) ----------------------------
+    def _preload_waiting(self) -> None:
+        """Start the host -> device copies of waiting requests' host-resident prefixes now, while
+        the running batch's step is on the GPU (called by `_chainable`): a round that admits
+        them later finds their prefixes on the device, and the decode steps stay chained while
+        they land (`_admission_pending`). Before, a wave of arriving turns was preloaded inside
+        an admission round with nothing on the GPU: ~2.5 ms of the scheduler's time each (H200,
+        32 at a time), the GPU idle throughout."""
+        room = (self.args.max_running_requests - len(self.running)
+                - sum(r.preload is not None for r in self.waiting))
+        # in arrival order (the round that admits them orders them by the policy); not those
+        # with a grammar compiling or pages coming from the store (admission handles them)
+        candidates = [r for r in self.waiting if r.preload is None and r.prefetch is None
+                      and r.grammar_future is None][:max(room, 0)]
+        if not candidates:
+            return
+        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+                             self.args.max_prefill_tokens, self.chunked_prefill_size)
+        for req in candidates:
+            adder.preload(req)
+
+    def _admission_pending(self) -> bool:
+        """Whether a waiting request may be admitted now: any but those whose host prefix is
+        still being copied to the device (a preload, prefill.py), which wait for the copy
+        whatever the step does; meanwhile the running batch goes on decoding with overlap."""
+        return any(r.preload is None or not self.tree_cache.loading(r.preload[0])
+                   for r in self.waiting)
