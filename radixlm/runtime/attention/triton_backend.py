@@ -14,6 +14,7 @@ from radixlm.runtime.attention.triton_decode import (MAX_SPLITS, decode_attentio
                                                      default_num_splits, scratch_numel)
 from radixlm.runtime.attention.triton_extend import extend_attention
 from radixlm.runtime.attention.triton_merge import merge_prefix_into
+from radixlm.runtime.executor.host_staging import staged
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -141,9 +142,9 @@ class TritonAttention(AttentionBackend):
         indptr = [0]
         for e in ext:
             indptr.append(indptr[-1] + e)
-        # one host->device copy: [qo_indptr (S+1) | kv_len (S) | kv_start zeros (S)]
-        packed = torch.tensor(indptr + kv_len + [0] * n_ext, dtype=torch.int64)
-        packed = packed.to(self.device, non_blocking=True)
+        # one host->device copy: [qo_indptr (S+1) | kv_len (S) | kv_start zeros (S)], through
+        # pinned memory (host_staging.py: from pageable memory it waited for the GPU's queue)
+        packed = staged(indptr + kv_len + [0] * n_ext, self.device)
         fb.attn_metadata = _ExtendMeta(
             req_pool_indices=fb.req_pool_indices[:n_ext], qo_indptr=packed[: n_ext + 1],
             kv_len=packed[n_ext + 1 : 2 * n_ext + 1], kv_start=packed[2 * n_ext + 1 :],

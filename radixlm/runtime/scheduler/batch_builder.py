@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.executor.host_staging import staged_parts
 from radixlm.runtime.request import Req
 
 
@@ -55,7 +57,7 @@ def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tu
             mm_inputs = (mm_inputs or []) + [(offset, start, ext, req.mm)]
         rt[req.req_pool_idx, start : start + ext] = slots[offset : offset + ext]
         ids.extend(req.fill_ids[start : start + ext])
-        positions.append(torch.arange(start, start + ext))
+        positions.append(np.arange(start, start + ext))
         if req.wants_input_logprobs and not req.input_logprobs_done:
             # logits at position q score prompt token q + 1
             first_q = max(req.logprob_start_len - 1, start)
@@ -69,15 +71,20 @@ def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tu
             logit_index.append(offset + ext - 1)
         offset += ext
 
+    seq_lens = [r.kv_len + r.extend_len for r in reqs]
+    # one copy through pinned memory (host_staging.py: a pageable one waits for the GPU's queue)
+    input_ids, pos, pool_idx, lens, logits_indices = staged_parts(
+        [ids, np.concatenate(positions), [r.req_pool_idx for r in reqs], seq_lens, logit_index],
+        device)
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.cat(positions).to(device),
+        input_ids=input_ids,
+        positions=pos,
         out_cache_loc=slots,
-        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
-        seq_lens=torch.tensor([r.kv_len + r.extend_len for r in reqs], dtype=torch.int64, device=device),
-        logits_indices=torch.tensor(logit_index, dtype=torch.int64, device=device),
-        seq_lens_cpu=[r.kv_len + r.extend_len for r in reqs],
+        req_pool_indices=pool_idx,
+        seq_lens=lens,
+        logits_indices=logits_indices,
+        seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=[r.kv_len for r in reqs],
         extend_lens_cpu=[r.extend_len for r in reqs],
         mm_inputs=mm_inputs,

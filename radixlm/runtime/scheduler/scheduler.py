@@ -21,6 +21,7 @@ from radixlm.runtime import speculative
 from radixlm.runtime.attention.shared_prefix import PrefixGrouper
 from radixlm.runtime.config import resolve_chunked_prefill_size
 from radixlm.runtime.constrained.grammar import GrammarCompilerPool, MaskBuffer
+from radixlm.runtime.executor.host_staging import staged
 from radixlm.runtime.mem_cache.hicache_config import make_tree_cache
 from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.sampling.sampler import Sampler
@@ -274,14 +275,13 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
                 self.chunked = req
         if decoding:
-            self._decode_results(decoding, logits[torch.tensor(rows.sample_rows[n_new:],
-                                                               device=self.device)])
+            self._decode_results(decoding, logits[staged(rows.sample_rows[n_new:], self.device)])
         if not sample_reqs:
             return decoding
         info, sample_reqs, sample_rows = self._sampling_info(sample_reqs, rows.sample_rows[:n_new])
         if not sample_reqs:
             return decoding
-        sample_logits = logits[torch.tensor(sample_rows, device=self.device)]
+        sample_logits = logits[staged(sample_rows, self.device)]
         out = self._sample(sample_logits, info, sample_reqs)
         if out is None:  # a CUDA OOM failed them (step() reports it)
             return decoding

@@ -41,6 +41,7 @@ import torch
 from radixlm.runtime.attention.base import AttentionSpec
 from radixlm.runtime.attention.registry import create_attention_backend
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.executor.host_staging import staged
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.request import Req
@@ -52,7 +53,6 @@ from radixlm.runtime.speculative.draft_tree import (Beams, draft_trees, prune_tr
                                                      tree_sizes)
 from radixlm.runtime.speculative.spec_config import SpecConfig
 from radixlm.runtime.speculative.standalone import StandaloneSpeculator, _tokens
-from radixlm.runtime.speculative.verify import staged
 from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
 
 

@@ -35,13 +35,13 @@ import torch
 
 from radixlm.runtime.constrained.grammar import MaskBuffer
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.executor.host_staging import staged
 from radixlm.runtime.request import Req
 from radixlm.runtime.speculative import grammar_drafts, isolation
 from radixlm.runtime.speculative.draft_runner import DraftKV, build_draft_runner
 from radixlm.runtime.speculative.draft_tree import Beams, draft_trees, prune_trees, tree_sizes
 from radixlm.runtime.speculative.rejection import sample_draft
 from radixlm.runtime.speculative.spec_config import SpecConfig
-from radixlm.runtime.speculative.verify import staged
 from radixlm.runtime.speculative.worker import Speculator, draft_room, verify_rows
 
 

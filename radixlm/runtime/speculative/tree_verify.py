@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.executor.host_staging import staged
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.logprobs import token_logprobs
 from radixlm.runtime.sampling.sampler import SampleOutput
 from radixlm.runtime.scheduler.output import LogprobRows
 from radixlm.runtime.speculative.tree import DraftTree, accept_tree_rows
-from radixlm.runtime.speculative.verify import VerifyPlan, VerifyResult, staged
+from radixlm.runtime.speculative.verify import VerifyPlan, VerifyResult
 
 
 @dataclass

@@ -35,13 +35,13 @@ the host, not by small device ops.
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.executor.host_staging import staged
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.logprobs import token_logprobs
 from radixlm.runtime.sampling.sampler import SampleOutput
@@ -142,54 +142,6 @@ def build_verify(reqs: list[Req], running_rows: list[int], drafts: list[list[int
         num_decode_tail=sum(1 for d in drafts if not d),
     )
     return fb, VerifyPlan(reqs, running_rows, drafts, offsets, kv_lens, slots, row_b, dev)
-
-
-class _HostStaging:
-    """Python ints -> an int64 device tensor in one copy. On CUDA through pinned buffers kept
-    across calls (pinning a fresh tensor each step took ~30 us of host time on an H200's host,
-    cProfile), a ring of RING of them: before refilling one, the copy that last read it must
-    have completed, and that copy may sit behind the GPU work queued before it (a step's draft
-    forwards): with one buffer the next staging of the same step waited for them all."""
-
-    RING = 8
-
-    def __init__(self):
-        self._slots: list = [[None, None, None] for _ in range(self.RING)]  # pinned, numpy, done
-        self._next = 0
-
-    def to_device(self, values: list[int], device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return torch.tensor(values, dtype=torch.int64, device=device)
-        n = len(values)
-        slot = self._slots[self._next]
-        self._next = (self._next + 1) % self.RING
-        pinned, host, done = slot
-        if pinned is None or pinned.numel() < n:
-            pinned = torch.empty(max(n, 2 * (0 if pinned is None else pinned.numel()), 4096),
-                                 dtype=torch.int64).pin_memory()
-            host, done = pinned.numpy(), None
-        elif done is not None:
-            done.synchronize()  # (issued RING stagings ago: a step or more before)
-        host[:n] = values
-        out = pinned[:n].to(device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(device))
-        slot[:] = [pinned, host, done]
-        return out
-
-
-class _PerThread(threading.local):  # one staging buffer per scheduler thread (engine)
-    def __init__(self):
-        self.staging = _HostStaging()
-
-
-_STAGING = _PerThread()
-
-
-def staged(values: list[int], device: torch.device) -> torch.Tensor:
-    """Python ints -> an int64 tensor on `device`, in one copy through this thread's pinned
-    buffer on CUDA (a blocking copy from pageable memory would wait for the GPU's queue)."""
-    return _STAGING.staging.to_device(values, device)
 
 
 def _take_device_drafts(drafts: torch.Tensor, rows: torch.Tensor, dev: dict) -> None:
