@@ -100,8 +100,6 @@ class Req:
         # (CUDA) a load of its host prefix still in flight: (the loaded path's node, which it
         # holds locked, and the tokens each tier gave), until a round admits it (prefill.py)
         self.preload: Optional[tuple] = None
-        # the scheduler has looked at it for a preload beside the running batch (waiting.py)
-        self.preload_examined = False
         self.extend_len = 0  # tokens in the current extend step (chunk)
         self.is_chunked = False  # mid-way through a chunked prefill
         self.match: Any = None  # (slots, node) from the last prefix match, used at admission

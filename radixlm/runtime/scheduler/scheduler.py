@@ -139,8 +139,6 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
             if self.inflight is not None:
                 if self.spec is not None:  # the GPU runs the next step: host work is free now
                     self.spec.idle_work(self)
-                if self.tiered and self.waiting:  # (it may run a step or two behind arrivals)
-                    self._preload_waiting()
                 return done
         return done + self._step()
 
@@ -153,7 +151,11 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
     def _chainable(self) -> list[Req]:
         """The running requests to launch the next decode step for before completing the one in
         flight, or [] when chaining could change a result (see overlap.py)."""
-        if not self.overlap or self.chunked or self._admission_pending():
+        if not self.overlap or self.chunked:
+            return []
+        if self.tiered and self.waiting and self.running:
+            self._preload_waiting()
+        if self._admission_pending():
             return []
         if not self._overlappable():
             return []

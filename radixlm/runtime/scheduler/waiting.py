@@ -90,50 +90,28 @@ class WaitingQueue:
 
     # --- preloads beside the running batch (hierarchical cache, CUDA) ----------------------------
     def _preload_waiting(self) -> None:
-        """Start the host -> device copies of waiting requests' host-resident prefixes while the
-        running batch's next step is on the GPU (after a chained launch, scheduler.py), for at
-        most PRELOAD_PASS_S of the scheduler's time: a round that admits them later finds their
-        prefixes on the device, and decode steps stay chained while they are looked at and while
-        they land (`_admission_pending`). Before, a wave of arriving turns was preloaded in an
-        admission round with nothing on the GPU (~2.5 ms of host time each on an H200's host,
-        32 at a time), and then one pass here held the next chained launch back as long."""
+        """Start the host -> device copies of waiting requests' host-resident prefixes now, while
+        the running batch's step is on the GPU (called by `_chainable`): a round that admits
+        them later finds their prefixes on the device, and the decode steps stay chained while
+        they land (`_admission_pending`). Before, a wave of arriving turns was preloaded inside
+        an admission round with nothing on the GPU: ~2.5 ms of the scheduler's time each (H200,
+        32 at a time), the GPU idle throughout."""
         room = (self.args.max_running_requests - len(self.running)
                 - sum(r.preload is not None for r in self.waiting))
-        adder, deadline = None, time.perf_counter() + PRELOAD_PASS_S
-        for req in self.waiting:
-            if room <= 0 or time.perf_counter() > deadline:
-                break
-            if req.preload_examined or not _preloadable(req):
-                continue
-            if adder is None:
-                adder = PrefillAdder(self.tree_cache, self.allocator, self.running,
-                                     self.new_token_ratio, self.args.max_prefill_tokens,
-                                     self.chunked_prefill_size)
-            req.preload_examined = True
-            room -= adder.preload(req)
+        # in arrival order (the round that admits them orders them by the policy); not those
+        # with a grammar compiling or pages coming from the store (admission handles them)
+        candidates = [r for r in self.waiting if r.preload is None and r.prefetch is None
+                      and r.grammar_future is None][:max(room, 0)]
+        if not candidates:
+            return
+        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+                             self.args.max_prefill_tokens, self.chunked_prefill_size)
+        for req in candidates:
+            adder.preload(req)
 
     def _admission_pending(self) -> bool:
-        """Whether a waiting request may be admitted now, which ends the chaining of decode
-        steps: not one whose host prefix is still being copied (it waits for the copy whatever
-        the step does), nor, while a batch runs with the tiers on, one that `_preload_waiting`
-        has not looked at yet (it will, within a step or two: no chained step is lost to a
-        request that only preloads)."""
-        unlooked_wait = self.tiered and bool(self.running)
-        for r in self.waiting:
-            if r.preload is not None:
-                if not self.tree_cache.loading(r.preload[0]):
-                    return True
-            elif not (unlooked_wait and not r.preload_examined and _preloadable(r)):
-                return True
-        return False
-
-
-# the host time one pass of preloads may take: the chained step on the GPU (~6 ms of an 8B
-# model's decode at batch 32 on an H200) must outlast it and the next launch's preparation
-PRELOAD_PASS_S = 0.002
-
-
-def _preloadable(req: Req) -> bool:
-    """Preloads leave a request with a grammar compiling or pages coming from the store to
-    admission (which adopts the pages first)."""
-    return req.prefetch is None and req.grammar_future is None
+        """Whether a waiting request may be admitted now: any but those whose host prefix is
+        still being copied to the device (a preload, prefill.py), which wait for the copy
+        whatever the step does; meanwhile the running batch goes on decoding with overlap."""
+        return any(r.preload is None or not self.tree_cache.loading(r.preload[0])
+                   for r in self.waiting)
