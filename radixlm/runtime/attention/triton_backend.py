@@ -143,7 +143,7 @@ class TritonAttention(AttentionBackend):
         for e in ext:
             indptr.append(indptr[-1] + e)
         # one host->device copy: [qo_indptr (S+1) | kv_len (S) | kv_start zeros (S)], through
-        # pinned memory (host_staging.py: from pageable memory it waited for the GPU's queue)
+        # pinned memory (host_staging.py)
         packed = staged(indptr + kv_len + [0] * n_ext, self.device)
         fb.attn_metadata = _ExtendMeta(
             req_pool_indices=fb.req_pool_indices[:n_ext], qo_indptr=packed[: n_ext + 1],

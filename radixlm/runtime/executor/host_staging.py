@@ -1,12 +1,11 @@
 """Python ints -> int64 device tensors in one host -> device copy through pinned memory.
 
 A copy from pageable memory (`torch.tensor(values, device="cuda")`, or `.to("cuda")` of a fresh
-CPU tensor) is synchronous with the host and waits for the GPU work queued before it: a batch
-built while a step runs on the GPU stalled the scheduler until that step ended, so the batch's
-launches (an eager extend: ~27 ms of them for an 8B model on an H200's host) started only then,
-with the GPU idle (speculative drafting met this first, then the hierarchical cache's mixed
-extends; 2026-11-28). Through a pinned buffer the copy is queued like a kernel and the host goes
-on at once.
+CPU tensor) is synchronous with the host and waits for the GPU work queued before it on the
+stream: speculative drafting, which builds its inputs while forwards are queued, stalled on such
+copies until they ran (2026-11-28). Through a pinned buffer the copy is queued like a kernel and
+the host goes on at once. The extend batch (scheduler/batch_builder.py) uses it too: one copy of
+its five index arrays instead of five synchronous ones.
 
 `staged(values, device)`: one list; `staged_parts(parts, device)`: several lists or 1-D int
 arrays in one copy, returned as views of one device tensor.

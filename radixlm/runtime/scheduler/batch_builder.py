@@ -72,7 +72,7 @@ def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tu
         offset += ext
 
     seq_lens = [r.kv_len + r.extend_len for r in reqs]
-    # one copy through pinned memory (host_staging.py: a pageable one waits for the GPU's queue)
+    # one copy through pinned memory (host_staging.py), not five synchronous pageable ones
     input_ids, pos, pool_idx, lens, logits_indices = staged_parts(
         [ids, np.concatenate(positions), [r.req_pool_idx for r in reqs], seq_lens, logit_index],
         device)
