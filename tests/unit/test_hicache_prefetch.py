@@ -130,3 +130,18 @@ def test_order_counts_storage_below_host_below_device(tmp_path):
     scores = {n: match_score(r.match, r.prefetch) for n, r in reqs.items()}
     assert scores == {"device": 8, "host": 4, "landed": 4, "found": 2, "cold": 0}
     cache.check_integrity()
+
+
+def test_the_default_read_bound_takes_a_long_prompt_whole():
+    """The default bound of pages in flight lets one long prompt of an 8B model (16k tokens,
+    2 GiB of KV) be read whole when the host pool is large (1 GiB, the old default, read half
+    of it and recomputed the rest), and stays at half the host pool when that is smaller."""
+    from types import SimpleNamespace
+
+    from radixlm.runtime.mem_cache.tier_prefetch import default_prefetch_pages
+
+    token_bytes = 32 * 2 * 8 * 128 * 2  # Llama-3.1-8B, bf16
+    big = SimpleNamespace(token_bytes=token_bytes, capacity=400_000)
+    assert default_prefetch_pages(big, 64) * 64 >= 16_384
+    small = SimpleNamespace(token_bytes=token_bytes, capacity=4_096)
+    assert default_prefetch_pages(small, 64) * 64 == 2_048
