@@ -145,3 +145,52 @@ def test_the_default_read_bound_takes_a_long_prompt_whole():
     assert default_prefetch_pages(big, 64) * 64 >= 16_384
     small = SimpleNamespace(token_bytes=token_bytes, capacity=4_096)
     assert default_prefetch_pages(small, 64) * 64 == 2_048
+
+
+class _LaggingEvent:
+    """A copy's event that reports done after a few polls (CUDA's asynchronous load, faked)."""
+
+    def __init__(self):
+        self.polls = 2
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        self.polls = -1
+
+
+def test_landed_pages_start_their_copy_while_the_read_goes_on(make_engine, integrity,  # noqa: F811
+                                                              reference, warm_store,
+                                                              monkeypatch):
+    """With asynchronous loads (CUDA; faked here: the copy is made at once and its event lags),
+    a request waiting for its pages has the pages landed so far copied to the device while the
+    reader goes on (`_stream_prefetched`), so that the copy does not wait for the whole read;
+    admission still waits for the read (wait_complete), the tokens are the plain engine's and
+    every stored token is reported as a storage hit."""
+    from radixlm.runtime.mem_cache.kv_mover import KVMover
+    from radixlm.runtime.scheduler.prefill import PrefillAdder
+
+    real_to_device, real_stream = KVMover.to_device, PrefillAdder.stream
+    monkeypatch.setattr(KVMover, "to_device", lambda self, h, d: (real_to_device(self, h, d),
+                                                                  _LaggingEvent())[1])
+    streamed = []
+
+    def stream(self, req):
+        op = req.prefetch
+        before = (op.landed, op.page_count)
+        ok = real_stream(self, req)
+        if ok:
+            streamed.append(before)
+        return ok
+
+    monkeypatch.setattr(PrefillAdder, "stream", stream)
+    eng = _tiered(make_engine, warm_store, policy="wait_complete")
+    eng._call_in_loop(lambda: setattr(eng.scheduler.tree_cache.mover, "loads_async", True))
+    _slow_reads(eng, 0.1)  # 5 pages: ~0.5 s of reading, a step per landed page
+    out = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    assert out["output_ids"] == reference[0]
+    assert out["meta_info"]["cached_tokens_details"]["storage"] == 40, out["meta_info"]
+    assert any(landed < pages for landed, pages in streamed), streamed  # before the read ended
+    integrity(eng)

@@ -54,6 +54,8 @@ class KVMover:
         if self.slot_words.dtype != self.host_words.dtype:
             self.slot_words, self.host_words = device_pool.slot_view(), host.kv
         self.cuda = device.type == "cuda"
+        # loads return before the copy is done (an event to wait for): CUDA
+        self.loads_async = self.cuda
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # backups
         self.load_stream = torch.cuda.Stream(device) if self.cuda else None  # load DMAs
         self.scatter_stream = torch.cuda.Stream(device) if self.cuda else None  # load scatters

@@ -149,10 +149,35 @@ class PrefillAdder:
         self.rem_total -= req.seqlen - len(slots) + reserved_decode_tokens(req, self.ratio)
         return True
 
-    def _load_lower(self, req: Req, slots, node):
+    def stream(self, req: Req) -> bool:
+        """A waiting request whose pages are still coming from the store: the pages landed so
+        far join the tree and their copy to the device starts (a preload below any earlier
+        one), while the reader goes on (scheduler.waiting `_stream_prefetched`; asynchronous
+        loads only). Admission still waits for the read as the policy says, then adopts and
+        loads the rest. True when a copy started."""
+        op = req.prefetch
+        if (op is None or op.cancelled or op.landed <= op.released
+                or (req.preload is not None and self.tree_cache.loading(req.preload[0]))):
+            return False
+        req.prefetch_range = _union(req.prefetch_range, self.tree_cache.adopt_prefetch(op))
+        req.match = self.tree_cache.match_prefix(req.fill_ids[:match_len_cap(req,
+                                                                              self.tree_cache)])
+        slots, node = req.match
+        if not req.match.lower_len or self.tree_cache.loading(node):
+            return False
+        self._lock(node)
+        slots, node, details = self._load_lower(req, slots, node, keep_prefetch=True)
+        if details is not None:  # no room now (admission will try again)
+            self._unlock(node)
+            return False
+        return True
+
+    def _load_lower(self, req: Req, slots, node, keep_prefetch: bool = False):
         """Load the match's host / storage part into device slots (unless the request cannot be
         admitted anyway); moves the request's lock to the loaded path's end. Returns the new
-        (slots, node) and the tokens each tier gave."""
+        (slots, node) and the tokens each tier gave (None while a preload is in flight). A
+        preload ends the request's prefetch (what landed is in, the rest is recomputed) unless
+        `keep_prefetch` (`stream`: the read goes on)."""
         details = {"device": len(slots), "host": 0, "storage": 0}
         need = req.seqlen - len(slots) + reserved_decode_tokens(req, self.ratio)
         if req.match.lower_len and need <= self.rem_total:
@@ -170,7 +195,8 @@ class PrefillAdder:
                     details = {k: v + req.preload[1][k] for k, v in details.items()}
                     tree.dec_lock_ref(req.preload[0])
                 req.preload = (node, details)
-                if req.prefetch is not None:  # what landed is in; the rest is recomputed
+                if req.prefetch is not None and not keep_prefetch:  # what landed is in; the
+                    # rest is recomputed
                     tree.cancel_prefetch(req.prefetch)
                     req.prefetch = None
                 return slots, node, None

@@ -154,6 +154,7 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         if not self.overlap or self.chunked:
             return []
         if self.tiered and self.waiting and self.running:
+            self._stream_prefetched()
             self._preload_waiting()
         if self._admission_pending():
             return []
@@ -183,6 +184,8 @@ class Scheduler(TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
         if self.tiered:  # no forward in flight: CUDA DMA lands, page writes and reads can start
             self.tree_cache.settle_page_writes(release=True)
             self.tree_cache.apply_prefetch_news(release=True)
+            if self.waiting:
+                self._stream_prefetched()
         mixed = bool(self.running) and not self.args.disable_mixed_batch
         aborted = []
         if mixed:  # the running requests decode in this step whatever it admits: room first

@@ -109,9 +109,29 @@ class WaitingQueue:
         for req in candidates:
             adder.preload(req)
 
+    def _stream_prefetched(self) -> None:
+        """Requests whose pages are still coming from the store: each step, the pages landed
+        so far start their copy to the device (PrefillAdder.stream), so that on a GPU the host
+        -> device copy of a long prefix runs beside the rest of its read instead of after it
+        (a restart on a warm store: the read and the copy were two waits in a row). Only with
+        asynchronous loads (CUDA): on the CPU a load is a copy on this thread either way."""
+        if not self.tree_cache.mover.loads_async:
+            return
+        adder = None
+        for req in self.waiting:
+            op = req.prefetch
+            if op is None or op.cancelled or op.landed <= op.released:
+                continue
+            if adder is None:
+                adder = PrefillAdder(self.tree_cache, self.allocator, self.running,
+                                     self.new_token_ratio, self.args.max_prefill_tokens,
+                                     self.chunked_prefill_size)
+            adder.stream(req)
+
     def _admission_pending(self) -> bool:
         """Whether a waiting request may be admitted now: any but those whose host prefix is
         still being copied to the device (a preload, prefill.py), which wait for the copy
-        whatever the step does; meanwhile the running batch goes on decoding with overlap."""
-        return any(r.preload is None or not self.tree_cache.loading(r.preload[0])
-                   for r in self.waiting)
+        whatever the step does, and those still waiting for pages from the store; meanwhile
+        the running batch goes on decoding with overlap."""
+        return any((r.preload is None or not self.tree_cache.loading(r.preload[0]))
+                   and self._prefetch_ready(r) for r in self.waiting)
