@@ -1,7 +1,7 @@
 """Where the hierarchical cache's `on` run of benchmarks/multiturn_long.py spends its time (GPU).
 
     python benchmarks/probes/multiturn_profile.py [multiturn_long.py's arguments] \
-        --window-start 8 --window 3 [--skip-run-stats]
+        --window-start 8 --window 3      # or --cuda-events: no profiler (GPU)
 
 Runs the `on` arm (host pool only) once, counts the scheduler's steps by kind for the whole run
 (decode chained with overlap, decode run synchronously, extend; host seconds in each), and takes
@@ -9,6 +9,9 @@ a torch.profiler trace of the scheduler thread and the GPU for `--window` second
 `--window-start`. Prints one JSON line: the step counts, and from the trace the compute stream's
 busy share, the host -> device copies' time and how much of it ran while the compute stream was
 busy, the compute stream's idle gaps, and benchmarks/trace_summary.py's per-stream summary.
+The profiler's per-op recording slows the host several times over, which inflates host-bound
+gaps; `--cuda-events` skips it and times every forward with CUDA events instead (GPU time of
+each step kind, and the compute stream's time between forwards by the kinds on either side).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
 
 from benchmarks import multiturn_long as mt  # noqa: E402
 from benchmarks.trace_summary import load_events, summarize  # noqa: E402
@@ -115,15 +120,60 @@ def _count_steps(sched) -> dict:
     return stats
 
 
+def _time_forwards(sched) -> list:
+    """Wrap the scheduler's forward (CUDA): CUDA events on the compute stream right before and
+    after each, the step's kind and the host's seconds in the call. Far lighter than the
+    profiler's per-op recording, which slows the host several times over."""
+    marks: list = []
+    real = sched._forward_or_oom
+
+    def timed(fb, reqs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        try:
+            return real(fb, reqs)
+        finally:
+            host = time.perf_counter() - t0
+            end.record()
+            marks.append((fb.mode.name.lower(), len(reqs), start, end, host))
+
+    sched._forward_or_oom = timed
+    return marks
+
+
+def gaps_by_kind(marks: list) -> dict:
+    """GPU time of each step kind (first to last kernel of its forward, sampling excluded) and
+    the compute stream's time between forwards, by the kinds on either side (idle, or the
+    sampling and copies between them)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    kinds: dict = collections.defaultdict(lambda: {"steps": 0, "gpu_s": 0.0, "host_call_s": 0.0})
+    between: dict = collections.defaultdict(float)
+    for i, (kind, _, start, end, host) in enumerate(marks):
+        k = kinds[kind]
+        k["steps"] += 1
+        k["gpu_s"] += start.elapsed_time(end) / 1e3
+        k["host_call_s"] += host
+        if i + 1 < len(marks):
+            between[f"{kind}->{marks[i + 1][0]}"] += end.elapsed_time(marks[i + 1][2]) / 1e3
+    span = marks[0][2].elapsed_time(marks[-1][3]) / 1e3 if marks else 0.0
+    return {"span_s": round(span, 2),
+            "kinds": {k: {n: round(x, 3) if isinstance(x, float) else x for n, x in v.items()}
+                      for k, v in kinds.items()},
+            "between_s": {k: round(v, 3) for k, v in between.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--window-start", type=float, default=8.0)
     p.add_argument("--window", type=float, default=3.0)
+    p.add_argument("--cuda-events", action="store_true",
+                   help="no profiler window: CUDA events around every forward instead (GPU)")
     own, rest = p.parse_known_args()
     args = mt.parse_args(rest)
     args.model_path = args.model_path or mt.default_model_path()
     import radixlm
-    import torch
 
     convs = mt._conversations(args)
     per_conv = (args.first_turn_len + (args.turns - 1) * args.question_len
@@ -144,12 +194,16 @@ def main() -> None:
         eng.generate(input_ids=list(range(1000, 1016)), sampling_params={"max_new_tokens": 4})
         eng.flush_cache()
         stats = eng._call_in_loop(lambda: _count_steps(eng.scheduler))
+        marks = (eng._call_in_loop(lambda: _time_forwards(eng.scheduler))
+                 if own.cuda_events and torch.cuda.is_available() else None)
         kinds = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             kinds.append(torch.profiler.ProfilerActivity.CUDA)
         prof = torch.profiler.profile(activities=kinds)
 
         def profile_window():
+            if own.cuda_events:
+                return
             time.sleep(own.window_start)
             eng._call_in_loop(prof.start)
             time.sleep(own.window)
@@ -163,7 +217,10 @@ def main() -> None:
                                         args.concurrency))
         out["duration_s"] = round(time.perf_counter() - t0, 2)
         t.join()
-        prof.export_chrome_trace(trace)
+        if marks is not None:
+            out["forwards"] = gaps_by_kind(marks)
+        if not own.cuda_events:
+            prof.export_chrome_trace(trace)
         ttfts = sorted(r["ttft"] for r in records)
         out["ttft_p50_s"] = round(mt._pct(ttfts, 50), 4)
         out["steps"] = {k: {"calls": v[0], "host_s": round(v[1], 2)} for k, v in stats.items()}
@@ -172,6 +229,9 @@ def main() -> None:
         out["busy_s"] = round(st["busy_s"], 2)
     finally:
         eng.shutdown()
+    if own.cuda_events:
+        print(json.dumps(out))
+        return
     out["copies"] = copy_overlap(trace)
     summary = summarize(trace, gap_ms=1.0, top=8)
     out["streams"] = summary.get("streams")
