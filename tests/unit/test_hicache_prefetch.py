@@ -186,8 +186,8 @@ def test_landed_pages_start_their_copy_while_the_read_goes_on(make_engine, integ
         return ok
 
     monkeypatch.setattr(PrefillAdder, "stream", stream)
+    monkeypatch.setattr(KVMover, "loads_async", True)  # as on CUDA
     eng = _tiered(make_engine, warm_store, policy="wait_complete")
-    eng._call_in_loop(lambda: setattr(eng.scheduler.tree_cache.mover, "loads_async", True))
     _slow_reads(eng, 0.1)  # 5 pages: ~0.5 s of reading, a step per landed page
     out = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
     assert out["output_ids"] == reference[0]

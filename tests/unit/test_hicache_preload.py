@@ -48,6 +48,7 @@ def slow_loads(monkeypatch):
         return FakeEvent(None, gate) if gate.hold else FakeEvent(3)
 
     monkeypatch.setattr(KVMover, "to_device", to_device)
+    monkeypatch.setattr(KVMover, "loads_async", True)  # as on CUDA
     return gate
 
 

@@ -54,8 +54,6 @@ class KVMover:
         if self.slot_words.dtype != self.host_words.dtype:
             self.slot_words, self.host_words = device_pool.slot_view(), host.kv
         self.cuda = device.type == "cuda"
-        # loads return before the copy is done (an event to wait for): CUDA
-        self.loads_async = self.cuda
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # backups
         self.load_stream = torch.cuda.Stream(device) if self.cuda else None  # load DMAs
         self.scatter_stream = torch.cuda.Stream(device) if self.cuda else None  # load scatters
@@ -70,6 +68,11 @@ class KVMover:
         self._backup_spans: deque = deque()
         self._staged_loads: deque = deque()  # (pinned staging, event): alive until copied
         self._direct_loads: deque = deque()  # events of loads that read the host rows
+
+    @property
+    def loads_async(self) -> bool:
+        """Whether a load returns before its copy is done (an event to wait for): CUDA."""
+        return self.cuda
 
     def _gather(self, dev_idx: torch.Tensor) -> torch.Tensor:
         """(n, L, 2, H, D) contiguous copy of device slots dev_idx: one kernel."""

@@ -13,7 +13,9 @@ position of step N's last token, is a valid entry the radix tree takes with the 
 
 Chaining is only done when it cannot change any result:
 - no request in the batch is constrained by a grammar (its mask needs step N's token accepted);
-- no request waits to be admitted (admission runs after completion, as without overlap);
+- no request waits to be admitted (admission runs after completion, as without overlap),
+  except those that cannot be admitted yet: their host prefix still being copied to the device
+  or their pages still coming from the store (hierarchical cache; scheduler/waiting.py);
 - every chained request gets its slot without eviction of locked nodes or retraction.
 Requests that surely finish at step N (their last allowed token) are left out of step N+1.
 While a step is in flight, every request in it has kv_len == len(fill_ids) (its last known

@@ -96,6 +96,8 @@ class WaitingQueue:
         they land (`_admission_pending`). Before, a wave of arriving turns was preloaded inside
         an admission round with nothing on the GPU: ~2.5 ms of the scheduler's time each (H200,
         32 at a time), the GPU idle throughout."""
+        if not self.tree_cache.mover.loads_async:  # (the CPU: a load is a copy here anyway)
+            return
         room = (self.args.max_running_requests - len(self.running)
                 - sum(r.preload is not None for r in self.waiting))
         # in arrival order (the round that admits them orders them by the policy); not those
