@@ -136,15 +136,8 @@ class PrefillAdder:
         admits the request once it has landed."""
         if not self.tiered or req.preload is not None or req.prefetch is not None:
             return False
-        req.match = self.tree_cache.match_prefix(req.fill_ids[:match_len_cap(req,
-                                                                              self.tree_cache)])
-        slots, node = req.match
-        if not req.match.lower_len or self.tree_cache.loading(node):
-            return False
-        self._lock(node)
-        slots, node, details = self._load_lower(req, slots, node)
-        if details is not None:  # not loaded (no room), or copied already (the CPU's loads)
-            self._unlock(node)
+        slots = self._start_load(req)
+        if slots is None:
             return False
         self.rem_total -= req.seqlen - len(slots) + reserved_decode_tokens(req, self.ratio)
         return True
@@ -160,17 +153,24 @@ class PrefillAdder:
                 or (req.preload is not None and self.tree_cache.loading(req.preload[0]))):
             return False
         req.prefetch_range = _union(req.prefetch_range, self.tree_cache.adopt_prefetch(op))
+        return self._start_load(req, keep_prefetch=True) is not None
+
+    def _start_load(self, req: Req, keep_prefetch: bool = False):
+        """Match the request again and start the copy of its host-resident part (a preload that
+        holds the loaded path locked): the device slots of the prefix then, or None when no copy
+        started (nothing to load, the path still loading, no room, or copied already: the CPU's
+        loads, after which the path is simply unlocked)."""
         req.match = self.tree_cache.match_prefix(req.fill_ids[:match_len_cap(req,
                                                                               self.tree_cache)])
         slots, node = req.match
         if not req.match.lower_len or self.tree_cache.loading(node):
-            return False
+            return None
         self._lock(node)
-        slots, node, details = self._load_lower(req, slots, node, keep_prefetch=True)
-        if details is not None:  # no room now (admission will try again)
+        slots, node, details = self._load_lower(req, slots, node, keep_prefetch)
+        if details is not None:
             self._unlock(node)
-            return False
-        return True
+            return None
+        return slots
 
     def _load_lower(self, req: Req, slots, node, keep_prefetch: bool = False):
         """Load the match's host / storage part into device slots (unless the request cannot be
