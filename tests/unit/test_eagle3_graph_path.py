@@ -62,21 +62,30 @@ def _eager_then_graphs(eng, spec, max_bs: int, seen: list, prompts, params) -> d
     return runs
 
 
-def test_chain_through_graph_buffers_keeps_plain_tokens(tmp_path):
+def _models_and_reference(tmp_path, seed: int, lengths, max_new: int):
+    """A tiny target and EAGLE-3 head, random prompts of `lengths`, and the target's own greedy
+    tokens for them: (target path, head path, prompts, sampling params, tokens)."""
     import radixlm
     from tiny_models import write_tiny_eagle3, write_tiny_llama
 
     target = write_tiny_llama(str(tmp_path / "t"), vocab=V, heads=4, kv_heads=2, tied=False,
                               layers=4)
     head = write_tiny_eagle3(str(tmp_path / "h"), vocab=V, draft_vocab=DV)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 19, 33)]
-    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     off = radixlm.Engine(model_path=target, **KW)
     try:
         want = [o["output_ids"] for o in off.generate(input_ids=prompts, sampling_params=params)]
     finally:
         off.shutdown()
+    return target, head, prompts, params, want
+
+
+def test_chain_through_graph_buffers_keeps_plain_tokens(tmp_path):
+    import radixlm
+
+    target, head, prompts, params, want = _models_and_reference(tmp_path, 3, (5, 19, 33), 16)
     on = radixlm.Engine(model_path=target, speculative_algorithm="EAGLE3",
                         speculative_adaptive=False, speculative_num_draft_tokens=4,
                         speculative_draft_model_path=head, **KW)
@@ -110,19 +119,8 @@ def test_trees_through_graph_buffers_equal_eager_trees(tmp_path):
     tokens plain decoding's."""
     import radixlm
     from radixlm.runtime.speculative.tree import DraftTree
-    from tiny_models import write_tiny_eagle3, write_tiny_llama
 
-    target = write_tiny_llama(str(tmp_path / "t"), vocab=V, heads=4, kv_heads=2, tied=False,
-                              layers=4)
-    head = write_tiny_eagle3(str(tmp_path / "h"), vocab=V, draft_vocab=DV)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 19)]
-    params = {"temperature": 0, "max_new_tokens": 7, "ignore_eos": True}
-    off = radixlm.Engine(model_path=target, **KW)
-    try:
-        want = [o["output_ids"] for o in off.generate(input_ids=prompts, sampling_params=params)]
-    finally:
-        off.shutdown()
+    target, head, prompts, params, want = _models_and_reference(tmp_path, 4, (5, 19), 7)
     on = radixlm.Engine(model_path=target, speculative_algorithm="EAGLE3",
                         speculative_adaptive=False, speculative_eagle_topk=2,
                         speculative_num_steps=3, speculative_num_draft_tokens=6,

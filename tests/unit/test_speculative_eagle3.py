@@ -18,6 +18,8 @@ import re
 import pytest
 import torch
 
+from speculative_helpers import pressure_prompts
+
 V, DV = 256, 100
 KW = dict(skip_tokenizer_init=True, max_total_tokens=4096, context_length=512, dtype="float32")
 SPEC = dict(speculative_algorithm="EAGLE3", speculative_adaptive=False)
@@ -98,10 +100,7 @@ def test_chunked_prefill_and_retraction_match_plain_decoding(paths, engines, int
                          **SPEC, **dict(KW, max_total_tokens=260), chunked_prefill_size=16,
                          schedule_conservativeness=0.05, max_running_requests=4)
     try:
-        g = torch.Generator().manual_seed(3)
-        ids = lambda n: torch.randint(0, V, (n,), generator=g).tolist()  # noqa: E731
-        shared = ids(60)
-        prompts = [shared + ids(n) for n in (4, 9, 13)] + [ids(90), ids(20)]
+        prompts = pressure_prompts(V)
         params = _greedy(max_new_tokens=40)
         on = eng.generate(input_ids=prompts, sampling_params=params)
         off = engines["off"].generate(input_ids=prompts, sampling_params=params)

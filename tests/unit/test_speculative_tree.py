@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculative_helpers import pressure_prompts
 from test_speculative_eagle3 import _prompts  # (five prompts, two sharing a prefix)
 
 V = 256
@@ -165,10 +166,7 @@ def test_tree_chunked_prefill_and_retraction(target, tree_engine, plain, integri
                          **dict(KW, max_total_tokens=300), chunked_prefill_size=16,
                          schedule_conservativeness=0.05, max_running_requests=4)
     try:
-        g = torch.Generator().manual_seed(3)
-        ids = lambda n: torch.randint(0, V, (n,), generator=g).tolist()  # noqa: E731
-        shared = ids(60)
-        prompts = [shared + ids(n) for n in (4, 9, 13)] + [ids(90), ids(20)]
+        prompts = pressure_prompts(V)
         params = _greedy(max_new_tokens=40)
         on = eng.generate(input_ids=prompts, sampling_params=params)
         off = plain.generate(input_ids=prompts, sampling_params=params)
