@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from speculative_helpers import pressure_prompts
+from speculative_helpers import plain_tokens_under_pressure
 
 V = 256
 KW = dict(skip_tokenizer_init=True, max_total_tokens=4096, context_length=512, dtype="float32")
@@ -207,15 +207,8 @@ def test_retraction_and_chunked_prefill_match_plain_decoding(paths, engines, int
                          **SPEC, **dict(KW, max_total_tokens=260), chunked_prefill_size=16,
                          schedule_conservativeness=0.05, max_running_requests=4)
     try:
-        prompts = pressure_prompts(V)
-        params = _greedy(max_new_tokens=40)
-        on = eng.generate(input_ids=prompts, sampling_params=params)
-        off = engines["off"].generate(input_ids=prompts, sampling_params=params)
-        for a, b in zip(off, on):
-            assert a["output_ids"] == b["output_ids"]
-        stats = eng.get_stats()
-        assert stats["retractions"] > 0 and stats["spec_accepted_tokens"] > 0
-        assert stats["spec_draft_kv_short"] > 0
+        stats = plain_tokens_under_pressure(eng, engines["off"], V)
+        assert stats["spec_accepted_tokens"] > 0 and stats["spec_draft_kv_short"] > 0
         integrity(eng)
     finally:
         eng.shutdown()
