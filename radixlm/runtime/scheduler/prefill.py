@@ -12,10 +12,12 @@ With the hierarchical cache, what the request's storage prefetch has landed join
 host nodes first; then the part of the prefix that sits in the host pool is loaded into device
 slots when the request is considered (`_load_lower`), before its forward reads it: the loaded
 tokens spend the slots their compute would have and none of the step's compute.
-On CUDA the load is a preload: its copy runs on the copy stream beside the forwards queued after
-it, and the request waits (it holds the loaded path locked, `req.preload`) until the copy's
-event has completed; a later round admits it with its prefix on the device, and the running
-requests decode meanwhile. Before, the round's forward waited for its loads: a round admitting
+On CUDA the load is a preload: its copy runs on the mover's streams beside the forwards queued
+after it, and the request waits (it holds the loaded path locked, `req.preload`) until the
+copy's event has completed; a later round admits it with its prefix on the device, and the
+running requests decode meanwhile. While a batch decodes with overlap the copies start before a
+round considers the request (`preload`, called from scheduler.waiting), and a request's pages
+landing from the store start theirs while its read goes on (`stream`). Before, the round's forward waited for its loads: a round admitting
 many requests with long host prefixes (a wave of turns, 32 x ~230 MB) ran nothing for the ~0.2 s
 its copies took (H100, 120 conversations x 8 turns at concurrency 32: TTFT p50 0.29 -> 0.21 s;
 throughput unchanged, see docs/hicache.md). Any request whose match reaches a node still being
