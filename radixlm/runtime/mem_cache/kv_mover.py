@@ -19,8 +19,10 @@
     completed), `load_back` has the compute stream wait for it.
   Before (until 2026-11-28) loads and backups shared one copy stream: a backup queued behind a
   wave's loads made every eviction's wait on the compute stream a wait for those loads, and each
-  load's scatter waited for the compute stream in the queue before the next load's DMA, so the
-  host -> device copies ran serialized with the forwards (16.5% of an H100 run's window).
+  load's scatter waited for the compute stream in the queue before the next load's DMA (an H100
+  profile saw the host -> device copies serialized with the forwards, 16.5% of its window). The
+  split did not change the multi-turn benchmark's throughput (docs/hicache.md: when a wave of
+  turns arrives, little else is left to run beside its copies).
 """
 
 from __future__ import annotations
