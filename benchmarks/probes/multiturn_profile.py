@@ -90,6 +90,7 @@ def copy_overlap(path: str) -> dict:
 
 def _count_steps(sched) -> dict:
     """Wrap the scheduler's step paths: calls and host seconds of each kind."""
+    from radixlm.runtime.scheduler import decode_steps
     from radixlm.runtime.scheduler import scheduler as module
 
     stats = collections.defaultdict(lambda: [0, 0.0])
@@ -115,8 +116,9 @@ def _count_steps(sched) -> dict:
     for name in ("cache_unfinished_req", "cache_finished_req", "preload_back", "match_prefix",
                  "evict", "loading"):
         wrap(sched.tree_cache, name, "tree." + name)
-    for name in ("build_extend", "build_decode", "as_decode"):
+    for name in ("build_extend", "as_decode"):
         wrap(module, name, name)
+    wrap(decode_steps, "build_decode", "build_decode")
     return stats
 
 

@@ -68,65 +68,64 @@ def test_standalone_trees_greedy_matches_plain_decoding(tiny_llama_path):
     assert stats["spec_accepted_tokens"] > 1.5 * stats["spec_verify_reqs"] > 0
 
 
-def test_rejection_sampling_on_the_device():
+DEV = "cuda"
+
+
+def _sampling_case():
+    """One request sampled with temperature, top-k 4, top-p and min-p over V = 8 logits on the
+    device: (req, logits (V,), its sampling rows, p: the filtered distribution on the host)."""
     from radixlm.runtime.request import Req
     from radixlm.runtime.sampling.sampler import Sampler
     from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
     from radixlm.runtime.sampling_params import SamplingParams
-    from radixlm.runtime.speculative.rejection import accept_rows
 
     torch.manual_seed(0)
     sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.97, min_p=0.03)
     sp.verify(V)
     req = Req("r", [1, 2, 3], sp)
-    logits = torch.tensor([2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, 2.6], device="cuda")
-    base = SamplingBatchInfo.from_reqs([req], V, "cuda")
-    ref = logits.view(1, -1).clone()
-    p = Sampler().filtered_probs(ref, base.take([0]))[0]
-    p = (p / p.sum()).cpu()
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, 2.6], device=DEV)
+    base = SamplingBatchInfo.from_reqs([req], V, DEV)
+    p = Sampler().filtered_probs(logits.view(1, -1).clone(), base.take([0]))[0]
+    return req, logits, base, (p / p.sum()).cpu()
+
+
+def _assert_follows(emitted: torch.Tensor, p: torch.Tensor, what) -> None:
+    """The emitted tokens (host) never leave p's support and pass a chi-square test against p."""
     support = p > 0
+    counts = torch.bincount(emitted, minlength=V).double()
+    assert counts[~support].sum() == 0
+    expected = p[support].double() * emitted.numel()
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi2 < 21.11, (what, chi2)  # df 3 (top_k 4), p = 1e-4
+
+
+def test_rejection_sampling_on_the_device():
+    from radixlm.runtime.sampling.sampler import Sampler
+    from radixlm.runtime.speculative.rejection import accept_rows
+
+    req, logits, base, p = _sampling_case()
     per_draft = 4000
-    drafts = torch.arange(-1, V, device="cuda").repeat_interleave(per_draft)
+    drafts = torch.arange(-1, V, device=DEV).repeat_interleave(per_draft)
     n = drafts.numel()
     accept, token = accept_rows(logits.expand(n, V).clone(), base.take([0] * n), [req] * n,
                                 drafts, Sampler())
     emitted = torch.where(accept, drafts, token).cpu()
     drafts = drafts.cpu()
     for d in range(-1, V):
-        counts = torch.bincount(emitted[drafts == d], minlength=V).double()
-        assert counts[~support].sum() == 0
-        expected = p[support].double() * per_draft
-        chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-        assert chi2 < 21.11, (d, chi2)  # df 3 (top_k 4), p = 1e-4
+        _assert_follows(emitted[drafts == d], p, d)
 
 
 def test_tree_acceptance_on_the_device():
     """Multi-candidate acceptance of a node's children (speculative/tree.py) on the device: the
     emitted token follows p whichever children are tried."""
-    from radixlm.runtime.request import Req
     from radixlm.runtime.sampling.sampler import Sampler
-    from radixlm.runtime.sampling.sampling_batch_info import SamplingBatchInfo
-    from radixlm.runtime.sampling_params import SamplingParams
     from radixlm.runtime.speculative.tree import accept_tree_rows
 
-    torch.manual_seed(0)
-    sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.97, min_p=0.03)
-    sp.verify(V)
-    req = Req("r", [1, 2, 3], sp)
-    logits = torch.tensor([2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, 2.6], device="cuda")
-    base = SamplingBatchInfo.from_reqs([req], V, "cuda")
-    p = Sampler().filtered_probs(logits.view(1, -1).clone(), base.take([0]))[0]
-    p = (p / p.sum()).cpu()
-    support = p > 0
+    req, logits, base, p = _sampling_case()
     n = 20000
     for children in ([7, 0], [3, 5, 1], [0, 1, 2, 3, 4, 5, 6, 7]):
-        kids = torch.tensor(children + [-1] * (V - len(children)), device="cuda").expand(n, V)
+        kids = torch.tensor(children + [-1] * (V - len(children)), device=DEV).expand(n, V)
         choice, token = accept_tree_rows(logits.expand(n, V).clone(), base.take([0] * n),
                                          [req] * n, kids.contiguous(), Sampler())
         picked = kids.gather(1, choice.clamp(min=0).view(-1, 1)).view(-1)
-        counts = torch.bincount(torch.where(choice >= 0, picked, token).cpu(),
-                                minlength=V).double()
-        assert counts[~support].sum() == 0
-        expected = p[support].double() * n
-        chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-        assert chi2 < 21.11, (children, chi2)  # df 3 (top_k 4), p = 1e-4
+        _assert_follows(torch.where(choice >= 0, picked, token).cpu(), p, children)
