@@ -12,6 +12,7 @@ busy, the compute stream's idle gaps, and benchmarks/trace_summary.py's per-stre
 The profiler's per-op recording slows the host several times over, which inflates host-bound
 gaps; `--cuda-events` skips it and times every forward with CUDA events instead (GPU time of
 each step kind, and the compute stream's time between forwards by the kinds on either side).
+Either way it splits the server's TTFT in two: waiting to be admitted, then the extend step.
 """
 
 from __future__ import annotations
@@ -144,6 +145,45 @@ def _time_forwards(sched) -> list:
     return marks
 
 
+def _ttft_parts(sched) -> dict:
+    """Wrap admission and token processing: per request, when it was submitted, first admitted
+    (the extend that prefills it is built next) and given its first token, all on the scheduler's
+    clock. Splits the server's TTFT into the wait before admission and the extend step itself."""
+    seen: dict = {}
+    real_admit, real_tokens = sched._admit, sched._process_tokens
+
+    def admit(*a, **k):
+        admitted = real_admit(*a, **k)
+        now = time.perf_counter()
+        for req in admitted:
+            seen.setdefault(id(req), [req.created_at, now, None])
+        return admitted
+
+    def tokens(reqs, *a, **k):
+        keep = real_tokens(reqs, *a, **k)
+        now = time.perf_counter()
+        for req in reqs:
+            rec = seen.get(id(req))
+            if rec is not None and rec[2] is None:
+                rec[2] = now
+        return keep
+
+    sched._admit, sched._process_tokens = admit, tokens
+    return seen
+
+
+def ttft_summary(seen: dict) -> dict:
+    recs = [r for r in seen.values() if r[2] is not None]
+    out = {"requests": len(recs)}
+    for name, i, j in (("wait_before_admission", 0, 1), ("admission_to_first_token", 1, 2),
+                       ("server_ttft", 0, 2)):
+        xs = sorted(r[j] - r[i] for r in recs)
+        if xs:
+            out[name] = {"p50_s": round(mt._pct(xs, 50), 4), "p90_s": round(mt._pct(xs, 90), 4),
+                         "mean_s": round(sum(xs) / len(xs), 4)}
+    return out
+
+
 def gaps_by_kind(marks: list) -> dict:
     """GPU time of each step kind (first to last kernel of its forward, sampling excluded) and
     the compute stream's time between forwards, by the kinds on either side (idle, or the
@@ -196,6 +236,7 @@ def main() -> None:
         eng.generate(input_ids=list(range(1000, 1016)), sampling_params={"max_new_tokens": 4})
         eng.flush_cache()
         stats = eng._call_in_loop(lambda: _count_steps(eng.scheduler))
+        seen = eng._call_in_loop(lambda: _ttft_parts(eng.scheduler))
         marks = (eng._call_in_loop(lambda: _time_forwards(eng.scheduler))
                  if own.cuda_events and torch.cuda.is_available() else None)
         kinds = [torch.profiler.ProfilerActivity.CPU]
@@ -223,6 +264,7 @@ def main() -> None:
             out["forwards"] = gaps_by_kind(marks)
         if not own.cuda_events:
             prof.export_chrome_trace(trace)
+        out["ttft_parts"] = ttft_summary(seen)
         ttfts = sorted(r["ttft"] for r in records)
         out["ttft_p50_s"] = round(mt._pct(ttfts, 50), 4)
         out["steps"] = {k: {"calls": v[0], "host_s": round(v[1], 2)} for k, v in stats.items()}
