@@ -172,6 +172,29 @@ def _ttft_parts(sched) -> dict:
     return seen
 
 
+def _record_syncs() -> collections.Counter:
+    """torch.cuda's sync debug mode (warn): every host <-> device synchronization the run makes,
+    counted by its call site (the innermost radixlm frames), to find the ones that stall a step
+    launched beside a forward in flight."""
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+    real_show = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return real_show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "radixlm" in f.filename]
+        sites[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}"
+                         for f in reversed(frames[-4:]))] += 1
+
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    return sites
+
+
 def ttft_summary(seen: dict) -> dict:
     recs = [r for r in seen.values() if r[2] is not None]
     out = {"requests": len(recs)}
@@ -210,6 +233,8 @@ def main() -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--window-start", type=float, default=8.0)
     p.add_argument("--window", type=float, default=3.0)
+    p.add_argument("--sync-debug", action="store_true",
+                   help="count the host <-> device syncs by call site (torch.cuda sync debug)")
     p.add_argument("--cuda-events", action="store_true",
                    help="no profiler window: CUDA events around every forward instead (GPU)")
     own, rest = p.parse_known_args()
@@ -237,6 +262,7 @@ def main() -> None:
         eng.flush_cache()
         stats = eng._call_in_loop(lambda: _count_steps(eng.scheduler))
         seen = eng._call_in_loop(lambda: _ttft_parts(eng.scheduler))
+        syncs = _record_syncs() if own.sync_debug and torch.cuda.is_available() else None
         marks = (eng._call_in_loop(lambda: _time_forwards(eng.scheduler))
                  if own.cuda_events and torch.cuda.is_available() else None)
         kinds = [torch.profiler.ProfilerActivity.CPU]
@@ -265,6 +291,9 @@ def main() -> None:
         if not own.cuda_events:
             prof.export_chrome_trace(trace)
         out["ttft_parts"] = ttft_summary(seen)
+        if syncs is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            out["syncs"] = dict(syncs.most_common(25))
         ttfts = sorted(r["ttft"] for r in records)
         out["ttft_p50_s"] = round(mt._pct(ttfts, 50), 4)
         out["steps"] = {k: {"calls": v[0], "host_s": round(v[1], 2)} for k, v in stats.items()}

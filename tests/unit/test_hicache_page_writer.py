@@ -155,3 +155,43 @@ def test_default_bound():
     assert default_write_queue_pages(Host, 64) == 128  # 1 GiB of 8 MiB pages
     Host.capacity = 1000
     assert default_write_queue_pages(Host, 64) == 3  # a quarter of the host pool
+
+
+class _Copy:
+    """A backup DMA's event (CUDA, faked): done when the test says; a wait on it is an error
+    (a step with a forward in flight must not block on one)."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        raise AssertionError("waited for a backup with a forward in flight")
+
+
+def test_staged_writes_start_once_their_backups_land_without_a_wait(tmp_path):
+    """A page write submitted while a backup DMA may still write its host rows waits (staged);
+    at a step's start with a forward in flight (`release=False`, the overlap schedule) it is
+    handed to the writer as soon as the backups queued before it have completed, without a
+    host sync. Before, only a step with nothing in flight released it: a batch that stayed
+    chained held every write back."""
+    cache, pool, alloc = make_tiered(storage_dir=str(tmp_path), write_queue_pages=8)
+    try:
+        mover = cache.mover
+        copy = _Copy()
+        mover._backups.append((None, None, copy))  # an earlier backup, still copying
+        mover.backups_queued += 1
+        assert put(cache, pool, alloc, SEQ)
+        assert cache.writer.has_staged()
+        cache.settle_page_writes(release=False)
+        assert cache.writer.has_staged()  # its backup has not landed: no write, no wait
+        copy.done = True
+        cache.settle_page_writes(release=False)
+        assert not cache.writer.has_staged() and mover.backups_landed == mover.backups_queued
+        cache.finish_writes()
+        assert cache.counters["pages_stored"] == 3
+        cache.check_integrity()
+    finally:
+        cache.close()

@@ -65,6 +65,11 @@ class KVMover:
         self._ring_free: list[Optional[torch.cuda.Event]] = [None] * RING  # its last scatter
         self._ring_pos = 0
         self._backups: deque = deque()  # (pinned staging, host slots, event), in issue order
+        # backups ever queued, and how many of the first of them have landed (one stream: they
+        # complete in order): work waiting for the host rows as they were when `backups_queued`
+        # was n may start once `backups_landed` >= n (land_ready, without a host sync)
+        self.backups_queued = 0
+        self.backups_landed = 0
         # backups whose DMA may still write host rows: (first row, last row, event); a load
         # reading rows in that span waits for it on the GPU
         self._backup_spans: deque = deque()
@@ -121,6 +126,7 @@ class KVMover:
             event.record(self.stream)
         dev_idx.record_stream(self.stream)
         self._backups.append((staging, None if staging is None else host_idx, event))
+        self.backups_queued += 1
         if staging is None:  # (a staged one lands on the CPU: loads complete() it first)
             self._backup_spans.append((int(host_idx.min()), int(host_idx.max()), event))
         return event
@@ -131,7 +137,18 @@ class KVMover:
         at once)."""
         while self._backups and self._backups[0][0] is None and self._backups[0][2].query():
             self._backups.popleft()
+            self.backups_landed += 1
         return bool(self._backups)
+
+    def land_ready(self) -> int:
+        """Land the backups that have completed, in order, without waiting for any (a forward
+        may be in flight: the overlap schedule); returns `backups_landed`."""
+        while self._backups and self._backups[0][2].query():
+            staging, host_idx, _ = self._backups.popleft()
+            if staging is not None:
+                self.host.put_rows(host_idx, staging)
+            self.backups_landed += 1
+        return self.backups_landed
 
     def guard_device_reuse(self, events: list) -> None:
         """Before freeing device slots: later compute-stream work (and loads, whose scatters
@@ -155,6 +172,7 @@ class KVMover:
             event.synchronize()
             if staging is not None:  # direct backups are in the host rows already
                 self.host.put_rows(host_idx, staging)
+            self.backups_landed += 1
         self._backup_spans.clear()
         self._forget_done()
 

@@ -66,6 +66,7 @@ class PrefetchOp:
     released: int = 0  # leading pages whose slots left the op (to the tree or freed)
     reading: bool = False  # a read job is queued or running
     staged: bool = False  # slots allocated, read waits for the host rows (CUDA backups)
+    staged_after: int = 0  # ... of the first this many backups (KVMover.backups_queued)
     done: bool = False  # nothing more will land
     cancelled: bool = False  # set by the scheduler; the reader stops at the next page
 

@@ -27,8 +27,10 @@ module: the measured 0.22x on the H200), kept for comparison and for tests that 
 settled at once.
 
 CUDA: a backup's DMA into the host rows may still be in flight when its write is submitted; such
-jobs wait in `_staged` until the cache has landed the backups (`KVMover.complete`, at the start of
-the next scheduled step, where no forward of ours is in flight) and calls `release`.
+jobs wait in `_staged` until the cache has landed the backups queued before them and calls
+`release`: at each step's start those whose backups have completed (`KVMover.land_ready`, no
+wait: a batch chained with overlap may keep a forward in flight for a long time), or all, after
+`KVMover.complete`, at a step with no forward of ours in flight.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class PageWriter:
         self._outstanding: set[PageWriteJob] = set()
         self._pins = torch.zeros(host.capacity + 1, dtype=torch.int32)  # pending writes per slot
         self._held = torch.zeros(host.capacity + 1, dtype=torch.bool)  # freed by the tree, pinned
-        self._staged: list[PageWriteJob] = []  # host rows not landed yet (CUDA backups)
+        # host rows not landed yet (CUDA backups): (job, backups queued when it was submitted)
+        self._staged: list[tuple[PageWriteJob, int]] = []
         self._jobs: queue.Queue = queue.Queue()  # never full: the bound is pending_pages
         self._done: collections.deque = collections.deque()  # (job, accepted), writer -> scheduler
         self._running = threading.Event()  # cleared by `pause` (tests hold writes in flight)
@@ -87,9 +90,10 @@ class PageWriter:
         return (1 << 62) if self.synchronous else max(self.queue_pages - self.pending_pages, 0)
 
     # --- scheduler thread ------------------------------------------------------------------------
-    def submit(self, job: PageWriteJob, rows_ready: bool) -> None:
+    def submit(self, job: PageWriteJob, rows_ready: bool, backups_queued: int = 0) -> None:
         """Queue a job of at most `room()` pages; `rows_ready`: its host rows hold their KV (no
-        backup DMA may still be landing in them)."""
+        backup DMA may still be landing in them); else it waits for the first `backups_queued`
+        backups to land (KVMover's count)."""
         assert len(job.keys) <= self.room(), (len(job.keys), self.room())
         self._pins.index_add_(0, job.pinned, torch.ones_like(job.pinned, dtype=torch.int32))
         self.pending_pages += len(job.keys)
@@ -100,13 +104,18 @@ class PageWriter:
         elif rows_ready and not self._staged:
             self._jobs.put(job)
         else:
-            self._staged.append(job)
+            self._staged.append((job, backups_queued))
 
-    def release(self) -> None:
-        """The host rows of the staged jobs have landed (the caller ran KVMover.complete)."""
-        for job in self._staged:
+    def release(self, backups_landed: Optional[int] = None) -> None:
+        """Hand the staged jobs to the writer thread, in order: all (the caller ran
+        KVMover.complete), or those whose backups are among the first `backups_landed`."""
+        n = 0
+        for job, waits_for in self._staged:
+            if backups_landed is not None and waits_for > backups_landed:
+                break
             self._jobs.put(job)
-        self._staged.clear()
+            n += 1
+        del self._staged[:n]
 
     def has_staged(self) -> bool:
         return bool(self._staged)

@@ -26,8 +26,10 @@ read is running) stay held until the read ends. check_integrity counts them:
 Pages that fail their checks are never served: the read stops there, the store deletes the file,
 the tree forgets the storage-only nodes from that page on, and the tokens are recomputed.
 CUDA: the reader writes host rows with the CPU, so a read starts only when no backup's DMA is in
-flight (else it waits, staged, for the next step's start: one `KVMover.complete` there, as for
-page writes; a load's DMA only reads rows that cannot be freed before it is done).
+flight (else it waits, staged, until the backups queued before it have landed: checked without a
+wait at each step's start, `KVMover.land_ready`, or waited for by one `KVMover.complete` at a
+step with no forward in flight; as for page writes; a load's DMA only reads rows that cannot be
+freed before it is done).
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ class TierPrefetch:
         return self.reader is not None and bool(self.reader.news)
 
     def apply_prefetch_news(self, release: bool) -> None:
-        """Apply the reader's reports in order; with `release` (no forward of ours in flight),
-        land pending DMA (CUDA) and start the reads that waited for it."""
+        """Apply the reader's reports in order; start the reads that waited for backups' DMA
+        (CUDA): with `release` (no forward of ours in flight) all, landing every backup; else
+        those whose backups have completed."""
         if self.reader is None:
             return
         news = self.reader.news
@@ -130,10 +133,13 @@ class TierPrefetch:
                 op.landed = max(op.landed, rest[0])
             else:
                 self._on_read_end(op, *rest)
-        if release and self._staged:
-            self.mover.complete()
-            staged, self._staged = self._staged, []
-            for op in staged:
+        if self._staged:  # all with `release`; else those whose backups have landed (no wait)
+            if release:
+                self.mover.complete()
+            landed = self.mover.backups_landed if release else self.mover.land_ready()
+            start = [op for op in self._staged if op.staged_after <= landed]
+            self._staged = [op for op in self._staged if op.staged_after > landed]
+            for op in start:
                 op.staged, op.reading = False, True
                 self.reader.read(op)
 
@@ -154,6 +160,7 @@ class TierPrefetch:
         self._pages_held += take
         if self.mover.backups_in_flight():
             op.staged = True  # (CUDA) a backup's DMA may still write rows the reader would
+            op.staged_after = self.mover.backups_queued
             self._staged.append(op)
         else:
             op.reading = True

@@ -125,7 +125,7 @@ class TierWrites:
         if writer.synchronous and not rows_ready:
             self.mover.complete()
             rows_ready = True
-        writer.submit(job, rows_ready)
+        writer.submit(job, rows_ready, self.mover.backups_queued)
         if writer.synchronous:
             self._apply_done()  # (timed by the caller)
 
@@ -171,13 +171,18 @@ class TierWrites:
             node, pos = child, pos + n
 
     def settle_page_writes(self, release: bool) -> None:
-        """Start of a step: apply finished writes; with `release` (no forward of ours in flight),
-        land pending backups (CUDA) and hand the writes that waited for them to the writer."""
+        """Start of a step: apply finished writes; hand the writes that waited for backups (CUDA)
+        to the writer: with `release` (no forward of ours in flight) all, landing every backup;
+        else those whose backups have completed (a step in flight: no wait, so that a batch that
+        stays chained with overlap does not hold the writes back)."""
         if self.writer is None:
             return
-        if release and self.writer.has_staged():
-            self.mover.complete()
-            self.writer.release()
+        if self.writer.has_staged():
+            if release:
+                self.mover.complete()
+                self.writer.release()
+            else:
+                self.writer.release(self.mover.land_ready())
         self.apply_write_completions()
 
     def finish_writes(self, cancel: bool = False) -> None:

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from radixlm.runtime.executor.host_staging import staged, staged_parts
 from radixlm.runtime.request import Req
 
 
@@ -97,19 +98,26 @@ class SamplingBatchInfo:
         )
         info._refresh_flags()
 
-        def f32(xs):
-            return torch.tensor(xs, dtype=torch.float32, device=dev)
-
+        # the per-row values in one (8, B) float32 host tensor and one copy, through pinned
+        # memory on CUDA: a copy from pageable memory waits for the GPU work queued before it,
+        # and a batch is built while a step is in flight (the overlap schedule). top_k (<= V)
+        # and the greedy flag are exact in float32 (V < 2**24).
         greedy = info.flags.greedy
-        info.temperatures = f32([1.0 if g else float(p.temperature)
-                                 for g, p in zip(greedy, ps)]).view(-1, 1)
-        info.top_ps = f32(info.flags.top_p)
-        info.top_ks = torch.tensor(info.flags.top_k, dtype=torch.int64, device=dev)
-        info.min_ps = f32(info.flags.min_p)
-        info.greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=dev)
-        info.frequency_penalties = f32([float(p.frequency_penalty) for p in ps])
-        info.presence_penalties = f32([float(p.presence_penalty) for p in ps])
-        info.repetition_penalties = f32([float(p.repetition_penalty) for p in ps])
+        rows = torch.tensor([[1.0 if g else float(p.temperature) for g, p in zip(greedy, ps)],
+                             info.flags.top_p, info.flags.min_p,
+                             [float(p.frequency_penalty) for p in ps],
+                             [float(p.presence_penalty) for p in ps],
+                             [float(p.repetition_penalty) for p in ps],
+                             info.flags.top_k, greedy], dtype=torch.float32)  # (8, B)
+        if dev.type == "cuda":
+            rows = rows.pin_memory()
+        rows = rows.to(dev, non_blocking=True)
+        info.temperatures = rows[0].view(-1, 1)
+        info.top_ps, info.min_ps = rows[1], rows[2]
+        info.frequency_penalties, info.presence_penalties = rows[3], rows[4]
+        info.repetition_penalties = rows[5]
+        info.top_ks = rows[6].to(torch.int64)
+        info.greedy_rows = rows[7] > 0.5
 
         if info.need_penalties:
             # One scatter from a flat (row, token) list instead of a per-request tensor op. Rows
@@ -134,8 +142,7 @@ class SamplingBatchInfo:
             info.logit_bias = torch.zeros(len(reqs), V, dtype=torch.float32, device=dev)
             info.logit_bias.index_put_((rows, toks), vals)
         if info.need_min_tokens:
-            info.min_tokens_left = torch.tensor(info.flags.min_tokens_deadline, dtype=torch.int64,
-                                                device=dev)
+            info.min_tokens_left = staged(info.flags.min_tokens_deadline, dev)
             rows, toks = _flatten([sorted(r.stop_token_ids) if d > 0 else []
                                    for r, d in zip(reqs, info.flags.min_tokens_deadline)], dev)
             info.stop_mask = torch.zeros(len(reqs), V, dtype=torch.bool, device=dev)
@@ -210,7 +217,7 @@ class SamplingBatchInfo:
         if self.min_tokens_left is not None:
             if self.need_min_tokens:
                 if not isinstance(appended, int):
-                    appended = torch.tensor(appended, dtype=torch.int64, device=self.device)
+                    appended = staged(appended, self.device)
                 self.min_tokens_left.sub_(appended).clamp_(min=0)
             else:  # every row has its minimum: drop the (B, V) mask (host-side decision)
                 self.min_tokens_left = self.stop_mask = None
@@ -234,7 +241,7 @@ class SamplingBatchInfo:
         new.step = self.step
         new.flags = self.flags.take(rows)
         new._refresh_flags()
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device) if index is None else index
+        idx = staged(rows, self.device) if index is None else index
         for name in self._ROW_TENSORS + self._OPTIONAL_TENSORS:
             t = getattr(self, name)
             if t is None:
@@ -263,9 +270,9 @@ class SamplingBatchInfo:
         stay conservative (a row has at least as many tokens as steps); `min_tokens_left` is
         exact."""
         if self.output_counts is not None:
-            both = torch.tensor([rows, tokens], dtype=torch.int64).to(self.device)
+            row_ids, token_ids = staged_parts([rows, tokens], self.device)
             ones = torch.ones(len(tokens), dtype=torch.float32, device=self.device)
-            self.output_counts.index_put_((both[0], both[1]), ones, accumulate=True)
+            self.output_counts.index_put_((row_ids, token_ids), ones, accumulate=True)
         self._step_done(counts)
 
     def filter(self, keep: list[int]) -> None:
@@ -333,9 +340,8 @@ class SamplingBatchInfo:
 def _flatten(id_lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and token index tensors (N,) for every (row, token) pair, N = total ids: the tokens go
     to the device in one copy and the row ids are expanded there (no per-token Python work)."""
-    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64, device=device)
     flat = list(itertools.chain.from_iterable(id_lists))
-    toks = torch.tensor(flat, dtype=torch.int64, device=device)
+    lengths, toks = staged_parts([[len(ids) for ids in id_lists], flat], device)
     # output_size given so CUDA need not read the total back from the device
     rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), lengths,
                                    output_size=len(flat))

@@ -38,8 +38,13 @@ def alloc_slots(n: int, allocator, tree_cache) -> torch.Tensor:
     return slots
 
 
-def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tuple[ForwardBatch, LogitRows]:
+def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device,
+                 tail_ids: Optional[torch.Tensor] = None) -> tuple[ForwardBatch, LogitRows]:
+    """`tail_ids` (T,) on the device: the last T requests each extend one token not yet on the
+    host, the in-flight step's samples (an extend chained onto it, scheduler/overlap_extend.py)."""
     rt = req_pool.req_to_token
+    n_tail = 0 if tail_ids is None else len(tail_ids)
+    first_tail = len(reqs) - n_tail
     for req in reqs:
         if req.req_pool_idx is None:
             req.req_pool_idx = req_pool.alloc()
@@ -51,12 +56,15 @@ def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tu
     logit_index: list[int] = []
     mm_inputs = None
     offset = 0
-    for req in reqs:
+    for i, req in enumerate(reqs):
         start, ext = req.kv_len, req.extend_len
         if req.mm is not None and start < req.mm.images[-1].offset + req.mm.images[-1].length:
             mm_inputs = (mm_inputs or []) + [(offset, start, ext, req.mm)]
         rt[req.req_pool_idx, start : start + ext] = slots[offset : offset + ext]
-        ids.extend(req.fill_ids[start : start + ext])
+        if i >= first_tail:
+            ids.append(0)  # a placeholder: the device's token is written below
+        else:
+            ids.extend(req.fill_ids[start : start + ext])
         positions.append(np.arange(start, start + ext))
         if req.wants_input_logprobs and not req.input_logprobs_done:
             # logits at position q score prompt token q + 1
@@ -76,6 +84,8 @@ def build_extend(reqs: list[Req], req_pool, allocator, tree_cache, device) -> tu
     input_ids, pos, pool_idx, lens, logits_indices = staged_parts(
         [ids, np.concatenate(positions), [r.req_pool_idx for r in reqs], seq_lens, logit_index],
         device)
+    if n_tail:
+        input_ids[-n_tail:] = tail_ids  # (queued after the staging copy, on the same stream)
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
         input_ids=input_ids,

@@ -13,9 +13,11 @@ position of step N's last token, is a valid entry the radix tree takes with the 
 
 Chaining is only done when it cannot change any result:
 - no request in the batch is constrained by a grammar (its mask needs step N's token accepted);
-- no request waits to be admitted (admission runs after completion, as without overlap),
-  except those that cannot be admitted yet: their host prefix still being copied to the device
-  or their pages still coming from the store (hierarchical cache; scheduler/waiting.py);
+- no request waits to be admitted, except those that cannot be admitted yet: their host prefix
+  still being copied to the device or their pages still coming from the store (hierarchical
+  cache; scheduler/waiting.py); when one can be, the step launched before step N completes is
+  the extend that admits it, the running requests decoding in it (overlap_extend.py), or, where
+  that extend needs the host in between, none: admission then runs after completion;
 - every chained request gets its slot without eviction of locked nodes or retraction.
 Requests that surely finish at step N (their last allowed token) are left out of step N+1.
 While a step is in flight, every request in it has kv_len == len(fill_ids) (its last known
@@ -25,10 +27,11 @@ token's KV is being computed); after completion kv_len == len(fill_ids) - 1, as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from radixlm.runtime.executor.host_staging import staged
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling.sampler import SampleOutput
 
@@ -39,10 +42,14 @@ class InFlightDecode:
     out: SampleOutput  # device tensors
     host: SampleOutput  # host copies; valid once `ready` has completed
     ready: Optional[torch.cuda.Event]
+    on_complete: Optional[Callable[[], None]] = None  # after the wait (an extend's prefill rate)
 
     def wait(self) -> SampleOutput:
         if self.ready is not None:
             self.ready.synchronize()
+        if self.on_complete is not None:
+            self.on_complete()
+            self.on_complete = None
         return self.host
 
 
@@ -76,5 +83,5 @@ def chained_input_ids(prev: InFlightDecode, reqs: list[Req]) -> torch.Tensor:
     if len(reqs) == len(prev.reqs) and all(a is b for a, b in zip(reqs, prev.reqs)):
         return ids
     pos = {id(r): i for i, r in enumerate(prev.reqs)}
-    index = torch.tensor([pos[id(r)] for r in reqs], dtype=torch.int64)
-    return ids.index_select(0, index.to(ids.device, non_blocking=True))
+    # through pinned memory: from pageable memory the copy would wait for the step in flight
+    return ids.index_select(0, staged([pos[id(r)] for r in reqs], ids.device))

@@ -33,6 +33,7 @@ from radixlm.runtime.scheduler.isolation import FaultIsolation
 from radixlm.runtime.scheduler.maintenance import Maintenance
 from radixlm.runtime.scheduler.output import record_embeddings
 from radixlm.runtime.scheduler.overlap import InFlightDecode, chained_input_ids, surely_finishes
+from radixlm.runtime.scheduler.overlap_extend import OverlapExtend
 from radixlm.runtime.scheduler.policy import order_waiting
 from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder
 from radixlm.runtime.scheduler.token_processing import TokenProcessing
@@ -41,7 +42,8 @@ from radixlm.runtime.scheduler.waiting import WaitingQueue
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(DecodeSteps, TokenProcessing, Maintenance, WaitingQueue, FaultIsolation):
+class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, WaitingQueue,
+                FaultIsolation):
     def __init__(self, args, runner, tokenizer=None):
         self.args = args
         self.runner = runner
@@ -72,6 +74,7 @@ class Scheduler(DecodeSteps, TokenProcessing, Maintenance, WaitingQueue, FaultIs
         self._failed: list[Req] = []  # failed during this step (isolation.py); step() sweeps them
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                       "retractions": 0, "forward_steps": 0, "extend_steps": 0,
+                      "overlapped_extend_steps": 0,  # launched before the step in flight completed
                       "jump_forward_tokens": 0, "shared_prefix_steps": 0,
                       "request_failures": 0, "oom_steps": 0,  # isolation.py
                       "busy_s": 0.0}  # wall time inside step(): busy_s / elapsed = saturation
@@ -135,6 +138,8 @@ class Scheduler(DecodeSteps, TokenProcessing, Maintenance, WaitingQueue, FaultIs
             if chain:  # launch step N+1 first, then do step N's CPU work while the GPU runs
                 # (None after an OOM: the chain's requests failed; N's rows of them are dropped)
                 self.inflight = self._launch_decode(chain, chained_input_ids(prev, chain))
+            elif self._extend_beside_ok():  # admit and launch the extend first (overlap_extend)
+                self.inflight = self._launch_extend_beside(prev)
             done += self._complete_decode(prev)
             if self.inflight is not None:
                 if self.spec is not None:  # the GPU runs the next step: host work is free now
@@ -162,17 +167,9 @@ class Scheduler(DecodeSteps, TokenProcessing, Maintenance, WaitingQueue, FaultIs
             return []
         if self.spec is not None and self.spec.wants_verify(self):
             return []
-        chain = [r for r in self.running if not surely_finishes(r, self.context_len)]
-        if not chain:
+        if all(surely_finishes(r, self.context_len) for r in self.running):
             return []
-        if self.allocator.available_size() < len(chain):
-            self.tree_cache.evict(len(chain) - self.allocator.available_size())
-            if self.allocator.available_size() < len(chain):
-                return []
-        if len(chain) != len(self.running):  # their last token is in flight: leave the batch now
-            staying = {id(r) for r in chain}
-            self._drop_from_running({id(r) for r in self.running if id(r) not in staying})
-        return chain
+        return self._chain_rows() or []
 
     def _overlappable(self) -> bool:
         """Whether the running batch may decode with overlap: not with a grammar (the next mask
@@ -239,11 +236,7 @@ class Scheduler(DecodeSteps, TokenProcessing, Maintenance, WaitingQueue, FaultIs
     def _run_extend(self, reqs: list[Req], mixed: bool = False) -> list[Req]:
         """Prefill `reqs`; with `mixed`, the running requests decode in the same forward (as
         one-token extends placed last, so the backend can batch them as a decode)."""
-        for req in reqs:
-            if req.req_pool_idx is None and req.retractions == 0 and not req.output_ids:
-                req.cached_tokens = req.kv_len
-                self.stats["prompt_tokens"] += len(req.origin_input_ids)
-                self.stats["cached_tokens"] += req.kv_len
+        self._count_prompt_stats(reqs)
         reqs = self._encode_images(reqs)  # per request: a failing image fails only its own
         decoding = list(self.running) if mixed else []
         if not reqs and not decoding:

@@ -1,0 +1,152 @@
+"""Extends inside the overlap schedule (a mixin of Scheduler): while decode step N is on the GPU,
+admit the waiting requests, launch the mixed extend (their prefill, and one decode row of every
+running request, chained onto step N's samples on the device), and only then complete step N.
+The extend's samples come back like a decode step's (overlap.InFlightDecode): the next step
+chains its decode onto them and completes the extend while that decode runs.
+
+Why: with admission after completion (the plain order) the GPU idled around every extend: step N
+completed, then the admission round (matches, loads, evictions; ~15 ms of the scheduler's time
+per round on an H200 host with 32 requests waiting), the batch's build, the extend's forward and
+the host sync on its samples, then the next decode's launch. A multi-turn run with the
+hierarchical cache (120 conversations x 8 turns, 32 in flight, 113 extends) spent ~6 s of its
+~24 s so (benchmarks/probes/multiturn_profile.py).
+
+Same results as the plain order (tests/unit/test_overlap_extend.py): admission sees the in-flight
+step's requests as running (their reserve kept, their slots held): a little more conservative,
+never over budget. A request that finishes at step N has had a row in the extend (its token is
+dropped when the extend completes, as for chained decodes, overlap.py); one that surely finishes
+at step N is left out. Only where nothing in the step needs the host before the next launch: not
+with a chunk in progress, speculation, disaggregation, a grammar, prompt logprobs, embeddings,
+images or token_ids_logprob, nor with mixed batches off; those take the plain order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from radixlm.runtime.executor.host_staging import staged
+from radixlm.runtime.request import Req
+from radixlm.runtime.scheduler.batch_builder import as_decode, build_extend
+from radixlm.runtime.scheduler.overlap import (InFlightDecode, chained_input_ids, start_host_copy,
+                                               surely_finishes)
+
+
+def _plain(req: Req) -> bool:
+    """Nothing of this request's extend needs the host before the next step's launch."""
+    return (req.mm is None and not req.embed_pooling and not req.wants_input_logprobs
+            and req.grammar_future is None and req.grammar is None and not req.token_ids_logprob)
+
+
+class OverlapExtend:
+    def _extend_beside_ok(self) -> bool:
+        """Whether the next extend may be launched before the step in flight completes."""
+        return (self.overlap and self.chunked is None and self.spec is None and self.pd is None
+                and not self.args.disable_mixed_batch and self._overlappable()
+                and self._admission_pending() and all(_plain(r) for r in self.waiting))
+
+    def _launch_extend_beside(self, prev: InFlightDecode) -> Optional[InFlightDecode]:
+        """Admit and launch a mixed extend chained onto `prev` (not completed yet). None when
+        nothing was launched (no room for the running rows, nothing admitted) or nothing of it
+        samples (its requests failed, or all are chunks): the caller completes `prev`, then the
+        plain step runs."""
+        tail = self._chain_rows()  # the running rows that decode in the extend (running == tail)
+        if tail is None:
+            return None
+        admitted = self._admit()
+        if not admitted:
+            return None
+        t0 = time.perf_counter()
+        self._count_prompt_stats(admitted)
+        for req in tail:
+            req.extend_len = 1
+        tail_ids = chained_input_ids(prev, tail) if tail else None
+        fb, rows = build_extend(admitted + tail, self.req_pool, self.allocator, self.tree_cache,
+                                self.device, tail_ids=tail_ids)
+        fb.num_decode_tail = len(tail)
+        fb = as_decode(fb, rows, admitted + tail)
+        timing = _GpuTiming(self.device)
+        logits = self._forward_or_oom(fb, admitted + tail)  # (N, vocab)
+        if logits is None:  # a CUDA OOM failed the batch (step() reports it)
+            return None
+        timing.stop()
+        self.stats["forward_steps"] += 1
+        self.stats["extend_steps"] += 1
+        self.stats["overlapped_extend_steps"] += 1
+        for req in admitted + tail:
+            req.kv_len += req.extend_len
+        for req in admitted:
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
+                self.chunked = req
+        n_new = len(rows.sample_reqs) - len(tail)
+        joining, join_rows = rows.sample_reqs[:n_new], rows.sample_rows[:n_new]
+        if joining:
+            info, joining, join_rows = self._sampling_info(joining, join_rows)
+            if joining:  # their prompt KV is shared now, as a request's that joins does
+                for req in joining:
+                    self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
+                self._merge_running(joining, info)
+        if not self.running:
+            return None
+        reqs = list(self.running)  # tail + joining, the rows below in that order
+        picked = logits[staged(rows.sample_rows[n_new:] + join_rows, self.device)]
+        out = self._sample(picked, self.running_info, reqs)
+        if out is None:  # a CUDA OOM failed them (step() reports them)
+            return None
+        step = start_host_copy(reqs, out)
+        prefill = sum(r.extend_len for r in admitted)
+        step.on_complete = lambda: self._observe_prefill(prefill, timing, t0)
+        return step
+
+    def _chain_rows(self) -> Optional[list[Req]]:
+        """The running requests that take a row in the step launched before the one in flight
+        completes (those that surely finish in it leave the batch now), with a free slot each
+        (evicting); None when there are not enough slots without retraction."""
+        chain = [r for r in self.running if not surely_finishes(r, self.context_len)]
+        if chain and self.allocator.available_size() < len(chain):
+            self.tree_cache.evict(len(chain) - self.allocator.available_size())
+            if self.allocator.available_size() < len(chain):
+                return None
+        if len(chain) != len(self.running):  # their last token is in flight: leave the batch now
+            staying = {id(r) for r in chain}
+            self._drop_from_running({id(r) for r in self.running if id(r) not in staying})
+        return chain
+
+    def _count_prompt_stats(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if req.req_pool_idx is None and req.retractions == 0 and not req.output_ids:
+                req.cached_tokens = req.kv_len
+                self.stats["prompt_tokens"] += len(req.origin_input_ids)
+                self.stats["cached_tokens"] += req.kv_len
+
+    def _observe_prefill(self, tokens: int, timing: "_GpuTiming", t0: float) -> None:
+        """Completion of an overlapped extend: its prefill rate, for the hierarchical cache's
+        choice between reading a prefix from the store and recomputing it."""
+        if self.tiered:
+            self.tree_cache.observe_prefill(tokens, timing.seconds(t0))
+
+
+class _GpuTiming:
+    """The extend's forward time: CUDA events around it (read once its samples are on the host,
+    so no sync of its own); elsewhere the host's clock, the forward being synchronous there."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.t_end = None
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.t_end = time.perf_counter()
+
+    def seconds(self, t0: float) -> float:
+        if self.events is not None:
+            return self.events[0].elapsed_time(self.events[1]) / 1e3
+        return self.t_end - t0

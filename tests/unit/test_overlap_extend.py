@@ -1,0 +1,117 @@
+"""Extends launched inside the overlap schedule (scheduler/overlap_extend.py): requests arriving
+while others decode are admitted and prefilled, with the running requests' decode rows chained
+onto the in-flight step's samples, before that step completes. The tokens, finish reasons and
+logprobs are those of the plain schedule, and no KV leaks.
+
+On the CPU nothing is asynchronous, but the chaining (the running rows' device ids, rows of
+requests that finished in the step in flight, the joiners' first token read one step later) is
+the same code as on the GPU, so it is checked here with the overlap schedule turned on."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm.runtime.request import Req
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+def _requests(tokenizer):
+    texts = ["The capital of France is", "List three colors:", "1, 2, 3, 4,",
+             "Write a haiku about rain.", "def fib(n):", "Q: What is 12 + 7?\nA:",
+             "Once upon a time", "The best way to learn is"]
+    params = [dict(temperature=0, max_new_tokens=n) for n in (12, 1, 20, 7, 16, 9, 25, 3)]
+    params[2]["frequency_penalty"] = 0.8
+    params[3].update(temperature=0.9, seed=7)  # its stream must not depend on the schedule
+    params[4]["stop"] = ["\n\n"]
+    reqs = []
+    for i, (text, p) in enumerate(zip(texts, params)):
+        req = Req(f"ox{i}", tokenizer.encode(text), SamplingParams(**p))
+        if i in (5, 6):  # output logprobs ride along; prompt logprobs take the plain order
+            req.return_logprob, req.top_logprobs_num = True, 2
+            if i == 6:
+                req.logprob_start_len = 0
+        reqs.append(req)
+    return reqs
+
+
+def _drive(eng, overlap: bool):
+    """Two requests first, then one more after every third step: most arrive while others
+    decode (with overlap, while a decode step or an extend is in flight)."""
+    sched = eng.scheduler
+    eng.flush_cache()
+
+    def run():
+        sched.overlap = overlap
+        try:
+            reqs = _requests(eng.tokenizer)
+            pending = list(reqs)
+            for _ in range(2):
+                sched.add_request(pending.pop(0))
+            in_flight_extends, steps = 0, 0
+            while pending or sched.has_runnable_work():
+                before = sched.stats["overlapped_extend_steps"]
+                if sched.has_runnable_work():
+                    sched.step()
+                    steps += 1
+                in_flight_extends += sched.stats["overlapped_extend_steps"] > before
+                if pending and steps % 3 == 0:
+                    sched.add_request(pending.pop(0))
+            return reqs, in_flight_extends
+        finally:
+            sched.overlap = False
+
+    return eng._call_in_loop(run)
+
+
+@pytest.fixture(scope="module")
+def eng(make_engine):
+    return make_engine()
+
+
+def test_overlapped_extends_match_the_plain_schedule(eng, integrity):
+    plain, none_launched = _drive(eng, overlap=False)
+    assert none_launched == 0
+    overlapped, launched = _drive(eng, overlap=True)
+    assert launched >= 3  # the arrivals were admitted beside a step in flight
+    for a, b in zip(plain, overlapped):
+        assert a.output_ids == b.output_ids, a.rid
+        assert a.finish.reason == b.finish.reason
+        assert len(b.output_ids) <= b.sampling_params.max_new_tokens
+        la, lb = a.output_token_logprobs, b.output_token_logprobs
+        assert len(la) == len(lb) and lb == pytest.approx(la, abs=1e-4)  # batch shapes differ: fp32 sums round apart
+        pa, pb = a.input_token_logprobs[1:], b.input_token_logprobs[1:]  # [0] is None
+        assert len(pa) == len(pb) and pb == pytest.approx(pa, abs=1e-4)
+    integrity(eng)
+
+
+def test_prompt_logprobs_take_the_plain_order(eng, integrity):
+    """A waiting request that wants prompt logprobs reads them on the host in its extend's step:
+    no extend is launched beside a step in flight while it waits."""
+    sched = eng.scheduler
+    eng.flush_cache()
+
+    def run():
+        sched.overlap = True
+        try:
+            ids = eng.tokenizer.encode("Once upon a time")
+            first = Req("pl0", ids, SamplingParams(temperature=0, max_new_tokens=8,
+                                                   ignore_eos=True))
+            sched.add_request(first)
+            sched.step()
+            sched.step()
+            assert sched.inflight is not None  # the decode chain is running
+            late = Req("pl1", eng.tokenizer.encode("A B C D"),
+                       SamplingParams(temperature=0, max_new_tokens=2))
+            late.return_logprob, late.logprob_start_len = True, 0
+            sched.add_request(late)
+            before = sched.stats["overlapped_extend_steps"]
+            while sched.has_runnable_work():
+                sched.step()
+            return sched.stats["overlapped_extend_steps"] - before, late
+        finally:
+            sched.overlap = False
+
+    launched, late = eng._call_in_loop(run)
+    assert launched == 0
+    assert len(late.input_token_logprobs) == len(late.origin_input_ids)
+    integrity(eng)
