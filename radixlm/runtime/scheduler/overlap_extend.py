@@ -58,11 +58,25 @@ class OverlapExtend:
         admitted = self._admit()
         if not admitted:
             return None
+        return self._launch_extend(admitted, tail, chained_input_ids(prev, tail) if tail else None)
+
+    def _extend_async_ok(self, admitted: list[Req], mixed: bool) -> bool:
+        """Whether a plain step's extend of `admitted` may stay in flight (completed by the next
+        step, after it launches its own): the same conditions, with the running requests'
+        tokens on the host (nothing in flight)."""
+        return (self.overlap and self.spec is None and self.pd is None
+                and (mixed or not self.running) and self._overlappable()
+                and all(_plain(r) for r in admitted))
+
+    def _launch_extend(self, admitted: list[Req], tail: list[Req],
+                       tail_ids: Optional[torch.Tensor]) -> Optional[InFlightDecode]:
+        """Launch the extend of `admitted` with one decode row of each of `tail` (== the running
+        batch), their tokens `tail_ids` on the device (chained) or, None, on the host; sample it
+        and start the host copy of its samples. None when nothing of it samples."""
         t0 = time.perf_counter()
         self._count_prompt_stats(admitted)
         for req in tail:
             req.extend_len = 1
-        tail_ids = chained_input_ids(prev, tail) if tail else None
         fb, rows = build_extend(admitted + tail, self.req_pool, self.allocator, self.tree_cache,
                                 self.device, tail_ids=tail_ids)
         fb.num_decode_tail = len(tail)

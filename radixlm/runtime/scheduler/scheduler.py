@@ -195,6 +195,10 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
             for req in failed:
                 self._drop_prefetch(req)
         if admitted:
+            if self._extend_async_ok(admitted, mixed):  # in flight until the next step
+                self.inflight = self._launch_extend(admitted, list(self.running) if mixed
+                                                    else [], None)
+                return failed + aborted
             return self._run_extend(admitted, mixed) + failed + aborted
         if self.running:
             return self._run_decode() + failed + aborted
