@@ -117,7 +117,8 @@ class Engine:
         sched = self.scheduler
         while not self._stopped:
             try:
-                self._drain_inbox(block=not sched.has_runnable_work(), idle=sched.is_idle())
+                self._drain_inbox(block=not sched.has_runnable_work(), idle=sched.is_idle(),
+                                  copying=sched.waits_on_copies())
                 if not sched.has_runnable_work():
                     continue
                 for req in sched.step():
@@ -134,7 +135,7 @@ class Engine:
                 self._sinks.clear()
                 return
 
-    def _drain_inbox(self, block: bool, idle: bool = False) -> None:
+    def _drain_inbox(self, block: bool, idle: bool = False, copying: bool = False) -> None:
         # Short timeout: a request waiting for its grammar must be re-checked soon. With no
         # request at all, only the inbox can bring work (a submit, a storage read's "wake", the
         # "wake" that shutdown sends), as in the server's scheduler loop, which blocks then: an
@@ -144,7 +145,8 @@ class Engine:
             if not block:
                 item = self._inbox.get_nowait()
             else:
-                item = self._inbox.get(timeout=1.0 if idle else 0.005)
+                # (copying: a preload's landing is polled every millisecond)
+                item = self._inbox.get(timeout=1.0 if idle else 0.001 if copying else 0.005)
         except queue.Empty:
             return
         while True:

@@ -82,8 +82,10 @@ class SchedulerServer:
                 timeout = None if sched.pd is None else 50
             elif sched.has_runnable_work():  # keep stepping
                 timeout = 0
-            else:  # 1 ms: a request's KV is arriving; 5 ms: only grammars are compiling
-                timeout = 1 if sched.pd is not None and sched.pd.busy() else 5
+            else:  # 1 ms: a request's KV is arriving (disaggregation, or a preload to the
+                # device); 5 ms: only grammars are compiling
+                timeout = 1 if ((sched.pd is not None and sched.pd.busy())
+                                or sched.waits_on_copies()) else 5
             got = poller.poll(timeout)
             marks = [time.perf_counter()]  # the turn's parts: messages, pd_poll, step, updates
             if got:

@@ -189,3 +189,40 @@ def test_the_batch_decodes_with_overlap_while_a_load_is_in_flight(make_engine,  
     assert started.count(True) == 1, started  # the copy started beside the running step
     assert len(outs["long"]["output_ids"]) == 50
     integrity(eng)
+
+
+def test_the_loop_polls_a_preload_without_stepping(make_engine, integrity, reference,  # noqa: F811
+                                                   slow_loads):
+    """While the only work is a request waiting for its preload's copy, the scheduler's loop
+    polls the copy's event (every millisecond) instead of stepping without pause: the loop
+    held the GIL against the store's fetcher threads through a restart's reads."""
+    eng = _host_only(make_engine)
+    for i in range(4):
+        eng.generate(input_ids=PROMPTS[i], sampling_params=SP)
+    sched = eng.scheduler
+    steps, real_step = [0], sched.step
+
+    def counted():
+        steps[0] += 1
+        return real_step()
+
+    eng._call_in_loop(lambda: setattr(sched, "step", counted))
+    slow_loads.hold = True
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(eng.generate(input_ids=PROMPTS[0],
+                                                                     sampling_params=SP)))
+    try:
+        thread.start()
+        deadline = time.monotonic() + 5
+        while not eng._call_in_loop(lambda: sched.waits_on_copies()):
+            assert time.monotonic() < deadline, "the request never preloaded"
+            time.sleep(0.005)
+        before = steps[0]
+        time.sleep(0.3)
+        assert steps[0] - before <= 3, steps[0] - before  # (it spun: thousands)
+        slow_loads.set()
+        thread.join(timeout=10)
+    finally:
+        eng._call_in_loop(lambda: setattr(sched, "step", real_step))
+    assert out["output_ids"] == reference[0]
+    integrity(eng)

@@ -11,6 +11,17 @@ from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.scheduler.policy import match_len_cap
 from radixlm.runtime.scheduler.prefill import PrefillAdder
 
+# landed store pages start their copy to the device in runs of this many tokens, or a quarter of
+# the read if less (`_stream_prefetched`): page by page, each ~8 MB page of an 8B model cost a
+# step with a match and a load's launch (the scheduler's thread, holding the GIL the store's
+# fetcher threads need)
+STREAM_MIN_TOKENS = 2048
+
+
+def _stream_run(op) -> int:
+    """Pages that must have landed since the last copy before the next one starts."""
+    return max(1, min(STREAM_MIN_TOKENS // op.page, op.page_count // 4))
+
 
 class WaitingQueue:
     def add_request(self, req: Req) -> None:
@@ -48,18 +59,25 @@ class WaitingQueue:
             req.preload = None
 
     def has_runnable_work(self) -> bool:
-        """False when idle or when every waiting request still waits for its grammar (and
-        none has waited past --grammar-compile-timeout)."""
+        """False when idle or when every waiting request still waits: for its grammar (none
+        past --grammar-compile-timeout), its pages from the store or its preload's copy."""
         if self.running or self.chunked or self.inflight or self._deferred or self._failed:
             return True
         if self.tiered and self.tree_cache.prefetch_news():
             return True  # a step applies them (a lookup's result starts its read)
-        if any(r.preload is not None for r in self.waiting):
-            return True  # (CUDA) a load lands within milliseconds: keep polling its event
-        now = time.monotonic()
+        now = time.monotonic()  # (a preload still copying: polled, see waits_on_copies)
         return any((r.grammar_future is None or r.grammar_future.done()
                     or now > r.grammar_deadline) and self._prefetch_ready(r)
+                   and (r.preload is None or not self.tree_cache.loading(r.preload[0]))
                    for r in self.waiting)
+
+    def waits_on_copies(self) -> bool:
+        """Whether a waiting request's preload (host -> device) is in flight: the loop that
+        steps the scheduler polls for its landing every millisecond. Before, such a request
+        made `has_runnable_work` true and the loop stepped without pause: with nothing else
+        to run (a restart on a warm store, one request at a time) that thread held the GIL
+        against the store's fetcher threads."""
+        return any(r.preload is not None for r in self.waiting)
 
     def _prefetch_ready(self, req: Req) -> bool:
         """False while the request waits for pages from the store (--hicache-storage-prefetch-
@@ -122,7 +140,7 @@ class WaitingQueue:
         adder = None
         for req in self.waiting:
             op = req.prefetch
-            if op is None or op.cancelled or op.landed <= op.released:
+            if op is None or op.cancelled or op.landed - op.released < _stream_run(op):
                 continue
             if adder is None:
                 adder = PrefillAdder(self.tree_cache, self.allocator, self.running,
