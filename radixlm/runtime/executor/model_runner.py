@@ -24,7 +24,6 @@ from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
-from radixlm.runtime.mem_cache.kv_mover import load_staging_bytes
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 from radixlm.runtime.models import (fp8_checkpoint, int4_checkpoint, loader, registry,
@@ -256,8 +255,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.args.mem_fraction_static)
-            if self.args.enable_hierarchical_cache:  # the host -> device copies' staging ring
-                budget -= load_staging_bytes(total)
             budget, bpt = self._draft_share(budget, bpt)
         else:
             budget = CPU_KV_BUDGET_BYTES

@@ -10,7 +10,7 @@
     device slots of an evicted node are written again the compute stream waits for that node's
     own backup (`guard_device_reuse(events)`), if it is still in flight.
   - Loads (host -> device): each chunk is DMA'd on `load_stream` into a ring of device staging
-    buffers (load_staging_bytes in all, allocated once), then scattered into the device slots
+    buffers (RING x STAGING_BYTES / RING, allocated once), then scattered into the device slots
     by one kernel on `scatter_stream`. A DMA waits only for a backup still writing host rows it
     reads and for the scatter that last read its ring buffer; a load's scatters wait for the
     compute stream's pending work (evicted slots' readers may still be queued, and evictions
@@ -27,7 +27,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from typing import Optional
 
@@ -37,26 +36,15 @@ from radixlm.runtime.mem_cache.host_pool import (HostKVPool, as_words, direct_ru
                                                  split_runs)
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 
-# Device staging of loads: a ring of buffers of CHUNK_BYTES each, allocated at the first load
-# and kept (out of the KV pool's budget: model_runner). A DMA into a buffer waits for the scatter
-# that last read it, so loads of any size go through it in chunks, and a scatter waits for the
-# forward queued when its load was issued: the ring is how far the DMAs may run ahead of a
-# forward. 512 MiB (~10 ms of PCIe 5) held an H200's loads to ~8 GB/s beside 60 ms extends
-# (a wave of turns' prefill, 2026-11-28); load_staging_bytes sizes it to ~50 ms. Each chunk costs
-# the scheduler's thread its calls (copies, two events, waits): with 32 MiB chunks an H200 host
-# spent 2.5 ms in a preload of ~3k tokens of an 8B model (2026-11-28), so chunks are large. The
-# chunk is also a backup's gather unit.
-CHUNK_BYTES = 128 << 20
-MIN_STAGING_BYTES, MAX_STAGING_BYTES = 512 << 20, 4 << 30
-
-
-def load_staging_bytes(device_total_bytes: int) -> int:
-    """The device staging ring's bytes: RADIXLM_HICACHE_LOAD_STAGING_MB, or 2% of the device's
-    memory within [512 MiB, 4 GiB] (H200: 2.8 GB, ~50 ms of PCIe 5)."""
-    mb = os.environ.get("RADIXLM_HICACHE_LOAD_STAGING_MB")
-    if mb:
-        return max(CHUNK_BYTES, int(mb) << 20)
-    return max(MIN_STAGING_BYTES, min(MAX_STAGING_BYTES, device_total_bytes // 50))
+# Device staging of loads: a ring of RING buffers of STAGING_BYTES / RING each, allocated at the
+# first load and kept (small beside the activations' share of device memory). A DMA into a buffer
+# waits for the scatter that last read it, so loads of any size go through it in chunks; the
+# ring lets the DMAs run ~10 ms (PCIe 5) ahead of scatters that wait for a forward. Each chunk
+# costs the scheduler's thread its calls (copies, two events, waits): with 32 MiB chunks an H200
+# host spent 2.5 ms in a preload of ~3k tokens of an 8B model (2026-11-28), so chunks are large.
+# The chunk is also a backup's gather unit.
+STAGING_BYTES = 512 << 20
+RING = 4
 
 
 class KVMover:
@@ -72,13 +60,9 @@ class KVMover:
         self.load_stream = torch.cuda.Stream(device) if self.cuda else None  # load DMAs
         self.scatter_stream = torch.cuda.Stream(device) if self.cuda else None  # load scatters
         # tokens a staging chunk (a ring buffer; never more than the device pool holds)
-        self.chunk = max(1, min(CHUNK_BYTES // host.token_bytes, device_pool.capacity))
-        staging = MIN_STAGING_BYTES  # (the CPU copies directly: no ring)
-        if self.cuda:
-            staging = load_staging_bytes(torch.cuda.get_device_properties(device).total_memory)
-        ring = max(2, staging // CHUNK_BYTES)
-        self._ring: list[Optional[torch.Tensor]] = [None] * ring
-        self._ring_free: list[Optional[torch.cuda.Event]] = [None] * ring  # its last scatter
+        self.chunk = max(1, min(STAGING_BYTES // RING // host.token_bytes, device_pool.capacity))
+        self._ring: list[Optional[torch.Tensor]] = [None] * RING
+        self._ring_free: list[Optional[torch.cuda.Event]] = [None] * RING  # its last scatter
         self._ring_pos = 0
         self._backups: deque = deque()  # (pinned staging, host slots, event), in issue order
         # backups ever queued, and how many of the first of them have landed (one stream: they
@@ -237,7 +221,7 @@ class KVMover:
         for lo in range(0, n, self.chunk):
             hi = min(n, lo + self.chunk)
             j = self._ring_pos
-            self._ring_pos = (j + 1) % len(self._ring)
+            self._ring_pos = (j + 1) % RING
             buf = self._ring_buffer(j)[:hi - lo]
             if self._ring_free[j] is not None:
                 self.load_stream.wait_event(self._ring_free[j])  # its last scatter read it
