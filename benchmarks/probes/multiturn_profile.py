@@ -195,6 +195,20 @@ def _record_syncs() -> collections.Counter:
     return sites
 
 
+def _top_functions(prof, n: int = 40) -> dict:
+    """The scheduler thread's functions with the most own time and the most cumulative time."""
+    import pstats
+
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, calls, tottime, cumtime, _)
+
+    def rows(key):
+        top = sorted(stats.items(), key=lambda kv: -kv[1][key])[:n]
+        return [f"{v[key]:.3f}s {v[1]}x {os.path.basename(f)}:{line}:{name}"
+                for (f, line, name), v in top]
+
+    return {"tottime": rows(2), "cumtime": rows(3)}
+
+
 def ttft_summary(seen: dict) -> dict:
     recs = [r for r in seen.values() if r[2] is not None]
     out = {"requests": len(recs)}
@@ -233,6 +247,8 @@ def main() -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--window-start", type=float, default=8.0)
     p.add_argument("--window", type=float, default=3.0)
+    p.add_argument("--cprofile", action="store_true",
+                   help="cProfile the scheduler's thread for the whole run (top functions)")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the host <-> device syncs by call site (torch.cuda sync debug)")
     p.add_argument("--cuda-events", action="store_true",
@@ -263,6 +279,11 @@ def main() -> None:
         stats = eng._call_in_loop(lambda: _count_steps(eng.scheduler))
         seen = eng._call_in_loop(lambda: _ttft_parts(eng.scheduler))
         syncs = _record_syncs() if own.sync_debug and torch.cuda.is_available() else None
+        cprof = None
+        if own.cprofile:  # (a profiler is per thread: enabled on the scheduler's)
+            import cProfile
+            cprof = cProfile.Profile()
+            eng._call_in_loop(cprof.enable)
         marks = (eng._call_in_loop(lambda: _time_forwards(eng.scheduler))
                  if own.cuda_events and torch.cuda.is_available() else None)
         kinds = [torch.profiler.ProfilerActivity.CPU]
@@ -290,6 +311,9 @@ def main() -> None:
             out["forwards"] = gaps_by_kind(marks)
         if not own.cuda_events:
             prof.export_chrome_trace(trace)
+        if cprof is not None:
+            eng._call_in_loop(cprof.disable)
+            out["cprofile"] = _top_functions(cprof)
         out["ttft_parts"] = ttft_summary(seen)
         if syncs is not None:
             torch.cuda.set_sync_debug_mode(0)
