@@ -132,7 +132,8 @@ def test_the_batch_decodes_with_overlap_while_a_load_is_in_flight(make_engine,  
                                                                    integrity, reference,
                                                                    slow_loads, monkeypatch):
     """A request that arrives while a batch runs has its host prefix's copy started beside the
-    running step (`_preload_waiting`, not an admission round), and while it waits for the
+    running step, after the next one's launch (`_preload_waiting`, not an admission round, nor
+    before the launch, where the host's time is the GPU's), and while it waits for the
     copy, which it must, the running batch's overlap schedule goes on (chaining); the loaded
     request is admitted once the copy lands, with its host hits reported (CPU: the overlap
     logic turned on by hand, as tests/unit/test_overlap_schedule.py does)."""
@@ -142,8 +143,9 @@ def test_the_batch_decodes_with_overlap_while_a_load_is_in_flight(make_engine,  
     real_preload = PrefillAdder.preload
 
     def preload(self, req):
+        beside = eng.scheduler.inflight is not None  # the step it runs beside was launched
         ok = real_preload(self, req)
-        started.append(ok)
+        started.append((ok, beside))
         return ok
 
     monkeypatch.setattr(PrefillAdder, "preload", preload)
@@ -186,7 +188,7 @@ def test_the_batch_decodes_with_overlap_while_a_load_is_in_flight(make_engine,  
         eng._call_in_loop(lambda: setattr(sched, "_chainable", real))
     assert outs["loaded"]["output_ids"] == reference[0]
     assert outs["loaded"]["meta_info"]["cached_tokens_details"]["host"] == 47
-    assert started.count(True) == 1, started  # the copy started beside the running step
+    assert started.count((True, True)) == 1, started  # the copy started beside a launched step
     assert len(outs["long"]["output_ids"]) == 50
     integrity(eng)
 
@@ -226,3 +228,33 @@ def test_the_loop_polls_a_preload_without_stepping(make_engine, integrity, refer
         eng._call_in_loop(lambda: setattr(sched, "step", real_step))
     assert out["output_ids"] == reference[0]
     integrity(eng)
+
+
+def test_a_round_before_a_launch_leaves_host_copies_for_later():
+    """An admission round run before a launch (`start_loads` False: the overlapped extend's)
+    skips a request whose prefix must come from the host, without starting its copy or keeping
+    a lock: `_preload_waiting` starts the copy after the launch. A plain round loads it."""
+    from hicache_helpers import make_tiered, put
+    from radixlm.runtime.request import Req
+    from radixlm.runtime.sampling_params import SamplingParams
+    from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder
+
+    cache, pool, alloc = make_tiered(capacity=16, host_capacity=24)
+    seq = [5, 6, 7, 8, 9, 10]
+    assert put(cache, pool, alloc, seq)
+    cache.evict(16)  # on the host only now
+    assert cache.match_prefix(seq).lower_len == 6
+
+    def request():
+        return Req("r", seq + [11], SamplingParams(max_new_tokens=2))
+
+    before = dict(cache.counters)
+    req = request()
+    adder = PrefillAdder(cache, alloc, [], 0.5, 1000, 0, start_loads=False)
+    assert adder.add(req) == AddResult.DEFERRED and not adder.admitted
+    assert req.preload is None and cache.counters == before  # no copy started
+    cache.check_integrity()  # and no lock left behind
+    req = request()
+    adder = PrefillAdder(cache, alloc, [], 0.5, 1000, 0)
+    assert adder.add(req) == AddResult.ADDED  # (the CPU's load is a copy: done at once)
+    assert req.kv_len == 6

@@ -55,7 +55,8 @@ class OverlapExtend:
         tail = self._chain_rows()  # the running rows that decode in the extend (running == tail)
         if tail is None:
             return None
-        admitted = self._admit()
+        # (a host prefix's copy starts after the launch, beside it: _step_or_chain)
+        admitted = self._admit(start_loads=not (self.tiered and self.tree_cache.mover.loads_async))
         if not admitted:
             return None
         return self._launch_extend(admitted, tail, chained_input_ids(prev, tail) if tail else None)

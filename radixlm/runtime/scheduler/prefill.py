@@ -52,8 +52,11 @@ def reserved_decode_tokens(req: Req, ratio: float) -> int:
 
 class PrefillAdder:
     def __init__(self, tree_cache, allocator, running: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunked_prefill_size: int):
+                 max_prefill_tokens: int, chunked_prefill_size: int, start_loads: bool = True):
+        """`start_loads` False: a request whose prefix needs a copy from the host is skipped,
+        not preloaded (a round run before a launch; the copy starts after it)."""
         self.tree_cache = tree_cache
+        self.start_loads = start_loads
         self.allocator = allocator
         self.tiered = getattr(tree_cache, "tiered", False)
         self.ratio = new_token_ratio
@@ -99,6 +102,8 @@ class PrefillAdder:
             req.match = self.tree_cache.match_prefix(req.fill_ids[:cap])
         slots, node = req.match
         lower = getattr(req.match, "lower_len", 0)
+        if lower and not self.start_loads and req.preload is None:
+            return AddResult.DEFERRED  # its copy starts beside the step about to be launched
         if self._shares_prefix_with_admitted(req, len(slots) + lower):
             return AddResult.DEFERRED
         if self.tiered and self.tree_cache.loading(node):

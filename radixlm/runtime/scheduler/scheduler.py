@@ -140,6 +140,9 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
                 self.inflight = self._launch_decode(chain, chained_input_ids(prev, chain))
             elif self._extend_beside_ok():  # admit and launch the extend first (overlap_extend)
                 self.inflight = self._launch_extend_beside(prev)
+            if self.tiered and self.waiting and self.inflight is not None:  # beside the launch
+                self._stream_prefetched()
+                self._preload_waiting()
             done += self._complete_decode(prev)
             if self.inflight is not None:
                 if self.spec is not None:  # the GPU runs the next step: host work is free now
@@ -158,9 +161,6 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         flight, or [] when chaining could change a result (see overlap.py)."""
         if not self.overlap or self.chunked:
             return []
-        if self.tiered and self.waiting and self.running:
-            self._stream_prefetched()
-            self._preload_waiting()
         if self._admission_pending():
             return []
         if not self._overlappable():
@@ -204,13 +204,17 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
             return self._run_decode() + failed + aborted
         return failed + aborted
 
-    def _admit(self) -> list[Req]:
+    def _admit(self, start_loads: bool = True) -> list[Req]:
+        """A round of admission (prefill.py). `start_loads` False: requests whose prefix must
+        first be copied from the host are left for `_preload_waiting` (a round run before a
+        launch: their copies start after it, beside the step)."""
         if not self.waiting and self.chunked is None:
             return []
         if len(self.running) >= self.args.max_running_requests and self.chunked is None:
             return []
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.chunked_prefill_size)
+                             self.args.max_prefill_tokens, self.chunked_prefill_size,
+                             start_loads)
         if self.chunked is not None:
             if adder.add_chunked(self.chunked) != AddResult.ADDED:
                 return []

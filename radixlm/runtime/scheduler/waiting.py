@@ -109,19 +109,20 @@ class WaitingQueue:
     # --- preloads beside the running batch (hierarchical cache, CUDA) ----------------------------
     def _preload_waiting(self) -> None:
         """Start the host -> device copies of waiting requests' host-resident prefixes now, while
-        the running batch's step is on the GPU (called by `_chainable`): a round that admits
-        them later finds their prefixes on the device, and the decode steps stay chained while
-        they land (`_admission_pending`). Before, a wave of arriving turns was preloaded inside
-        an admission round with nothing on the GPU: ~2.5 ms of the scheduler's time each (H200,
-        32 at a time), the GPU idle throughout."""
+        the running batch's step is on the GPU (called after the next step's launch, scheduler
+        `_step_or_chain`): a round that admits them later finds their prefixes on the device,
+        and the decode steps stay chained while they land (`_admission_pending`). Before, a wave
+        of arriving turns was preloaded inside an admission round with nothing on the GPU:
+        ~2.5 ms of the scheduler's time each (H200, 32 at a time), the GPU idle throughout; and
+        then before the chained launch, where the same time made the GPU wait for the launch
+        (11 ms a call on an H200 host when turns arrived, cProfile 2026-11-28)."""
         if not self.tree_cache.mover.loads_async:  # (the CPU: a load is a copy here anyway)
             return
         room = (self.args.max_running_requests - len(self.running)
                 - sum(r.preload is not None for r in self.waiting))
         # in arrival order (the round that admits them orders them by the policy); not those
         # with a grammar compiling or pages coming from the store (admission handles them)
-        candidates = [r for r in self.waiting if r.preload is None and r.prefetch is None
-                      and r.grammar_future is None][:max(room, 0)]
+        candidates = [r for r in self.waiting if self._preloadable(r)][:max(room, 0)]
         if not candidates:
             return
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
@@ -150,8 +151,23 @@ class WaitingQueue:
 
     def _admission_pending(self) -> bool:
         """Whether a waiting request may be admitted now: any but those whose host prefix is
-        still being copied to the device (a preload, prefill.py), which wait for the copy
-        whatever the step does, and those still waiting for pages from the store; meanwhile
-        the running batch goes on decoding with overlap."""
-        return any((r.preload is None or not self.tree_cache.loading(r.preload[0]))
-                   and self._prefetch_ready(r) for r in self.waiting)
+        still being copied to the device (a preload, prefill.py), or has yet to be (its copy
+        starts beside the next step: `_preload_waiting`), which wait for the copy whatever the
+        step does, and those still waiting for pages from the store; meanwhile the running
+        batch goes on decoding with overlap."""
+        return any(self._admissible_now(r) for r in self.waiting)
+
+    def _admissible_now(self, req: Req) -> bool:
+        if not self._prefetch_ready(req):
+            return False
+        if req.preload is not None:
+            return not self.tree_cache.loading(req.preload[0])
+        if self._preloadable(req):  # a host-resident prefix: copied first, admitted after
+            cap = match_len_cap(req, self.tree_cache)
+            return not self.tree_cache.match_prefix(req.fill_ids[:cap]).lower_len
+        return True
+
+    def _preloadable(self, req: Req) -> bool:
+        """A request whose host prefix `_preload_waiting` copies before a round admits it."""
+        return (self.tiered and self.tree_cache.mover.loads_async and req.preload is None
+                and req.prefetch is None and req.grammar_future is None)
