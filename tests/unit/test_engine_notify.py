@@ -1,0 +1,43 @@
+"""The engine's scheduler thread reports a step's progress to asyncio consumers in one callback
+per event loop (engine._notify_all), in order, and to the synchronous ones directly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from radixlm.runtime.engine import _notify_all, _Sink
+
+
+def test_a_steps_updates_take_one_callback_per_loop():
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    thread = threading.Thread(target=lambda: (asyncio.set_event_loop(loop), ready.set(),
+                                              loop.run_forever()), daemon=True)
+    thread.start()
+    ready.wait()
+    try:
+        async def make():
+            return [_Sink(object(), loop) for _ in range(3)]
+
+        streams = asyncio.run_coroutine_threadsafe(make(), loop).result()
+        plain = _Sink(object())  # a synchronous consumer: its thread queue
+        calls = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+        _notify_all([(streams[0], 1, False), (plain, 4, True), (streams[1], 2, False),
+                     (streams[2], 3, True)])
+        _notify_all([(streams[0], 2, True)])
+        assert len(calls) == 2  # one a step, not one a request
+
+        async def drain():
+            return [[s.queue.get_nowait() for _ in range(s.queue.qsize())] for s in streams]
+
+        got = asyncio.run_coroutine_threadsafe(drain(), loop).result()
+        assert got == [[(1, False), (2, True)], [(2, False)], [(3, True)]]
+        assert plain.queue.get_nowait() == (4, True) and plain.done.is_set()
+        assert streams[2].done.is_set() and not streams[1].done.is_set()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        loop.close()
