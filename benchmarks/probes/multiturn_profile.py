@@ -12,7 +12,9 @@ busy, the compute stream's idle gaps, and benchmarks/trace_summary.py's per-stre
 The profiler's per-op recording slows the host several times over, which inflates host-bound
 gaps; `--cuda-events` skips it and times every forward with CUDA events instead (GPU time of
 each step kind, and the compute stream's time between forwards by the kinds on either side).
-Either way it splits the server's TTFT in two: waiting to be admitted, then the extend step.
+Either way it splits the server's TTFT in two (waiting to be admitted, then the extend step)
+and counts Python's garbage collections (each one stops every thread); `--cprofile` and
+`--sync-debug` add the scheduler's top functions and its host <-> device syncs by call site.
 """
 
 from __future__ import annotations
@@ -195,6 +197,28 @@ def _record_syncs() -> collections.Counter:
     return sites
 
 
+def _gc_pauses() -> dict:
+    """Python's collections during the run (any thread's: a collection stops them all): count,
+    seconds and the longest, by generation."""
+    import gc
+
+    out: dict = collections.defaultdict(lambda: {"count": 0, "s": 0.0, "max_s": 0.0})
+    start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            start[0] = time.perf_counter()
+            return
+        dt = time.perf_counter() - start[0]
+        g = out[str(info.get("generation"))]
+        g["count"] += 1
+        g["s"] += dt
+        g["max_s"] = max(g["max_s"], dt)
+
+    gc.callbacks.append(on_gc)
+    return out
+
+
 def _top_functions(prof, n: int = 40) -> dict:
     """The scheduler thread's functions with the most own time and the most cumulative time."""
     import pstats
@@ -279,6 +303,7 @@ def main() -> None:
         stats = eng._call_in_loop(lambda: _count_steps(eng.scheduler))
         seen = eng._call_in_loop(lambda: _ttft_parts(eng.scheduler))
         syncs = _record_syncs() if own.sync_debug and torch.cuda.is_available() else None
+        gc_pauses = _gc_pauses()
         cprof = None
         if own.cprofile:  # (a profiler is per thread: enabled on the scheduler's)
             import cProfile
@@ -314,6 +339,7 @@ def main() -> None:
         if cprof is not None:
             eng._call_in_loop(cprof.disable)
             out["cprofile"] = _top_functions(cprof)
+        out["gc"] = {g: {k: round(v, 4) for k, v in x.items()} for g, x in gc_pauses.items()}
         out["ttft_parts"] = ttft_summary(seen)
         if syncs is not None:
             torch.cuda.set_sync_debug_mode(0)

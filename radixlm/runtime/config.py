@@ -201,7 +201,8 @@ class ServerArgs:
     grammar_cache_size: int = 256  # compiled grammars kept (least recently used out)
     enable_metrics: bool = False
     # the scheduler process (server/loop_stats.py): log garbage collections longer than this
-    # (0: never), and gc.freeze() once start-up is done
+    # (0: never); and gc.freeze() once start-up is done (the server's scheduler process, or an
+    # Engine's process)
     gc_warning_threshold_secs: float = 0.0
     enable_gc_freeze: bool = False
     timeout_graceful_shutdown: float = 30.0  # SIGTERM: seconds to let running requests finish

@@ -25,6 +25,7 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.request_limits import RequestLimits
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.speculative import spec_config
+from radixlm.server.loop_stats import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class Engine:
             if self._tp is not None:
                 self._tp.stop(graceful=False)
             raise init_error[0]
+        if self.server_args.enable_gc_freeze:  # as the server's scheduler process does
+            freeze_startup_objects()
 
     def _build(self) -> None:
         """The model runner, tokenizer, request builder and scheduler (on the scheduler thread)."""
