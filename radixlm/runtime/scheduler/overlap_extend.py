@@ -2,14 +2,16 @@
 admit the waiting requests, launch the mixed extend (their prefill, and one decode row of every
 running request, chained onto step N's samples on the device), and only then complete step N.
 The extend's samples come back like a decode step's (overlap.InFlightDecode): the next step
-chains its decode onto them and completes the extend while that decode runs.
+chains its decode (or another extend) onto them and completes the extend while that runs. A
+plain step's extend (nothing in flight before it) is left in flight the same way.
 
 Why: with admission after completion (the plain order) the GPU idled around every extend: step N
 completed, then the admission round (matches, loads, evictions; ~15 ms of the scheduler's time
 per round on an H200 host with 32 requests waiting), the batch's build, the extend's forward and
 the host sync on its samples, then the next decode's launch. A multi-turn run with the
 hierarchical cache (120 conversations x 8 turns, 32 in flight, 113 extends) spent ~6 s of its
-~24 s so (benchmarks/probes/multiturn_profile.py).
+~24 s so (benchmarks/probes/multiturn_profile.py). With this, 23.4 -> 22.2 s (H200, the code
+before in the same call; docs/hicache.md).
 
 Same results as the plain order (tests/unit/test_overlap_extend.py): admission sees the in-flight
 step's requests as running (their reserve kept, their slots held): a little more conservative,

@@ -74,7 +74,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         self._failed: list[Req] = []  # failed during this step (isolation.py); step() sweeps them
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                       "retractions": 0, "forward_steps": 0, "extend_steps": 0,
-                      "overlapped_extend_steps": 0,  # launched before the step in flight completed
+                      "overlapped_extend_steps": 0,  # left in flight (overlap_extend.py)
                       "jump_forward_tokens": 0, "shared_prefix_steps": 0,
                       "request_failures": 0, "oom_steps": 0,  # isolation.py
                       "busy_s": 0.0}  # wall time inside step(): busy_s / elapsed = saturation
