@@ -194,3 +194,44 @@ def test_landed_pages_start_their_copy_while_the_read_goes_on(make_engine, integ
     assert out["meta_info"]["cached_tokens_details"]["storage"] == 40, out["meta_info"]
     assert any(landed < pages for landed, pages in streamed), streamed  # before the read ended
     integrity(eng)
+
+
+def test_a_threaded_read_reports_its_pages_in_runs(tmp_path):
+    """The reader thread reports landed pages in runs (page_reader.LANDED_REPORT_TOKENS, or a
+    quarter of the read), the rest with the read's end: each report makes the scheduler step,
+    and page by page those steps held the GIL the fetchers need. Every page still lands and
+    joins the tree."""
+    import collections
+
+    from radixlm.runtime.mem_cache.page_reader import landed_report_pages
+
+    cache, pool, alloc = make_tiered(capacity=48, host_capacity=96, storage_dir=str(tmp_path),
+                                     threaded=True)
+    try:
+        seq = list(range(100, 142))  # 21 pages of 2 tokens
+        assert put(cache, pool, alloc, seq)
+        cache.evict(48)
+        cache.evict_host(96)  # in the store only
+        kinds = []
+
+        class Recorded(collections.deque):
+            def append(self, item):
+                kinds.append(item[0])
+                super().append(item)
+
+        cache.reader.news = Recorded()
+        op = cache.start_prefetch(seq + [1])
+        deadline = time.monotonic() + 10
+        while not op.done:
+            assert time.monotonic() < deadline, "the read never ended"
+            cache.apply_prefetch_news(release=True)
+            time.sleep(0.001)
+        assert op.landed == op.page_count == 21
+        run = landed_report_pages(op)
+        assert run == 5 and kinds.count("landed") == 5  # 5, 10, 15, 20, then 21 at the end
+        assert kinds[-2:] == ["landed", "read_end"]
+        taken = cache.take_prefetch(op)
+        assert taken == (0, 42) and cache.match_prefix(seq).lower_len == 42
+        cache.check_integrity()
+    finally:
+        cache.close()

@@ -50,6 +50,16 @@ logger = logging.getLogger(__name__)
 # pages of one read in flight at once (threaded reader): half the cores, 4..16 (a 16-core H200
 # host read ~4.6 GB/s with 4, about what its prefill computes for an 8B model)
 READ_AHEAD = max(4, min(16, (os.cpu_count() or 8) // 2))
+# a threaded read reports its landed pages in runs of this many tokens (or a quarter of the read
+# if less; the last run at its end): each report makes the scheduler step (a landed run starts
+# its copy to the device, scheduler/waiting.py), and page by page (~8 MB of an 8B model's KV)
+# those steps held the GIL the fetcher threads need (a 16k-token restart read at ~50k tokens/s
+# on an H200 host, then 70k once the loop stopped spinning as well, 2026-11-28)
+LANDED_REPORT_TOKENS = 2048
+
+
+def landed_report_pages(op: "PrefetchOp") -> int:
+    return max(1, min(LANDED_REPORT_TOKENS // op.page, op.page_count // 4))
 
 
 @dataclass(eq=False)
@@ -230,6 +240,7 @@ class PageReader:
         """A read job on the thread: pages fetched READ_AHEAD at a time, landed in order. Its end
         is posted only once no fetch is running, since the slots go back to the scheduler then."""
         op, t0, inflight = job.op, time.perf_counter(), collections.deque()
+        run, reported = landed_report_pages(op), job.next
         try:
             while True:
                 while (len(inflight) < READ_AHEAD and not op.cancelled
@@ -247,11 +258,15 @@ class PageReader:
                     break
                 job.bytes += nbytes
                 job.next += 1
-                self.news.append(("landed", op, job.next))
+                if job.next - reported >= run:
+                    self.news.append(("landed", op, job.next))
+                    reported = job.next
         finally:
             for f in inflight:  # a page past a missing one, or a cancelled read: not landed
                 f.cancel()
             concurrent.futures.wait(inflight)
+            if job.next > reported:  # (before the end: it releases what has not landed)
+                self.news.append(("landed", op, job.next))
             self.news.append(("read_end", op, time.perf_counter() - t0, job.bytes))
             self._wake()
 

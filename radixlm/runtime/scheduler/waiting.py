@@ -11,17 +11,6 @@ from radixlm.runtime.request import Finish, FinishReason, Req
 from radixlm.runtime.scheduler.policy import match_len_cap
 from radixlm.runtime.scheduler.prefill import PrefillAdder
 
-# landed store pages start their copy to the device in runs of this many tokens, or a quarter of
-# the read if less (`_stream_prefetched`): page by page, each ~8 MB page of an 8B model cost a
-# step with a match and a load's launch (the scheduler's thread, holding the GIL the store's
-# fetcher threads need)
-STREAM_MIN_TOKENS = 2048
-
-
-def _stream_run(op) -> int:
-    """Pages that must have landed since the last copy before the next one starts."""
-    return max(1, min(STREAM_MIN_TOKENS // op.page, op.page_count // 4))
-
 
 class WaitingQueue:
     def add_request(self, req: Req) -> None:
@@ -132,7 +121,8 @@ class WaitingQueue:
 
     def _stream_prefetched(self) -> None:
         """Requests whose pages are still coming from the store: each step, the pages landed
-        so far start their copy to the device (PrefillAdder.stream), so that on a GPU the host
+        so far (reported in runs: page_reader.LANDED_REPORT_TOKENS) start their copy to the
+        device (PrefillAdder.stream), so that on a GPU the host
         -> device copy of a long prefix runs beside the rest of its read instead of after it
         (a restart on a warm store: the read and the copy were two waits in a row). Only with
         asynchronous loads (CUDA): on the CPU a load is a copy on this thread either way."""
@@ -141,7 +131,7 @@ class WaitingQueue:
         adder = None
         for req in self.waiting:
             op = req.prefetch
-            if op is None or op.cancelled or op.landed - op.released < _stream_run(op):
+            if op is None or op.cancelled or op.landed <= op.released:
                 continue
             if adder is None:
                 adder = PrefillAdder(self.tree_cache, self.allocator, self.running,
