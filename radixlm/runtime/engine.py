@@ -65,6 +65,11 @@ def _notify_all(updates: list) -> None:
         loop.call_soon_threadsafe(_put_all, puts)
 
 
+def _due(n_out: int, emitted: int, interval: int) -> bool:
+    """A stream's next update: the first token at once (SGLang), then every `interval`."""
+    return n_out > emitted and (emitted == 0 or n_out - emitted >= interval)
+
+
 def _put_all(puts: list) -> None:
     for q, item in puts:
         q.put_nowait(item)
@@ -291,25 +296,30 @@ class Engine:
         return sinks
 
     def _stream(self, sink: _Sink) -> Iterator[dict]:
-        emitted = 0
+        emitted, interval = 0, self._stream_interval(sink.req)
         while True:
             try:
                 n_out, finished = sink.queue.get(timeout=0.1)
             except queue.Empty:
                 self._raise_if_dead()
                 continue
-            if n_out > emitted or finished:
+            if finished or _due(n_out, emitted, interval):
                 emitted = n_out
                 yield build_result(sink.req, self.tokenizer, upto=n_out, partial=not finished)
             if finished:
                 self._raise_if_dead()
                 return
 
+    def _stream_interval(self, req: Req) -> int:
+        """Tokens between a stream's updates: the request's sampling_params.stream_interval,
+        else the engine's, as the server's streams (tokenizer_manager)."""
+        return max(1, req.sampling_params.stream_interval or self.server_args.stream_interval or 1)
+
     async def _astream(self, sink: _Sink) -> AsyncIterator[dict]:
-        emitted = 0
+        emitted, interval = 0, self._stream_interval(sink.req)
         while True:
             n_out, finished = await sink.queue.get()
-            if n_out > emitted or finished:
+            if finished or _due(n_out, emitted, interval):
                 emitted = n_out
                 yield build_result(sink.req, self.tokenizer, upto=n_out, partial=not finished)
             if finished:

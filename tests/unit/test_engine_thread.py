@@ -54,3 +54,23 @@ def test_gc_freeze_applies_to_an_engine(make_engine, integrity):
         integrity(eng)
     finally:
         gc.unfreeze()  # the test process goes on collecting
+
+
+def test_streams_honour_stream_interval(make_engine, integrity):
+    """A stream sends the first token at once, then an update every stream_interval tokens (the
+    request's, else the engine's), and the end: as the server's streams (the Engine sent
+    every token whatever the field said)."""
+    import asyncio
+
+    eng = make_engine(stream_interval=3)
+    sp = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}
+    counts = [len(c["output_ids"]) for c in eng.generate("Hello", sp, stream=True)]
+    assert counts == [1, 4, 7, 8], counts
+    sp_own = dict(sp, stream_interval=5)
+
+    async def collect():
+        return [len(c["output_ids"]) async for c in
+                await eng.async_generate("Hello", sp_own, stream=True)]
+
+    assert asyncio.run(collect()) == [1, 6, 8]
+    integrity(eng)
