@@ -15,7 +15,9 @@ t + 1), each turn = the whole history + a new question, answered with `--output-
 tokens (ignore_eos: every configuration does the same work); the answer joins the history. The
 device pool is capped at `--device-fraction` of the KV working set (the histories' total at the
 end), so with the radix cache alone each conversation's history is evicted before its next turn.
-Runs, each a fresh Engine in this process:
+Runs, each a fresh Engine in this process (`--server`: a server process each, driven over HTTP
+as SGLang's clients do, benchmarks/server_client.py: the in-process Engine's scheduler thread
+shares the GIL with this client's work on every streamed token):
   off      radix cache only, turns 1..T-1
   on       + host pool holding the working set + file store (write_through), same turns
   restart  a new engine on `on`'s store (warm) and one on an empty store (cold) both replay
@@ -89,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--hicache-storage-prefetch-policy (default: the engine's, timeout)")
     p.add_argument("--skip-off", action="store_true",
                    help="no `off` run (no ratios, no tokens_identical): comparing `on` variants")
+    p.add_argument("--server", action="store_true",
+                   help="each arm a server process driven over HTTP (SGLang's client's way), "
+                        "not an in-process Engine sharing the GIL with the client")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", action="store_true",
                    help="append the line to benchmarks/results/multiturn_long-<device>.jsonl")
@@ -136,14 +141,25 @@ async def _turns(eng, convs, histories, turns, args, concurrency: int) -> list[d
 
 def _run(engine_kw: dict, convs, histories, turns, args,
          concurrency: int) -> tuple[dict, list[dict]]:
-    import radixlm
+    if args.server:  # its own process, over HTTP (benchmarks/server_client.py says why)
+        from benchmarks.server_client import ServerProcess
+        eng = ServerProcess(engine_kw)
+    else:
+        import radixlm
+        eng = radixlm.Engine(**engine_kw)
 
-    eng = radixlm.Engine(**engine_kw)
+    async def drive():
+        try:
+            return await _turns(eng, convs, histories, turns, args, concurrency)
+        finally:
+            if args.server:
+                await eng.aclose()
+
     try:
         eng.generate(input_ids=list(range(1000, 1016)), sampling_params={"max_new_tokens": 4})
         eng.flush_cache()  # warm-up done: device and host empty (a store keeps what it has)
         t0 = time.perf_counter()
-        records = asyncio.run(_turns(eng, convs, histories, turns, args, concurrency))
+        records = asyncio.run(drive())
         elapsed = time.perf_counter() - t0
         stats = eng.get_stats()
     finally:
@@ -265,7 +281,7 @@ def main(argv=None) -> dict:
                  "working_set_tokens": working_set, "device_pool_tokens": device_pool,
                  "hicache_ratio": ratio, "write_policy": args.hicache_write_policy,
                  "write_queue_pages": args.write_queue_pages,
-                 "prefetch_policy": args.prefetch_policy,
+                 "prefetch_policy": args.prefetch_policy, "server": args.server,
                  "torch_threads": _torch_threads()}
     try:
         if not args.skip_off:
