@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from radixlm.runtime.config import ServerArgs
 from radixlm.runtime.distributed import tp_worker
-from radixlm.runtime.engine_io import RequestBuilder, build_result
+from radixlm.runtime.engine_io import RequestBuilder, StreamText, build_result
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.multimodal import image_processor_for
 from radixlm.runtime.models import loader
@@ -297,6 +297,7 @@ class Engine:
 
     def _stream(self, sink: _Sink) -> Iterator[dict]:
         emitted, interval = 0, self._stream_interval(sink.req)
+        text = StreamText(sink.req, self.tokenizer)
         while True:
             try:
                 n_out, finished = sink.queue.get(timeout=0.1)
@@ -305,7 +306,8 @@ class Engine:
                 continue
             if finished or _due(n_out, emitted, interval):
                 emitted = n_out
-                yield build_result(sink.req, self.tokenizer, upto=n_out, partial=not finished)
+                yield build_result(sink.req, self.tokenizer, upto=n_out, partial=not finished,
+                                   stream_text=text)
             if finished:
                 self._raise_if_dead()
                 return
@@ -317,11 +319,13 @@ class Engine:
 
     async def _astream(self, sink: _Sink) -> AsyncIterator[dict]:
         emitted, interval = 0, self._stream_interval(sink.req)
+        text = StreamText(sink.req, self.tokenizer)
         while True:
             n_out, finished = await sink.queue.get()
             if finished or _due(n_out, emitted, interval):
                 emitted = n_out
-                yield build_result(sink.req, self.tokenizer, upto=n_out, partial=not finished)
+                yield build_result(sink.req, self.tokenizer, upto=n_out, partial=not finished,
+                                   stream_text=text)
             if finished:
                 self._raise_if_dead()
                 return

@@ -74,3 +74,29 @@ def test_streams_honour_stream_interval(make_engine, integrity):
 
     assert asyncio.run(collect()) == [1, 6, 8]
     integrity(eng)
+
+
+def test_stream_text_is_incremental_and_agrees_with_the_final(make_engine, integrity,
+                                                              monkeypatch):
+    """A stream's chunks carry cumulative text decoded incrementally (each chunk decodes only
+    its new ids and a short window, not the whole output again), each a prefix of the final
+    text, which is the plain decode's."""
+    eng = make_engine()
+    calls = []
+    real = eng.tokenizer.decode
+
+    def decode(ids, *a, **k):
+        calls.append(len(ids))
+        return real(ids, *a, **k)
+
+    monkeypatch.setattr(eng.tokenizer, "decode", decode)
+    sp = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
+    chunks = list(eng.generate("Write a story about a cat:", sp, stream=True))
+    final = chunks[-1]
+    assert final["text"] == real(final["output_ids"], skip_special_tokens=True)
+    for c in chunks[:-1]:
+        assert final["text"].startswith(c["text"])
+    assert len(chunks) == 40 and chunks[-2]["text"]
+    # the partial chunks' decodes: a window each (<= a few ids), not all ids so far
+    assert max(calls[:-1]) <= 8, calls  # (the last call: the final text's full decode)
+    integrity(eng)
