@@ -171,3 +171,38 @@ def test_random_arrivals_and_aborts_with_extends_in_flight(eng, integrity):
                 compared += 1
         integrity(eng)
     assert compared >= 30 and in_flight[False] == 0 and in_flight[True] >= 10, in_flight
+
+
+def test_a_full_batch_keeps_chaining_while_requests_wait(make_engine, integrity):
+    """With the running batch at max_running_requests, a waiting request cannot be admitted
+    whatever the step does: the decode steps stay chained (before, every step completed the one
+    in flight first, as if an admission were due)."""
+    eng = make_engine(max_running_requests=2)
+    sched = eng.scheduler
+
+    def run():
+        sched.overlap = True
+        try:
+            ids = eng.tokenizer.encode("Once upon a time")
+            reqs = [Req(f"full{i}", ids + [i + 7], SamplingParams(temperature=0,
+                                                                   max_new_tokens=12,
+                                                                   ignore_eos=True))
+                    for i in range(3)]
+            for r in reqs:
+                sched.add_request(r)
+            plain = []  # the waiting count at each plain step (the one in flight completed first)
+            real_step = sched._step
+            sched._step = lambda: (plain.append(len(sched.waiting)), real_step())[1]
+            try:
+                while sched.has_runnable_work():
+                    sched.step()
+            finally:
+                sched._step = real_step
+            return plain, [len(r.output_ids) for r in reqs]
+        finally:
+            sched.overlap = False
+
+    plain, lens = eng._call_in_loop(run)
+    assert lens == [12, 12, 12]
+    assert plain.count(1) <= 2, plain  # (each step while one waited, before)
+    integrity(eng)

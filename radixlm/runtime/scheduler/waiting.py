@@ -145,17 +145,27 @@ class WaitingQueue:
         starts beside the next step: `_preload_waiting`), which wait for the copy whatever the
         step does, and those still waiting for pages from the store; meanwhile the running
         batch goes on decoding with overlap."""
-        return any(self._admissible_now(r) for r in self.waiting)
-
-    def _admissible_now(self, req: Req) -> bool:
-        if not self._prefetch_ready(req):
+        room = self.args.max_running_requests - len(self.running)
+        if room <= 0:  # (admission takes none while the batch is full)
             return False
-        if req.preload is not None:
-            return not self.tree_cache.loading(req.preload[0])
-        if self._preloadable(req):  # a host-resident prefix: copied first, admitted after
-            cap = match_len_cap(req, self.tree_cache)
-            return not self.tree_cache.match_prefix(req.fill_ids[:cap]).lower_len
-        return True
+        preloadable = 0
+        for req in self.waiting:
+            if not self._prefetch_ready(req):
+                continue
+            if req.preload is not None:
+                if not self.tree_cache.loading(req.preload[0]):
+                    return True
+                continue
+            if not self._preloadable(req):
+                return True
+            # a host-resident prefix is copied first, the request admitted after; matched only
+            # as far as the batch has room (a long queue is not matched again every step)
+            preloadable += 1
+            if preloadable <= room:
+                cap = match_len_cap(req, self.tree_cache)
+                if not self.tree_cache.match_prefix(req.fill_ids[:cap]).lower_len:
+                    return True
+        return False
 
     def _preloadable(self, req: Req) -> bool:
         """A request whose host prefix `_preload_waiting` copies before a round admits it."""
