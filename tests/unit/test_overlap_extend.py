@@ -206,3 +206,37 @@ def test_a_full_batch_keeps_chaining_while_requests_wait(make_engine, integrity)
     assert lens == [12, 12, 12]
     assert plain.count(1) <= 2, plain  # (each step while one waited, before)
     integrity(eng)
+
+
+def test_a_saturated_pool_keeps_chaining_while_requests_wait(make_engine, integrity):
+    """A waiting request the KV pool has no room for: the round before the launch admits none,
+    and the running batch's decode is chained anyway (before, each such step completed the one
+    in flight first and ran the admission again: no overlap while a queue waited on memory)."""
+    eng = make_engine(max_total_tokens=256)
+    sched = eng.scheduler
+
+    def run():
+        sched.overlap = True
+        try:
+            reqs = [Req(f"sat{i}", [100 + i] * 100, SamplingParams(temperature=0,
+                                                                  max_new_tokens=12,
+                                                                  ignore_eos=True))
+                    for i in range(3)]
+            for r in reqs:
+                sched.add_request(r)
+            plain = []
+            real_step = sched._step
+            sched._step = lambda: (plain.append(len(sched.waiting)), real_step())[1]
+            try:
+                while sched.has_runnable_work():
+                    sched.step()
+            finally:
+                sched._step = real_step
+            return plain, [len(r.output_ids) for r in reqs]
+        finally:
+            sched.overlap = False
+
+    plain, lens = eng._call_in_loop(run)
+    assert lens == [12, 12, 12]
+    assert plain.count(1) <= 2, plain
+    integrity(eng)

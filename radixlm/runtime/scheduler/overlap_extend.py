@@ -50,18 +50,20 @@ class OverlapExtend:
                 and self._admission_pending() and all(_plain(r) for r in self.waiting))
 
     def _launch_extend_beside(self, prev: InFlightDecode) -> Optional[InFlightDecode]:
-        """Admit and launch a mixed extend chained onto `prev` (not completed yet). None when
-        nothing was launched (no room for the running rows, nothing admitted) or nothing of it
-        samples (its requests failed, or all are chunks): the caller completes `prev`, then the
-        plain step runs."""
+        """Admit and launch a mixed extend chained onto `prev` (not completed yet); when the
+        round admits nothing (no memory for any: a saturated server), the running batch's
+        chained decode instead. None when nothing was launched (no room for the running rows;
+        nothing admitted and none running) or nothing of it samples (its requests failed, or
+        all are chunks): the caller completes `prev`, then the plain step runs."""
         tail = self._chain_rows()  # the running rows that decode in the extend (running == tail)
         if tail is None:
             return None
         # (a host prefix's copy starts after the launch, beside it: _step_or_chain)
         admitted = self._admit(start_loads=not (self.tiered and self.tree_cache.mover.loads_async))
-        if not admitted:
-            return None
-        return self._launch_extend(admitted, tail, chained_input_ids(prev, tail) if tail else None)
+        ids = chained_input_ids(prev, tail) if tail else None
+        if not admitted:  # before, a plain step: prev completed first, the admission run again
+            return self._launch_decode(tail, ids) if tail else None
+        return self._launch_extend(admitted, tail, ids)
 
     def _extend_async_ok(self, admitted: list[Req], mixed: bool) -> bool:
         """Whether a plain step's extend of `admitted` may stay in flight (completed by the next
