@@ -13,11 +13,13 @@ position of step N's last token, is a valid entry the radix tree takes with the 
 
 Chaining is only done when it cannot change any result:
 - no request in the batch is constrained by a grammar (its mask needs step N's token accepted);
-- no request waits to be admitted, except those that cannot be admitted yet: their host prefix
-  still being copied to the device or their pages still coming from the store (hierarchical
-  cache; scheduler/waiting.py); when one can be, the step launched before step N completes is
-  the extend that admits it, the running requests decoding in it (overlap_extend.py), or, where
-  that extend needs the host in between, none: admission then runs after completion;
+- no request waits to be admitted, except those that cannot be admitted yet: the running batch
+  is full (max_running_requests), their host prefix is still being copied to the device or
+  their pages are still coming from the store (hierarchical cache; scheduler/waiting.py); when
+  one can be, the step launched before step N completes is the extend that admits it, the
+  running requests decoding in it (overlap_extend.py; the chained decode when that round
+  admits nothing, e.g. no memory), or, where that extend needs the host in between, none:
+  admission then runs after completion;
 - every chained request gets its slot without eviction of locked nodes or retraction.
 Requests that surely finish at step N (their last allowed token) are left out of step N+1.
 While a step is in flight, every request in it has kv_len == len(fill_ids) (its last known
