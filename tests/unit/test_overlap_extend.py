@@ -224,19 +224,22 @@ def test_a_saturated_pool_keeps_chaining_while_requests_wait(make_engine, integr
                     for i in range(3)]
             for r in reqs:
                 sched.add_request(r)
-            plain = []
-            real_step = sched._step
+            plain, rounds = [], []
+            real_step, real_admit = sched._step, sched._admit
             sched._step = lambda: (plain.append(len(sched.waiting)), real_step())[1]
+            sched._admit = lambda **k: (rounds.append(len(sched.waiting)), real_admit(**k))[1]
             try:
                 while sched.has_runnable_work():
                     sched.step()
             finally:
-                sched._step = real_step
-            return plain, [len(r.output_ids) for r in reqs]
+                sched._step, sched._admit = real_step, real_admit
+            return plain, rounds, [len(r.output_ids) for r in reqs]
         finally:
             sched.overlap = False
 
-    plain, lens = eng._call_in_loop(run)
+    plain, rounds, lens = eng._call_in_loop(run)
     assert lens == [12, 12, 12]
     assert plain.count(1) <= 2, plain
+    # and the round that admitted nothing is not run again each step while nothing changes
+    assert rounds.count(1) <= 3, rounds
     integrity(eng)

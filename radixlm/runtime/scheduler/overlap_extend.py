@@ -34,6 +34,7 @@ from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.batch_builder import as_decode, build_extend
 from radixlm.runtime.scheduler.overlap import (InFlightDecode, chained_input_ids, start_host_copy,
                                                surely_finishes)
+from radixlm.runtime.scheduler.prefill import admission_budget
 
 
 def _plain(req: Req) -> bool:
@@ -58,12 +59,41 @@ class OverlapExtend:
         tail = self._chain_rows()  # the running rows that decode in the extend (running == tail)
         if tail is None:
             return None
-        # (a host prefix's copy starts after the launch, beside it: _step_or_chain)
-        admitted = self._admit(start_loads=not (self.tiered and self.tree_cache.mover.loads_async))
+        admitted = [] if self._admission_blocked() else self._admit(
+            # (a host prefix's copy starts after the launch, beside it: _step_or_chain)
+            start_loads=not (self.tiered and self.tree_cache.mover.loads_async))
         ids = chained_input_ids(prev, tail) if tail else None
         if not admitted:  # before, a plain step: prev completed first, the admission run again
+            self._note_blocked_admission()
             return self._launch_decode(tail, ids) if tail else None
+        self._blocked = None
         return self._launch_extend(admitted, tail, ids)
+
+    def _budget(self) -> int:
+        return admission_budget(self.tree_cache, self.allocator, self.running,
+                                self.new_token_ratio)
+
+    def _note_blocked_admission(self) -> None:
+        """A round before a launch admitted nothing for want of memory: remember the queue and
+        the budget its first request needed, when every waiting request was ready (no copy,
+        read or grammar pending), so that the next steps skip the round until the queue
+        changes or the budget reaches that (a request finished)."""
+        if self._short_of is not None and all(
+                r.preload is None and r.prefetch is None and r.grammar_future is None
+                for r in self.waiting):
+            self._blocked = (tuple(r.rid for r in self.waiting), self._budget() + self._short_of)
+
+    def _admission_blocked(self) -> bool:
+        """The same queue as at a round that admitted nothing, still short of the budget it
+        needed: it would admit nothing again (a saturated server with a long queue matched
+        every waiting request every step, ~0.1 ms each, before each chained launch)."""
+        blocked = self._blocked
+        if blocked is None:
+            return False
+        if blocked[0] != tuple(r.rid for r in self.waiting) or self._budget() >= blocked[1]:
+            self._blocked = None
+            return False
+        return True
 
     def _extend_async_ok(self, admitted: list[Req], mixed: bool) -> bool:
         """Whether a plain step's extend of `admitted` may stay in flight (completed by the next

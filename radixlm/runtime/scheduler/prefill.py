@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import Optional
 
 from radixlm.runtime.request import Req
 from radixlm.runtime.scheduler.cached_logprobs import serve_cached_input_logprobs
@@ -50,6 +51,12 @@ def reserved_decode_tokens(req: Req, ratio: float) -> int:
     return math.ceil(min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * ratio)
 
 
+def admission_budget(tree_cache, allocator, running: list[Req], ratio: float) -> int:
+    """KV slots a round may give: free + evictable, minus the running requests' reserves."""
+    return (allocator.available_size() + tree_cache.evictable_size()
+            - sum(reserved_decode_tokens(r, ratio) for r in running))
+
+
 class PrefillAdder:
     def __init__(self, tree_cache, allocator, running: list[Req], new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int, start_loads: bool = True):
@@ -60,13 +67,13 @@ class PrefillAdder:
         self.allocator = allocator
         self.tiered = getattr(tree_cache, "tiered", False)
         self.ratio = new_token_ratio
-        self.rem_total = (allocator.available_size() + tree_cache.evictable_size()
-                          - sum(reserved_decode_tokens(r, new_token_ratio) for r in running))
+        self.rem_total = admission_budget(tree_cache, allocator, running, new_token_ratio)
         self.rem_step = max_prefill_tokens
         if chunked_prefill_size > 0:
             self.rem_step = min(self.rem_step, chunked_prefill_size)
         self.chunking = chunked_prefill_size > 0
         self.admitted: list[Req] = []
+        self.short_of: Optional[int] = None  # a NO_MEMORY's need past the budget, in slots
 
     def _lock(self, node) -> None:
         before = self.tree_cache.evictable_size()
@@ -212,6 +219,7 @@ class PrefillAdder:
     def _take(self, req: Req, remaining: int) -> AddResult:
         need = remaining + reserved_decode_tokens(req, self.ratio)
         if need > self.rem_total:
+            self.short_of = need - self.rem_total
             return AddResult.NO_MEMORY
         if remaining > self.rem_step and not self.chunking and self.admitted:
             return AddResult.NO_COMPUTE  # an unchunked long prompt runs alone in its own step

@@ -70,6 +70,10 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
                 and getattr(runner.attn_backend, "supports_shared_prefix", False)):
             self.prefix_grouper = PrefixGrouper(self.device)
         self.inflight: Optional[InFlightDecode] = None  # a launched decode step not yet completed
+        # a round that admitted nothing for want of memory: (the queue, the budget it needs;
+        # overlap_extend.py skips rounds until either changes), and that round's shortfall
+        self._blocked: Optional[tuple] = None
+        self._short_of: Optional[int] = None
         self._deferred: list[Req] = []  # requests completed outside step(), reported by the next
         self._failed: list[Req] = []  # failed during this step (isolation.py); step() sweeps them
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
@@ -232,6 +236,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
                     break  # a chunked request closes the batch
             elif result != AddResult.DEFERRED:
                 break
+        self._short_of = adder.short_of if not adder.admitted else None
         admitted_ids = {id(r) for r in adder.admitted}
         if self.pd is not None:  # their own prefix locks now hold what the hand-off locked
             for req in adder.admitted:
