@@ -59,12 +59,15 @@ class OverlapExtend:
         tail = self._chain_rows()  # the running rows that decode in the extend (running == tail)
         if tail is None:
             return None
-        admitted = [] if self._admission_blocked() else self._admit(
+        admitted = []
+        if not self._admission_blocked():
             # (a host prefix's copy starts after the launch, beside it: _step_or_chain)
-            start_loads=not (self.tiered and self.tree_cache.mover.loads_async))
+            admitted = self._admit(
+                start_loads=not (self.tiered and self.tree_cache.mover.loads_async))
+            if not admitted:
+                self._note_blocked_admission()
         ids = chained_input_ids(prev, tail) if tail else None
         if not admitted:  # before, a plain step: prev completed first, the admission run again
-            self._note_blocked_admission()
             return self._launch_decode(tail, ids) if tail else None
         self._blocked = None
         return self._launch_extend(admitted, tail, ids)
