@@ -212,6 +212,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         """A round of admission (prefill.py). `start_loads` False: requests whose prefix must
         first be copied from the host are left for `_preload_waiting` (a round run before a
         launch: their copies start after it, beside the step)."""
+        self._short_of = None
         if not self.waiting and self.chunked is None:
             return []
         if len(self.running) >= self.args.max_running_requests and self.chunked is None:
