@@ -110,11 +110,13 @@ class Proc:
         with open(self.log_path, "rb") as f:
             return f.read()[-3000:].decode("utf-8", "replace")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM (a server lets running requests and pending page writes finish), then, after
+        `timeout` seconds, SIGKILL to whatever is left of its process group."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
         try:

@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from typing import AsyncIterator, Optional
 
 import httpx
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.dp_router import Proc  # noqa: E402  (a server subprocess: start, health, stop)
 
 START_TIMEOUT_S = 900  # an 8B model's dummy weights and CUDA graphs on a cold machine
 
@@ -52,34 +57,16 @@ def _free_port() -> int:
 
 class ServerProcess:
     def __init__(self, kw: dict, port: Optional[int] = None):
-        self.port = port or _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="radixlm-server-", suffix=".log",
-                                               delete=False)
-        cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port),
-               *server_flags(kw)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_healthy()
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}) while starting:"
-                                   f"\n{self._log_tail()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.shutdown()
-        raise RuntimeError(f"the server did not answer /health in {START_TIMEOUT_S} s")
-
-    def _log_tail(self, n: int = 4000) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-n:]
+        port = port or _free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self._logs = tempfile.mkdtemp(prefix="radixlm-server-")
+        self.proc = Proc("server", [sys.executable, "-m", "radixlm.launch_server", "--port",
+                                    str(port), *server_flags(kw)], self._logs, port)
+        try:
+            self.proc.wait_ready(START_TIMEOUT_S)
+        except RuntimeError:
+            self.shutdown()
+            raise
 
     # --- Engine's calls -------------------------------------------------------------------------
     def generate(self, input_ids: list[int], sampling_params: dict) -> dict:
@@ -122,16 +109,10 @@ class ServerProcess:
         return r.json()["internal_states"][0]
 
     def shutdown(self) -> None:
-        """SIGTERM (running requests finish, pending page writes reach the store), then wait."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        os.unlink(self.log.name)
+        """SIGTERM: running requests finish and pending page writes reach the store (a restart
+        phase reads them next), for up to 120 s."""
+        self.proc.stop(timeout=120)
+        shutil.rmtree(self._logs, ignore_errors=True)
 
     def __enter__(self) -> "ServerProcess":
         return self
