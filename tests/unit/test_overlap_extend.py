@@ -9,6 +9,8 @@ the same code as on the GPU, so it is checked here with the overlap schedule tur
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from radixlm.runtime.request import Req
@@ -34,6 +36,16 @@ def _requests(tokenizer):
     return reqs
 
 
+@contextlib.contextmanager
+def _overlap(sched, on: bool = True):
+    """The overlap schedule turned on (or off) by hand for the block, off after it."""
+    sched.overlap = on
+    try:
+        yield
+    finally:
+        sched.overlap = False
+
+
 def _drive(eng, overlap: bool):
     """Two requests first, then one more after every third step: most arrive while others
     decode (with overlap, while a decode step or an extend is in flight)."""
@@ -41,8 +53,7 @@ def _drive(eng, overlap: bool):
     eng.flush_cache()
 
     def run():
-        sched.overlap = overlap
-        try:
+        with _overlap(sched, overlap):
             reqs = _requests(eng.tokenizer)
             pending = list(reqs)
             for _ in range(2):
@@ -57,8 +68,6 @@ def _drive(eng, overlap: bool):
                 if pending and steps % 3 == 0:
                     sched.add_request(pending.pop(0))
             return reqs, in_flight_extends
-        finally:
-            sched.overlap = False
 
     return eng._call_in_loop(run)
 
@@ -91,8 +100,7 @@ def test_prompt_logprobs_take_the_plain_order(eng, integrity):
     eng.flush_cache()
 
     def run():
-        sched.overlap = True
-        try:
+        with _overlap(sched):
             ids = eng.tokenizer.encode("Once upon a time")
             first = Req("pl0", ids, SamplingParams(temperature=0, max_new_tokens=8,
                                                    ignore_eos=True))
@@ -108,8 +116,6 @@ def test_prompt_logprobs_take_the_plain_order(eng, integrity):
             while sched.has_runnable_work():
                 sched.step()
             return sched.stats["overlapped_extend_steps"] - before, late
-        finally:
-            sched.overlap = False
 
     launched, late = eng._call_in_loop(run)
     assert launched == 0
@@ -130,8 +136,7 @@ def test_random_arrivals_and_aborts_with_extends_in_flight(eng, integrity):
         rng = random.Random(seed)
 
         def drive():
-            sched.overlap = overlap
-            try:
+            with _overlap(sched, overlap):
                 reqs = []
                 for i in range(14):
                     ids = [rng.randrange(100, 40000) for _ in range(rng.randint(4, 60))]
@@ -156,8 +161,6 @@ def test_random_arrivals_and_aborts_with_extends_in_flight(eng, integrity):
                         sched.add_request(pending.pop(0))
                 in_flight[overlap] += sched.stats["overlapped_extend_steps"] - launched
                 return {r.rid: list(r.output_ids) for r in reqs}, aborted
-            finally:
-                sched.overlap = False
 
         return eng._call_in_loop(drive)
 
@@ -173,55 +176,14 @@ def test_random_arrivals_and_aborts_with_extends_in_flight(eng, integrity):
     assert compared >= 30 and in_flight[False] == 0 and in_flight[True] >= 10, in_flight
 
 
-def test_a_full_batch_keeps_chaining_while_requests_wait(make_engine, integrity):
-    """With the running batch at max_running_requests, a waiting request cannot be admitted
-    whatever the step does: the decode steps stay chained (before, every step completed the one
-    in flight first, as if an admission were due)."""
-    eng = make_engine(max_running_requests=2)
+def _queue_behind(eng, reqs):
+    """Submit `reqs` at once with overlap on and step until idle. Returns the waiting count at
+    each plain step (one that completed the step in flight first), at each admission round,
+    and each request's output length."""
     sched = eng.scheduler
 
     def run():
-        sched.overlap = True
-        try:
-            ids = eng.tokenizer.encode("Once upon a time")
-            reqs = [Req(f"full{i}", ids + [i + 7], SamplingParams(temperature=0,
-                                                                   max_new_tokens=12,
-                                                                   ignore_eos=True))
-                    for i in range(3)]
-            for r in reqs:
-                sched.add_request(r)
-            plain = []  # the waiting count at each plain step (the one in flight completed first)
-            real_step = sched._step
-            sched._step = lambda: (plain.append(len(sched.waiting)), real_step())[1]
-            try:
-                while sched.has_runnable_work():
-                    sched.step()
-            finally:
-                sched._step = real_step
-            return plain, [len(r.output_ids) for r in reqs]
-        finally:
-            sched.overlap = False
-
-    plain, lens = eng._call_in_loop(run)
-    assert lens == [12, 12, 12]
-    assert plain.count(1) <= 2, plain  # (each step while one waited, before)
-    integrity(eng)
-
-
-def test_a_saturated_pool_keeps_chaining_while_requests_wait(make_engine, integrity):
-    """A waiting request the KV pool has no room for: the round before the launch admits none,
-    and the running batch's decode is chained anyway (before, each such step completed the one
-    in flight first and ran the admission again: no overlap while a queue waited on memory)."""
-    eng = make_engine(max_total_tokens=256)
-    sched = eng.scheduler
-
-    def run():
-        sched.overlap = True
-        try:
-            reqs = [Req(f"sat{i}", [100 + i] * 100, SamplingParams(temperature=0,
-                                                                  max_new_tokens=12,
-                                                                  ignore_eos=True))
-                    for i in range(3)]
+        with _overlap(sched):
             for r in reqs:
                 sched.add_request(r)
             plain, rounds = [], []
@@ -234,10 +196,34 @@ def test_a_saturated_pool_keeps_chaining_while_requests_wait(make_engine, integr
             finally:
                 sched._step, sched._admit = real_step, real_admit
             return plain, rounds, [len(r.output_ids) for r in reqs]
-        finally:
-            sched.overlap = False
 
-    plain, rounds, lens = eng._call_in_loop(run)
+    return eng._call_in_loop(run)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+
+
+def test_a_full_batch_keeps_chaining_while_requests_wait(make_engine, integrity):
+    """With the running batch at max_running_requests, a waiting request cannot be admitted
+    whatever the step does: the decode steps stay chained (before, every step completed the one
+    in flight first, as if an admission were due)."""
+    eng = make_engine(max_running_requests=2)
+    ids = eng.tokenizer.encode("Once upon a time")
+    plain, _, lens = _queue_behind(eng, [Req(f"full{i}", ids + [i + 7], _greedy(12))
+                                         for i in range(3)])
+    assert lens == [12, 12, 12]
+    assert plain.count(1) <= 2, plain  # (each step while one waited, before)
+    integrity(eng)
+
+
+def test_a_saturated_pool_keeps_chaining_while_requests_wait(make_engine, integrity):
+    """A waiting request the KV pool has no room for: the round before the launch admits none,
+    and the running batch's decode is chained anyway (before, each such step completed the one
+    in flight first and ran the admission again: no overlap while a queue waited on memory)."""
+    eng = make_engine(max_total_tokens=256)
+    plain, rounds, lens = _queue_behind(eng, [Req(f"sat{i}", [100 + i] * 100, _greedy(12))
+                                              for i in range(3)])
     assert lens == [12, 12, 12]
     assert plain.count(1) <= 2, plain
     # and the round that admitted nothing is not run again each step while nothing changes

@@ -44,11 +44,16 @@ def _plain(req: Req) -> bool:
 
 
 class OverlapExtend:
+    def _extends_may_overlap(self, reqs: list[Req]) -> bool:
+        """Overlap on, no speculation or disaggregation, a running batch that may overlap, and
+        nothing of `reqs`' extend needed on the host before the next launch."""
+        return (self.overlap and self.spec is None and self.pd is None and self._overlappable()
+                and all(_plain(r) for r in reqs))
+
     def _extend_beside_ok(self) -> bool:
         """Whether the next extend may be launched before the step in flight completes."""
-        return (self.overlap and self.chunked is None and self.spec is None and self.pd is None
-                and not self.args.disable_mixed_batch and self._overlappable()
-                and self._admission_pending() and all(_plain(r) for r in self.waiting))
+        return (self.chunked is None and not self.args.disable_mixed_batch
+                and self._extends_may_overlap(self.waiting) and self._admission_pending())
 
     def _launch_extend_beside(self, prev: InFlightDecode) -> Optional[InFlightDecode]:
         """Admit and launch a mixed extend chained onto `prev` (not completed yet); when the
@@ -102,9 +107,7 @@ class OverlapExtend:
         """Whether a plain step's extend of `admitted` may stay in flight (completed by the next
         step, after it launches its own): the same conditions, with the running requests'
         tokens on the host (nothing in flight)."""
-        return (self.overlap and self.spec is None and self.pd is None
-                and (mixed or not self.running) and self._overlappable()
-                and all(_plain(r) for r in admitted))
+        return (mixed or not self.running) and self._extends_may_overlap(admitted)
 
     def _launch_extend(self, admitted: list[Req], tail: list[Req],
                        tail_ids: Optional[torch.Tensor]) -> Optional[InFlightDecode]:

@@ -140,11 +140,12 @@ class WaitingQueue:
             adder.stream(req)
 
     def _admission_pending(self) -> bool:
-        """Whether a waiting request may be admitted now: any but those whose host prefix is
-        still being copied to the device (a preload, prefill.py), or has yet to be (its copy
-        starts beside the next step: `_preload_waiting`), which wait for the copy whatever the
-        step does, and those still waiting for pages from the store; meanwhile the running
-        batch goes on decoding with overlap."""
+        """Whether a waiting request may be admitted now: none while the running batch is full;
+        else any but those whose host prefix is still being copied to the device (a preload,
+        prefill.py), or has yet to be (its copy starts beside the next step:
+        `_preload_waiting`), which wait for the copy whatever the step does, and those still
+        waiting for pages from the store; meanwhile the running batch goes on decoding with
+        overlap."""
         room = self.args.max_running_requests - len(self.running)
         if room <= 0:  # (admission takes none while the batch is full)
             return False
