@@ -56,17 +56,21 @@ def main() -> None:
     p.add_argument("--tokens", default="16,64,256,1024,4096")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--disable-piecewise-cuda-graph", action="store_true",
+                   help="extends launched op by op (the default replays piecewise graphs)")
     args = p.parse_args()
     import radixlm
 
     eng = radixlm.Engine(model_path=args.model_path, load_format=args.load_format,
                          dtype=args.dtype, tokenizer_path=args.tokenizer_path,
-                         disable_radix_cache=True)
+                         disable_radix_cache=True,
+                         disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph)
     rng = random.Random(0)
     vocab = eng.scheduler.vocab_size
     out: dict = {"probe": "extend_launch", "device": (torch.cuda.get_device_name()
                                                       if torch.cuda.is_available() else "cpu"),
-                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "lengths": {}}
+                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                 "piecewise": eng.runner.piecewise is not None, "lengths": {}}
     try:
         marks: list = []
         eng._call_in_loop(lambda: _timed_forwards(eng.scheduler, marks))

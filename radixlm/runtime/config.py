@@ -114,6 +114,10 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False  # CUDA: decode launched op by op instead of graph replay
     cuda_graph_max_bs: int = 160  # largest decode batch captured in a graph; larger ones run eagerly
+    # CUDA: extends replay the layer stack's pieces between attentions as graphs captured per
+    # padded token count (executor/piecewise_graph.py); larger extends run eagerly
+    disable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 2048
     # decode reads a prefix shared by running requests once per group (attention/shared_prefix.py)
     # where the attention backend supports it (triton, cpu)
     disable_shared_prefix_attention: bool = False

@@ -18,6 +18,8 @@ VARIANTS = {
     "triton+graph+overlap": dict(attention_backend="triton"),
     "triton+overlap": dict(attention_backend="triton", disable_cuda_graph=True),
     "triton+graph+overlap, cache off": dict(attention_backend="triton", disable_radix_cache=True),
+    "triton+graph+overlap, no pieces": dict(attention_backend="triton",
+                                            disable_piecewise_cuda_graph=True),
     "torch_native+overlap": dict(attention_backend="torch_native"),
 }
 
@@ -62,22 +64,26 @@ def _run(path, **kw):
         again = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
         eng.wait_idle()
         eng.check_integrity()
-        return first, again, eng.runner.graph_runner is not None
+        pieces = eng.runner.piecewise
+        return first, again, eng.runner.graph_runner is not None, pieces and pieces.replays
     finally:
         eng.shutdown()
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path):
-    first, again, _ = _run(tiny_llama_path, attention_backend="torch_native",
-                           disable_cuda_graph=True, disable_overlap_schedule=True)
+    first, again, _, _ = _run(tiny_llama_path, attention_backend="torch_native",
+                              disable_cuda_graph=True, disable_overlap_schedule=True)
     assert first == again  # the second round is all cache hits
     return first
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_matches_reference(tiny_llama_path, reference, name):
-    first, again, graphed = _run(tiny_llama_path, **VARIANTS[name])
+    first, again, graphed, pieces = _run(tiny_llama_path, **VARIANTS[name])
     assert graphed == ("graph" in name)
+    # piecewise extend graphs: on by default with the triton backend (the second round's
+    # extends are small enough for them)
+    assert bool(pieces) == (name.startswith("triton") and "no pieces" not in name)
     assert first == reference, name
     assert again == reference, name

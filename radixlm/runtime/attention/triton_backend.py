@@ -184,7 +184,9 @@ class TritonAttention(AttentionBackend):
         """shared_prefix.decode_with_groups' merge, one launch (triton_merge.py)."""
         return merge_prefix_into(out, lse, rows, o_sh, lse_sh)
 
-    def forward(self, q, k, v, layer, fb):
+    def forward(self, q, k, v, layer, fb, out=None):
+        """`out` (T, Hq, D): where to write the result (the piecewise graphs' static buffer,
+        executor/piecewise_graph.py); by default a new tensor."""
         if k is not None:  # None: the model's fused rotary kernel stored them (accepts_stored_kv)
             self.kv_pool.write(layer, fb.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer]
@@ -192,7 +194,8 @@ class TritonAttention(AttentionBackend):
         window = self.windows[layer]
         if fb.mode == ForwardMode.DECODE and fb.prefix_groups is not None and not window:
             return shared_prefix.decode_with_groups(self, q, k_buf, v_buf, fb)
-        out = torch.empty_like(q)  # (T, Hq, D)
+        if out is None:
+            out = torch.empty_like(q)  # (T, Hq, D)
         if fb.mode == ForwardMode.DECODE:
             self._decode(q, k_buf, v_buf, meta, out, window)
             return out

@@ -21,13 +21,14 @@ from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
 from radixlm.runtime.executor import cpu_malloc, pack_cache
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
+from radixlm.runtime.executor.piecewise_graph import PiecewiseGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
-from radixlm.runtime.models import (fp8_checkpoint, int4_checkpoint, loader, registry,
-                                     two_batch_overlap)
+from radixlm.runtime.models import (fp8_checkpoint, int4_checkpoint, llama_pieces, loader,
+                                     registry, two_batch_overlap)
 from radixlm.runtime.speculative import spec_config
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,10 @@ class ModelRunner:
                 and getattr(self.attn_backend, "supports_cuda_graph", False)):
             max_bs = min(args.cuda_graph_max_bs, decode_rows)
             self.graph_runner = CudaGraphRunner(self, max_bs)
+        self.piecewise = None  # PiecewiseGraphRunner: extends replay graphs between attentions
+        if (self.device.type == "cuda" and not args.disable_piecewise_cuda_graph
+                and args.piecewise_cuda_graph_max_tokens > 0):
+            self.piecewise = self._piecewise_graphs(args.piecewise_cuda_graph_max_tokens)
 
     def _load_model(self, cfg: ModelConfig, seed: int) -> torch.nn.Module:
         t0 = time.perf_counter()
@@ -286,19 +291,33 @@ class ModelRunner:
         slack = draft_budget.pool_tokens(0, self.args, per_request) * draft_bpt
         return budget - draft_weights - slack, bpt + draft_bpt
 
+    def _piecewise_graphs(self, max_tokens: int):
+        """A PiecewiseGraphRunner where its pieces compute this model's forward, else None
+        (the reason logged: such extends run eagerly, as with the flag off)."""
+        why = ("tensor parallelism" if self.tp.size > 1
+               else "EAGLE-3 keeps every layer's output" if self.capture_layers
+               else llama_pieces.why_not(self.model, self.attn_backend))
+        if why:
+            logger.info("piecewise CUDA graphs off: %s", why)
+            return None
+        return PiecewiseGraphRunner(self, min(max_tokens, self.context_len))
+
     def replays_decode_graph(self, batch_size: int) -> bool:
         """Whether a decode batch of this size (without shared-prefix groups) replays a graph."""
         return self.graph_runner is not None and batch_size <= self.graph_runner.max_bs
 
     def release_cuda_graphs(self) -> None:
-        """Drop the captured decode graphs. Under TP this must come before leaving the process
-        group: while a graph holding captured NCCL work lives, destroy_process_group hangs
-        (pytorch/pytorch#115388; seen on 2 x H100 with every rank in it)."""
-        if self.graph_runner is None:
+        """Drop the captured decode and piecewise graphs. Under TP this must come before leaving
+        the process group: while a graph holding captured NCCL work lives,
+        destroy_process_group hangs (pytorch/pytorch#115388; seen on 2 x H100 with every rank
+        in it)."""
+        if self.graph_runner is None and self.piecewise is None:
             return
-        self.graph_runner = None  # it and the runner reference each other: collect the cycle
+        # they and the runner reference each other: collect the cycle
+        self.graph_runner = self.piecewise = None
         gc.collect()
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # (a CPU test's emulated pieces)
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -313,8 +332,12 @@ class ModelRunner:
         if (self.graph_runner is not None and fb.prefix_groups is None
                 and self.graph_runner.can_run(fb)):
             return self.graph_runner.replay(fb)
-        fb.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb)
+        if (self.piecewise is not None and fb.prefix_groups is None
+                and self.piecewise.can_run(fb)):
+            hidden = self.piecewise.run(fb)
+        else:
+            fb.attn_backend = self.attn_backend
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model(fb)
         fb.hidden_states = hidden  # (N, H) final hidden states of the logits rows (embeddings)
         return self.model.compute_logits(hidden)
