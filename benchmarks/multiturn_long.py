@@ -141,12 +141,14 @@ async def _turns(eng, convs, histories, turns, args, concurrency: int) -> list[d
 
 def _run(engine_kw: dict, convs, histories, turns, args,
          concurrency: int) -> tuple[dict, list[dict]]:
+    t_start = time.perf_counter()
     if args.server:  # its own process, over HTTP (benchmarks/server_client.py says why)
         from benchmarks.server_client import ServerProcess
         eng = ServerProcess(engine_kw)
     else:
         import radixlm
         eng = radixlm.Engine(**engine_kw)
+    start_s = time.perf_counter() - t_start  # (weights, KV pools, CUDA graphs: decode, pieces)
 
     async def drive():
         try:
@@ -181,7 +183,8 @@ def _run(engine_kw: dict, convs, histories, turns, args,
                r["ttft"] for r in records if r["turn"] == t), 4)
                for t in sorted({r["turn"] for r in records})},
            "retractions": stats["retractions"], "forward_steps": stats["forward_steps"],
-           "extend_steps": stats["extend_steps"], "busy_s": round(stats["busy_s"], 2)}
+           "extend_steps": stats["extend_steps"], "busy_s": round(stats["busy_s"], 2),
+           "engine_start_s": round(start_s, 1)}
     tiers = stats.get("hicache")
     if tiers:
         out["bytes_moved"] = {k[6:]: v for k, v in tiers.items() if k.startswith("bytes_")}
