@@ -127,6 +127,16 @@ def test_random_arrivals_and_aborts_with_extends_in_flight(eng, integrity):
     """Requests arriving at random steps (many while an extend or a decode is in flight), some
     aborted at random steps, some ending on a stop string or at max_new_tokens: every request
     that was not aborted gets the plain schedule's tokens, and no KV leaks."""
+    _random_arrivals_and_aborts(eng, integrity)
+
+
+def test_random_arrivals_and_aborts_with_chunks_in_flight(make_engine, integrity):
+    """The same with prompts chunked 16 tokens a step (chunks launched beside the step in
+    flight, some of them aborted mid-prompt)."""
+    _random_arrivals_and_aborts(make_engine(chunked_prefill_size=16), integrity)
+
+
+def _random_arrivals_and_aborts(eng, integrity):
     import random
 
     sched = eng.scheduler
@@ -228,4 +238,55 @@ def test_a_saturated_pool_keeps_chaining_while_requests_wait(make_engine, integr
     assert plain.count(1) <= 2, plain
     # and the round that admitted nothing is not run again each step while nothing changes
     assert rounds.count(1) <= 3, rounds
+    integrity(eng)
+
+
+def test_a_chunked_prompt_continues_beside_the_step_in_flight(make_engine, integrity):
+    """Long prompts chunked (24 tokens a step) while others decode: each next chunk is launched
+    before the step in flight completes (before, every chunk after the first waited for it), and
+    every request gets the plain schedule's tokens and logprobs."""
+    eng = make_engine(chunked_prefill_size=24)
+    sched = eng.scheduler
+    texts = ["The capital of France is", "Write a long story about a dragon who " * 6,
+             "List three colors:", "def fib(n):\n    " * 9, "1, 2, 3, 4,"]
+
+    def run(overlap: bool):
+        eng.flush_cache()
+        beside_chunks = []
+        real = sched._launch_extend_beside
+
+        def beside(prev):
+            chunk = sched.chunked
+            step = real(prev)
+            beside_chunks.append(chunk is not None and step is not None)
+            return step
+
+        def drive():
+            with _overlap(sched, overlap):
+                reqs = []
+                for i, text in enumerate(texts):
+                    req = Req(f"ch{overlap}{i}", eng.tokenizer.encode(text), _greedy(10 + i))
+                    req.return_logprob = True
+                    reqs.append(req)
+                pending, steps = list(reqs), 0
+                sched._launch_extend_beside = beside
+                try:
+                    while pending or sched.has_runnable_work():
+                        if pending and steps % 2 == 0:
+                            sched.add_request(pending.pop(0))
+                        if sched.has_runnable_work():
+                            sched.step()
+                        steps += 1
+                finally:
+                    sched._launch_extend_beside = real
+                return reqs
+
+        return eng._call_in_loop(drive), sum(beside_chunks)
+
+    plain, none = run(False)
+    overlapped, continued = run(True)
+    assert none == 0 and continued >= 4, continued  # both long prompts' later chunks
+    for a, b in zip(plain, overlapped):
+        assert a.output_ids == b.output_ids, a.rid
+        assert b.output_token_logprobs == pytest.approx(a.output_token_logprobs, abs=1e-4)
     integrity(eng)

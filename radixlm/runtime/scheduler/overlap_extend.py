@@ -17,9 +17,12 @@ Same results as the plain order (tests/unit/test_overlap_extend.py): admission s
 step's requests as running (their reserve kept, their slots held): a little more conservative,
 never over budget. A request that finishes at step N has had a row in the extend (its token is
 dropped when the extend completes, as for chained decodes, overlap.py); one that surely finishes
-at step N is left out. Only where nothing in the step needs the host before the next launch: not
-with a chunk in progress, speculation, disaggregation, a grammar, prompt logprobs, embeddings,
-images or token_ids_logprob, nor with mixed batches off; those take the plain order.
+at step N is left out. A chunked prompt's chunks follow one another the same way (each chunk's
+KV enters the tree at its launch; before, every chunk after the first waited for the step in
+flight: a long prompt joining a decoding batch left the GPU idle between its chunks). Only where
+nothing in the step needs the host before the next launch: not with speculation,
+disaggregation, a grammar, prompt logprobs, embeddings, images or token_ids_logprob, nor with
+mixed batches off; those take the plain order.
 """
 
 from __future__ import annotations
@@ -51,9 +54,14 @@ class OverlapExtend:
                 and all(_plain(r) for r in reqs))
 
     def _extend_beside_ok(self) -> bool:
-        """Whether the next extend may be launched before the step in flight completes."""
-        return (self.chunked is None and not self.args.disable_mixed_batch
-                and self._extends_may_overlap(self.waiting) and self._admission_pending())
+        """Whether the next extend may be launched before the step in flight completes: a
+        chunked prompt's next chunk (its earlier chunks' KV is in the tree, their slots known
+        on the host: nothing waits for the step in flight), or waiting requests to admit."""
+        if self.args.disable_mixed_batch:
+            return False
+        if self.chunked is not None:  # (the round may admit waiting requests after the chunk)
+            return self._extends_may_overlap(self.waiting + [self.chunked])
+        return self._extends_may_overlap(self.waiting) and self._admission_pending()
 
     def _launch_extend_beside(self, prev: InFlightDecode) -> Optional[InFlightDecode]:
         """Admit and launch a mixed extend chained onto `prev` (not completed yet); when the
