@@ -70,7 +70,9 @@ def main() -> None:
     out: dict = {"probe": "extend_launch", "device": (torch.cuda.get_device_name()
                                                       if torch.cuda.is_available() else "cpu"),
                  "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                 "piecewise": eng.runner.piecewise is not None, "lengths": {}}
+                 "piecewise": eng.runner.piecewise is not None,
+                 "piecewise_capture_s": getattr(eng.runner.piecewise, "capture_s", None),
+                 "lengths": {}}
     try:
         marks: list = []
         eng._call_in_loop(lambda: _timed_forwards(eng.scheduler, marks))
