@@ -1,7 +1,8 @@
 """Piecewise CUDA graphs of extends (executor/piecewise_graph.py) on a CUDA GPU: captured per
 token bucket at start-up and replayed with the attention eager between pieces. fp32: the same
 greedy tokens and logprobs as with them off, requests arriving one after another (mixed batches
-with decode rows, cached prefixes, padding), with and without the overlap schedule; no KV leak.
+with decode rows, cached prefixes, padding), with and without the overlap schedule, Llama and
+Qwen3 (per-head q/k norms); no KV leak.
 The CPU twin (tests/unit/test_piecewise_graph_path.py) checks the same path without capture."""
 
 from __future__ import annotations
@@ -22,12 +23,22 @@ def _engine(path, dtype="float32", **kw):
                           cuda_graph_max_bs=16, **kw)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_pieces_give_the_eager_tokens(tiny_llama_path, integrity, overlap):
+@pytest.fixture(scope="module")
+def tiny_qwen3_path(tmp_path_factory):
+    from tiny_models import write_tiny_llama
+
+    return write_tiny_llama(str(tmp_path_factory.mktemp("qwen3-pieces")), vocab=512, heads=4,
+                            kv_heads=2, tied=False, layers=3, arch="qwen3")
+
+
+@pytest.mark.parametrize("arch,overlap", [("llama", False), ("llama", True), ("qwen3", True)])
+def test_pieces_give_the_eager_tokens(tiny_llama_path, tiny_qwen3_path, integrity, arch,
+                                      overlap):
+    path = tiny_llama_path if arch == "llama" else tiny_qwen3_path  # qwen3: q/k norms
     ids = staggered.prompts(512, seed=2)
     runs, replays = {}, {}
     for name, off in (("eager", True), ("pieces", False)):
-        eng = _engine(tiny_llama_path, disable_piecewise_cuda_graph=off,
+        eng = _engine(path, disable_piecewise_cuda_graph=off,
                       disable_overlap_schedule=not overlap)
         try:
             assert (eng.runner.piecewise is None) == off

@@ -8,7 +8,8 @@ Between two pieces the attention runs eagerly (its work depends on each request'
 which a graph cannot follow). Pieces talk through the static buffers of `PieceBuffers`, so each
 can be captured once per padded token count and replayed with new values in them.
 
-The code is llama.py's, step for step (DecoderLayer.forward, Attention.forward's fused store),
+The code is llama.py's, step for step (DecoderLayer.forward, Attention.forward's fused store;
+Qwen3's QKNormAttention through its own projection),
 so a piecewise forward computes what the eager one does; one difference: the last layer runs
 every row (the eager forward prunes it to the logits rows), which changes no row's values.
 """
@@ -21,6 +22,10 @@ import torch
 
 from radixlm.runtime.models.llama import (MLP, Attention, DecoderLayer, Linear,
                                           LlamaForCausalLM, RMSNorm)
+from radixlm.runtime.models.qwen3 import QKNormAttention
+
+# the attention classes whose projection the pieces run (_project_store), forward unchanged
+_ATTENTIONS = (Attention, QKNormAttention)
 
 
 @dataclass
@@ -58,10 +63,13 @@ def why_not(model, backend) -> str:
         return "two-batch overlap runs the layers"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not (type(layer) is DecoderLayer and type(attn) is Attention and type(mlp) is MLP
+        if not (type(layer) is DecoderLayer and type(attn) in _ATTENTIONS and type(mlp) is MLP
                 and type(layer.input_layernorm) is RMSNorm
                 and type(layer.post_attention_layernorm) is RMSNorm):
             return f"layer {attn.layer_id} is not llama.py's"
+        if (type(attn) is QKNormAttention
+                and not (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm)):
+            return f"layer {attn.layer_id}'s q/k norms are not llama.py's"
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(type(m) is not Linear for m in linears):
             return "quantized linear layers"  # (their kernels keep host state a graph would fix)
@@ -75,15 +83,23 @@ def why_not(model, backend) -> str:
 
 def _project_store(attn: Attention, h: torch.Tensor, buf: PieceBuffers, n: int,
                    kv_pool) -> None:
-    """Attention.forward up to the attention: QKV projection, rotary, K/V into the pool at the
-    rows' slots (one fused launch), the rotated queries into buf.q."""
+    """The attention's forward up to the attention kernel: QKV projection, rotary, K/V into
+    the pool at the rows' slots (Attention: one fused launch), the rotated queries into buf.q.
+    QKNormAttention (Qwen3): its per-head q/k norms, then the rotary, as its forward."""
     from radixlm.runtime.layers import triton_ops
 
+    loc = buf.inputs[2, :n]
+    if type(attn) is QKNormAttention:
+        cos_sin = (buf.cos[:n].unsqueeze(1), buf.sin[:n].unsqueeze(1))  # (n, 1, D) each
+        qk, v = attn._normed_rotated_qkv(h, cos_sin)  # (n, Hq + Hkv, D), (n, Hkv, D)
+        kv_pool.write(attn.layer_id, loc, qk[:, attn.hq:], v)
+        buf.q[:n].copy_(qk[:, : attn.hq].reshape(n, attn.q_size))
+        return
     qkv = attn.qkv_proj(h)  # (n, (Hq + 2 Hkv) D)
     triton_ops.rotary_store_kv(qkv.view(n, attn.hq + 2 * attn.hkv, attn.d),
                                buf.cos[:n], buf.sin[:n], attn.hq, attn.hkv,
                                kv_pool.k_buffers[attn.layer_id],
-                               kv_pool.v_buffers[attn.layer_id], buf.inputs[2, :n])
+                               kv_pool.v_buffers[attn.layer_id], loc)
     buf.q[:n].copy_(qkv[:, : attn.q_size])
 
 
