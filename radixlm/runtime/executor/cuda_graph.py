@@ -17,6 +17,7 @@ with new values in the same buffers.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -43,6 +44,23 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[key]
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def capturing():
+    """Around a runner's captures: the process's capture lock, and no garbage collection. A
+    collection during a capture can free another engine's graphs (a shut-down Engine's runner
+    <-> graph runner cycle): CUDAGraph.reset is not permitted while a stream captures and
+    invalidates this capture. So collect first, then hold collections off."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with _CAPTURE_LOCK:
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def batch_size_buckets(max_bs: int) -> list[int]:
@@ -96,18 +114,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # A garbage collection during a capture can free another engine's graphs (a shut-down
-        # Engine's runner <-> graph runner cycle): CUDAGraph.reset is not permitted while a
-        # stream captures and invalidates this capture. Collect first, then hold collections off.
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with _CAPTURE_LOCK:
-                self._capture_buckets()
-        finally:
-            if was_enabled:
-                gc.enable()
+        with capturing():
+            self._capture_buckets()
 
     def _capture_buckets(self) -> None:
         t0 = time.perf_counter()

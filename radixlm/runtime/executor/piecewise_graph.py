@@ -19,13 +19,12 @@ Batches above the largest bucket, and models or backends the pieces do not cover
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
 import torch
 
-from radixlm.runtime.executor.cuda_graph import _CAPTURE_LOCK, _capture_stream
+from radixlm.runtime.executor.cuda_graph import _capture_stream, capturing
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.models import llama_pieces
 
@@ -77,21 +76,13 @@ class PiecewiseGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # (as CudaGraphRunner: no garbage collection may run during a capture)
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
         t0 = time.perf_counter()
-        try:
-            with _CAPTURE_LOCK:
-                self.buf.inputs.zero_()  # padding: every row writes the scratch slot 0
-                for n in reversed(self.buckets):  # largest first: the pool's size is set once
-                    pieces = self._pieces(n)
-                    self._warm_up(pieces)
-                    self.graphs[n] = [self._capture(p) for p in pieces]
-        finally:
-            if was_enabled:
-                gc.enable()
+        with capturing():
+            self.buf.inputs.zero_()  # padding: every row writes the scratch slot 0
+            for n in reversed(self.buckets):  # largest first: the pool's size is set once
+                pieces = self._pieces(n)
+                self._warm_up(pieces)
+                self.graphs[n] = [self._capture(p) for p in pieces]
         self._dirty_to = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
