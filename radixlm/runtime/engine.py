@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Union
 from radixlm.runtime.config import ServerArgs
 from radixlm.runtime.distributed import tp_worker
 from radixlm.runtime.engine_io import RequestBuilder, StreamText, build_result
+from radixlm.runtime.gil_switch import lower_switch_interval
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.multimodal import image_processor_for
 from radixlm.runtime.models import loader
@@ -86,6 +87,8 @@ class Engine:
             raise ValueError("disaggregation_mode: prefill/decode disaggregation runs between "
                              "servers (radixlm serve, radixlm router --pd-disaggregation)")
         logging.getLogger("radixlm").setLevel(self.server_args.log_level.upper())
+        # the caller's threads share the GIL with the scheduler thread's torch ops (gil_switch)
+        lower_switch_interval()
         # tp_size > 1: this process is rank 0; the other ranks run in worker processes
         self._tp = tp_worker.start_tp(self.server_args)
         self._inbox: queue.Queue = queue.Queue()

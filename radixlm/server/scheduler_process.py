@@ -20,6 +20,7 @@ import zmq
 from radixlm.runtime.config import ServerArgs
 from radixlm.runtime.distributed import tp_worker
 from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.gil_switch import lower_switch_interval
 from radixlm.runtime.models import loader
 from radixlm.server.child_process import watch_parent
 from radixlm.runtime.request import Req
@@ -236,6 +237,7 @@ def run_scheduler_process(args: ServerArgs, ipc: dict[str, str], ready_pipe) -> 
                         format="[scheduler %(asctime)s] %(levelname)s %(message)s")
     try:
         torch.set_grad_enabled(False)
+        lower_switch_interval()  # the cache's reader and writer threads share the GIL
         server = SchedulerServer(args, ipc)
         ready_pipe.send(("ready", server.info()))
     except Exception:
