@@ -21,8 +21,8 @@ from radixlm.runtime.config import ModelConfig, ServerArgs
 from radixlm.runtime.distributed import batch_sync, parallel_state, sharding
 from radixlm.runtime.executor import cpu_malloc, pack_cache
 from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
-from radixlm.runtime.executor.piecewise_graph import PiecewiseGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
+from radixlm.runtime.executor.piecewise_graph import PiecewiseGraphRunner
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
