@@ -5,7 +5,7 @@
 Every torch op called from Python releases the GIL while it dispatches and takes it back after;
 when another thread is running Python then, taking it back waits until CPython makes that
 thread drop it: after the switch interval (sys.setswitchinterval, 5 ms by default). The
-scheduler's forward is a few hundred such ops (an eager extend: ~1,400 launches on an 8B model),
+scheduler's forward is a few hundred such ops (an eager extend: ~400 launches on an 8B model),
 and beside it run the Engine's caller (an asyncio client streaming tokens) and the hierarchical
 cache's threads. For each interval: `--ops` small ops alone, beside a thread that runs Python
 without pause, and beside one that runs Python in bursts (`--burst-ms` busy, then as long

@@ -4,7 +4,7 @@ threads (the Engine's caller and its event loop; the hierarchical cache's reader
 Every torch op called from Python releases the GIL while it dispatches and takes it back after.
 When another thread is running Python at that moment, taking it back waits until CPython makes
 that thread drop it: after the switch interval, 5 ms by default. A scheduler step is a few
-hundred such ops (an eager extend of an 8B model ~1,400 launches), so a client thread busy for a
+hundred such ops (an eager extend of an 8B model ~400 launches), so a client thread busy for a
 few milliseconds (32 streams' tokens to hand out) stalled the step, and with it the GPU, for
 that long. `benchmarks/probes/gil_switch.py` (this 2-core EPYC, 2026-11-28, two runs): 1,000
 small ops beside a thread running Python took 1.4-5.5 s at 5 ms, 0.28-0.54 s at 0.5 ms, 0.22 s
