@@ -108,7 +108,7 @@ def _fake_extend(t):
                         seq_lens=torch.tensor([t]), logits_indices=torch.tensor([t - 1]))
 
 
-def test_buckets_and_what_the_pieces_refuse(eng):
+def test_buckets_and_what_the_pieces_refuse(eng, monkeypatch):
     b = token_buckets(2048)
     assert b[0] == 16 and b[-1] == 2048 and b == sorted(set(b))
     assert all((hi - lo) / lo <= 0.125 for lo, hi in zip(b, b[1:]) if lo >= 256)
@@ -121,3 +121,7 @@ def test_buckets_and_what_the_pieces_refuse(eng):
         accepts_stored_kv = False
 
     assert "backend" in llama_pieces.why_not(runner.model, Other())
+    from radixlm.runtime.layers import triton_ops
+
+    monkeypatch.setattr(triton_ops, "ENABLED", False)
+    assert "FUSED_OPS" in llama_pieces.why_not(runner.model, runner.attn_backend)

@@ -75,6 +75,10 @@ def why_not(model, backend) -> str:
             return "quantized linear layers"  # (their kernels keep host state a graph would fix)
     if not getattr(backend, "accepts_stored_kv", False):
         return f"the {type(backend).__name__} backend takes K/V from the layer"
+    from radixlm.runtime.layers import triton_ops  # (a backend that stores K/V: triton's)
+
+    if not triton_ops.ENABLED:  # the eager layers then rotate and store apart (another rounding)
+        return "RADIXLM_DISABLE_FUSED_OPS is set"
     kv_dtype = backend.kv_pool.k_buffers[0].dtype
     if kv_dtype != model.embed_tokens.weight.dtype:
         return f"the KV pool's dtype {kv_dtype} is not the model's"
