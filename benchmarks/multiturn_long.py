@@ -94,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server", action="store_true",
                    help="each arm a server process driven over HTTP (SGLang's client's way), "
                         "not an in-process Engine sharing the GIL with the client")
+    p.add_argument("--disable-piecewise-cuda-graph", action="store_true",
+                   help="both arms' extends launched op by op (CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", action="store_true",
                    help="append the line to benchmarks/results/multiturn_long-<device>.jsonl")
@@ -256,7 +258,8 @@ def main(argv=None) -> dict:
     ratio = args.hicache_ratio or math.ceil(125 * working_set / device_pool) / 100
     base = dict(model_path=args.model_path, load_format=args.load_format, dtype=args.dtype,
                 device=args.device, max_total_tokens=device_pool,
-                context_length=per_conv + 64, tokenizer_path=args.tokenizer_path)
+                context_length=per_conv + 64, tokenizer_path=args.tokenizer_path,
+                disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph)
     store = args.storage_dir or tempfile.mkdtemp(prefix="multiturn-store-")
     empty = tempfile.mkdtemp(prefix="multiturn-empty-")
 
