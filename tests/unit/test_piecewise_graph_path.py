@@ -40,7 +40,7 @@ class EmulatedPieces(PiecewiseGraphRunner):
     def _capture(self, fn):
         with torch.inference_mode():
             fn()
-        return Replay(lambda: fn())
+        return Replay(fn)  # (replayed inside the runner's inference mode)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])  # qwen3: per-head q/k norms
