@@ -10,7 +10,8 @@ that long. `benchmarks/probes/gil_switch.py` (this 2-core EPYC, 2026-11-28, two 
 small ops beside a thread running Python took 1.4-5.5 s at 5 ms, 0.28-0.54 s at 0.5 ms, 0.22 s
 at 0.2 ms (3-5 ms alone). The multi-turn benchmark with its client in the Engine's process ran
 6.5% faster at 0.5 ms than at 5 (13.2-13.3 -> 12.4-12.5 s, alternated; with server processes
-no change beyond the drift between runs: `benchmarks/results/gil_switch-cpu.jsonl`).
+no change beyond the drift between runs); the whole benchmark (on, off, restart) once each: on
+16.3 -> 12.6 s, the restart's store read 51k -> 64k tokens/s (`gil_switch-cpu.jsonl`).
 Interleaving finer costs the other thread little: what it computes is the same.
 
 RADIXLM_SWITCH_INTERVAL_MS sets the interval (default 0.5); 0 leaves Python's. Only ever lowers
