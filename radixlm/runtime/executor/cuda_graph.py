@@ -63,13 +63,18 @@ def capturing():
             gc.enable()
 
 
+def buckets_up_to(sizes, largest: int) -> list[int]:
+    """The ascending `sizes` up to `largest`, ending with `largest` itself (the last bucket)."""
+    out = [b for b in sizes if b <= largest]
+    if not out or out[-1] != largest:
+        out.append(largest)
+    return out
+
+
 def batch_size_buckets(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 256, then every 16: few buckets, little padding."""
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
-    out = [b for b in sizes if b <= max_bs]
-    if not out or out[-1] != max_bs:
-        out.append(max_bs)
-    return out
+    return buckets_up_to([1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16)),
+                         max_bs)
 
 
 class CudaGraphRunner:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from radixlm.runtime.executor.cuda_graph import _capture_stream, capturing
+from radixlm.runtime.executor.cuda_graph import _capture_stream, buckets_up_to, capturing
 from radixlm.runtime.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.runtime.models import llama_pieces
 
@@ -40,9 +40,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     while n <= max_tokens:
         sizes.append(n)
         n += 16 if n < 128 else 32 if n < 512 else 64
-    if not sizes or sizes[-1] != max_tokens:
-        sizes.append(max_tokens)
-    return sizes
+    return buckets_up_to(sizes, max_tokens)
 
 
 class PiecewiseGraphRunner:
