@@ -100,6 +100,12 @@ class Req:
         # (CUDA) a load of its host prefix still in flight: (the loaded path's node, which it
         # holds locked, and the tokens each tier gave), until a round admits it (prefill.py)
         self.preload: Optional[tuple] = None
+        # compute the head, read the tail (mem_cache/head_split.py): the tokens it computed of
+        # the stored prefix before waiting again for the rest, the tiers' hits of that first
+        # admission, and while it waits the head's node, which it holds locked (no row)
+        self.head_tokens = 0
+        self.head_details: Optional[dict] = None
+        self.parked: Any = None
         self.extend_len = 0  # tokens in the current extend step (chunk)
         self.is_chunked = False  # mid-way through a chunked prefill
         self.match: Any = None  # (slots, node) from the last prefix match, used at admission
@@ -187,6 +193,12 @@ class Req:
             runs.append((len(self.origin_input_ids), self.output_token_logprobs,
                          self.output_top_logprobs))
         return TokenLogprobs.from_runs(n, runs, self.top_logprobs_num)
+
+    @property
+    def computing_head(self) -> bool:
+        """Admitted, or about to be, to compute the head of a split stored prefix before its
+        tail is read (scheduler/split_heads.py)."""
+        return self.prefetch is not None and self.prefetch.head_pending
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)

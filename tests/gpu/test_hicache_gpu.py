@@ -75,6 +75,52 @@ def test_tiers_on_cuda_match_the_plain_engine(tiny_llama_path, tmp_path):
     assert all(d["storage"] > 0 for d in details.values()), details
 
 
+def test_split_heads_after_a_restart_match_the_plain_engine(tiny_llama_path, tmp_path,
+                                                            monkeypatch):
+    """Compute the head, read the tail (mem_cache/head_split.py) on CUDA: the tail's pages
+    stream to the device below the head while the request waits (preloads), its head's lock and
+    its preload's hand over at admission; rates set so that every restart request splits."""
+    from radixlm.runtime.mem_cache import head_split
+
+    prompts = _prompts()
+    plain = _engine(tiny_llama_path, max_total_tokens=4096)
+    try:
+        ref, _ = _run(plain, prompts, range(6))
+    finally:
+        plain.shutdown()
+    extra = json.dumps({"file_storage_path": str(tmp_path), "page_tokens": PAGE,
+                        "prefetch_threshold": PAGE})
+    tiered = dict(max_total_tokens=300, enable_hicache=True, hicache_ratio=2.0,
+                  hicache_storage_backend="file", hicache_storage_backend_extra_config=extra,
+                  hicache_storage_prefetch_policy="wait_complete")
+    eng = _engine(tiny_llama_path, **tiered)
+    try:
+        _run(eng, prompts, range(6))
+    finally:
+        eng.shutdown()  # queued pages reach the folder
+    monkeypatch.setattr(head_split, "MIN_HEAD_TOKENS", 1)
+    eng = _engine(tiny_llama_path, **tiered)
+
+    def half(cache):  # heads of half the pages found
+        cache._head_tps = cache._prefill_tps = 1.0
+        cache._read_bps = float(cache.host.token_bytes)
+
+    try:
+        outs, details = {}, {}
+        for i in range(6):
+            eng._call_in_loop(lambda: half(eng.scheduler.tree_cache))
+            o, d = _run(eng, prompts, [i])
+            outs.update(o)
+            details.update(d)
+        stats = eng.get_stats()["hicache"]
+    finally:
+        eng.shutdown()
+    assert outs == ref
+    assert stats["head_splits"] == 6, stats
+    # the heads are computed, not hits (a random prompt may share a first token with another)
+    assert all(d["storage"] > 0 and d["device"] < PAGE for d in details.values()), details
+
+
 @pytest.mark.parametrize("layout", ["one_run", "many_runs", "scattered", "chunked"])
 def test_mover_loads_and_backs_up_any_slot_layout(layout):
     """KVMover on CUDA, slot-major host pool: host rows -> device slots and back, bit for bit (bf16

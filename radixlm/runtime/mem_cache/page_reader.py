@@ -79,6 +79,18 @@ class PrefetchOp:
     staged_after: int = 0  # ... of the first this many backups (KVMover.backups_queued)
     done: bool = False  # nothing more will land
     cancelled: bool = False  # set by the scheduler; the reader stops at the next page
+    # compute the head, read the tail (mem_cache/head_split.py): `may_split` the request may
+    # (the scheduler's choice at queueing); `head_end` > 0: it does, computing tokens up to
+    # head_end (= first * page: the op reads from there) before its pages join the tree
+    may_split: bool = False
+    head_end: int = 0
+    head_done: bool = False  # the head is computed and in the tree (the request waits again)
+
+    @property
+    def head_pending(self) -> bool:
+        """Split, its head not yet computed: the request goes now to compute it, and the
+        pages read meanwhile cannot join the tree (nothing there to hang them below) yet."""
+        return self.head_end > 0 and not self.head_done
 
     @property
     def page_count(self) -> int:

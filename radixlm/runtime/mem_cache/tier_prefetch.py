@@ -7,6 +7,10 @@ A waiting request's life with a store (SGLang's `--hicache-storage-prefetch-poli
   each step `apply_prefetch_news` (start of the step): a lookup's result gets host slots (evicting
             host LRU leaves, never the request's own host path) and a read job; landed pages are
             counted; a read's end frees the slots of pages that did not land. Nothing waits.
+  split     (head_split.py) when the lookup finds pages while nothing else wants the GPU: the
+            request goes at once to compute the prefix's first pages (`head_pending`), the
+            reader reads the rest meanwhile; the request then waits again (scheduler `_park`)
+            and its pages join the tree below the head it computed.
   admission `prefetch_ready` decides whether the request may go now:
               best_effort    always: what has landed is used, the rest recomputed;
               wait_complete  only once the read has ended;
@@ -39,6 +43,7 @@ from typing import Optional
 
 import torch
 
+from radixlm.runtime.mem_cache.head_split import head_split_pages
 from radixlm.runtime.mem_cache.page_reader import PageReader, PrefetchOp
 from radixlm.runtime.mem_cache.tier_transfers import _ema
 
@@ -86,11 +91,16 @@ class TierPrefetch:
         self._staged: list[PrefetchOp] = []  # slots allocated, read waiting for the host rows
         self._lookups = 0  # lookups queued or running
         self._pages_held = 0  # pages of host slots the ops hold
+        # compute the head, read the tail (head_split.py): on CUDA, where the reader's threads
+        # use host cores the forward leaves free (tests turn it on for the CPU)
+        self.split_heads = self.mover.loads_async
+        self._head_tps: Optional[float] = None  # tokens/s of heads computed (EMA)
 
     # --- queued ----------------------------------------------------------------------------------
-    def start_prefetch(self, token_ids) -> Optional[PrefetchOp]:
+    def start_prefetch(self, token_ids, may_split: bool = False) -> Optional[PrefetchOp]:
         """A request entered the waiting queue with these (matchable) prompt tokens: look its
-        pages past the tree's device + host match up in the store, off this thread."""
+        pages past the tree's device + host match up in the store, off this thread. `may_split`:
+        the request may compute the head of what the store holds (head_split.py)."""
         if self.reader is None or self.prefetch_pages <= 0:
             return None
         tokens, page = tuple(token_ids), self.page
@@ -105,7 +115,7 @@ class TierPrefetch:
         wait = (self.prefetch_timeout_base
                 + self.prefetch_timeout_per_ki_token * (last * page - have) / 1024)
         op = PrefetchOp(self.storage, tokens, first, list(self._keys(tokens, last)[first:]), page,
-                        time.monotonic() + wait)
+                        time.monotonic() + wait, may_split=may_split)
         self._lookups += 1
         self._ops.add(op)
         self.reader.lookup(op)
@@ -117,10 +127,11 @@ class TierPrefetch:
         """Whether the reader has reported something a step should apply."""
         return self.reader is not None and bool(self.reader.news)
 
-    def apply_prefetch_news(self, release: bool) -> None:
+    def apply_prefetch_news(self, release: bool, idle: bool = False) -> None:
         """Apply the reader's reports in order; start the reads that waited for backups' DMA
         (CUDA): with `release` (no forward of ours in flight) all, landing every backup; else
-        those whose backups have completed."""
+        those whose backups have completed. `idle`: nothing else wants the GPU now (a lookup
+        that finds pages may split them, head_split.py)."""
         if self.reader is None:
             return
         news = self.reader.news
@@ -128,7 +139,7 @@ class TierPrefetch:
             kind, op, *rest = news.popleft()
             if kind == "found":
                 self._lookups -= 1
-                self._on_found(op, rest[0])
+                self._on_found(op, rest[0], idle)
             elif kind == "landed":
                 op.landed = max(op.landed, rest[0])
             else:
@@ -143,7 +154,7 @@ class TierPrefetch:
                 op.staged, op.reading = False, True
                 self.reader.read(op)
 
-    def _on_found(self, op: PrefetchOp, n: int) -> None:
+    def _on_found(self, op: PrefetchOp, n: int, idle: bool = False) -> None:
         op.found = n
         room = self.prefetch_pages - self._pages_held
         take = min(n, room)
@@ -152,6 +163,8 @@ class TierPrefetch:
                 self.counters["prefetch_dropped"] += 1
             self._finish(op)
             return
+        if idle and op.may_split and self.split_heads and self.prefetch_policy != "best_effort":
+            take -= self._split_head(op, take)
         slots = self._alloc_pinning_path(op, take * self.page)
         if slots is None:  # every host copy is pinned: recompute instead
             self._finish(op)
@@ -165,6 +178,26 @@ class TierPrefetch:
         else:
             op.reading = True
             self.reader.read(op)
+
+    def _split_head(self, op: PrefetchOp, take: int) -> int:
+        """Cut the first pages of what the op would read off to compute (head_split.py): the op
+        then starts past them. Returns the pages cut (0: no split)."""
+        read_tps = (None if self._read_bps is None
+                    else self._read_bps / self.host.token_bytes)
+        head = head_split_pages(take, self.page, self._head_tps or self._prefill_tps, read_tps)
+        if head:
+            op.first += head
+            op.keys = op.keys[head:]
+            op.found -= head
+            op.head_end = op.first * self.page
+            self.counters["head_splits"] += 1
+            self.counters["head_split_tokens"] += head * self.page
+        return head
+
+    def observe_head(self, tokens: int, seconds: float) -> None:
+        """A head's compute (tokens from its request's cached prefix to head_end)."""
+        if tokens > 0 and seconds > 0:
+            self._head_tps = _ema(self._head_tps, tokens / seconds)
 
     def _alloc_pinning_path(self, op: PrefetchOp, n: int) -> Optional[torch.Tensor]:
         """n host slots; the request's own host path is pinned while host eviction makes room (its
@@ -204,10 +237,14 @@ class TierPrefetch:
         """Whether a request with this prefetch may be admitted now (see the policies above)."""
         if op is None or op.done or op.cancelled or self.prefetch_policy == "best_effort":
             return True
+        if op.head_pending:  # it goes now to compute its head, the read going on
+            return True
         if self.prefetch_policy == "wait_complete":
             return False
         if time.monotonic() >= op.deadline:
             return True
+        if op.head_end:  # a split's tail was cut to be read in the time its head took
+            return False
         if not self._storage_pays():  # computing beats reading: do not wait for it
             self.counters["storage_loads_skipped"] += 1
             op.deadline = 0.0  # (counted once)
@@ -218,7 +255,8 @@ class TierPrefetch:
         """Admission: the pages landed so far join the tree as host-resident nodes; the op goes on
         (a request that is not admitted after all keeps its read). Returns the absolute token
         range [lo, hi) the tree took, or None."""
-        if op is None or op.cancelled or op.landed <= op.released or op.storage is not self.storage:
+        if (op is None or op.cancelled or op.head_pending or op.landed <= op.released
+                or op.storage is not self.storage):
             return None
         return self._adopt(op)
 

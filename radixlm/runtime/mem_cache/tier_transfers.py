@@ -34,6 +34,8 @@ class TierTransfers:
             "storage_load_failures": 0, "storage_loads_skipped": 0,
             "preloads": 0,  # loads whose copy ran beside the forwards (CUDA; prefill.py)
             "prefetch_started": 0, "prefetch_dropped": 0,
+            # compute the head, read the tail (head_split.py): requests split, tokens computed
+            "head_splits": 0, "head_split_tokens": 0,
             "device_evicted_tokens": 0, "host_evicted_tokens": 0, "dropped_tokens": 0,
             # seconds the scheduler's thread spent on page writes (queueing, or writing them
             # itself with write_queue_pages 0) and on applying their completions
@@ -69,7 +71,8 @@ class TierTransfers:
                "host": {"capacity": host.capacity, "free": host.allocator.available_size(),
                         "cached": self._host_tokens, "bytes_per_token": host.token_bytes},
                "storage": {"index_tokens": self._store_tokens, "page_tokens": self.page},
-               "prefill_tokens_per_s": self._prefill_tps, "storage_read_bytes_per_s": self._read_bps}
+               "prefill_tokens_per_s": self._prefill_tps, "storage_read_bytes_per_s": self._read_bps,
+               "head_tokens_per_s": self._head_tps}
         if self.storage is not None:
             out["storage"].update(self.storage.stats())
             out["storage"]["write_queue"] = self.write_queue_stats()

@@ -43,7 +43,8 @@ from radixlm.runtime.scheduler.prefill import admission_budget
 def _plain(req: Req) -> bool:
     """Nothing of this request's extend needs the host before the next step's launch."""
     return (req.mm is None and not req.embed_pooling and not req.wants_input_logprobs
-            and req.grammar_future is None and req.grammar is None and not req.token_ids_logprob)
+            and req.grammar_future is None and req.grammar is None and not req.token_ids_logprob
+            and not req.computing_head)
 
 
 class OverlapExtend:
@@ -130,7 +131,7 @@ class OverlapExtend:
                                 self.device, tail_ids=tail_ids)
         fb.num_decode_tail = len(tail)
         fb = as_decode(fb, rows, admitted + tail)
-        timing = _GpuTiming(self.device)
+        timing = GpuTiming(self.device)
         logits = self._forward_or_oom(fb, admitted + tail)  # (N, vocab)
         if logits is None:  # a CUDA OOM failed the batch (step() reports it)
             return None
@@ -180,19 +181,24 @@ class OverlapExtend:
 
     def _count_prompt_stats(self, reqs: list[Req]) -> None:
         for req in reqs:
-            if req.req_pool_idx is None and req.retractions == 0 and not req.output_ids:
-                req.cached_tokens = req.kv_len
+            if (req.req_pool_idx is None and req.retractions == 0 and not req.output_ids
+                    and not req.computing_head):
+                # (a split request counts at its second admission; what its head computed is
+                # not cached: split_heads.py. Then forgotten: a later re-admission, after a
+                # retraction or a jump forward, computed no head)
+                req.cached_tokens = req.kv_len - req.head_tokens
+                req.head_tokens, req.head_details = 0, None
                 self.stats["prompt_tokens"] += len(req.origin_input_ids)
-                self.stats["cached_tokens"] += req.kv_len
+                self.stats["cached_tokens"] += req.cached_tokens
 
-    def _observe_prefill(self, tokens: int, timing: "_GpuTiming", t0: float) -> None:
+    def _observe_prefill(self, tokens: int, timing: "GpuTiming", t0: float) -> None:
         """Completion of an overlapped extend: its prefill rate, for the hierarchical cache's
         choice between reading a prefix from the store and recomputing it."""
         if self.tiered:
             self.tree_cache.observe_prefill(tokens, timing.seconds(t0))
 
 
-class _GpuTiming:
+class GpuTiming:
     """The extend's forward time: CUDA events around it (read once its samples are on the host,
     so no sync of its own); elsewhere the host's clock, the forward being synchronous there."""
 
@@ -208,6 +214,10 @@ class _GpuTiming:
         if self.events is not None:
             self.events[1].record()
         self.t_end = time.perf_counter()
+
+    def done(self) -> bool:
+        """Whether seconds() may be read without waiting (its end event has completed)."""
+        return self.events is None or self.events[1].query()
 
     def seconds(self, t0: float) -> float:
         if self.events is not None:

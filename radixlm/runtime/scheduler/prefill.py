@@ -94,7 +94,7 @@ class PrefillAdder:
 
     def add_chunked(self, req: Req) -> AddResult:
         """Continue a request whose prefill was chunked; its prefix is already locked."""
-        return self._take(req, req.seqlen - req.kv_len)
+        return self._take(req, req.seqlen - req.kv_len, _head_left(req, req.kv_len))
 
     def add(self, req: Req) -> AddResult:
         if self.rem_step <= 0:
@@ -104,11 +104,17 @@ class PrefillAdder:
         if req.prefetch is not None:  # what landed from the store joins the tree (host nodes)
             req.prefetch_range = _union(req.prefetch_range,
                                         self.tree_cache.adopt_prefetch(req.prefetch))
+        head = req.computing_head  # a split: only its head now (split_heads.py)
         if req.match is None or self.tiered:  # tiered: this round's loads may have moved KV
             cap = match_len_cap(req, self.tree_cache)
+            if head:
+                cap = min(cap, req.prefetch.head_end)
             req.match = self.tree_cache.match_prefix(req.fill_ids[:cap])
         slots, node = req.match
         lower = getattr(req.match, "lower_len", 0)
+        if head and len(slots) + lower >= req.prefetch.head_end:
+            req.prefetch.head_done = True  # the tree has its head now: it waits for the tail
+            return AddResult.DEFERRED
         if lower and not self.start_loads and req.preload is None:
             return AddResult.DEFERRED  # its copy starts beside the step about to be launched
         if self._shares_prefix_with_admitted(req, len(slots) + lower):
@@ -118,12 +124,12 @@ class PrefillAdder:
         self._lock(node)
         details = None
         if self.tiered:
-            slots, node, details = self._load_lower(req, slots, node)
+            slots, node, details = self._load_lower(req, slots, node, keep_prefetch=head)
             if details is None:  # preloading: the request waits for the copy
                 return AddResult.DEFERRED
         req.prefix_indices, req.last_node = slots, node
         req.kv_len = len(slots)
-        result = self._take(req, req.seqlen - len(slots))
+        result = self._take(req, req.seqlen - len(slots), _head_left(req, len(slots)))
         if result != AddResult.ADDED:
             self._unlock(node)
             req.prefix_indices, req.last_node, req.kv_len = slots[:0], None, 0
@@ -132,10 +138,18 @@ class PrefillAdder:
             details = _preloaded_details(req.preload[1], len(slots))
             self._unlock(req.preload[0])
             req.preload = None
+        if req.parked is not None:  # the lock on its head hands over to the admission's
+            self._unlock(req.parked)
+            req.parked = None
+        if head:  # its hits are reported at its second admission, with the tail's
+            req.head_tokens, req.head_details = req.prefetch.head_end - len(slots), details
+            return result
         serve_cached_input_logprobs(req)
         if req.prefetch is not None:  # admitted: what has not landed is recomputed
             self.tree_cache.cancel_prefetch(req.prefetch)
             req.prefetch = None
+        if details is not None and req.head_tokens:
+            details = _without_head(details, req.head_tokens, req.head_details)
         if details is not None:
             self.tree_cache.record_hits(details)
             if req.retractions == 0 and not req.output_ids:  # what meta_info reports
@@ -216,14 +230,17 @@ class PrefillAdder:
                 return slots, node, None
         return slots, node, details
 
-    def _take(self, req: Req, remaining: int) -> AddResult:
+    def _take(self, req: Req, remaining: int, stop: Optional[int] = None) -> AddResult:
+        """Admit `req` for its next `remaining` prompt tokens (the budget counts all of them);
+        this step computes up to `stop` of them (a split's head) and the step's share."""
         need = remaining + reserved_decode_tokens(req, self.ratio)
         if need > self.rem_total:
             self.short_of = need - self.rem_total
             return AddResult.NO_MEMORY
-        if remaining > self.rem_step and not self.chunking and self.admitted:
+        want = remaining if stop is None else min(remaining, stop)
+        if want > self.rem_step and not self.chunking and self.admitted:
             return AddResult.NO_COMPUTE  # an unchunked long prompt runs alone in its own step
-        ext = remaining if not self.chunking else min(remaining, self.rem_step)
+        ext = want if not self.chunking else min(want, self.rem_step)
         req.extend_len = ext
         req.is_chunked = ext < remaining
         # only what is allocated now leaves the budget for good; the rest of a chunked prompt
@@ -240,6 +257,20 @@ def _preloaded_details(loaded: dict, total: int) -> dict:
     out = dict(loaded)
     out["device"] = max(0, total - out["host"] - out["storage"])
     return out
+
+
+def _head_left(req: Req, computed: int) -> Optional[int]:
+    """Tokens of a split request's head still to compute past `computed` (None: no head)."""
+    return req.prefetch.head_end - computed if req.computing_head else None
+
+
+def _without_head(details: dict, head_tokens: int, first: Optional[dict]) -> dict:
+    """A split request's hits at its second admission: its first admission's (the prefix it had
+    before its head, now all on the device) and its tail's; the head it computed is no hit."""
+    first = first or {"device": 0, "host": 0, "storage": 0}
+    return {"device": max(0, details["device"] - head_tokens - first["host"] - first["storage"]),
+            "host": details["host"] + first["host"],
+            "storage": details["storage"] + first["storage"]}
 
 
 def _union(a, b):

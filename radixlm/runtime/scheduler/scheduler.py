@@ -36,6 +36,7 @@ from radixlm.runtime.scheduler.overlap import InFlightDecode, chained_input_ids,
 from radixlm.runtime.scheduler.overlap_extend import OverlapExtend
 from radixlm.runtime.scheduler.policy import order_waiting
 from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder
+from radixlm.runtime.scheduler.split_heads import SplitHeads
 from radixlm.runtime.scheduler.token_processing import TokenProcessing
 from radixlm.runtime.scheduler.waiting import WaitingQueue
 
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, WaitingQueue,
-                FaultIsolation):
+                SplitHeads, FaultIsolation):
     def __init__(self, args, runner, tokenizer=None):
         self.args = args
         self.runner = runner
@@ -76,6 +77,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         self._short_of: Optional[int] = None
         self._deferred: list[Req] = []  # requests completed outside step(), reported by the next
         self._failed: list[Req] = []  # failed during this step (isolation.py); step() sweeps them
+        self._init_split_heads()
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                       "retractions": 0, "forward_steps": 0, "extend_steps": 0,
                       "overlapped_extend_steps": 0,  # left in flight (overlap_extend.py)
@@ -107,6 +109,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
                     return req
         if self.chunked is not None and self.chunked.rid == rid:
             req, self.chunked = self.chunked, None
+            self._drop_prefetch(req)  # (a split's head in chunks: its read goes on until now)
             self._finish(req, Finish(FinishReason.ABORT, message="aborted by request"))
             return req
         return None
@@ -135,7 +138,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         done, self._deferred = self._deferred, []
         if self.tiered:  # page writes and prefetch reads since the last step: applied now
             self.tree_cache.settle_page_writes(release=False)
-            self.tree_cache.apply_prefetch_news(release=False)
+            self.tree_cache.apply_prefetch_news(release=False, idle=self._gpu_idle())
         if self.inflight is not None:
             prev, self.inflight = self.inflight, None
             chain = self._chainable()
@@ -184,7 +187,8 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
     def _step(self) -> list[Req]:
         if self.tiered:  # no forward in flight: CUDA DMA lands, page writes and reads can start
             self.tree_cache.settle_page_writes(release=True)
-            self.tree_cache.apply_prefetch_news(release=True)
+            self.tree_cache.apply_prefetch_news(release=True, idle=self._gpu_idle())
+            self._observe_heads()
             if self.waiting:
                 self._stream_prefetched()
         mixed = bool(self.running) and not self.args.disable_mixed_batch
@@ -258,6 +262,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         for req in decoding:
             req.extend_len = 1
         t0 = time.perf_counter()
+        timing = self._time_head(reqs) if self.tiered else None
         fb, rows = build_extend(reqs + decoding, self.req_pool, self.allocator, self.tree_cache,
                                 self.device)
         fb.num_decode_tail = len(decoding)
@@ -265,6 +270,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         logits = self._forward_or_oom(fb, reqs + decoding)  # (N, vocab)
         if logits is None:  # a CUDA OOM failed the batch (step() reports it)
             return []
+        self._head_timed(reqs, timing, t0)
         self.stats["forward_steps"] += 1
         self.stats["extend_steps"] += 1
         for req in reqs + decoding:
@@ -283,7 +289,10 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         for req in reqs:
             if req.is_chunked and not req.finished:  # (finished: failed in its logprobs)
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
-                self.chunked = req
+                if req.computing_head and req.kv_len >= req.prefetch.head_end:
+                    self._park(req)  # (split_heads.py) its tail is still being read
+                else:
+                    self.chunked = req
         if decoding:
             self._decode_results(decoding, logits[staged(rows.sample_rows[n_new:], self.device)])
         if not sample_reqs:

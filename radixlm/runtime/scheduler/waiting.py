@@ -32,11 +32,14 @@ class WaitingQueue:
             req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout
         if self.tiered:  # its pages in the store start coming up to the host now, off this thread
             req.prefetch = self.tree_cache.start_prefetch(
-                req.fill_ids[:match_len_cap(req, self.tree_cache)])
+                req.fill_ids[:match_len_cap(req, self.tree_cache)], self._may_split(req))
         self.waiting.append(req)
 
     def _drop_prefetch(self, req: Req) -> None:
         """The request leaves the waiting queue unadmitted: what it held while waiting goes."""
+        if req.parked is not None:  # the head it computed stays in the tree, unlocked
+            self.tree_cache.dec_lock_ref(req.parked)
+            req.parked = None
         if self.pd is not None:  # the decode role's lock on its received prompt
             self.pd.release_wait_lock(req)
         if req.prefetch is not None:
@@ -131,7 +134,7 @@ class WaitingQueue:
         adder = None
         for req in self.waiting:
             op = req.prefetch
-            if op is None or op.cancelled or op.landed <= op.released:
+            if op is None or op.cancelled or op.head_pending or op.landed <= op.released:
                 continue
             if adder is None:
                 adder = PrefillAdder(self.tree_cache, self.allocator, self.running,

@@ -1,0 +1,131 @@
+"""Compute the head, read the tail (mem_cache/head_split.py, scheduler/split_heads.py), through
+the scheduler on the CPU (fp32, the tiny random Llama of test_hicache_engine.py), with the split
+turned on (CUDA only by default) and the rates set so that it happens: a split request's greedy
+tokens are the reference's, its head is reported as computed and its tail as storage hits, two
+requests splitting the same prefix share the head, a head longer than a chunk is computed in
+chunks, and an abort while the tail is read leaves no lock, row or host slot behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from radixlm.runtime.mem_cache import head_split
+from radixlm.runtime.mem_cache.head_split import head_split_pages
+from test_hicache_engine import (PAGE, PROMPTS, SP, _tiered, make_engine, reference,  # noqa: F401
+                                 tiny_path)
+from test_hicache_prefetch import _cache_call, _slow_reads, warm_store  # noqa: F401
+from test_hicache_preload import slow_loads  # noqa: F401
+
+STORED_PAGES = 5  # of a 48-token prompt: 47 matchable tokens, 8-token pages
+
+
+def test_head_split_pages_balances_compute_and_read():
+    # h = T * C / (C + R), in whole pages, at least one page read
+    assert head_split_pages(100, 64, 30_000.0, 70_000.0) == 30
+    assert head_split_pages(100, 64, 1e9, 1.0) == 99
+    assert head_split_pages(100, 64, None, 70_000.0) == 0  # not measured yet: read it all
+    assert head_split_pages(100, 64, 30_000.0, None) == 0
+    assert head_split_pages(10, 64, 1_000.0, 70_000.0) == 0  # under MIN_HEAD_TOKENS
+    assert head_split_pages(1, 64, 1e9, 1.0) == 0
+
+
+def _split_engine(make_engine, store, monkeypatch, engine_kw=None, **kw):  # noqa: F811
+    """An engine on the warm store whose next lookups split their pages in two halves: compute
+    rate 2 tokens/s against a read rate of 2 (storage still pays against the prefill's 1)."""
+    monkeypatch.setattr(head_split, "MIN_HEAD_TOKENS", 1)
+    eng = _tiered(lambda **e: make_engine(**e, **(engine_kw or {})), store, **kw)
+    _set_rates(eng)
+    return eng
+
+
+def _set_rates(eng) -> None:
+    def setup(cache):
+        cache.split_heads = True
+        cache._prefill_tps, cache._head_tps = 1.0, 2.0
+        cache._read_bps = 2.0 * cache.host.token_bytes
+
+    _cache_call(eng, setup)
+
+
+def _counters(eng) -> dict:
+    return _cache_call(eng, lambda c: dict(c.counters))
+
+
+@pytest.mark.parametrize("chunk,loads", [(None, "sync"), (8, "sync"), (None, "async"),
+                                         (8, "async")])
+def test_split_request_matches_the_reference(make_engine, integrity, reference,  # noqa: F811
+                                             warm_store, monkeypatch, request, chunk, loads):
+    # chunk 8: a head of 16 tokens in two chunks; async: loads as on CUDA (test_hicache_preload's
+    # stand-in), so the tail's pages stream to the device below the head while the read goes on
+    # and the request's preload and head locks both hand over at admission
+    if loads == "async":
+        request.getfixturevalue("slow_loads")
+    extra = {} if chunk is None else {"chunked_prefill_size": chunk}
+    eng = _split_engine(make_engine, warm_store, monkeypatch, engine_kw=extra)
+    out = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    assert out["output_ids"] == reference[0]
+    head = STORED_PAGES // 2 * PAGE  # 2 pages computed, 3 read
+    meta = out["meta_info"]
+    assert meta["cached_tokens_details"] == {"device": 0, "host": 0,
+                                             "storage": (STORED_PAGES * PAGE - head)}
+    assert meta["cached_tokens"] == STORED_PAGES * PAGE - head
+    c = _counters(eng)
+    assert c["head_splits"] == 1 and c["head_split_tokens"] == head
+    assert c["hit_tokens_storage"] == STORED_PAGES * PAGE - head and c["hit_tokens_device"] == 0
+    assert (c["preloads"] > 0) == (loads == "async")
+    integrity(eng)
+    assert _cache_call(eng, lambda c: c._head_tps) != 2.0  # the head's forward was timed
+
+
+def test_two_requests_share_one_head(make_engine, integrity, reference,  # noqa: F811
+                                     warm_store, monkeypatch):
+    # slow reads: the second lookup ends while the first request waits for its tail (or before
+    # its head is computed); both split, the second finds the first's head in the tree (no
+    # second compute) and waits for its own tail
+    eng = _split_engine(make_engine, warm_store, monkeypatch)
+    _slow_reads(eng, 0.2)
+    outs = eng.generate(input_ids=[PROMPTS[1], PROMPTS[1]], sampling_params=SP)
+    assert [o["output_ids"] for o in outs] == [reference[1]] * 2
+    head = STORED_PAGES // 2 * PAGE
+    tail = {"host": 0, "storage": STORED_PAGES * PAGE - head}
+    details = sorted((o["meta_info"]["cached_tokens_details"] for o in outs),
+                     key=lambda d: d["device"])
+    # the first: its head computed, its tail read; the second: its head from the first (and its
+    # tail too when the first has finished by the time its own read ends)
+    assert details[0] == dict(tail, device=0) and details[1]["device"] >= head
+    for o in outs:
+        meta = o["meta_info"]
+        assert sum(meta["cached_tokens_details"].values()) == meta["cached_tokens"]
+    assert _counters(eng)["head_splits"] == 2
+    integrity(eng)
+
+
+def test_abort_while_the_tail_is_read(make_engine, integrity, warm_store,  # noqa: F811
+                                      monkeypatch):
+    eng = _split_engine(make_engine, warm_store, monkeypatch, policy="wait_complete")
+    _slow_reads(eng, 0.3)  # 3 tail pages: 0.9 s unless cancelled
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(eng.generate(
+        input_ids=PROMPTS[0], sampling_params=SP, rid="split")))
+    thread.start()
+
+    def parked(cache):
+        sched = eng.scheduler
+        return any(r.parked is not None for r in sched.waiting)
+
+    deadline = time.monotonic() + 5
+    while not _cache_call(eng, parked):
+        assert time.monotonic() < deadline, "the request never computed its head"
+        time.sleep(0.01)
+    # the head's lock is the parked request's; the tail's host slots are held by its read
+    assert _cache_call(eng, lambda c: c.protected_size()) == STORED_PAGES // 2 * PAGE
+    eng.abort_request("split")
+    thread.join(timeout=5)
+    assert done["meta_info"]["finish_reason"]["type"] == "abort"
+    _cache_call(eng, lambda c: c.drain_prefetch())
+    stats = _cache_call(eng, lambda c: (c.check_integrity(), c.prefetch_stats())[1])
+    assert stats["held_pages"] == 0 and stats["ops"] == 0
+    integrity(eng)  # idle: no lock left (the parked one released), every row free
