@@ -18,7 +18,7 @@ def _engine(path, dtype="float32", **kw):
     import radixlm
 
     return radixlm.Engine(model_path=path, device="cuda", dtype=dtype,
-                          skip_tokenizer_init=True, max_total_tokens=8192, context_length=1024,
+                          skip_tokenizer_init=True, max_total_tokens=8192, context_length=512,
                           chunked_prefill_size=48, piecewise_cuda_graph_max_tokens=32,
                           cuda_graph_max_bs=16, **kw)
 

@@ -198,9 +198,9 @@ def test_landed_pages_start_their_copy_while_the_read_goes_on(make_engine, integ
 
 def test_a_threaded_read_reports_its_pages_in_runs(tmp_path):
     """The reader thread reports landed pages in runs (page_reader.LANDED_REPORT_TOKENS, or a
-    quarter of the read), the rest with the read's end: each report makes the scheduler step,
-    and page by page those steps held the GIL the fetchers need. Every page still lands and
-    joins the tree."""
+    quarter of the read), the last run in quarters (what is reported after the read's end is
+    copied after it): each report makes the scheduler step, and page by page those steps held
+    the GIL the fetchers need. Every page still lands and joins the tree."""
     import collections
 
     from radixlm.runtime.mem_cache.page_reader import landed_report_pages
@@ -216,7 +216,7 @@ def test_a_threaded_read_reports_its_pages_in_runs(tmp_path):
 
         class Recorded(collections.deque):
             def append(self, item):
-                kinds.append(item[0])
+                kinds.append(item[0] if item[0] != "landed" else item[2])
                 super().append(item)
 
         cache.reader.news = Recorded()
@@ -228,8 +228,8 @@ def test_a_threaded_read_reports_its_pages_in_runs(tmp_path):
             time.sleep(0.001)
         assert op.landed == op.page_count == 21
         run = landed_report_pages(op)
-        assert run == 5 and kinds.count("landed") == 5  # 5, 10, 15, 20, then 21 at the end
-        assert kinds[-2:] == ["landed", "read_end"]
+        # runs of 5 pages while a whole run is left after them, then each quarter run (1 page)
+        assert run == 5 and kinds == ["found", 5, 10, 15, 17, 18, 19, 20, 21, "read_end"]
         taken = cache.take_prefetch(op)
         assert taken == (0, 42) and cache.match_prefix(seq).lower_len == 42
         cache.check_integrity()

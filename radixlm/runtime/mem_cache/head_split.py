@@ -29,6 +29,11 @@ from typing import Optional
 
 # a shorter head costs an admission round, a forward and a wait for less than it saves
 MIN_HEAD_TOKENS = 512
+# weight of the newest head in the head rate's average: heads grow as the estimate does (a
+# first one cut with the rate of all prefills is short, and a short head computes fewer tokens
+# a second), so the estimate follows them quickly (H200, 8B: heads of 2.6k, 4.4k and 5.5k
+# tokens at 26k, 36k and 37k tokens/s; with the usual 0.2 the fifth head was still cut short)
+HEAD_RATE_WEIGHT = 0.5
 
 
 def head_split_pages(pages: int, page: int, compute_tps: Optional[float],

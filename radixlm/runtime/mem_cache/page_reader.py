@@ -55,7 +55,7 @@ READ_AHEAD = max(4, min(16, (os.cpu_count() or 8) // 2))
 # its copy to the device, scheduler/waiting.py), and page by page (~8 MB of an 8B model's KV)
 # those steps held the GIL the fetcher threads need (a 16k-token restart read at ~50k tokens/s
 # on an H200 host, then 70k once the loop stopped spinning as well, 2026-11-28)
-LANDED_REPORT_TOKENS = 2048
+LANDED_REPORT_TOKENS = 2048  # (the last run's in quarters: _read_ahead)
 
 
 def landed_report_pages(op: "PrefetchOp") -> int:
@@ -270,7 +270,10 @@ class PageReader:
                     break
                 job.bytes += nbytes
                 job.next += 1
-                if job.next - reported >= run:
+                # the read's last run in quarters: pages reported after the read's end are
+                # copied to the device after it, on the request's way to its first token
+                step = run if op.page_count - job.next >= run else max(1, run // 4)
+                if job.next - reported >= step:
                     self.news.append(("landed", op, job.next))
                     reported = job.next
         finally:

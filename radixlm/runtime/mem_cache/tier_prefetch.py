@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.mem_cache.head_split import head_split_pages
+from radixlm.runtime.mem_cache.head_split import HEAD_RATE_WEIGHT, head_split_pages
 from radixlm.runtime.mem_cache.page_reader import PageReader, PrefetchOp
 from radixlm.runtime.mem_cache.tier_transfers import _ema
 
@@ -197,7 +197,7 @@ class TierPrefetch:
     def observe_head(self, tokens: int, seconds: float) -> None:
         """A head's compute (tokens from its request's cached prefix to head_end)."""
         if tokens > 0 and seconds > 0:
-            self._head_tps = _ema(self._head_tps, tokens / seconds)
+            self._head_tps = _ema(self._head_tps, tokens / seconds, HEAD_RATE_WEIGHT)
 
     def _alloc_pinning_path(self, op: PrefetchOp, n: int) -> Optional[torch.Tensor]:
         """n host slots; the request's own host path is pinned while host eviction makes room (its

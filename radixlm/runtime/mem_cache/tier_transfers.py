@@ -181,6 +181,6 @@ class TierTransfers:
         return alloc.alloc(n)
 
 
-def _ema(old: Optional[float], new: float) -> float:
-    return new if old is None else (1 - EMA) * old + EMA * new
+def _ema(old: Optional[float], new: float, weight: float = EMA) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
