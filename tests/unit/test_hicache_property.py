@@ -2,10 +2,12 @@
 host), evict_host (host -> storage or gone), load (host / storage -> device), corrupt a stored
 page, flush; after every step the tiered invariants (check_integrity: shape, locks, per-tier
 accounting) hold, every device and host copy holds its path's KV, and a load serves only
-correct KV (a corrupt page is recomputed, never served). Four machines: writes to the store
-inside the backup, on the writer thread (held in flight across rules), no store at all, and
+correct KV (a corrupt page is recomputed, never served). Five machines: writes to the store
+inside the backup, on the writer thread (held in flight across rules), no store at all,
 storage prefetches started, landing page by page, taken at admission or cancelled (abort) across
-the other rules (the reader runs only when a rule says so)."""
+the other rules (the reader runs only when a rule says so), and the same with the head split
+(a lookup cuts the first pages off, the request computes them and its read's pages join the tree
+below them)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import torch
 
 from hicache_helpers import admit, check_contents, expect_kv, kv_value, make_tiered, put
+from radixlm.runtime.mem_cache import head_split
+
+MIN_HEAD_TOKENS = head_split.MIN_HEAD_TOKENS
 
 CAP, HOST_CAP = 12, 18
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=8)
@@ -204,6 +209,8 @@ class PrefetchMachine(TieredMachine):
 
     # random tokens, rarely stored: here they would dilute the rules below (still called)
     match = None
+    SPLIT = False  # lookups that find pages may split them (mem_cache/head_split.py)
+    MAX_OPS = 1 << 30  # requests queued at once
 
     def load(self, tokens):
         TieredMachine.load(self, tokens)
@@ -215,24 +222,43 @@ class PrefetchMachine(TieredMachine):
     def no_ops(self):
         self.ops = []  # (op, the request's tokens), not yet admitted nor aborted
 
+    def teardown(self):
+        head_split.MIN_HEAD_TOKENS = MIN_HEAD_TOKENS
+        TieredMachine.teardown(self)
+
+    def _apply_news(self) -> None:
+        """A step's start. SPLIT: the rates are set so that every split cuts half the pages
+        found (again each time: reads update them), a head of one page at least."""
+        if self.SPLIT:
+            head_split.MIN_HEAD_TOKENS = 1
+            c = self.cache
+            c.split_heads = True
+            c._head_tps = c._prefill_tps = 1.0
+            c._read_bps = float(c.host.token_bytes)
+        before = self.cache.counters["head_splits"]
+        self.cache.apply_prefetch_news(release=True, idle=self.SPLIT)
+        if self.cache.counters["head_splits"] > before:
+            event("split: a lookup cut a head off")
+
     def _reader_steps(self, units):
         """`units` of reader work then a step's start, twice (a lookup, then its read)."""
         for _ in range(2 if units else 0):
             self.cache.reader.work(units)
-            self.cache.apply_prefetch_news(release=True)
+            self._apply_news()
 
-    @precondition(lambda self: self.seen)
+    @precondition(lambda self: self.seen and len(self.ops) < self.MAX_OPS)
     @rule(i=PICK)
     def queued(self, i):
-        """A request is queued (its sequence + 0-2 more tokens); for even i its sequence was just
-        computed and pushed down every tier (only the store holds it: what prefetch is for)."""
+        """A request is queued (its sequence + 0-2 more tokens); for even i (any, SPLIT) its
+        sequence was just computed and pushed down every tier (only the store holds it: what
+        prefetch is for)."""
         seq = self.seen[i % len(self.seen)]
-        if i % 2 == 0:
+        if i % 2 == 0 or self.SPLIT:
             self.insert(seq)
             self.cache.evict(CAP)
             self.cache.evict_host(HOST_CAP)
         tokens = seq + [i % 3, i % 5 % 3][:i % 3]
-        op = self.cache.start_prefetch(tokens)
+        op = self.cache.start_prefetch(tokens, may_split=self.SPLIT and i % 4 != 0)
         if op is not None:
             self.ops.append((op, tokens))
 
@@ -241,7 +267,21 @@ class PrefetchMachine(TieredMachine):
     def reader_works(self, units):
         """The reader runs while a step goes by; its reports apply at the next step's start."""
         self.cache.reader.work(units)
-        self.cache.apply_prefetch_news(release=True)
+        self._apply_news()
+
+    def _compute_head(self, op, tokens) -> None:
+        """A split request computes its head (as the scheduler admits it at once) and waits
+        again holding it locked (split_heads `_park`); no room: it stays pending."""
+        head = tokens[:op.head_end]
+        if not put(self.cache, self.pool, self.alloc, head):
+            event("split: no room for the head")
+            return
+        m = self.cache.match_prefix(head)
+        assert m[0].numel() == len(head)
+        self.cache.inc_lock_ref(m[1])
+        self.locks.append((m[1], m[0], tuple(head)))
+        op.head_done = True
+        event("split: head computed, its pages come below it")
 
     @precondition(lambda self: self.ops)
     @rule(i=PICK)
@@ -253,6 +293,9 @@ class PrefetchMachine(TieredMachine):
         k = i % len(self.ops)
         op, tokens = self.ops[k]
         self._reader_steps([100, 0, 1, 2][i // 3 % 4])
+        if op.head_pending:  # split: the request computes its head first, the read goes on
+            self._compute_head(op, tokens)
+            self._reader_steps([100, 0, 1, 2][i // 3 % 4])
         if i % 3 == 1:
             if self.cache.adopt_prefetch(op) is not None and not op.done:
                 event("pages adopted, the read goes on")
@@ -291,6 +334,15 @@ class PrefetchMachine(TieredMachine):
                 assert torch.equal(got[0], want) and torch.equal(got[1], -want), op
 
 
+class SplitPrefetchMachine(PrefetchMachine):
+    """The same with the head split on: a lookup that finds pages cuts the first half off for
+    the request to compute; the read's pages join the tree below the head once it is there.
+    Two requests queued at most: the host pool's room for prefetched pages (4 pages of 2
+    tokens) is otherwise taken, and a lookup with under 2 pages of room does not split."""
+    SPLIT = True
+    MAX_OPS = 2
+
+
 class HostOnlyMachine(TieredMachine):
     STORED = False  # host eviction drops nodes
 
@@ -305,4 +357,7 @@ test_host_only_cache_invariants = HostOnlyMachine.TestCase
 PrefetchMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40,
                                              deadline=None)
 test_storage_prefetch_invariants = PrefetchMachine.TestCase
+SplitPrefetchMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                                  deadline=None)
+test_split_prefetch_invariants = SplitPrefetchMachine.TestCase
 test_async_page_writes_invariants = AsyncWritesMachine.TestCase
