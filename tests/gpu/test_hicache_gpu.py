@@ -40,21 +40,29 @@ def _run(eng, prompts, order) -> tuple[dict, dict]:
     return outs, details
 
 
-def test_tiers_on_cuda_match_the_plain_engine(tiny_llama_path, tmp_path):
-    prompts = _prompts()
-    plain = _engine(tiny_llama_path, max_total_tokens=4096)
+def _reference(path, prompts) -> dict:
+    plain = _engine(path, max_total_tokens=4096)
     try:
-        ref, _ = _run(plain, prompts, range(6))
+        return _run(plain, prompts, range(len(prompts)))[0]
     finally:
         plain.shutdown()
-    # every stored page is worth a prefetch (SGLang's default threshold is 256 tokens), and a
-    # request waits for its pages (on a GPU the tiny model computes faster than the disk reads,
-    # so the default timeout policy would rightly recompute instead)
-    extra = json.dumps({"file_storage_path": str(tmp_path), "page_tokens": PAGE,
+
+
+def _tiered(folder) -> dict:
+    """Every stored page is worth a prefetch (SGLang's default threshold is 256 tokens), and a
+    request waits for its pages (on a GPU the tiny model computes faster than the disk reads,
+    so the default timeout policy would rightly recompute instead)."""
+    extra = json.dumps({"file_storage_path": str(folder), "page_tokens": PAGE,
                         "prefetch_threshold": PAGE})
-    tiered = dict(max_total_tokens=300, enable_hicache=True, hicache_ratio=2.0,
-                  hicache_storage_backend="file", hicache_storage_backend_extra_config=extra,
-                  hicache_storage_prefetch_policy="wait_complete")
+    return dict(max_total_tokens=300, enable_hicache=True, hicache_ratio=2.0,
+                hicache_storage_backend="file", hicache_storage_backend_extra_config=extra,
+                hicache_storage_prefetch_policy="wait_complete")
+
+
+def test_tiers_on_cuda_match_the_plain_engine(tiny_llama_path, tmp_path):
+    prompts = _prompts()
+    ref = _reference(tiny_llama_path, prompts)
+    tiered = _tiered(tmp_path)
     eng = _engine(tiny_llama_path, **tiered)
     try:
         first, _ = _run(eng, prompts, range(6))
@@ -83,16 +91,8 @@ def test_split_heads_after_a_restart_match_the_plain_engine(tiny_llama_path, tmp
     from radixlm.runtime.mem_cache import head_split
 
     prompts = _prompts()
-    plain = _engine(tiny_llama_path, max_total_tokens=4096)
-    try:
-        ref, _ = _run(plain, prompts, range(6))
-    finally:
-        plain.shutdown()
-    extra = json.dumps({"file_storage_path": str(tmp_path), "page_tokens": PAGE,
-                        "prefetch_threshold": PAGE})
-    tiered = dict(max_total_tokens=300, enable_hicache=True, hicache_ratio=2.0,
-                  hicache_storage_backend="file", hicache_storage_backend_extra_config=extra,
-                  hicache_storage_prefetch_policy="wait_complete")
+    ref = _reference(tiny_llama_path, prompts)
+    tiered = _tiered(tmp_path)
     eng = _engine(tiny_llama_path, **tiered)
     try:
         _run(eng, prompts, range(6))

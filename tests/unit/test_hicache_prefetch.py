@@ -54,6 +54,14 @@ def _cache_call(eng, fn):
     return eng._call_in_loop(lambda: fn(eng.scheduler.tree_cache))
 
 
+def wait_until(eng, pred, failure: str, timeout: float = 5.0) -> None:
+    """Poll pred(tree cache) on the engine's thread until it holds (else fail with `failure`)."""
+    deadline = time.monotonic() + timeout
+    while not _cache_call(eng, pred):
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])
 def test_slow_store_never_blocks_a_step(make_engine, integrity, reference,  # noqa: F811
                                         warm_store, policy):
@@ -86,10 +94,7 @@ def test_abort_of_a_queued_request_frees_its_prefetch(make_engine, integrity,  #
         req = sched.waiting[0] if sched.waiting else None
         return req is not None and req.prefetch is not None and req.prefetch.reading
 
-    deadline = time.monotonic() + 5
-    while not _cache_call(eng, reading):
-        assert time.monotonic() < deadline, "the prefetch never started reading"
-        time.sleep(0.01)
+    wait_until(eng, reading, "the prefetch never started reading")
     held = _cache_call(eng, lambda c: (c.check_integrity(), c.host_slots_held().numel())[1])
     assert held == 40  # its 5 pages' slots (47 matchable tokens): out of the tree and free list
     eng.abort_request("queued")

@@ -8,7 +8,6 @@ chunks, and an abort while the tail is read leaves no lock, row or host slot beh
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -16,7 +15,7 @@ from radixlm.runtime.mem_cache import head_split
 from radixlm.runtime.mem_cache.head_split import head_split_pages
 from test_hicache_engine import (PAGE, PROMPTS, SP, _tiered, make_engine, reference,  # noqa: F401
                                  tiny_path)
-from test_hicache_prefetch import _cache_call, _slow_reads, warm_store  # noqa: F401
+from test_hicache_prefetch import _cache_call, _slow_reads, wait_until, warm_store  # noqa: F401
 from test_hicache_preload import slow_loads  # noqa: F401
 
 STORED_PAGES = 5  # of a 48-token prompt: 47 matchable tokens, 8-token pages
@@ -112,14 +111,8 @@ def test_abort_while_the_tail_is_read(make_engine, integrity, warm_store,  # noq
         input_ids=PROMPTS[0], sampling_params=SP, rid="split")))
     thread.start()
 
-    def parked(cache):
-        sched = eng.scheduler
-        return any(r.parked is not None for r in sched.waiting)
-
-    deadline = time.monotonic() + 5
-    while not _cache_call(eng, parked):
-        assert time.monotonic() < deadline, "the request never computed its head"
-        time.sleep(0.01)
+    wait_until(eng, lambda cache: any(r.parked is not None for r in eng.scheduler.waiting),
+               "the request never computed its head")
     # the head's lock is the parked request's; the tail's host slots are held by its read
     assert _cache_call(eng, lambda c: c.protected_size()) == STORED_PAGES // 2 * PAGE
     eng.abort_request("split")
