@@ -2,14 +2,17 @@
 warm restart (one request at a time: --restart-concurrency 1), with the head split
 (mem_cache/head_split.py) on or off.
 
-    python benchmarks/probes/restart_timeline.py [--no-split] [multiturn_long.py's arguments]
+    python benchmarks/probes/restart_timeline.py [--no-split] [--staging-mb N] \
+        [multiturn_long.py's arguments]
 
 Runs multiturn_long.py as given (use --skip-off) with the tree cache's and the scheduler's
 methods wrapped to record host times: the prefetch's start (the request queued), its lookup's
 result (pages found, the split's head end, the rates the split used), each admission (the head's
 and the final one), the park, the head forward's GPU seconds, the read's end (its own seconds,
 bytes and pages), and the first token. Prints one JSON line per warm-restart request (ms from
-the request's start), then the benchmark's own line.
+the request's start), then the benchmark's own line. `--staging-mb`: the loads' device staging
+ring (kv_mover.STAGING_BYTES, 512 MiB), e.g. large enough for a split's whole tail to cross
+while its head computes (docs/hicache.md).
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ def main() -> None:
     argv = sys.argv[1:]
     split = "--no-split" not in argv
     argv = [a for a in argv if a != "--no-split"]
+    if "--staging-mb" in argv:
+        from radixlm.runtime.mem_cache import kv_mover
+
+        i = argv.index("--staging-mb")
+        kv_mover.STAGING_BYTES = int(argv[i + 1]) << 20
+        del argv[i:i + 2]
     _install(split)
     import benchmarks.multiturn_long as mt
 
