@@ -3,11 +3,13 @@ the scheduler on the CPU (fp32, the tiny random Llama of test_hicache_engine.py)
 turned on (CUDA only by default) and the rates set so that it happens: a split request's greedy
 tokens are the reference's, its head is reported as computed and its tail as storage hits, two
 requests splitting the same prefix share the head, a head longer than a chunk is computed in
-chunks, and an abort while the tail is read leaves no lock, row or host slot behind."""
+chunks, a tail page that fails its checks or a read slower than the deadline is recomputed,
+and an abort while the tail is read leaves no lock, row or host slot behind."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -122,3 +124,44 @@ def test_abort_while_the_tail_is_read(make_engine, integrity, warm_store,  # noq
     stats = _cache_call(eng, lambda c: (c.check_integrity(), c.prefetch_stats())[1])
     assert stats["held_pages"] == 0 and stats["ops"] == 0
     integrity(eng)  # idle: no lock left (the parked one released), every row free
+
+
+def test_a_bad_tail_page_is_recomputed(make_engine, integrity, reference,  # noqa: F811
+                                       warm_store, monkeypatch):
+    # every page read after the first fails its checks (as a corrupt file does): the read ends
+    # there, the request takes what landed (if anything) below its head, recomputes the rest
+    eng = _split_engine(make_engine, warm_store, monkeypatch)
+    store = eng.scheduler.tree_cache.storage
+    real, calls = store.get_into, []
+
+    def first_only(key, out):
+        calls.append(key)
+        return real(key, out) if len(calls) == 1 else False
+
+    monkeypatch.setattr(store, "get_into", first_only)
+    out = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    assert out["output_ids"] == reference[0]
+    meta = out["meta_info"]
+    head = STORED_PAGES // 2 * PAGE
+    assert meta["cached_tokens_details"]["storage"] in (0, PAGE)  # at most the first tail page
+    assert meta["cached_tokens"] == sum(meta["cached_tokens_details"].values())
+    c = _counters(eng)
+    assert c["head_splits"] == 1 and c["head_split_tokens"] == head
+    assert c["storage_load_failures"] == 1
+    integrity(eng)
+
+
+def test_a_slow_tail_read_gives_up_at_the_deadline(make_engine, integrity, reference,  # noqa: F811
+                                                   warm_store, monkeypatch):
+    # the timeout policy's deadline (0.2 s here) passes while the request waits for its tail:
+    # it is admitted below its head and recomputes the tail; the read in flight is cancelled
+    eng = _split_engine(make_engine, warm_store, monkeypatch, prefetch_timeout_base=0.2,
+                        prefetch_timeout_per_ki_token=0.0)
+    _slow_reads(eng, 1.5)
+    t0 = time.perf_counter()
+    out = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    assert time.perf_counter() - t0 < 1.2  # not one whole page read
+    assert out["output_ids"] == reference[0]
+    assert out["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
+    assert _counters(eng)["head_splits"] == 1
+    integrity(eng)
