@@ -4,7 +4,8 @@ turned on (CUDA only by default) and the rates set so that it happens: a split r
 tokens are the reference's, its head is reported as computed and its tail as storage hits, two
 requests splitting the same prefix share the head, a head longer than a chunk is computed in
 chunks, a tail page that fails its checks or a read slower than the deadline is recomputed,
-and an abort while the tail is read leaves no lock, row or host slot behind."""
+an abort while the tail is read leaves no lock, row or host slot behind, and a restart starts
+with the rates the store kept."""
 
 from __future__ import annotations
 
@@ -165,3 +166,41 @@ def test_a_slow_tail_read_gives_up_at_the_deadline(make_engine, integrity, refer
     assert out["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
     assert _counters(eng)["head_splits"] == 1
     integrity(eng)
+
+
+def test_a_restart_starts_with_the_rates_its_store_kept(tmp_path, monkeypatch):
+    # the rates a run measured are kept in the store at shutdown; the next run on the store
+    # decides with them until it has measured its own: its first lookup splits; a broken file
+    # is as good as none
+    from hicache_helpers import make_tiered, put
+
+    monkeypatch.setattr(head_split, "MIN_HEAD_TOKENS", 1)
+    cache, pool, alloc = make_tiered(capacity=16, host_capacity=24, storage_dir=str(tmp_path))
+    seq = list(range(10, 18))  # 4 pages of 2 tokens
+    assert put(cache, pool, alloc, seq)
+    cache._prefill_tps, cache._head_tps = 10.0, 20.0
+    cache._read_bps = 20.0 * cache.host.token_bytes
+    cache.close()
+    cache, pool, alloc = make_tiered(capacity=16, host_capacity=24, storage_dir=str(tmp_path))
+    try:
+        assert cache._prefill_tps is None and cache._read_bps is None  # nothing measured yet
+        assert cache._rate_priors == {"prefill_tps": 10.0, "head_tps": 20.0,
+                                      "read_bps": 20.0 * cache.host.token_bytes}
+        cache.split_heads = True
+        op = cache.start_prefetch(seq + [1], may_split=True)
+        cache.reader.work(1 << 30)
+        cache.apply_prefetch_news(release=True, idle=True)
+        assert op.head_end == 4 and op.first == 2  # h = 4 pages x 20 / (20 + 20)
+        cache._prefill_tps = 1e9  # this run's own measure wins: recomputing beats reading now
+        assert not cache._storage_pays()
+        cache.cancel_prefetch(op)
+        cache.reader.drain()
+    finally:
+        cache.close()
+    with open(tmp_path / "ns" / "rates.json", "w") as f:
+        f.write("{not json")
+    cache, _, _ = make_tiered(capacity=16, host_capacity=24, storage_dir=str(tmp_path))
+    try:
+        assert cache._rate_priors == {}
+    finally:
+        cache.close()

@@ -182,9 +182,10 @@ class TierPrefetch:
     def _split_head(self, op: PrefetchOp, take: int) -> int:
         """Cut the first pages of what the op would read off to compute (head_split.py): the op
         then starts past them. Returns the pages cut (0: no split)."""
-        read_tps = (None if self._read_bps is None
-                    else self._read_bps / self.host.token_bytes)
-        head = head_split_pages(take, self.page, self._head_tps or self._prefill_tps, read_tps)
+        read = self._rate("read_bps")
+        read_tps = None if read is None else read / self.host.token_bytes
+        head = head_split_pages(take, self.page,
+                                self._rate("head_tps") or self._rate("prefill_tps"), read_tps)
         if head:
             op.first += head
             op.keys = op.keys[head:]

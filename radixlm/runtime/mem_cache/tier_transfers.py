@@ -13,6 +13,7 @@ what the prefetch landed for the request was put into the tree as host nodes jus
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -22,6 +23,9 @@ from radixlm.runtime.mem_cache.storage.keys import extend_chain
 EMA = 0.2  # weight of the newest sample in the rate estimates
 MIN_PREFILL_SAMPLE = 32  # extends shorter than this measure overhead more than compute
 KEY_MEMO_ENTRIES = 256
+# the measured rates kept in the store at shutdown (storage.save_meta) and read back at start
+RATES_META = "rates"
+RATE_NAMES = ("prefill_tps", "read_bps", "head_tps")
 
 
 class TierTransfers:
@@ -42,6 +46,11 @@ class TierTransfers:
             "storage_write_scheduler_s": 0.0}
         self._prefill_tps: Optional[float] = None  # tokens/s the forward computes (EMA)
         self._read_bps: Optional[float] = None  # bytes/s the store reads (EMA)
+        # the rates an earlier run on this store measured: used until this run has measured its
+        # own, so that the first requests after a restart (the ones a restart on a warm store is
+        # for) decide with rates too (read or recompute; the head split, tier_prefetch.py). Only
+        # priors: one mis-sized decision at worst if the store moved to other hardware
+        self._rate_priors = self._load_rate_priors()
         self._key_memo: dict = {}  # tokens tuple -> its page keys so far (match re-runs each step)
 
     # --- statistics ------------------------------------------------------------------------------
@@ -55,9 +64,29 @@ class TierTransfers:
 
     def _storage_pays(self) -> bool:
         """Whether reading a token's KV from the store beats computing it (unknown rates: try)."""
-        if self._prefill_tps is None or self._read_bps is None:
+        prefill, read = self._rate("prefill_tps"), self._rate("read_bps")
+        if prefill is None or read is None:
             return True
-        return self.host.token_bytes / self._read_bps < 1.0 / self._prefill_tps
+        return self.host.token_bytes / read < 1.0 / prefill
+
+    def _rate(self, name: str) -> Optional[float]:
+        """A rate of RATE_NAMES: this run's measure, else the store's prior (None: neither)."""
+        live = getattr(self, "_" + name, None)
+        return live if live is not None else self._rate_priors.get(name)
+
+    def _load_rate_priors(self) -> dict:
+        doc = self.storage.load_meta(RATES_META) if self.storage is not None else None
+        return {k: float(v) for k, v in (doc or {}).items()
+                if k in RATE_NAMES and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v > 0}
+
+    def save_rates(self) -> None:
+        """Keep the rates in the store for the next run on it (shutdown)."""
+        if self.storage is None:
+            return
+        doc = {k: self._rate(k) for k in RATE_NAMES if self._rate(k) is not None}
+        if doc:
+            self.storage.save_meta(RATES_META, doc)
 
     def tier_stats(self) -> dict:
         """Each tier's use and the counters (finished page writes and prefetch reports applied
@@ -72,7 +101,7 @@ class TierTransfers:
                         "cached": self._host_tokens, "bytes_per_token": host.token_bytes},
                "storage": {"index_tokens": self._store_tokens, "page_tokens": self.page},
                "prefill_tokens_per_s": self._prefill_tps, "storage_read_bytes_per_s": self._read_bps,
-               "head_tokens_per_s": self._head_tps}
+               "head_tokens_per_s": self._head_tps, "rate_priors": dict(self._rate_priors)}
         if self.storage is not None:
             out["storage"].update(self.storage.stats())
             out["storage"]["write_queue"] = self.write_queue_stats()

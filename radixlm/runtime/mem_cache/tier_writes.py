@@ -212,8 +212,8 @@ class TierWrites:
             self._key_memo.clear()
 
     def close(self) -> None:
-        """Shutdown: prefetches stop, pending writes reach the store, the writer stops, the store
-        flushes."""
+        """Shutdown: prefetches stop, pending writes reach the store, the writer stops, the
+        measured rates are kept in the store (tier_transfers `save_rates`), the store flushes."""
         if self.reader is not None:
             self.drain_prefetch()
             self.reader.close()
@@ -223,4 +223,5 @@ class TierWrites:
             self.writer.close()
             self.apply_write_completions()
         if self.storage is not None:
+            self.save_rates()
             self.storage.close()

@@ -24,6 +24,9 @@ same way, by implementing these methods and registering a name in `storage/__ini
 - The batch forms act on a list of keys that chain (page j+1 extends page j): `batch_exists`
   returns how many leading keys exist, `batch_get` stops at the first missing page.
 - `clear()` removes every page of this store's namespace; `close()` finishes queued writes.
+- `load_meta(name)` / `save_meta(name, doc)` (optional; the defaults keep nothing): a small JSON
+  document kept beside the pages, e.g. the rates the cache measured (tier_transfers.py), so that
+  a restart on the store starts with them.
 """
 
 from __future__ import annotations
@@ -89,6 +92,12 @@ class StorageBackend(ABC):
 
     def stats(self) -> dict:
         return {}
+
+    def load_meta(self, name: str) -> Optional[dict]:
+        return None
+
+    def save_meta(self, name: str, doc: dict) -> None:
+        pass
 
 
 def byte_view(out, nbytes: int) -> memoryview:

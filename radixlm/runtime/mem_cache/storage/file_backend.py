@@ -36,6 +36,7 @@ recently written or read pages (storage/page_budget.py), so the store never fill
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import queue
@@ -282,6 +283,30 @@ class FileStorage(StorageBackend):
     def _count(self, name: str) -> None:
         with self._lock:  # several reader and writer threads count
             self.counters[name] += 1
+
+    # --- metadata: DIR/<namespace>/<name>.json (not a page file: the page scan skips it) ---------
+    def load_meta(self, name: str) -> Optional[dict]:
+        try:
+            with open(os.path.join(self.dir, f"{name}.json")) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):  # none yet, or unreadable: as if none
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def save_meta(self, name: str, doc: dict) -> None:
+        """Written atomically (a temporary file renamed into place); a failure is only logged."""
+        path = os.path.join(self.dir, f"{name}.json")
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("hicache: writing %s failed: %s", path, e)
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
 
     # --- maintenance -----------------------------------------------------------------------------
     def flush(self) -> None:
