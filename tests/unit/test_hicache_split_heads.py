@@ -169,9 +169,9 @@ def test_a_slow_tail_read_gives_up_at_the_deadline(make_engine, integrity, refer
 
 
 def test_a_restart_starts_with_the_rates_its_store_kept(tmp_path, monkeypatch):
-    # the rates a run measured are kept in the store at shutdown; the next run on the store
-    # decides with them until it has measured its own: its first lookup splits; a broken file
-    # is as good as none
+    # the rates a run measured are kept in the store at shutdown; the next run's head split
+    # uses them until it has measured its own: its first lookup splits; a broken file is as
+    # good as none
     from hicache_helpers import make_tiered, put
 
     monkeypatch.setattr(head_split, "MIN_HEAD_TOKENS", 1)
@@ -191,8 +191,9 @@ def test_a_restart_starts_with_the_rates_its_store_kept(tmp_path, monkeypatch):
         cache.reader.work(1 << 30)
         cache.apply_prefetch_news(release=True, idle=True)
         assert op.head_end == 4 and op.first == 2  # h = 4 pages x 20 / (20 + 20)
-        cache._prefill_tps = 1e9  # this run's own measure wins: recomputing beats reading now
-        assert not cache._storage_pays()
+        assert cache._storage_pays()  # read-or-recompute waits for this run's own rates
+        cache._head_tps = 1e9  # this run's own measure wins over the prior
+        assert cache._rate("head_tps") == 1e9
         cache.cancel_prefetch(op)
         cache.reader.drain()
     finally:

@@ -46,10 +46,11 @@ class TierTransfers:
             "storage_write_scheduler_s": 0.0}
         self._prefill_tps: Optional[float] = None  # tokens/s the forward computes (EMA)
         self._read_bps: Optional[float] = None  # bytes/s the store reads (EMA)
-        # the rates an earlier run on this store measured: used until this run has measured its
-        # own, so that the first requests after a restart (the ones a restart on a warm store is
-        # for) decide with rates too (read or recompute; the head split, tier_prefetch.py). Only
-        # priors: one mis-sized decision at worst if the store moved to other hardware
+        # the rates an earlier run on this store measured: the head split (tier_prefetch.py) uses
+        # them until this run has measured its own, so that the first requests after a restart
+        # (the ones a restart on a warm store is for) can split too. Only priors: one mis-sized
+        # head at worst if the store moved to other hardware. (Read-or-recompute, below, waits
+        # for this run's own rates, as before: unknown, it reads.)
         self._rate_priors = self._load_rate_priors()
         self._key_memo: dict = {}  # tokens tuple -> its page keys so far (match re-runs each step)
 
@@ -64,10 +65,9 @@ class TierTransfers:
 
     def _storage_pays(self) -> bool:
         """Whether reading a token's KV from the store beats computing it (unknown rates: try)."""
-        prefill, read = self._rate("prefill_tps"), self._rate("read_bps")
-        if prefill is None or read is None:
+        if self._prefill_tps is None or self._read_bps is None:
             return True
-        return self.host.token_bytes / read < 1.0 / prefill
+        return self.host.token_bytes / self._read_bps < 1.0 / self._prefill_tps
 
     def _rate(self, name: str) -> Optional[float]:
         """A rate of RATE_NAMES: this run's measure, else the store's prior (None: neither)."""
