@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.mem_cache.head_split import HEAD_RATE_WEIGHT, head_split_pages
+from radixlm.runtime.mem_cache.head_split import head_split_pages
 from radixlm.runtime.mem_cache.page_reader import PageReader, PrefetchOp
 from radixlm.runtime.mem_cache.tier_transfers import _ema
 
@@ -94,7 +94,6 @@ class TierPrefetch:
         # compute the head, read the tail (head_split.py): on CUDA, where the reader's threads
         # use host cores the forward leaves free (tests turn it on for the CPU)
         self.split_heads = self.mover.loads_async
-        self._head_tps: Optional[float] = None  # tokens/s of heads computed (EMA)
 
     # --- queued ----------------------------------------------------------------------------------
     def start_prefetch(self, token_ids, may_split: bool = False) -> Optional[PrefetchOp]:
@@ -194,11 +193,6 @@ class TierPrefetch:
             self.counters["head_splits"] += 1
             self.counters["head_split_tokens"] += head * self.page
         return head
-
-    def observe_head(self, tokens: int, seconds: float) -> None:
-        """A head's compute (tokens from its request's cached prefix to head_end)."""
-        if tokens > 0 and seconds > 0:
-            self._head_tps = _ema(self._head_tps, tokens / seconds, HEAD_RATE_WEIGHT)
 
     def _alloc_pinning_path(self, op: PrefetchOp, n: int) -> Optional[torch.Tensor]:
         """n host slots; the request's own host path is pinned while host eviction makes room (its

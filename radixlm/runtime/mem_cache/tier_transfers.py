@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from radixlm.runtime.mem_cache.head_split import HEAD_RATE_WEIGHT
 from radixlm.runtime.mem_cache.storage.keys import extend_chain
 
 EMA = 0.2  # weight of the newest sample in the rate estimates
@@ -46,6 +47,7 @@ class TierTransfers:
             "storage_write_scheduler_s": 0.0}
         self._prefill_tps: Optional[float] = None  # tokens/s the forward computes (EMA)
         self._read_bps: Optional[float] = None  # bytes/s the store reads (EMA)
+        self._head_tps: Optional[float] = None  # tokens/s of split heads computed (head_split.py)
         # the rates an earlier run on this store measured: the head split (tier_prefetch.py) uses
         # them until this run has measured its own, so that the first requests after a restart
         # (the ones a restart on a warm store is for) can split too. Only priors: one mis-sized
@@ -62,6 +64,11 @@ class TierTransfers:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= MIN_PREFILL_SAMPLE and seconds > 0:
             self._prefill_tps = _ema(self._prefill_tps, tokens / seconds)
+
+    def observe_head(self, tokens: int, seconds: float) -> None:
+        """A split head's compute (tokens from its request's cached prefix to head_end)."""
+        if tokens > 0 and seconds > 0:
+            self._head_tps = _ema(self._head_tps, tokens / seconds, HEAD_RATE_WEIGHT)
 
     def _storage_pays(self) -> bool:
         """Whether reading a token's KV from the store beats computing it (unknown rates: try)."""
