@@ -27,6 +27,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from radixlm.runtime.mem_cache.tier_prefetch import TierPrefetch  # noqa: E402
+from radixlm.runtime.mem_cache.tier_transfers import TierTransfers  # noqa: E402
 from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder  # noqa: E402
 from radixlm.runtime.scheduler.split_heads import SplitHeads  # noqa: E402
 
@@ -48,9 +49,11 @@ def _record(cls, name, details) -> None:
 
 
 def _rates(cache) -> dict:
-    read = None if not cache._read_bps else round(cache._read_bps / cache.host.token_bytes)
-    return {"head_tps": cache._head_tps and round(cache._head_tps),
-            "prefill_tps": cache._prefill_tps and round(cache._prefill_tps), "read_tps": read}
+    """The rates the split used: this run's, else the store's priors (tier_transfers._rate)."""
+    read, head, prefill = (cache._rate(n) for n in ("read_bps", "head_tps", "prefill_tps"))
+    return {"head_tps": head and round(head), "prefill_tps": prefill and round(prefill),
+            "read_tps": read and round(read / cache.host.token_bytes),
+            "priors": sorted(cache._rate_priors)}
 
 
 def _install(split: bool) -> None:
@@ -60,7 +63,7 @@ def _install(split: bool) -> None:
         first=a[0].first, page=a[0].page))
     _record(TierPrefetch, "_on_read_end", lambda s, a, out: {
         "read_s": round(a[1], 4), "bytes": a[2], "landed": a[0].landed})
-    _record(TierPrefetch, "observe_head", lambda s, a, out: {"tokens": a[0],
+    _record(TierTransfers, "observe_head", lambda s, a, out: {"tokens": a[0],
                                                              "gpu_s": round(a[1], 4)})
     _record(SplitHeads, "_park", lambda s, a, out: {})
     _record(PrefillAdder, "add", lambda s, a, out: {
