@@ -11,8 +11,9 @@ result (pages found, the split's head end, the rates the split used), each admis
 and the final one), the park, the head forward's GPU seconds, the read's end (its own seconds,
 bytes and pages), and the first token. Prints one JSON line per warm-restart request (ms from
 the request's start), then the benchmark's own line. `--staging-mb`: the loads' device staging
-ring (kv_mover.STAGING_BYTES, 512 MiB), e.g. large enough for a split's whole tail to cross
-while its head computes (docs/hicache.md).
+ring (kv_mover.STAGING_BYTES; by default kv_mover.staging_bytes(): 1/64 of the device's memory
+within [512 MiB, 2 GiB]), which decides how much of a split's tail can cross while its head
+computes (docs/hicache.md).
 """
 
 from __future__ import annotations

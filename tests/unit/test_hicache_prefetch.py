@@ -201,6 +201,50 @@ def test_landed_pages_start_their_copy_while_the_read_goes_on(make_engine, integ
     integrity(eng)
 
 
+def test_each_landed_run_streams_below_a_copy_still_in_flight(make_engine, integrity,  # noqa: F811
+                                                               reference, warm_store,
+                                                               monkeypatch):
+    """A landed run's copy starts at once, below the request's own copy still in flight (the
+    mover's streams keep them in order), not after it has landed: here every copy stays in
+    flight until the read has ended, and each later run still streamed as it landed. Tokens
+    and storage hits as the plain engine's."""
+    from radixlm.runtime.mem_cache import page_reader
+    from radixlm.runtime.mem_cache.kv_mover import KVMover
+    from radixlm.runtime.scheduler.prefill import PrefillAdder
+
+    ops = []
+
+    class _UntilTheReadEnds:  # a copy's event: done once every read seen has ended
+        def query(self) -> bool:
+            return all(op.done for op in ops)
+
+        def synchronize(self) -> None:
+            pass
+
+    real_to_device, real_stream = KVMover.to_device, PrefillAdder.stream
+    monkeypatch.setattr(KVMover, "to_device", lambda self, h, d: (real_to_device(self, h, d),
+                                                                  _UntilTheReadEnds())[1])
+    chained = []
+
+    def stream(self, req):
+        ops.extend([req.prefetch] if req.prefetch not in ops else [])
+        in_flight = req.preload is not None and self.tree_cache.loading(req.preload[0])
+        ok = real_stream(self, req)
+        chained.append(ok and in_flight)
+        return ok
+
+    monkeypatch.setattr(PrefillAdder, "stream", stream)
+    monkeypatch.setattr(KVMover, "loads_async", True)  # as on CUDA
+    monkeypatch.setattr(page_reader, "READ_AHEAD", 1)  # one page at a time
+    eng = _tiered(make_engine, warm_store, policy="wait_complete")
+    _slow_reads(eng, 0.1)  # 5 pages, each reported as it lands
+    out = eng.generate(input_ids=PROMPTS[0], sampling_params=SP)
+    assert out["output_ids"] == reference[0]
+    assert out["meta_info"]["cached_tokens_details"]["storage"] == 40, out["meta_info"]
+    assert sum(chained) >= 3, chained  # pages 2..5 below page 1's copy, still in flight
+    integrity(eng)
+
+
 def test_a_threaded_read_reports_its_pages_in_runs(tmp_path):
     """The reader thread reports landed pages in runs (page_reader.LANDED_REPORT_TOKENS, or a
     quarter of the read), the last run in quarters (what is reported after the read's end is

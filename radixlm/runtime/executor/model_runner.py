@@ -25,6 +25,7 @@ from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.executor.piecewise_graph import PiecewiseGraphRunner
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
 from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
+from radixlm.runtime.mem_cache import kv_mover
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 from radixlm.runtime.models import (fp8_checkpoint, int4_checkpoint, llama_pieces, loader,
@@ -261,6 +262,8 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.args.mem_fraction_static)
             budget, bpt = self._draft_share(budget, bpt)
+            if self.args.enable_hierarchical_cache:  # the loads' staging ring (kv_mover.py)
+                budget -= kv_mover.staging_bytes(self.device)
         else:
             budget = CPU_KV_BUDGET_BYTES
         # ranks' pools must hold the same slots: the smallest budget of the TP group

@@ -10,7 +10,7 @@
     device slots of an evicted node are written again the compute stream waits for that node's
     own backup (`guard_device_reuse(events)`), if it is still in flight.
   - Loads (host -> device): each chunk is DMA'd on `load_stream` into a ring of device staging
-    buffers (RING x STAGING_BYTES / RING, allocated once), then scattered into the device slots
+    buffers (staging_bytes() in all, allocated once), then scattered into the device slots
     by one kernel on `scatter_stream`. A DMA waits only for a backup still writing host rows it
     reads and for the scatter that last read its ring buffer; a load's scatters wait for the
     compute stream's pending work (evicted slots' readers may still be queued, and evictions
@@ -36,15 +36,29 @@ from radixlm.runtime.mem_cache.host_pool import (HostKVPool, as_words, direct_ru
                                                  split_runs)
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 
-# Device staging of loads: a ring of RING buffers of STAGING_BYTES / RING each, allocated at the
-# first load and kept (small beside the activations' share of device memory). A DMA into a buffer
-# waits for the scatter that last read it, so loads of any size go through it in chunks; the
-# ring lets the DMAs run ~10 ms (PCIe 5) ahead of scatters that wait for a forward. Each chunk
-# costs the scheduler's thread its calls (copies, two events, waits): with 32 MiB chunks an H200
-# host spent 2.5 ms in a preload of ~3k tokens of an 8B model (2026-11-28), so chunks are large.
-# The chunk is also a backup's gather unit.
-STAGING_BYTES = 512 << 20
-RING = 4
+# Device staging of loads: a ring of buffers of STAGING_CHUNK_BYTES each, staging_bytes() in
+# all, allocated at the first load and kept (the model runner leaves that much of the device out
+# of the KV pool). A DMA into a buffer waits for the scatter that last read it, so loads of any
+# size go through it in chunks; the ring lets the DMAs run ahead of scatters that wait for a
+# forward: a split request's tail (mem_cache/head_split.py) streams to the device while its head
+# computes, and with 512 MiB ~0.9 GB of a 16k-token tail crossed after the head (H200, 8B,
+# 2026-11-28), so the ring holds one long tail: 1/64 of the device's memory (2 GiB on an H200,
+# 1.25 on an H100), at least 512 MiB. Each chunk costs the scheduler's thread its calls (copies,
+# two events, waits): with 32 MiB chunks an H200 host spent 2.5 ms in a preload of ~3k tokens of
+# an 8B model (2026-11-28), so chunks are large. The chunk is also a backup's gather unit.
+STAGING_CHUNK_BYTES = 128 << 20
+STAGING_MIN_BYTES, STAGING_MAX_BYTES, STAGING_SHARE = 512 << 20, 2 << 30, 64
+STAGING_BYTES: Optional[int] = None  # set: the ring's bytes on every device (probes)
+
+
+def staging_bytes(device: torch.device) -> int:
+    """The load ring's device bytes (0 off CUDA, where loads are copies on the caller's thread)."""
+    if device.type != "cuda":
+        return 0
+    if STAGING_BYTES is not None:
+        return STAGING_BYTES
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(STAGING_MAX_BYTES, max(STAGING_MIN_BYTES, total // STAGING_SHARE))
 
 
 class KVMover:
@@ -60,9 +74,10 @@ class KVMover:
         self.load_stream = torch.cuda.Stream(device) if self.cuda else None  # load DMAs
         self.scatter_stream = torch.cuda.Stream(device) if self.cuda else None  # load scatters
         # tokens a staging chunk (a ring buffer; never more than the device pool holds)
-        self.chunk = max(1, min(STAGING_BYTES // RING // host.token_bytes, device_pool.capacity))
-        self._ring: list[Optional[torch.Tensor]] = [None] * RING
-        self._ring_free: list[Optional[torch.cuda.Event]] = [None] * RING  # its last scatter
+        self.chunk = max(1, min(STAGING_CHUNK_BYTES // host.token_bytes, device_pool.capacity))
+        ring = max(2, staging_bytes(device) // (self.chunk * host.token_bytes))
+        self._ring: list[Optional[torch.Tensor]] = [None] * ring
+        self._ring_free: list[Optional[torch.cuda.Event]] = [None] * ring  # its last scatter
         self._ring_pos = 0
         self._backups: deque = deque()  # (pinned staging, host slots, event), in issue order
         # backups ever queued, and how many of the first of them have landed (one stream: they
@@ -221,7 +236,7 @@ class KVMover:
         for lo in range(0, n, self.chunk):
             hi = min(n, lo + self.chunk)
             j = self._ring_pos
-            self._ring_pos = (j + 1) % RING
+            self._ring_pos = (j + 1) % len(self._ring)
             buf = self._ring_buffer(j)[:hi - lo]
             if self._ring_free[j] is not None:
                 self.load_stream.wait_event(self._ring_free[j])  # its last scatter read it

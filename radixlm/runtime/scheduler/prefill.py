@@ -177,8 +177,7 @@ class PrefillAdder:
         loads only). Admission still waits for the read as the policy says, then adopts and
         loads the rest. True when a copy started."""
         op = req.prefetch
-        if (op is None or op.cancelled or op.landed <= op.released
-                or (req.preload is not None and self.tree_cache.loading(req.preload[0]))):
+        if op is None or op.cancelled or op.landed <= op.released:
             return False
         req.prefetch_range = _union(req.prefetch_range, self.tree_cache.adopt_prefetch(op))
         return self._start_load(req, keep_prefetch=True) is not None
@@ -187,11 +186,15 @@ class PrefillAdder:
         """Match the request again and start the copy of its host-resident part (a preload that
         holds the loaded path locked): the device slots of the prefix then, or None when no copy
         started (nothing to load, the path still loading, no room, or copied already: the CPU's
-        loads, after which the path is simply unlocked)."""
+        loads, after which the path is simply unlocked). A copy below the request's own preload
+        still in flight starts at once: the mover's streams run them in order, so its event
+        completes after the earlier one's (a stream of landed pages does not wait for the
+        previous run's copy: a restart's tail read went ~10 ms past its last page doing so)."""
         req.match = self.tree_cache.match_prefix(req.fill_ids[:match_len_cap(req,
                                                                               self.tree_cache)])
         slots, node = req.match
-        if not req.match.lower_len or self.tree_cache.loading(node):
+        own = req.preload is not None and node is req.preload[0]
+        if not req.match.lower_len or (self.tree_cache.loading(node) and not own):
             return None
         self._lock(node)
         slots, node, details = self._load_lower(req, slots, node, keep_prefetch)
