@@ -3,7 +3,7 @@ warm restart (one request at a time: --restart-concurrency 1), with the head spl
 (mem_cache/head_split.py) on or off.
 
     python benchmarks/probes/restart_timeline.py [--no-split] [--staging-mb N] \
-        [multiturn_long.py's arguments]
+        [--read-chunk-kb N] [multiturn_long.py's arguments]
 
 Runs multiturn_long.py as given (use --skip-off) with the tree cache's and the scheduler's
 methods wrapped to record host times: the prefetch's start (the request queued), its lookup's
@@ -13,7 +13,8 @@ bytes and pages), and the first token. Prints one JSON line per warm-restart req
 the request's start), then the benchmark's own line. `--staging-mb`: the loads' device staging
 ring (kv_mover.STAGING_BYTES; by default kv_mover.staging_bytes(): 1/64 of the device's memory
 within [512 MiB, 2 GiB]), which decides how much of a split's tail can cross while its head
-computes (docs/hicache.md).
+computes (docs/hicache.md). `--read-chunk-kb`: the file store's read(2) size
+(storage/file_backend.READ_CHUNK).
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def main() -> None:
 
         i = argv.index("--staging-mb")
         kv_mover.STAGING_BYTES = int(argv[i + 1]) << 20
+        del argv[i:i + 2]
+    if "--read-chunk-kb" in argv:  # the file store's read(2) size (file_backend.READ_CHUNK)
+        from radixlm.runtime.mem_cache.storage import file_backend
+
+        i = argv.index("--read-chunk-kb")
+        file_backend.READ_CHUNK = int(argv[i + 1]) << 10
         del argv[i:i + 2]
     _install(split)
     import benchmarks.multiturn_long as mt

@@ -66,11 +66,16 @@ WRITER_THREADS = 4  # pages written at once: each thread's CRC + write runs with
 # run, which left holes in up to half the prompts that a warm restart then recomputed past
 MAX_PENDING_BYTES = 2 << 30
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# get_into's read(2) size: a piece inside a core's L2 (1-2 MiB on current server CPUs), so its
-# CRC reads it from cache (see _read_checked). 1 MiB, not 256 KiB: on an H100's 16-core Xeon
-# host (pinned rows, page cache, zlib-ng, 8 fetchers) 15.6 GB/s against 10.3 (fewer calls, each
-# releasing the GIL for longer); a whole 8 MiB page read, then its CRC, 14.9
-READ_CHUNK = 1 << 20
+# get_into's read(2) size. Each read(2) and each CRC call releases the GIL and takes it back,
+# and a fetcher waits for it while another thread runs Python (the scheduler launching a
+# forward: up to the 0.5 ms switch interval, runtime/gil_switch.py), so fewer calls a page read
+# faster beside it: on this project's 2-core CPU (2 fetchers, a thread spinning in Python
+# beside them, median of 5) 8 MiB pieces 2.4-2.7 GB/s against 0.85-0.9 with 1 MiB, alone
+# 7.5-9.6 against 9.6-10; on an H100's 16-core host, alone (8 fetchers), a whole 8 MiB page
+# then its CRC 14.9 GB/s against 15.6 for 1 MiB pieces CRC'd while in the core's L2 (256 KiB:
+# 10.3). A restart's split request reads its tail while its head's forward is launched, so 8
+# MiB: one read(2) for a page of an 8B model (64 tokens)
+READ_CHUNK = 8 << 20
 
 
 def _checksum_field(crc: int) -> bytes:
@@ -80,8 +85,7 @@ def _checksum_field(crc: int) -> bytes:
 
 def _read_checked(f, dest: memoryview) -> tuple[int, int]:
     """Read f (unbuffered) into dest until it is full or the file ends: (bytes read, their
-    CRC-32). In READ_CHUNK pieces, each CRC'd right after its read(2), while it is in the core's
-    cache: one 8 MiB read, then its CRC, would fetch the page from memory a second time."""
+    CRC-32). In READ_CHUNK pieces, each CRC'd right after its read(2)."""
     got, crc = 0, 0
     while got < len(dest):
         n = f.readinto(dest[got:got + READ_CHUNK])
