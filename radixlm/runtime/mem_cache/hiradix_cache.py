@@ -75,6 +75,8 @@ class HiRadixCache(TierTransfers, TierWrites, TierPrefetch, RadixCache):
         self._init_writes(write_queue_pages)
         self._init_prefetch(**(prefetch or {}))
         super().__init__(allocator, req_to_token_pool)
+        if self.split_heads:  # the first requests' split needs the store's read rate
+            self.probe_read_rate()
 
     def reset(self) -> None:
         """Drop the tree and every host copy (the caller clears the device allocator); pending

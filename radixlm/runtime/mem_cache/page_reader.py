@@ -85,6 +85,7 @@ class PrefetchOp:
     may_split: bool = False
     head_end: int = 0
     head_done: bool = False  # the head is computed and in the tree (the request waits again)
+    probe: bool = False  # a read only to measure the store (tier_prefetch.probe_read_rate)
 
     @property
     def head_pending(self) -> bool:

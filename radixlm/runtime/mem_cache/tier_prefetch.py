@@ -54,6 +54,7 @@ DEFAULT_PREFETCH_THRESHOLD = 256
 DEFAULT_TIMEOUT_BASE = 1.0
 DEFAULT_TIMEOUT_PER_KI_TOKEN = 0.25
 MAX_QUEUED_LOOKUPS = 256  # past this many pending lookups a new request is not prefetched
+PROBE_PAGES = 16  # pages a start reads to measure the store (probe_read_rate): 2 fetcher rounds
 # in-flight pages: this many bytes, and at most 1 / READ_QUEUE_HOST_SHARE of the host pool. Large
 # enough for one long prompt: at 1 GiB (until 2026-11-28) an 8B model's request read at most 8k
 # tokens and recomputed the rest (H200, 16k-token prompts after a restart: 65536 of 131k tokens
@@ -178,6 +179,28 @@ class TierPrefetch:
             op.reading = True
             self.reader.read(op)
 
+    def probe_read_rate(self) -> bool:
+        """A start on a store holding pages, with no read rate kept from an earlier run: read
+        PROBE_PAGES of them (any) into host slots that go back at the read's end, and keep the
+        rate as the store's prior. Without one, the first request after a restart could not
+        split (it read all: ~30% above the steady TTFT, H200 2026-11-28) and the second split
+        by a head too small. A prior only: the head split alone uses it (`_rate`). True when
+        a probe started."""
+        if (self.reader is None or self._read_bps is not None
+                or "read_bps" in self._rate_priors):
+            return False
+        keys = self.storage.sample_keys(PROBE_PAGES)
+        slots = self._alloc_host(len(keys) * self.page) if keys else None
+        if slots is None:
+            return False
+        op = PrefetchOp(self.storage, (), 0, keys, self.page, float("inf"), found=len(keys),
+                        slots=slots, probe=True)
+        self._ops.add(op)
+        self._pages_held += len(keys)
+        op.reading = True  # (at start: no backup's DMA can be writing host rows)
+        self.reader.read(op)
+        return True
+
     def _split_head(self, op: PrefetchOp, take: int) -> int:
         """Cut the first pages of what the op would read off to compute (head_split.py): the op
         then starts past them. Returns the pages cut (0: no split)."""
@@ -209,6 +232,12 @@ class TierPrefetch:
 
     def _on_read_end(self, op: PrefetchOp, seconds: float, nbytes: int) -> None:
         op.reading = False
+        if op.probe:  # its rate is a prior; its slots go back (nothing joins the tree)
+            if not op.cancelled and op.landed == op.page_count and seconds > 0:
+                self._rate_priors.setdefault("read_bps", nbytes / seconds)
+            self._release_to(op, op.page_count)
+            self._finish(op)
+            return
         pages = nbytes // self.storage.page_bytes if self.storage is not None else 0
         if nbytes and seconds > 0:
             self._read_bps = _ema(self._read_bps, nbytes / seconds)

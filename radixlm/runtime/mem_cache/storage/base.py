@@ -93,6 +93,11 @@ class StorageBackend(ABC):
     def stats(self) -> dict:
         return {}
 
+    def sample_keys(self, n: int) -> list[bytes]:
+        """Keys of up to n pages the store holds, any n (a first measure of its read rate:
+        tier_prefetch.probe_read_rate); [] when it cannot say cheaply."""
+        return []
+
     def load_meta(self, name: str) -> Optional[dict]:
         return None
 

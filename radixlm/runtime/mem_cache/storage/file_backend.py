@@ -53,7 +53,7 @@ except ImportError:
     CRC_IMPL = "zlib"
 
 from radixlm.runtime.mem_cache.storage.base import StorageBackend, byte_view
-from radixlm.runtime.mem_cache.storage.page_budget import PageBudget
+from radixlm.runtime.mem_cache.storage.page_budget import PageBudget, page_files
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,15 @@ class FileStorage(StorageBackend):
             self._evict(self._known.touch(key))  # (another process wrote it)
             return True
         return False
+
+    def sample_keys(self, n: int) -> list[bytes]:
+        """Up to n keys named by page files in the folder (the first found; not checked)."""
+        keys = []
+        for _, key in page_files(self.dir):
+            if len(keys) >= n:
+                break
+            keys.append(key)
+        return keys
 
     def get(self, key: bytes) -> Optional[bytes]:
         """A verified page's payload (a bytearray, so a reader can view it as a tensor without

@@ -54,21 +54,30 @@ class PageBudget:
         """Enter the page files under `folder` (<kk>/<key hex>.kv), oldest modified first; the
         keys past the cap are returned as by `touch`."""
         found = []
-        for sub in _entries(folder):
-            if not sub.is_dir(follow_symlinks=False):
+        for e, key in page_files(folder):
+            try:
+                found.append((e.stat(follow_symlinks=False).st_mtime, key))
+            except OSError:
                 continue
-            for e in _entries(sub.path):
-                name = e.name
-                if not name.endswith(".kv") or len(name) != 67:  # 64 hex digits + ".kv"
-                    continue
-                try:
-                    found.append((e.stat(follow_symlinks=False).st_mtime, bytes.fromhex(name[:64])))
-                except (OSError, ValueError):
-                    continue
         over = []
         for _, key in sorted(found):
             over += self.touch(key)
         return over
+
+
+def page_files(folder: str):
+    """(directory entry, key) of each page file under `folder` (<kk>/<key hex>.kv), lazily."""
+    for sub in _entries(folder):
+        if not sub.is_dir(follow_symlinks=False):
+            continue
+        for e in _entries(sub.path):
+            name = e.name
+            if not name.endswith(".kv") or len(name) != 67:  # 64 hex digits + ".kv"
+                continue
+            try:
+                yield e, bytes.fromhex(name[:64])
+            except ValueError:
+                continue
 
 
 def _entries(path: str) -> list:
