@@ -3,7 +3,7 @@ warm restart (one request at a time: --restart-concurrency 1), with the head spl
 (mem_cache/head_split.py) on or off.
 
     python benchmarks/probes/restart_timeline.py [--no-split] [--staging-mb N] \
-        [--read-chunk-kb N] [multiturn_long.py's arguments]
+        [--read-chunk-kb N] [--read-ahead N] [multiturn_long.py's arguments]
 
 Runs multiturn_long.py as given (use --skip-off) with the tree cache's and the scheduler's
 methods wrapped to record host times: the prefetch's start (the request queued), its lookup's
@@ -14,7 +14,8 @@ the request's start), then the benchmark's own line. `--staging-mb`: the loads' 
 ring (kv_mover.STAGING_BYTES; by default kv_mover.staging_bytes(): 1/64 of the device's memory
 within [512 MiB, 2 GiB]), which decides how much of a split's tail can cross while its head
 computes (docs/hicache.md). `--read-chunk-kb`: the file store's read(2) size
-(storage/file_backend.READ_CHUNK).
+(storage/file_backend.READ_CHUNK); `--read-ahead`: the reader's fetcher threads and pages in
+flight (page_reader.READ_AHEAD, half the cores by default).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from radixlm.runtime.mem_cache import kv_mover, page_reader  # noqa: E402
+from radixlm.runtime.mem_cache.storage import file_backend  # noqa: E402
 from radixlm.runtime.mem_cache.tier_prefetch import TierPrefetch  # noqa: E402
 from radixlm.runtime.mem_cache.tier_transfers import TierTransfers  # noqa: E402
 from radixlm.runtime.scheduler.prefill import AddResult, PrefillAdder  # noqa: E402
@@ -80,22 +83,21 @@ def _install(split: bool) -> None:
         TierPrefetch._init_prefetch = init
 
 
+# the probe's flags -> (module, value, bits the flag's number is shifted by)
+KNOBS = {"--staging-mb": (kv_mover, "STAGING_BYTES", 20),
+         "--read-chunk-kb": (file_backend, "READ_CHUNK", 10),
+         "--read-ahead": (page_reader, "READ_AHEAD", 0)}
+
+
 def main() -> None:
     argv = sys.argv[1:]
     split = "--no-split" not in argv
     argv = [a for a in argv if a != "--no-split"]
-    if "--staging-mb" in argv:
-        from radixlm.runtime.mem_cache import kv_mover
-
-        i = argv.index("--staging-mb")
-        kv_mover.STAGING_BYTES = int(argv[i + 1]) << 20
-        del argv[i:i + 2]
-    if "--read-chunk-kb" in argv:  # the file store's read(2) size (file_backend.READ_CHUNK)
-        from radixlm.runtime.mem_cache.storage import file_backend
-
-        i = argv.index("--read-chunk-kb")
-        file_backend.READ_CHUNK = int(argv[i + 1]) << 10
-        del argv[i:i + 2]
+    for flag, (module, name, shift) in KNOBS.items():  # the probe's own flags: module values
+        if flag in argv:
+            i = argv.index(flag)
+            setattr(module, name, int(argv[i + 1]) << shift)
+            del argv[i:i + 2]
     _install(split)
     import benchmarks.multiturn_long as mt
 
