@@ -205,3 +205,40 @@ def test_a_restart_starts_with_the_rates_its_store_kept(tmp_path, monkeypatch):
         assert cache._rate_priors == {}
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_fresh_single_prompt_times_as_a_head(make_engine, integrity, tmp_path,  # noqa: F811
+                                               monkeypatch, overlap):
+    # an extend that computes what a head would (one prompt from its first token, no decode
+    # rows beside it) gives the head rate its sample before any split: the first split after
+    # a start is cut by it, not by the mean rate of every extend. A prompt with a cached prefix
+    # or two prompts in one extend do not count. overlap: the extend is launched in flight
+    # (overlap_extend's `_launch_extend`, the GPU's path), not run by the plain step
+    from radixlm.runtime.scheduler import split_heads
+
+    monkeypatch.setattr(head_split, "MIN_HEAD_TOKENS", 40)
+    samples = []
+    real = split_heads.SplitHeads._observe_heads
+
+    def observe(self):
+        before = self.tree_cache._head_tps
+        real(self)
+        if self.tree_cache._head_tps != before:
+            samples.append(self.tree_cache._head_tps)
+
+    monkeypatch.setattr(split_heads.SplitHeads, "_observe_heads", observe)
+    eng = _tiered(make_engine, str(tmp_path))
+    eng._call_in_loop(lambda: setattr(eng.scheduler, "overlap", overlap))
+    launched = eng.scheduler.stats["overlapped_extend_steps"]
+    eng.generate(input_ids=PROMPTS[0], sampling_params=SP)  # (read at its decode steps)
+    assert (eng.scheduler.stats["overlapped_extend_steps"] > launched) == overlap
+    assert len(samples) == 1 and samples[0] > 0
+    eng.generate(input_ids=[7] * 30, sampling_params=SP)  # under 40 tokens
+    assert len(samples) == 1
+    eng.generate(input_ids=PROMPTS[1], sampling_params=SP)
+    assert len(samples) == 2
+    eng.generate(input_ids=PROMPTS[0] + [5] * 44, sampling_params=SP)  # a cached prefix
+    eng.generate(input_ids=[PROMPTS[2], PROMPTS[3]], sampling_params=SP)  # two at once
+    assert len(samples) == 2
+    integrity(eng)

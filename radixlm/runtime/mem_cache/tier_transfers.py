@@ -47,7 +47,9 @@ class TierTransfers:
             "storage_write_scheduler_s": 0.0}
         self._prefill_tps: Optional[float] = None  # tokens/s the forward computes (EMA)
         self._read_bps: Optional[float] = None  # bytes/s the store reads (EMA)
-        self._head_tps: Optional[float] = None  # tokens/s of split heads computed (head_split.py)
+        # tokens/s of split heads computed (head_split.py), and of extends that are as one (a
+        # single prompt from its first token: scheduler/split_heads.py `_head_like`)
+        self._head_tps: Optional[float] = None
         # the rates an earlier run on this store measured: the head split (tier_prefetch.py) uses
         # them until this run has measured its own, so that the first requests after a restart
         # (the ones a restart on a warm store is for) can split too. Only priors: one mis-sized
@@ -66,7 +68,8 @@ class TierTransfers:
             self._prefill_tps = _ema(self._prefill_tps, tokens / seconds)
 
     def observe_head(self, tokens: int, seconds: float) -> None:
-        """A split head's compute (tokens from its request's cached prefix to head_end)."""
+        """A split head's compute (tokens from its request's cached prefix to head_end), or an
+        extend's that is as one."""
         if tokens > 0 and seconds > 0:
             self._head_tps = _ema(self._head_tps, tokens / seconds, HEAD_RATE_WEIGHT)
 

@@ -136,6 +136,7 @@ class OverlapExtend:
         if logits is None:  # a CUDA OOM failed the batch (step() reports it)
             return None
         timing.stop()
+        self._head_like_timed(admitted, tail, timing, t0)
         self.stats["forward_steps"] += 1
         self.stats["extend_steps"] += 1
         self.stats["overlapped_extend_steps"] += 1

@@ -262,7 +262,7 @@ class Scheduler(DecodeSteps, OverlapExtend, TokenProcessing, Maintenance, Waitin
         for req in decoding:
             req.extend_len = 1
         t0 = time.perf_counter()
-        timing = self._time_head(reqs) if self.tiered else None
+        timing = self._time_head(reqs, decoding) if self.tiered else None
         fb, rows = build_extend(reqs + decoding, self.req_pool, self.allocator, self.tree_cache,
                                 self.device)
         fb.num_decode_tail = len(decoding)
