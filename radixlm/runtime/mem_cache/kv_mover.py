@@ -75,7 +75,10 @@ class KVMover:
         self.scatter_stream = torch.cuda.Stream(device) if self.cuda else None  # load scatters
         # tokens a staging chunk (a ring buffer; never more than the device pool holds)
         self.chunk = max(1, min(STAGING_CHUNK_BYTES // host.token_bytes, device_pool.capacity))
-        ring = max(2, staging_bytes(device) // (self.chunk * host.token_bytes))
+        # buffers in the ring: staging_bytes() in all, at most what the device pool holds (the
+        # model runner left staging_bytes() out of its budget: an upper bound)
+        ring_bytes = min(staging_bytes(device), device_pool.capacity * host.token_bytes)
+        ring = max(2, ring_bytes // (self.chunk * host.token_bytes))
         self._ring: list[Optional[torch.Tensor]] = [None] * ring
         self._ring_free: list[Optional[torch.cuda.Event]] = [None] * ring  # its last scatter
         self._ring_pos = 0
