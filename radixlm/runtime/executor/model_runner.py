@@ -24,8 +24,8 @@ from radixlm.runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm.runtime.executor.forward_batch import ForwardBatch
 from radixlm.runtime.executor.piecewise_graph import PiecewiseGraphRunner
 from radixlm.runtime.layers import cpu_linear, cpu_packed, fp8_linear, quantized_linear
-from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache import kv_mover
+from radixlm.runtime.mem_cache.allocator import TokenSlotAllocator
 from radixlm.runtime.mem_cache.kv_pool import KVPool, MLAKVPool
 from radixlm.runtime.mem_cache.req_to_token import ReqToTokenPool
 from radixlm.runtime.models import (fp8_checkpoint, int4_checkpoint, llama_pieces, loader,
