@@ -74,8 +74,8 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # 7.5-9.6 against 9.6-10; on an H100's 16-core host, alone (8 fetchers), a whole 8 MiB page
 # then its CRC 14.9 GB/s against 15.6 for 1 MiB pieces CRC'd while in the core's L2 (256 KiB:
 # 10.3). A restart's split request reads its tail while its head's forward is launched: on an
-# H200 (8B, 16k-token prompts, one call) its tails read at 72-77k tokens/s with 8 MiB against
-# 60-66k with 1 MiB, and the restart's TTFT p50 ratio was 3.31x and 3.23x against 3.00x
+# H200 (8B, 16k-token prompts, one call) its tails read at 72-81k tokens/s with 8 MiB against
+# 61-67k with 1 MiB, and the restart's TTFT p50 ratio was 3.31x and 3.23x against 3.00x
 # (docs/hicache.md). 8 MiB: one read(2) for a page of an 8B model (64 tokens)
 READ_CHUNK = 8 << 20
 
