@@ -208,7 +208,7 @@ def test_a_restart_starts_with_the_rates_its_store_kept(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_fresh_single_prompt_times_as_a_head(make_engine, integrity, tmp_path,  # noqa: F811
+def test_a_fresh_single_prompt_times_as_a_head(make_engine, integrity,  # noqa: F811
                                                monkeypatch, overlap):
     # an extend that computes what a head would (one prompt from its first token, no decode
     # rows beside it) gives the head rate its sample before any split: the first split after
@@ -228,7 +228,9 @@ def test_a_fresh_single_prompt_times_as_a_head(make_engine, integrity, tmp_path,
             samples.append(self.tree_cache._head_tps)
 
     monkeypatch.setattr(split_heads.SplitHeads, "_observe_heads", observe)
-    eng = _tiered(make_engine, str(tmp_path))
+    # (a pool that takes both prompts of the two-at-once call in one extend: in _tiered's 110
+    # tokens the second could wait for the first to finish, then run alone, as a head)
+    eng = make_engine(max_total_tokens=400, enable_hicache=True, hicache_ratio=2)
     eng._call_in_loop(lambda: setattr(eng.scheduler, "overlap", overlap))
     launched = eng.scheduler.stats["overlapped_extend_steps"]
     eng.generate(input_ids=PROMPTS[0], sampling_params=SP)  # (read at its decode steps)

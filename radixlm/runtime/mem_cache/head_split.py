@@ -19,10 +19,12 @@ waiting request ready): under load the GPU's time is the scarce thing and the st
 free, so a request reads all of it, as before. Only on CUDA, where the reader's threads run on
 host cores that the forward leaves free; on the CPU the forward takes every core.
 
-The rates: R is the store's measured read rate; C is the measured rate of heads computed so far
-(prefills from the start of a prompt, fast per token: short attention), until one was measured
-the rate of all prefills (a restart's extends are questions after long histories: slower per
-token, so the first heads are short; never longer than balanced).
+The rates (mem_cache/tier_transfers.py `_rate`): R is the store's measured read rate; C the
+measured rate of heads, and of extends that compute what a head would (one prompt from its first
+token: scheduler/split_heads.py `_head_like`), fast per token (short attention); the rate of all
+prefills where neither was measured (slower per token: a head cut with it is short, never longer
+than balanced). Until this run has measured them, the rates an earlier run kept in the store,
+and the read rate a start measures on a few stored pages (tier_prefetch.probe_read_rate).
 """
 
 from __future__ import annotations

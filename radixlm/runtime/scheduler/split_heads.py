@@ -12,7 +12,8 @@ the read has ended; the tokens its head computed do not count as cached (cached_
 cached_tokens_details).
 
 The head's forward is timed with CUDA events, read once they have completed (no sync): the rate
-the next split is cut by.
+the next split is cut by. So is any extend that is as a head (`_head_like`), on the plain step's
+path and on the overlapped one (overlap_extend), so that the first split has a head's rate.
 """
 
 from __future__ import annotations
@@ -41,21 +42,23 @@ class SplitHeads:
                 and all(r.prefetch is not None for r in self.waiting))
 
     def _time_head(self, reqs: list[Req], tail: list[Req]):
-        """The timer of an extend that computes a head, or is as one: a single prompt from its
-        first token (None otherwise)."""
-        head = any(r.computing_head for r in reqs) or _head_like(reqs, tail)
-        return GpuTiming(self.device) if head else None
+        """The timer of the plain step's extend when it computes a head or is as one (None
+        otherwise); stopped by `_head_timed`."""
+        return GpuTiming(self.device) if _is_head(reqs, tail) else None
 
     def _head_timed(self, reqs: list[Req], timing, t0: float) -> None:
         if timing is not None:
             timing.stop()
-            self._head_timings.append((sum(r.extend_len for r in reqs), timing, t0))
+            self._note_head(reqs, timing, t0)
 
     def _head_like_timed(self, reqs: list[Req], tail: list[Req], timing, t0: float) -> None:
-        """An overlapped extend's forward (overlap_extend), timed: its rate is a head's if it
-        is as one (`_head_like`)."""
-        if self.tiered and _head_like(reqs, tail):
-            self._head_timings.append((reqs[0].extend_len, timing, t0))
+        """An overlapped extend's forward (overlap_extend), timed and stopped: a head's rate
+        sample if it is as one."""
+        if self.tiered and _is_head(reqs, tail):
+            self._note_head(reqs, timing, t0)
+
+    def _note_head(self, reqs: list[Req], timing, t0: float) -> None:
+        self._head_timings.append((sum(r.extend_len for r in reqs), timing, t0))
 
     def _observe_heads(self) -> None:
         """Give the tree cache the rates of head forwards that have completed."""
@@ -77,6 +80,11 @@ class SplitHeads:
         req.parked, req.match = node, None
         req.prefetch.head_done = True
         self.waiting.insert(0, req)
+
+
+def _is_head(reqs: list[Req], tail: list[Req]) -> bool:
+    """An extend whose rate is a head's: one that computes a split's head, or `_head_like`."""
+    return any(r.computing_head for r in reqs) or _head_like(reqs, tail)
 
 
 def _head_like(reqs: list[Req], tail: list[Req]) -> bool:
