@@ -14,6 +14,9 @@ set to F) along each path:
                one read, then its CRC: results before that commit measure that read)
   direct       storage.get_into the page's host rows: readinto them in --read-chunks pieces,
                each CRC'd right after its read (0: the whole page in one read, then its CRC)
+  native       direct through the native reader (storage/native_read.py: open, header, payload
+               in NATIVE_CHUNK pieces each CRC'd, close in one C call, the GIL released once a
+               page); its CRC is the store's (the --crcs and --read-chunks do not apply)
   read_only    no store and no checks: F threads readinto a buffer of their own, file after
                file (what the page cache alone delivers to one process)
 Each of get and direct runs with every CRC-32 in --crcs: zlib's (the standard library's) and
@@ -21,7 +24,8 @@ zlib-ng's when installed (`pip install zlib-ng`; the store's default then); get 
 store's read before get_into. The host pool is pinned when CUDA is present (as the engine's
 is), else lazily mapped RAM, touched once before the first read. One JSON line per (path, crc,
 read chunk, threads): gb_s (best round), gb_s_median, tokens_s (64-token pages: the figure to
-set beside a prefill's tokens/s).
+set beside a prefill's tokens/s). --spin: a thread runs Python beside the reads (the scheduler
+launching forwards), with the engine's 0.5 ms switch interval (runtime/gil_switch.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import zlib
 
@@ -48,7 +53,7 @@ from radixlm.runtime.mem_cache import page_reader  # noqa: E402
 from radixlm.runtime.mem_cache.host_pool import HostKVPool  # noqa: E402
 from radixlm.runtime.mem_cache.kv_pool import KVPool  # noqa: E402
 from radixlm.runtime.mem_cache.page_reader import PageReader, PrefetchOp  # noqa: E402
-from radixlm.runtime.mem_cache.storage import file_backend  # noqa: E402
+from radixlm.runtime.mem_cache.storage import file_backend, native_read  # noqa: E402
 from radixlm.runtime.mem_cache.storage.file_backend import FileStorage  # noqa: E402
 
 CRCS = {"zlib": zlib.crc32}
@@ -73,6 +78,8 @@ def _args(argv=None):
     ap.add_argument("--crcs", default=",".join(CRCS),
                     help="CRC-32 implementations to compare (zlib; zlib-ng when installed)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--spin", action="store_true",
+                    help="a thread spinning in Python beside the reads (0.5 ms switch interval)")
     ap.add_argument("--dir", default=None, help="where the temporary store goes (default: TMPDIR)")
     ap.add_argument("--result-file", default=None,
                     help="also append the lines to this file (results/store_read-*.jsonl)")
@@ -84,9 +91,11 @@ def _args(argv=None):
                  f"layer's K and V of {HEADS} heads x {DIM} dims, bf16)")
     if args.pages <= 0 or args.rounds <= 0 or not args.threads or min(args.threads) <= 0:
         ap.error("--pages, --rounds and every --threads value must be positive")
-    unknown = set(args.paths.split(",")) - {"get", "direct", "read_only"}
+    unknown = set(args.paths.split(",")) - {"get", "direct", "native", "read_only"}
     if unknown:
-        ap.error(f"--paths: unknown {sorted(unknown)} (get, direct, read_only)")
+        ap.error(f"--paths: unknown {sorted(unknown)} (get, direct, native, read_only)")
+    if "native" in args.paths.split(",") and native_read.reader() is None:
+        ap.error("--paths native: the native reader did not build here (see the warning)")
     args.crcs = args.crcs.split(",")
     if set(args.crcs) - set(CRCS):
         ap.error(f"--crcs: {sorted(set(args.crcs) - set(CRCS))} not available here "
@@ -143,6 +152,25 @@ def _read_only_round(store, keys, threads: int, page_bytes: int) -> float:
         return time.perf_counter() - t0
 
 
+class _Spinner:
+    """A thread running Python until stopped, at the engine's 0.5 ms switch interval."""
+
+    def __init__(self):
+        sys.setswitchinterval(0.0005)
+        self._stop = False
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    def _spin(self):
+        n = 0
+        while not self._stop:
+            n += 1
+
+    def stop(self):
+        self._stop = True
+        self._thread.join()
+
+
 def main(argv=None) -> None:
     args = _args(argv)
     layers = args.page_bytes // (PAGE_TOKENS * LAYER_BYTES)
@@ -162,11 +190,16 @@ def main(argv=None) -> None:
                 "command": "python " + " ".join(sys.argv), "note": args.note}
         arms = []
         for path in args.paths.split(","):
+            if path == "native":
+                arms += [(path, None, native_read.NATIVE_CHUNK, t) for t in args.threads]
+                continue
             for crc in (args.crcs if path != "read_only" else [None]):
                 for chunk in (args.read_chunks if path == "direct" else [None]):
                     arms += [(path, crc, chunk, t) for t in args.threads]
+        spinner = _Spinner() if args.spin else None
         for path, crc, chunk, threads in arms:
-            if chunk is not None:
+            store.native = path == "native"
+            if chunk is not None and path != "native":
                 file_backend.READ_CHUNK = chunk or args.page_bytes
             if crc is not None:  # (looked up at each call: the store's reads use this one)
                 file_backend.crc32 = CRCS[crc]
@@ -175,7 +208,7 @@ def main(argv=None) -> None:
                 if path == "read_only":
                     times.append(_read_only_round(store, keys, threads, args.page_bytes))
                 else:
-                    times.append(_reader_round(host, store, keys, threads, path == "direct"))
+                    times.append(_reader_round(host, store, keys, threads, path != "get"))
             best, median = min(times), statistics.median(times)
             line = json.dumps({
                 "probe": "store_read", "path": path, "threads": threads, "read_chunk": chunk,
@@ -183,13 +216,16 @@ def main(argv=None) -> None:
                 "gb_s": round(nbytes / best / 1e9, 3),
                 "gb_s_median": round(nbytes / median / 1e9, 3),
                 "tokens_s": round(args.pages * PAGE_TOKENS / best),
-                "crc": crc, "rounds": args.rounds, "pinned": pinned, "cpus": os.cpu_count(),
+                "crc": native_read.reader().crc_name if path == "native" else crc,
+                "spin": args.spin, "rounds": args.rounds, "pinned": pinned, "cpus": os.cpu_count(),
                 "load_avg": round(os.getloadavg()[0], 2), **meta})
             print(line, flush=True)
             if args.result_file:
                 with open(args.result_file, "a") as f:
                     f.write(line + "\n")
         store.close()
+        if spinner is not None:
+            spinner.stop()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -4,7 +4,8 @@ included) whether their slots are one run (read into the rows) or scattered (get
 the reader's thread pool or without; a truncated, longer, flipped, foreign or other-format file
 is refused by get_into exactly as by get (counted, removed) and never served through the cache;
 a queued page not yet on disk is served from memory; a destination of the wrong size or kind is
-refused with a clear error; the store's CRC-32 (zlib-ng's when installed) is zlib's."""
+refused with a clear error; the store's CRC-32 (zlib-ng's when installed) is zlib's. The file
+store's reads run both ways: in Python and through the native reader (native_read.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,23 @@ from hicache_helpers import admit, expect_kv, make_tiered, put
 from radixlm.runtime.mem_cache.host_pool import HostKVPool
 from radixlm.runtime.mem_cache.kv_pool import KVPool
 from radixlm.runtime.mem_cache.page_reader import PageReader, PrefetchOp
-from radixlm.runtime.mem_cache.storage import file_backend
+from radixlm.runtime.mem_cache.storage import file_backend, native_read
 from radixlm.runtime.mem_cache.storage.base import StorageBackend
 from radixlm.runtime.mem_cache.storage.file_backend import FileStorage
 
 CPU = torch.device("cpu")
 P = 4  # tokens a page
 SEQ = [5, 6, 7, 8, 9, 10]  # three pages of two tokens (make_tiered's page)
+
+
+@pytest.fixture(params=["python", "native"])
+def read_impl(request, monkeypatch):
+    """Stores made in the test read in Python or through the native reader."""
+    if request.param == "python":
+        monkeypatch.setattr(native_read, "reader", lambda: None)
+    elif native_read.reader() is None:
+        pytest.skip("the native reader did not build here (its warning says why)")
+    return request.param
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -91,10 +102,11 @@ LAYOUTS = {"runs": list(range(1, 13)), "scattered": [2, 1, 3, 4, 8, 7, 6, 5, 20,
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["manual", "thread-pool"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pages_land_bit_for_bit(tmp_path, layout, threaded):
+def test_pages_land_bit_for_bit(tmp_path, layout, threaded, read_impl):
     host = _host()
     pages = _pages(host, 3)
     store, keys = _store(tmp_path, host, pages)
+    assert store.stats()["read_impl"] == read_impl
     spy = _Spy(store)
     reader = PageReader(host, P, threaded=threaded)
     slots = torch.tensor(LAYOUTS[layout])
@@ -136,12 +148,14 @@ DAMAGES = ["flip_first", "flip_last", "truncate", "longer", "empty", "short_head
 
 
 @pytest.mark.parametrize("how", DAMAGES)
-def test_get_into_refuses_what_get_refuses(tmp_path, monkeypatch, how):
+def test_get_into_refuses_what_get_refuses(tmp_path, monkeypatch, how, read_impl):
     # 40-byte reads: a page of 1536 bytes goes in many chunks, a flip in any of them counts
     monkeypatch.setattr(file_backend, "READ_CHUNK", 40)
+    monkeypatch.setattr(native_read, "NATIVE_CHUNK", 40)
     host = _host()
     pages = _pages(host, 2)
     store, keys = _store(tmp_path, host, pages)
+    assert store.stats()["read_impl"] == read_impl
     out = torch.zeros(store.page_bytes, dtype=torch.uint8)
     assert store.get_into(keys[1], out)
     assert torch.equal(out, pages[1].view(torch.uint8).reshape(-1))
@@ -157,7 +171,7 @@ def test_get_into_refuses_what_get_refuses(tmp_path, monkeypatch, how):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_bad_page_is_never_served_by_either_path(tmp_path, direct):
+def test_bad_page_is_never_served_by_either_path(tmp_path, direct, read_impl):
     cache, pool, alloc = make_tiered(storage_dir=str(tmp_path))
     cache.reader.direct = direct
     spy = _Spy(cache.storage)

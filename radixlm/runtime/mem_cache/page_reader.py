@@ -43,7 +43,6 @@ from typing import Optional
 
 import torch
 
-from radixlm.runtime.mem_cache.host_pool import contiguous_runs
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +117,7 @@ class PageReader:
         # polls its inbox can wake at once instead of at its next poll (Engine sets it)
         self.notify = None
         self.read_errors = 0
+        self._pool_bytes: Optional[memoryview] = None  # the host pool's memory, flat (_dests)
         self._jobs: queue.Queue = queue.Queue()  # bounded by the cache (lookups, read pages)
         self._current = None  # manual mode: the job `work` is in the middle of
         self._thread: Optional[threading.Thread] = None
@@ -208,7 +208,7 @@ class PageReader:
             self._wake()
             return True
         t0 = time.perf_counter()
-        nbytes = self._fetch(op, j)
+        nbytes = self._fetch(op, j, self._dests(job))
         job.seconds += time.perf_counter() - t0
         if nbytes is None:  # missing or failed its checks: never served, recomputed
             self.news.append(("read_end", op, job.seconds, job.bytes))
@@ -219,46 +219,59 @@ class PageReader:
         self.news.append(("landed", op, j + 1))
         return False
 
-    def _fetch(self, op: PrefetchOp, j: int) -> Optional[int]:
+    def _fetch(self, op: PrefetchOp, j: int, dests: list) -> Optional[int]:
         """Page j of op from its store into the op's host slots; its bytes, or None (missing or
-        bad). Any thread: the op's slots are its own, page j's rows no other fetch's."""
-        slots = op.slots[j * self.page:(j + 1) * self.page]
-        rows = self._rows_of(slots) if self.direct else None
-        if rows is not None:
+        bad). Any thread: the op's slots are its own, page j's rows no other fetch's. dests:
+        _dests' views, so a direct page costs its fetcher no torch call (each gives the GIL up
+        and takes it back, a wait of up to the switch interval beside the scheduler)."""
+        dest = dests[j]
+        if dest is not None:
             # straight into the rows (the file store reads into them, then checks). A page that
             # fails leaves garbage there, never served: rows past `landed` belong to the op
             # alone (held: out of the tree and the free list) until the read's end frees them,
             # and only landed pages ever join the tree (tier_prefetch.py); a freed slot is
             # written (a backup, a later read) before anything reads it
-            return rows.numel() if op.storage.get_into(op.keys[j], rows) else None
+            return len(dest) if op.storage.get_into(op.keys[j], dest) else None
         payload = op.storage.get(op.keys[j])
         if payload is None:
             return None
         page = decode_page(payload, self.host.block_shape(self.page), self.host.dtype)
         # (P, L, 2, H, D) into the op's own slots: no other thread reads or writes these rows
-        self.host.put_rows(slots, page)
+        self.host.put_rows(op.slots[j * self.page:(j + 1) * self.page], page)
         return len(payload)
 
-    def _rows_of(self, slots: torch.Tensor) -> Optional[torch.Tensor]:
-        """The host rows of `slots` as one flat uint8 tensor (the same memory, pinned on CUDA),
-        when they are one run of consecutive slots (a slot-major run is one contiguous block,
-        the page's layout); None when scattered (then get + put_rows)."""
-        runs = contiguous_runs(slots, 1)
-        if not runs:
-            return None
-        _, first, n = runs[0]
-        return self.host.kv[first:first + n].view(torch.uint8).view(-1)
+    def _dests(self, job: "_Job") -> list:
+        """Per page of the job's op: its host rows as one flat byte view (a slice of the pool's
+        memory, pinned on CUDA) when its slots are one run of consecutive slots (a slot-major
+        run is one contiguous block, the page's layout), else None (then get + put_rows).
+        Computed once a job, in a few torch calls for all its pages."""
+        if job.dests is None:
+            op, page = job.op, self.page
+            job.dests = [None] * op.page_count
+            if self.direct and op.page_count:
+                if self._pool_bytes is None:  # the whole pool, flat (rows are slot-major)
+                    self._pool_bytes = memoryview(
+                        self.host.kv.view(torch.uint8).view(-1).numpy()).cast("B")
+                pages = op.slots[:op.page_count * page].view(-1, page)
+                one_run = (pages - pages[:, :1] == torch.arange(page)).all(1).tolist()
+                nbytes = page * self.host.token_bytes
+                for j, first in enumerate(pages[:, 0].tolist()):
+                    if one_run[j]:
+                        lo = first * self.host.token_bytes
+                        job.dests[j] = self._pool_bytes[lo:lo + nbytes]
+        return job.dests
 
     def _read_ahead(self, job: "_Job") -> None:
         """A read job on the thread: pages fetched READ_AHEAD at a time, landed in order. Its end
         is posted only once no fetch is running, since the slots go back to the scheduler then."""
         op, t0, inflight = job.op, time.perf_counter(), collections.deque()
-        run, reported = landed_report_pages(op), job.next
+        run, reported, dests = landed_report_pages(op), job.next, self._dests(job)
         try:
             while True:
                 while (len(inflight) < READ_AHEAD and not op.cancelled
                        and job.next + len(inflight) < op.page_count):
-                    inflight.append(self._fetchers.submit(self._fetch, op, job.next + len(inflight)))
+                    inflight.append(self._fetchers.submit(self._fetch, op,
+                                                          job.next + len(inflight), dests))
                 if not inflight:
                     break
                 try:
@@ -293,10 +306,11 @@ class PageReader:
 
 
 class _Job:
-    __slots__ = ("kind", "op", "next", "seconds", "bytes")
+    __slots__ = ("kind", "op", "next", "seconds", "bytes", "dests")
 
     def __init__(self, kind: str, op: PrefetchOp):
         self.kind, self.op, self.next, self.seconds, self.bytes = kind, op, 0, 0.0, 0
+        self.dests: Optional[list] = None  # a read's page destinations (PageReader._dests)
 
 
 def decode_page(payload, page_shape: tuple, dtype: torch.dtype) -> torch.Tensor:

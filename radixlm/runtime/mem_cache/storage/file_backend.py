@@ -20,7 +20,9 @@ zlib computes CRC-32 at ~2-4 GB/s a thread (measured 3.8 GB/s on this project's 
 bounds a thread's page reads below the page cache's copy rate (7-15 GB/s a thread there);
 zlib-ng's (PyPI `zlib-ng`: the same CRC-32, its SIMD code) ran at ~50 GB/s there, so it is used
 when installed, else zlib's: files are the same either way. Both, like file reads and writes,
-release the GIL, so the store's threads run in parallel. A format-1 or format-2 file reads as
+release the GIL, so the store's threads run in parallel; a read takes the GIL back ~8 times a
+page in Python, once through the native reader (native_read.py, csrc/page_read.c: the same bytes
+and checks), used whenever it builds. A format-1 or format-2 file reads as
 "not a radixlm page file": removed and recomputed (its payload has the same length as a
 format-3 one, so the magic is what tells them apart).
 
@@ -52,6 +54,7 @@ except ImportError:
     from zlib import crc32
     CRC_IMPL = "zlib"
 
+from radixlm.runtime.mem_cache.storage import native_read
 from radixlm.runtime.mem_cache.storage.base import StorageBackend, byte_view
 from radixlm.runtime.mem_cache.storage.page_budget import PageBudget, page_files
 
@@ -106,6 +109,9 @@ class FileStorage(StorageBackend):
         os.makedirs(self.dir, exist_ok=True)
         self.page_bytes = page_bytes
         self.max_pending_bytes = max_pending_bytes
+        # read through native_read's reader when it loads (tests set False for the Python read);
+        # built or loaded here, so the first read of a restart does not wait for a compiler
+        self.native = native_read.reader() is not None
         self.writes_enabled = True
         self._pending: dict[bytes, bytes] = {}  # accepted, not yet on disk
         self._pending_bytes = 0
@@ -170,18 +176,18 @@ class FileStorage(StorageBackend):
         return self._read_into(key, dest)
 
     def _read_into(self, key: bytes, dest: memoryview) -> bool:
-        """The file of `key` into dest (page_bytes), checked: get_into's and get's read."""
+        """The file of `key` into dest (page_bytes), checked: get_into's and get's read. Through
+        the native reader (one call without the GIL, native_read.py) when it is available."""
         path = self.path(key)
         try:
-            # unbuffered: each readinto is one read(2) into `dest`, no copy through a buffer
-            with open(path, "rb", buffering=0) as f:
-                header = f.read(_HEADER.size)
+            native = native_read.reader() if self.native else None
+            if native is not None:
+                header, got, crc = native.read(path, _HEADER.size, dest)
                 problem = self._check_header(key, header)
-                if problem is None:  # (a bad header: not worth reading the payload)
-                    got, crc = _read_checked(f, dest)
-                    if got == len(dest) and f.read(1):  # the one byte more that get reads
-                        got += 1
+                if problem is None:
                     problem = self._check_payload(header, got, crc)
+            else:
+                problem = self._read_python(key, path, dest)
         except FileNotFoundError:  # (evicted, perhaps by another process)
             self._known.discard(key)
             return False
@@ -189,6 +195,19 @@ class FileStorage(StorageBackend):
             logger.warning("hicache: reading %s failed (%s); recomputing those tokens", path, e)
             return False
         return self._verdict(key, path, problem)
+
+    def _read_python(self, key: bytes, path: str, dest: memoryview) -> Optional[str]:
+        """_read_into's read in Python: what is wrong with the file, or None."""
+        # unbuffered: each readinto is one read(2) into `dest`, no copy through a buffer
+        with open(path, "rb", buffering=0) as f:
+            header = f.read(_HEADER.size)
+            problem = self._check_header(key, header)
+            if problem is None:  # (a bad header: not worth reading the payload)
+                got, crc = _read_checked(f, dest)
+                if got == len(dest) and f.read(1):  # the one byte more that get reads
+                    got += 1
+                problem = self._check_payload(header, got, crc)
+        return problem
 
     def _check_header(self, key: bytes, header: bytes) -> Optional[str]:
         if len(header) < _HEADER.size:
@@ -345,5 +364,6 @@ class FileStorage(StorageBackend):
 
     def stats(self) -> dict:
         return dict(self.counters, backend="file", dir=self.dir, writes_enabled=self.writes_enabled,
+                    read_impl="native" if self.native else "python", crc=CRC_IMPL,
                     pending_bytes=self._pending_bytes, pages_known=len(self._known),
                     max_pages=self.max_pages)
