@@ -141,7 +141,8 @@ def _time_forwards(sched) -> list:
         finally:
             host = time.perf_counter() - t0
             end.record()
-            marks.append((fb.mode.name.lower(), len(reqs), start, end, host))
+            marks.append((fb.mode.name.lower(), len(reqs), start, end, host, t0,
+                          sum(fb.extend_lens_cpu), sum(fb.extend_prefix_lens_cpu)))
 
     sched._forward_or_oom = timed
     return marks
@@ -253,7 +254,7 @@ def gaps_by_kind(marks: list) -> dict:
         torch.cuda.synchronize()
     kinds: dict = collections.defaultdict(lambda: {"steps": 0, "gpu_s": 0.0, "host_call_s": 0.0})
     between: dict = collections.defaultdict(float)
-    for i, (kind, _, start, end, host) in enumerate(marks):
+    for i, (kind, _, start, end, host, *_) in enumerate(marks):
         k = kinds[kind]
         k["steps"] += 1
         k["gpu_s"] += start.elapsed_time(end) / 1e3
@@ -267,6 +268,26 @@ def gaps_by_kind(marks: list) -> dict:
             "between_s": {k: round(v, 3) for k, v in between.items()}}
 
 
+def write_timeline(path: str, marks: list, seen: dict) -> None:
+    """One JSON line per forward (kind, rows, new and prefix tokens of an extend, the host's
+    launch time and call, the GPU's start and span, ms from the first forward on each clock)
+    and per request (submitted, admitted, first token: ms on the host's clock)."""
+    torch.cuda.synchronize()
+    first, host0 = marks[0][2], marks[0][5]
+    with open(path, "w") as f:
+        for kind, rows, start, end, host, t0, new, prefix in marks:
+            f.write(json.dumps({"step": kind, "rows": rows, "new": new, "prefix": prefix,
+                                "host_ms": round((t0 - host0) * 1e3, 2),
+                                "call_ms": round(host * 1e3, 2),
+                                "gpu_ms": round(first.elapsed_time(start), 2),
+                                "gpu_span_ms": round(start.elapsed_time(end), 2)}) + "\n")
+        for created, admitted, token in seen.values():
+            f.write(json.dumps({"req": round((created - host0) * 1e3, 2),
+                                "admitted": round((admitted - host0) * 1e3, 2),
+                                "token": None if token is None
+                                else round((token - host0) * 1e3, 2)}) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--window-start", type=float, default=8.0)
@@ -277,6 +298,8 @@ def main() -> None:
                    help="count the host <-> device syncs by call site (torch.cuda sync debug)")
     p.add_argument("--cuda-events", action="store_true",
                    help="no profiler window: CUDA events around every forward instead (GPU)")
+    p.add_argument("--timeline", default=None,
+                   help="with --cuda-events: every forward and request to this file (JSON lines)")
     own, rest = p.parse_known_args()
     args = mt.parse_args(rest)
     args.model_path = args.model_path or mt.default_model_path()
@@ -334,6 +357,8 @@ def main() -> None:
         t.join()
         if marks is not None:
             out["forwards"] = gaps_by_kind(marks)
+            if own.timeline and marks:
+                write_timeline(own.timeline, marks, seen)
         if not own.cuda_events:
             prof.export_chrome_trace(trace)
         if cprof is not None:
