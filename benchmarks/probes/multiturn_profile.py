@@ -36,6 +36,7 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks import multiturn_long as mt  # noqa: E402
+from benchmarks.probes.step_timeline import StepTimeline  # noqa: E402
 from benchmarks.trace_summary import load_events, summarize  # noqa: E402
 
 
@@ -268,26 +269,6 @@ def gaps_by_kind(marks: list) -> dict:
             "between_s": {k: round(v, 3) for k, v in between.items()}}
 
 
-def write_timeline(path: str, marks: list, seen: dict) -> None:
-    """One JSON line per forward (kind, rows, new and prefix tokens of an extend, the host's
-    launch time and call, the GPU's start and span, ms from the first forward on each clock)
-    and per request (submitted, admitted, first token: ms on the host's clock)."""
-    torch.cuda.synchronize()
-    first, host0 = marks[0][2], marks[0][5]
-    with open(path, "w") as f:
-        for kind, rows, start, end, host, t0, new, prefix in marks:
-            f.write(json.dumps({"step": kind, "rows": rows, "new": new, "prefix": prefix,
-                                "host_ms": round((t0 - host0) * 1e3, 2),
-                                "call_ms": round(host * 1e3, 2),
-                                "gpu_ms": round(first.elapsed_time(start), 2),
-                                "gpu_span_ms": round(start.elapsed_time(end), 2)}) + "\n")
-        for created, admitted, token in seen.values():
-            f.write(json.dumps({"req": round((created - host0) * 1e3, 2),
-                                "admitted": round((admitted - host0) * 1e3, 2),
-                                "token": None if token is None
-                                else round((token - host0) * 1e3, 2)}) + "\n")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--window-start", type=float, default=8.0)
@@ -299,7 +280,8 @@ def main() -> None:
     p.add_argument("--cuda-events", action="store_true",
                    help="no profiler window: CUDA events around every forward instead (GPU)")
     p.add_argument("--timeline", default=None,
-                   help="with --cuda-events: every forward and request to this file (JSON lines)")
+                   help="with --cuda-events: every forward, KV move and request to this file "
+                        "(JSON lines; probes/step_timeline.py)")
     own, rest = p.parse_known_args()
     args = mt.parse_args(rest)
     args.model_path = args.model_path or mt.default_model_path()
@@ -334,6 +316,10 @@ def main() -> None:
             eng._call_in_loop(cprof.enable)
         marks = (eng._call_in_loop(lambda: _time_forwards(eng.scheduler))
                  if own.cuda_events and torch.cuda.is_available() else None)
+        timeline = None
+        if marks is not None and own.timeline:
+            timeline = StepTimeline()
+            eng._call_in_loop(lambda: timeline.wrap_mover(eng.scheduler.tree_cache.mover))
         kinds = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             kinds.append(torch.profiler.ProfilerActivity.CUDA)
@@ -357,8 +343,8 @@ def main() -> None:
         t.join()
         if marks is not None:
             out["forwards"] = gaps_by_kind(marks)
-            if own.timeline and marks:
-                write_timeline(own.timeline, marks, seen)
+            if timeline is not None and marks:
+                timeline.write(own.timeline, marks, seen)
         if not own.cuda_events:
             prof.export_chrome_trace(trace)
         if cprof is not None:
