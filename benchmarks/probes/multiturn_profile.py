@@ -320,6 +320,7 @@ def main() -> None:
         if marks is not None and own.timeline:
             timeline = StepTimeline()
             eng._call_in_loop(lambda: timeline.wrap_mover(eng.scheduler.tree_cache.mover))
+            eng._call_in_loop(timeline.wrap_builds)
         kinds = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             kinds.append(torch.profiler.ProfilerActivity.CUDA)

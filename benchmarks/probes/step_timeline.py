@@ -24,6 +24,26 @@ class StepTimeline:
     def __init__(self):
         self.moves: list = []  # (kind, tokens, host t, call s, start event, end event, extra)
 
+    def wrap_builds(self) -> None:
+        """An event on the compute stream before each extend batch is built (its inputs' copy
+        to the device is in the build): a forward whose start waited while this one did not
+        waited inside the build (`build` records, `gpu_ms` when the stream reached it)."""
+        from radixlm.runtime.scheduler import overlap_extend, scheduler
+
+        for module in (scheduler, overlap_extend):
+            real = module.build_extend
+
+            def build(*args, _real=real, **kwargs):
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                t0 = time.perf_counter()
+                out = _real(*args, **kwargs)
+                self.moves.append(("build", len(args[0]), t0, time.perf_counter() - t0, ev, ev,
+                                   None))
+                return out
+
+            module.build_extend = build
+
     def wrap_mover(self, mover) -> None:
         """Record every load, backup and wait of the cache's KVMover (CUDA)."""
         def timed(name, real, stream_of):
