@@ -5,7 +5,9 @@ CPU tensor) is synchronous with the host and waits for the GPU work queued befor
 stream: speculative drafting, which builds its inputs while forwards are queued, stalled on such
 copies until they ran (2026-11-28). Through a pinned buffer the copy is queued like a kernel and
 the host goes on at once. The extend batch (scheduler/batch_builder.py) uses it too: one copy of
-its five index arrays instead of five synchronous ones.
+its five index arrays instead of five synchronous ones. Where a kernel can read pinned host memory
+(uva_copy.py: CUDA with UVA) that kernel makes the copy, not the copy engine, so that it does not
+wait behind the hierarchical cache's loads queued there.
 
 `staged(values, device)`: one list; `staged_parts(parts, device)`: several lists or 1-D int
 arrays in one copy, returned as views of one device tensor.
@@ -17,6 +19,8 @@ import threading
 
 import numpy as np
 import torch
+
+from radixlm.runtime.executor import uva_copy
 
 
 class _HostStaging:
@@ -49,7 +53,11 @@ class _HostStaging:
         for p in parts:
             host[at:at + len(p)] = p
             at += len(p)
-        out = pinned[:n].to(device, non_blocking=True)
+        if n and uva_copy.available(device):  # not behind the copy engine's queue (loads)
+            out = uva_copy.copy_words(pinned[:n], torch.empty(n, dtype=torch.int64,
+                                                              device=device))
+        else:
+            out = pinned[:n].to(device, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
         slot[:] = [pinned, host, done]

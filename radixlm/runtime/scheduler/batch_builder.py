@@ -113,10 +113,7 @@ def build_decode(reqs: list[Req], req_pool, allocator, tree_cache, device,
     cols = [[r.req_pool_idx for r in reqs], kv_lens]
     if input_ids is None:
         cols.append([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs])
-    host = torch.tensor(cols, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    meta = host.to(device, non_blocking=True)
+    meta = staged_parts(cols, device)  # (pinned, one copy: executor/host_staging.py)
     pool_idx, positions = meta[0], meta[1]
     if input_ids is None:
         input_ids = meta[2]
