@@ -5,13 +5,14 @@
 The hierarchical cache's loads (mem_cache/kv_mover.py) DMA hundreds of MB a request on their own
 stream; a forward's inputs (a few KB, scheduler/batch_builder.py) go host -> device on the compute
 stream. An H200 timeline of the multi-turn benchmark (probes/step_timeline.py) showed extends
-whose start waited 10-100 ms on the GPU while loads were queued. This measures, on one GPU:
+whose start waited 10-100 ms on the GPU while loads were queued. This measures, on one GPU
+(not yet run: its one call stopped at a name clash, fixed since):
   fifo        BIG x 128 MiB DMAs queued on stream A, then one 8 KiB copy on stream B: when the
               small copy completes (ms after it was queued), against the DMAs' total
   fifo_small_by_kernel  the same with the small copy made by executor/uva_copy.py's kernel
-  uva_copy    the same bytes moved by a Triton kernel that reads the pinned host rows itself
-              (no copy engine: the GPU's SMs load over PCIe), CTAs 8..132: GB/s
-  uva_fifo    the small copy's wait while such a kernel moves the bytes
+  uva_fifo    the big copies made by a Triton kernel that reads the pinned host rows itself
+              (rows_by_kernel: no copy engine, the GPU's SMs load over PCIe), CTAs 8..132:
+              its GB/s, and the small copy's wait meanwhile (a way the loads could go)
   uva_gemm    a bf16 GEMM's slowdown while the kernel runs beside it (the SMs it takes)
 One JSON line each.
 """
@@ -44,7 +45,7 @@ def _rows_from_host(Src, Dst, Slots, n_rows, row_words, BLOCK: tl.constexpr):
             tl.store(dst + c + cols, tl.load(src + c + cols, mask=m), mask=m)
 
 
-def uva_copy(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, ctas: int,
+def rows_by_kernel(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, ctas: int,
              block: int = 2048, warps: int = 8) -> None:
     _rows_from_host[(ctas,)](src, dst, slots, src.shape[0], src.shape[1], BLOCK=block,
                              num_warps=warps)
@@ -109,7 +110,7 @@ def main():
         def kernel(ctas=ctas):
             with torch.cuda.stream(a):
                 for i in range(args.big):
-                    uva_copy(host[i], dst, slots + i * rows, ctas)
+                    rows_by_kernel(host[i], dst, slots + i * rows, ctas)
         kernel()  # compile, warm
         torch.cuda.synchronize()
         assert torch.equal(dst[1:1 + rows].cpu(), host[0]), "the UVA copy moved other bytes"
@@ -124,7 +125,7 @@ def main():
             with torch.cuda.stream(a):
                 for _ in range(4):
                     for i in range(args.big):
-                        uva_copy(host[i], dst, slots + i * rows, ctas)
+                        rows_by_kernel(host[i], dst, slots + i * rows, ctas)
         g0 = event(b)
         with torch.cuda.stream(b):
             for _ in range(20):
