@@ -20,14 +20,20 @@ One JSON line each.
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-from radixlm.runtime.executor import uva_copy
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.offline_throughput import emit_result, git_commit  # noqa: E402
+from radixlm.runtime.executor import uva_copy  # noqa: E402
 
 
 @triton.jit
@@ -134,14 +140,9 @@ def main():
         torch.cuda.synchronize()
         out.append({"probe": "copy_engine", "test": "uva_gemm", "ctas": ctas,
                     "gemm_ms": round(_ms(g0, g1) / 20, 3)})
-    meta = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                          time.gmtime())}
-    for line in out:
-        text = json.dumps({**line, **meta})
-        print(text)
-        if args.result_file:
-            with open(args.result_file, "a") as f:
-                f.write(text + "\n")
+    for line in out:  # (stamped with the date and the command)
+        emit_result({**line, "device": torch.cuda.get_device_name(), "git_commit": git_commit()},
+                    args.result_file, __file__)
 
 
 if __name__ == "__main__":

@@ -47,14 +47,9 @@ import struct
 import threading
 from typing import Optional
 
-try:  # the same CRC-32 as zlib's, ~10x faster (see above); optional
-    from zlib_ng.zlib_ng import crc32
-    CRC_IMPL = "zlib-ng"
-except ImportError:
-    from zlib import crc32
-    CRC_IMPL = "zlib"
-
 from radixlm.runtime.mem_cache.storage import native_read
+# (module names here: the reads look crc32 up at each call, so a probe may swap it)
+from radixlm.runtime.mem_cache.storage.checksum import CRC_IMPL, crc32  # noqa: F401
 from radixlm.runtime.mem_cache.storage.base import StorageBackend, byte_view
 from radixlm.runtime.mem_cache.storage.page_budget import PageBudget, page_files
 

@@ -15,14 +15,14 @@ builds need no lock. Without a compiler, on a failed build or with
 `RADIXLM_DISABLE_NATIVE_READ=1`, `reader()` is None and file_backend reads in Python (the same
 checks, the same results: tests run both), after one warning that says why.
 
-The CRC-32 is file_backend's: zlib-ng's `zng_crc32` (its module exports it) or zlib's `crc32`
-from libz, whichever file_backend uses, so a page's checksum is the same either way.
+The CRC-32 is the store's (checksum.py): zlib-ng's `zng_crc32` (its module exports it) or
+zlib's `crc32` from libz, whichever the Python read uses, so a page's checksum is the same
+either way.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import hashlib
 import logging
@@ -33,6 +33,8 @@ import subprocess
 import threading
 from pathlib import Path
 from typing import Optional
+
+from radixlm.runtime.mem_cache.storage import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +101,6 @@ def reset() -> None:
         _reader, _tried = None, False
 
 
-def _crc_function() -> tuple[int, str]:
-    """The address of file_backend's CRC-32 in a loaded library, and its name."""
-    from radixlm.runtime.mem_cache.storage import file_backend
-
-    if file_backend.CRC_IMPL == "zlib-ng":
-        import zlib_ng.zlib_ng as zng  # (already imported by file_backend)
-        return ctypes.cast(ctypes.CDLL(zng.__file__).zng_crc32, ctypes.c_void_p).value, "zlib-ng"
-    libz = ctypes.util.find_library("z") or "libz.so.1"
-    return ctypes.cast(ctypes.CDLL(libz).crc32, ctypes.c_void_p).value, "zlib"
-
-
 def _load() -> NativeReader:
     if os.environ.get("RADIXLM_DISABLE_NATIVE_READ") == "1":
         raise RuntimeError("disabled by RADIXLM_DISABLE_NATIVE_READ=1")
@@ -133,5 +124,4 @@ def _load() -> NativeReader:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"{cc} failed: {(run.stderr or run.stdout).strip()[:300]}")
         os.replace(tmp, lib_path)  # atomic: a reader never loads half a library
-    crc_fn, crc_name = _crc_function()
-    return NativeReader(ctypes.CDLL(str(lib_path)), crc_fn, crc_name)
+    return NativeReader(ctypes.CDLL(str(lib_path)), checksum.crc32_address(), checksum.CRC_IMPL)
