@@ -1,6 +1,15 @@
-"""The file store's CRC-32 (file_backend.py says why CRC-32): zlib-ng's when installed (PyPI
-`zlib-ng`: the same values, its SIMD code, ~10x faster), else the standard library's zlib. Both
-compute zlib's CRC-32, so files are the same either way.
+"""The file store's checksum: CRC-32, zlib-ng's when installed, else the standard library's.
+
+Why CRC-32 and not a cryptographic hash: the check is against accidents (a crash's torn write, a
+flipped byte, a file copied over another), and the key in the page's header catches a page put in
+the wrong place. Format 1 used BLAKE2b-128, ~0.2-0.5 GB/s a thread: below the rate an H200 makes
+and loads KV for an 8B model (one page of 64 tokens is 8 MiB), so the store dropped pages it
+could not write in time and read slower than a prefill recomputes them. The standard library's
+zlib computes CRC-32 at ~2-4 GB/s a thread (measured 3.8 GB/s on this project's CPU), which
+bounds a thread's page reads below the page cache's copy rate (7-15 GB/s a thread there);
+zlib-ng's (PyPI `zlib-ng`: the same CRC-32, its SIMD code) ran at ~50 GB/s there, so it is used
+when installed. Both compute zlib's CRC-32, so files are the same either way, and both release
+the GIL.
 
 `crc32(data, value=0)` and `CRC_IMPL` ("zlib-ng" or "zlib") for Python; `crc32_address()` the
 same function's address in its loaded library, for the native read (native_read.py)."""

@@ -11,15 +11,7 @@ all four against what it asked for; a file that fails (truncated by a crash, byt
 flipped, a page of another key copied or renamed into place, another format) is reported missing,
 deleted, and its tokens are recomputed: a bad page is never served.
 
-Why CRC-32 and not a cryptographic hash: the check is against accidents (a crash's torn write, a
-flipped byte, a file copied over another), and the key in the header catches a page put in the
-wrong place. Format 1 used BLAKE2b-128, ~0.2-0.5 GB/s a thread: below the rate an H200 makes and
-loads KV for an 8B model (one page of 64 tokens is 8 MiB), so the store dropped pages it could
-not write in time and read slower than a prefill recomputes them. The standard library's
-zlib computes CRC-32 at ~2-4 GB/s a thread (measured 3.8 GB/s on this project's CPU), which
-bounds a thread's page reads below the page cache's copy rate (7-15 GB/s a thread there);
-zlib-ng's (PyPI `zlib-ng`: the same CRC-32, its SIMD code) ran at ~50 GB/s there, so it is used
-when installed, else zlib's: files are the same either way. Both, like file reads and writes,
+The checksum is CRC-32 (checksum.py says why, and which implementation). Reads and writes
 release the GIL, so the store's threads run in parallel; a read takes the GIL back ~8 times a
 page in Python, once through the native reader (native_read.py, csrc/page_read.c: the same bytes
 and checks), used whenever it builds. A format-1 or format-2 file reads as
