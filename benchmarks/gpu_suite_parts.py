@@ -4,6 +4,7 @@ the shared-prefix workload, the torch.profiler decode tables, and HF transformer
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -43,6 +44,30 @@ def timed_generate(engine, prompts: list[list[int]], out_lens: list[int]) -> tup
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     dt = time.perf_counter() - t0
     return dt, sum(len(o["output_ids"]) for o in outs)
+
+
+@contextlib.contextmanager
+def host_waits():
+    """[steps, seconds] rank 0's scheduler spent waiting for each overlapped step's samples
+    (InFlightDecode.wait): near 0 a step, the host launches slower than the GPU runs (the GPU
+    idles between steps); near the step's time less the host's own work, the GPU is the bound."""
+    from radixlm.runtime.scheduler import overlap
+
+    real, waits = overlap.InFlightDecode.wait, [0, 0.0]
+
+    def wait(self):
+        t0 = time.perf_counter()
+        try:
+            return real(self)
+        finally:
+            waits[0] += 1
+            waits[1] += time.perf_counter() - t0
+
+    overlap.InFlightDecode.wait = wait
+    try:
+        yield waits
+    finally:
+        overlap.InFlightDecode.wait = real
 
 
 def shared_prefix_workload(rng: random.Random, vocab: int, groups=32, per_group=16, shared=2048,

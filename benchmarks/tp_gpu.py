@@ -4,7 +4,8 @@
 
 Each TP size runs in a fresh subprocess (its own CUDA context and process group), the same
 workloads as benchmarks/gpu_suite.py:
-  bs1        1 request, 128 in / 256 out: output tokens / wall time, and the prefill alone
+  bs1        1 request, 128 in / 256 out: output tokens / wall time, and the prefill alone;
+             rank 0's wait for each step's samples (near 0: the host, not the GPU, is the bound)
   batch128   128 x (512 in, 128 out) offline: output tokens / wall time
 A size written "2c" is TP=2 with the symmetric-memory all-reduce on (--no-disable-custom-all-reduce;
 off by default), so `--sizes 1,2,2c` compares it with NCCL in one run; "2t" is TP=2 with
@@ -38,7 +39,7 @@ def run_one(args) -> dict:
     import torch
 
     import radixlm
-    from benchmarks.gpu_suite_parts import rand_ids, timed_generate
+    from benchmarks.gpu_suite_parts import host_waits, rand_ids, timed_generate
 
     res: dict = {"tp_size": args.tp, "custom_all_reduce": args.custom_ar,
                  "two_batch_overlap": args.tbo}
@@ -59,9 +60,12 @@ def run_one(args) -> dict:
         eng.flush_cache()
         ttft, _ = timed_generate(eng, [prompt], [1])
         eng.flush_cache()
-        dt, n = timed_generate(eng, [prompt], [256])
+        with host_waits() as waits:
+            dt, n = timed_generate(eng, [prompt], [256])
         res.update(bs1_tok_s=round(n / dt, 1), bs1_prefill_s=round(ttft, 4),
-                   bs1_decode_tok_s=round((n - 1) / max(dt - ttft, 1e-9), 1))
+                   bs1_decode_tok_s=round((n - 1) / max(dt - ttft, 1e-9), 1),
+                   bs1_host_wait_ms_per_step=round(1e3 * waits[1] / max(waits[0], 1), 3),
+                   bs1_waited_steps=waits[0])
         print(f"PROGRESS tp{args.tp} bs1 done at {time.perf_counter() - t0:.1f}s", flush=True)
         if args.profile:
             try:
