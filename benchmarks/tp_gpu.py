@@ -5,7 +5,8 @@
 Each TP size runs in a fresh subprocess (its own CUDA context and process group), the same
 workloads as benchmarks/gpu_suite.py:
   bs1        1 request, 128 in / 256 out: output tokens / wall time, and the prefill alone;
-             rank 0's wait for each step's samples (near 0: the host, not the GPU, is the bound)
+             rank 0's wait for each step's samples (near 0: the host, not the GPU, is the bound),
+             and each worker's host ms a step by kind (waiting for the batch, launching it)
   batch128   128 x (512 in, 128 out) offline: output tokens / wall time
 A size written "2c" is TP=2 with the symmetric-memory all-reduce on (--no-disable-custom-all-reduce;
 off by default), so `--sizes 1,2,2c` compares it with NCCL in one run; "2t" is TP=2 with
@@ -43,6 +44,9 @@ def run_one(args) -> dict:
 
     res: dict = {"tp_size": args.tp, "custom_all_reduce": args.custom_ar,
                  "two_batch_overlap": args.tbo}
+    # the workers' host time a step (runtime/distributed/tp_worker.py), read after shutdown
+    timing = os.path.join(args.log_dir, f"tp_worker.tp{args.one}")
+    os.environ["RADIXLM_TP_WORKER_TIMING"] = timing
     t0 = time.perf_counter()
     eng = radixlm.Engine(model_path=args.model_path, load_format="dummy", dtype="bfloat16",
                          tokenizer_path=args.tokenizer_path, context_length=4096,
@@ -94,7 +98,25 @@ def run_one(args) -> dict:
     finally:
         eng.shutdown()
         print(f"PROGRESS tp{args.tp} shut down at {time.perf_counter() - t0:.1f}s", flush=True)
+    res["workers"] = _worker_timing(timing, args.tp)
     return res
+
+
+def _worker_timing(prefix: str, tp: int) -> dict:
+    """Per worker rank and kind of step: ms a step in recv_batch and in the forward call."""
+    out = {}
+    for rank in range(1, tp):
+        try:
+            with open(f"{prefix}.rank{rank}.json") as f:
+                kinds = json.load(f)["kinds"]
+        except (OSError, ValueError, KeyError):
+            continue
+        out[f"rank{rank}"] = {kind: {"steps": k["steps"],
+                                     "recv_ms": round(1e3 * k["recv_s"] / max(k["steps"], 1), 3),
+                                     "forward_call_ms": round(1e3 * k["forward_call_s"]
+                                                              / max(k["steps"], 1), 3)}
+                              for kind, k in kinds.items()}
+    return out
 
 
 def _profile(eng, prompts, out_len: int, log_dir: str, name: str, trace: bool = True) -> dict:

@@ -8,6 +8,7 @@ engine."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 
 import psutil
@@ -79,12 +80,16 @@ def tp1_outputs(tiny_chat_path):
     return _run(Engine(model_path=tiny_chat_path, **ARGS))
 
 
-def test_engine_tp2_matches_tp1(tiny_chat_path, tp1_outputs, before):
+def test_engine_tp2_matches_tp1(tiny_chat_path, tp1_outputs, before, tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXLM_TP_WORKER_TIMING", str(tmp_path / "timing"))
     engine = Engine(tp_size=2, model_path=tiny_chat_path, **ARGS)
     assert engine.runner.num_kv_heads == 2  # rank 0 holds 2 of the 3 KV heads
     assert _run(engine) == tp1_outputs
     assert _tp_children(before) == []
     assert [c for c in mp.active_children() if c.pid not in before] == []
+    kinds = json.loads((tmp_path / "timing.rank1.json").read_text())["kinds"]  # the worker's
+    assert kinds["extend"]["steps"] > 0 and kinds["decode"]["forward_call_s"] > 0
+    assert sum(k["steps"] for k in kinds.values()) >= len(tp1_outputs[0])
 
 
 def test_engine_tp2_ngram_matches_tp1(tiny_chat_path, tp1_outputs, before):

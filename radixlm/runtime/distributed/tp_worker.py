@@ -11,6 +11,7 @@ runs the engine, every other node runs `run_node(args)` (launch_server with --no
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -62,13 +63,47 @@ def worker_main(args: ServerArgs, rank: int, threads: Optional[int] = None) -> N
                                               custom_all_reduce=_custom_ar(args))
         runner = ModelRunner(args)
         r2t = runner.req_to_token_pool.req_to_token
-        while (fb := batch_sync.recv_batch(tp, r2t, runner.device)) is not None:
+        timing = _StepTiming(rank)
+        while True:
+            t0 = time.perf_counter()
+            fb = batch_sync.recv_batch(tp, r2t, runner.device)
+            if fb is None:
+                break
+            t1 = time.perf_counter()
             runner.forward(fb)
+            timing.add(fb, t1 - t0, time.perf_counter() - t1)
+        timing.write()
         runner.release_cuda_graphs()
         parallel_state.destroy_distributed(timeout_s=STOP_TIMEOUT_S)  # with rank 0's
     except BaseException:
         logger.error("TP rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)  # rank 0's next collective fails on the closed connection
+
+
+class _StepTiming:
+    """A worker's host seconds a step: in recv_batch (mostly waiting for rank 0's next batch)
+    and in the forward call (launching it; with CUDA graphs the GPU runs it later), by the kind
+    of step (decode or extend; `_b1`: one row). Written, when `RADIXLM_TP_WORKER_TIMING` names
+    a path prefix, to <prefix>.rank<r>.json at the loop's end (benchmarks/tp_gpu.py reads it:
+    a worker whose forward calls take as long as a step holds every rank's collectives back)."""
+
+    def __init__(self, rank: int):
+        self.rank, self.prefix = rank, os.environ.get("RADIXLM_TP_WORKER_TIMING")
+        self.kinds: dict = {}  # kind -> [steps, recv_s, forward_call_s]
+
+    def add(self, fb, recv_s: float, forward_call_s: float) -> None:
+        kind = fb.mode.name.lower() + ("_b1" if fb.batch_size == 1 else "")
+        k = self.kinds.setdefault(kind, [0, 0.0, 0.0])
+        k[0] += 1
+        k[1] += recv_s
+        k[2] += forward_call_s
+
+    def write(self) -> None:
+        if self.prefix:
+            with open(f"{self.prefix}.rank{self.rank}.json", "w") as f:
+                json.dump({"rank": self.rank, "kinds": {
+                    kind: {"steps": n, "recv_s": round(r, 4), "forward_call_s": round(c, 4)}
+                    for kind, (n, r, c) in self.kinds.items()}}, f)
 
 
 def _device(args: ServerArgs) -> str:
