@@ -1,5 +1,5 @@
 """batch_sync between two gloo ranks, without a model: every field of an EXTEND and a DECODE
-batch arrives as sent, the rows land in the worker's req_to_token, and a worker that waits for
+batch arrives as sent (and of an EXTEND whose lens do not fit the header's message), the rows land in the worker's req_to_token, and a worker that waits for
 its next batch longer than the TP group's timeout still gets it (an idle server: the wait is on
 the host group, whose timeout is parallel_state.HOST_WAIT_TIMEOUT)."""
 
@@ -28,7 +28,15 @@ def _batches() -> list[ForwardBatch]:
     dec = ForwardBatch(mode=ForwardMode.DECODE, input_ids=i64([1, 2]), positions=i64([6, 2]),
                        out_cache_loc=i64([14, 23]), req_pool_indices=i64([2, 0]),
                        seq_lens=i64([7, 3]), logits_indices=i64([0, 1]), seq_lens_cpu=[7, 3])
-    return [ext, dec]
+    # more rows than the header's message carries lens for (3 x 70 > INLINE_LENS): a second one
+    rows = 70
+    big = ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.arange(rows),
+                       positions=i64([5, 1] * (rows // 2)), out_cache_loc=torch.arange(100, 170),
+                       req_pool_indices=i64([2, 0] * (rows // 2)),
+                       seq_lens=i64([6, 2] * (rows // 2)), logits_indices=torch.arange(rows),
+                       seq_lens_cpu=[6, 2] * (rows // 2),
+                       extend_prefix_lens_cpu=[5, 1] * (rows // 2), extend_lens_cpu=[1] * rows)
+    return [ext, dec, big]
 
 
 def _table(step: int) -> torch.Tensor:
