@@ -111,6 +111,24 @@ for m, n, group in ((64, 4096, 128), (16, 28672, 128), (32, 6144, 128), (512, 40
     assert "cubin" in k.asm
     assert k.metadata.shared <= 227 * 1024, (m, n, k.metadata.shared)  # an H100 SM's limit
     assert (split > 1) == (n <= 6144 and m <= 64), (m, n, split)
+# the batch-1 GEMV over TMA (triton_int4_tma) at its default config, plain and [gate | up]:
+# the words, scales and zeros come by TMA (cp.async.bulk.tensor, pipelined: the loop's loads
+# appear once for the prologue's stages and once in the loop), no spills
+from radixlm.runtime.layers import triton_int4_tma as TT
+bn, bk, warps, stages, _ = TT.DEFAULT
+for silu, kk in ((False, 14336), (True, 4096)):
+    tma = {"X": "*bf16", "qd": f"tensordesc<i32[{bn}, {bk // 8}]>",
+           "sd": f"tensordesc<fp16[{bk // 128}, {bn}]>", "zd": f"tensordesc<u8[{bk // 128}, {bn}]>",
+           "P": "*i64", "B": "*bf16", "Y": "*bf16", "N_OUT": "i32", "magic": "i32",
+           **{c: "constexpr" for c in ("K", "GROUP", "HAS_PERM", "HAS_BIAS", "SILU", "BLOCK_N",
+                                       "BLOCK_K", "NUM_STAGES", "XPAIRS", "MATH")}}
+    k = triton.compile(ASTSource(TT._int4_gemv_tma_kernel, tma, {
+        "K": kk, "GROUP": 128, "HAS_PERM": silu, "HAS_BIAS": not silu, "SILU": silu,
+        "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages, "XPAIRS": not silu, "MATH": True},
+        {(0,): [["tt.divisibility", 16]], (6,): [["tt.divisibility", 16]]}),
+        target=target, options={"num_warps": warps})
+    assert k.asm["ptx"].count("cp.async.bulk.tensor.2d") >= 3 * 2, "TMA loads"
+    assert k.metadata.shared <= 64 * 1024, k.metadata.shared
 print("compiled")
 """
 

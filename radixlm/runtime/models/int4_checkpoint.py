@@ -194,7 +194,7 @@ def load_weights(model: torch.nn.Module, model_path: str, dtype: torch.dtype, p:
         model.load_weights(ckpt.iter_weights(dtype, kept))
     finally:
         ckpt.close()
-    _torch_kernels(model, p)
+    _pick_kernels(model, p)
     n_deq = len(ckpt.layers) - len(kept)
     if p.keep:
         logger.info("int4 checkpoint (%s, group %s): %d layers kept int4 (%s), %d "
@@ -220,10 +220,15 @@ def init_dummy(model: torch.nn.Module, p: Int4Plan) -> None:
     rounded to int4 in the scheme's group size."""
     if p.keep:
         int4_linear.quantize_model(model, p.scheme.group_size or DUMMY_GROUP, p.scheme.sym)
-        _torch_kernels(model, p)
+        _pick_kernels(model, p)
 
 
-def _torch_kernels(model: torch.nn.Module, p: Int4Plan) -> None:
+def _pick_kernels(model: torch.nn.Module, p: Int4Plan) -> None:
+    if p.mode == "triton":  # batch 1 over TMA where the GPU has it (layers/triton_int4_tma.py)
+        done, left = int4_linear.use_tma(model)
+        if done:
+            logger.info("int4: %d layers run batch 1 on the TMA GEMV, %d on the register GEMV",
+                        done, left)
     if p.mode == "torch":
         done, left = int4_linear.use_torch_kernels(model)
         if left:
@@ -266,3 +271,5 @@ def reload_weights(model: torch.nn.Module, model_path: str, load_format: str, hf
                 getattr(m, b).copy_(getattr(r, b))
         if m.torch_packed is not None:  # torch's packs follow the new weights
             m.use_torch_kernels()
+        if m.tma is not None:  # (the transposed scales and zeros, in place)
+            m.use_tma()

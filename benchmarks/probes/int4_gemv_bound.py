@@ -1,0 +1,195 @@
+"""What bounds the batch-1 int4 GEMV on a GPU: its loads or its math? And does keeping the words
+in flight through TMA (layers/triton_int4_tma.py) lift it?
+
+At Llama-3.1-8B's projection shapes, weights read from HBM (copies > 256 MB cycled, as in a
+forward), calls captured in one CUDA graph (benchmarks/fp8_linear.graph_time_us), us a call:
+  cublas     bf16 F.linear (the bytes' reference: 4x the int4 bytes)
+  reg        triton_int4.gemv at its default config (the kernel a forward runs now)
+  gemm       triton_int4_gemm.gemm at M = 1 (tensor cores on the same dequant), a few tiles
+  tma        triton_int4_tma.gemv over a sweep of (BLOCK_N, BLOCK_K, warps, stages, programs
+             an SM); `tma_loads`: the same walk with the math replaced by an XOR of the words
+             (what the load side alone reaches)
+One JSON line a shape: each arm's best us and config, its TB/s of int4 bytes (words + scales +
+zeros), and the TMA arm's error against `reg` (max abs over max abs).
+
+    python benchmarks/probes/int4_gemv_bound.py [--shapes o down] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.kernel_bench import pool_failures  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
+          "gate_up_silu": (28672, 4096, True), "down": (4096, 14336, False)}
+GROUP = 128
+COLD_BYTES = 256 << 20
+
+
+def tma_configs(quick: bool) -> list[tuple]:
+    if quick:
+        return [(16, 512, 4, 4, 2), (16, 512, 4, 4, 4), (32, 512, 4, 4, 2)]
+    out = []
+    for bn, bk, warps, stages in itertools.product((16, 32), (256, 512, 1024), (2, 4),
+                                                   (3, 4, 6)):
+        if bn * bk // 2 * stages > 96 << 10:  # words' shared memory a program
+            continue
+        out += [(bn, bk, warps, stages, per_sm) for per_sm in (2, 4)]
+    return out
+
+
+GEMM_CONFIGS = [(16, 32, 128, 4, 3, 1), (16, 64, 128, 4, 3, 1), (16, 64, 256, 4, 3, 1),
+                (16, 32, 256, 4, 4, 2), (16, 64, 128, 4, 4, 2)]
+
+
+def _layer(n, k):
+    import torch
+
+    from radixlm.runtime.layers import int4_linear
+
+    lyr = int4_linear.Int4Linear.quantize(
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, GROUP)
+    lyr.scales_t = lyr.scales.t().contiguous()
+    lyr.zeros_t = lyr.zeros.t().contiguous()
+    return lyr
+
+
+def _tma_call(lyr, x, n, k, silu, cfg, math=True):
+    from radixlm.runtime.layers import triton_int4_tma as T
+
+    key = ("descs",) + tuple(cfg[:2])
+    d = lyr.__dict__.get(key)
+    if d is None:
+        d = T.descriptors(lyr.qweight, lyr.scales_t, lyr.zeros_t, GROUP, cfg[0], cfg[1])
+        lyr.__dict__[key] = d
+    return T.gemv(x, d, n // 2 if silu else n, k, GROUP, silu=silu, config=cfg, math=math)
+
+
+def _compile_worker(job):
+    import torch
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    n, k, silu, cfgs = job
+    torch.manual_seed(0)
+    lyr = _layer(n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    failed = {}
+    for cfg, math in cfgs:
+        try:
+            _tma_call(lyr, x, n, k, silu, cfg, math)
+            torch.cuda.synchronize()
+        except (OutOfResources, CompilationError, AssertionError, ValueError) as e:
+            failed[n, k, silu, cfg, math] = f"{type(e).__name__}: {str(e)[:80]}"
+        except Exception:  # noqa: BLE001 (a fault poisons the context: the parent retries)
+            break
+    return failed
+
+
+def bench_shape(label, n, k, silu, cfgs) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.fp8_linear import graph_time_us
+    from radixlm.runtime.layers import triton_int4, triton_int4_gemm
+
+    torch.manual_seed(0)
+    int4_bytes = n * k // 2 + n * (k // GROUP) * 3
+    copies = max(2, -(-COLD_BYTES // int4_bytes))
+    layers = [_layer(n, k) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    row = {"probe": "int4_gemv_bound", "shape": label, "N": n, "K": k, "silu": silu,
+           "int4_MB": round(int4_bytes / 1e6, 1)}
+
+    def reg(i):
+        lyr = layers[i % copies]
+        return triton_int4.gemv(x, lyr.qweight, lyr.scales, lyr.zeros, GROUP, silu=silu)
+
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+           for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))))]
+    t_cublas = graph_time_us(lambda i: F.linear(x, w16[i % len(w16)]), len(w16))
+    del w16
+    row["cublas_us"] = round(t_cublas, 2)
+    t_reg = graph_time_us(reg, copies)
+    row["reg_us"] = round(t_reg, 2)
+    ref = reg(0).float()
+    best = {}
+    errors = {}
+    for cfg in cfgs:
+        for math in (True, False):
+            arm = "tma" if math else "tma_loads"
+            try:
+                t = graph_time_us(lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg,
+                                                      math), copies)
+            except Exception as e:  # noqa: BLE001 (a config the GPU refuses: reported)
+                errors[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
+                continue
+            if arm not in best or t < best[arm][0]:
+                best[arm] = (t, cfg)
+    if not silu:
+        for cfg in GEMM_CONFIGS:
+            def gemm(i, cfg=cfg):
+                lyr = layers[i % copies]
+                return triton_int4_gemm.gemm(x, lyr.qweight, lyr.scales, lyr.zeros, GROUP,
+                                             config=cfg)
+            try:
+                t = graph_time_us(gemm, copies)
+            except Exception as e:  # noqa: BLE001
+                errors[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
+                continue
+            if "gemm" not in best or t < best["gemm"][0]:
+                best["gemm"] = (t, cfg)
+    for arm, (t, cfg) in best.items():
+        row[f"{arm}_us"], row[f"{arm}_config"] = round(t, 2), list(cfg)
+    for arm in ("cublas", "reg", "gemm", "tma", "tma_loads"):
+        if f"{arm}_us" in row:
+            b = int4_bytes * (4 if arm == "cublas" else 1)  # (cublas reads bf16: ~4x)
+            row[f"{arm}_TBps"] = round(b / row[f"{arm}_us"] / 1e6, 3)
+    if "tma" in best:
+        y = _tma_call(layers[0], x, n, k, silu, best["tma"][1]).float()
+        row["tma_rel_err_vs_reg"] = float((y - ref).abs().max() / ref.abs().max())
+        row["tma_speedup_vs_reg"] = round(t_reg / best["tma"][0], 3)
+    if errors:
+        row["errors"] = errors
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--result-file", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    cfgs = tma_configs(args.quick)
+    compile_cfgs = sorted({c[:4] + (2,) for c in cfgs})  # (programs an SM: not compiled)
+    jobs = [(n, k, silu, [(c, m) for c in compile_cfgs[i:i + 6] for m in (True, False)])
+            for n, k, silu in (SHAPES[s] for s in args.shapes)
+            for i in range(0, len(compile_cfgs), 6)]
+    failed = pool_failures(_compile_worker, jobs)
+    print(json.dumps({"compile_failures": {str(k): v for k, v in failed.items()}}), flush=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "command": "python benchmarks/probes/int4_gemv_bound.py " + " ".join(argv or sys.argv[1:])}
+    for s in args.shapes:
+        n, k, silu = SHAPES[s]
+        row = {**bench_shape(s, n, k, silu, cfgs), **meta}
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.result_file:
+            with open(args.result_file, "a") as f:
+                f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

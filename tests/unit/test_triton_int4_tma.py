@@ -1,0 +1,59 @@
+"""The batch-1 int4 GEMV over TMA (layers/triton_int4_tma.py) on the CPU through Triton's
+interpreter, at small shapes: tests/gpu/test_int4_tma_gpu.py's checks (the reference and its
+tolerance: tests/gpu/test_int4.py). The interpreter's 2 "SMs" make every program walk several
+row tiles (a tile's last step mid-loop, the SiLU gate kept across its up steps). fp16 / fp32
+outputs only: the interpreter's fp32 -> bf16 store truncates instead of rounding."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from triton_interpreter import import_interpreted  # tests/unit is on sys.path
+
+(triton_int4_tma,) = import_interpreted("radixlm.runtime.layers.triton_int4_tma",
+                                        gpu_tests="tests/gpu/test_int4_tma_gpu.py")
+_spec = importlib.util.spec_from_file_location(
+    "_int4_tma_checks", os.path.join(os.path.dirname(__file__), "..", "gpu",
+                                     "test_int4_tma_gpu.py"))
+_checks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_checks)
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv(triton_int4_tma.ENV_VAR, raising=False)
+
+
+def test_int4_tma_kernel_interpreted():
+    # 4 / 6 / 8 row tiles over 2 or 4 programs; groups 128 (4 a step), 32 (8 a step), 64 (a
+    # step of one group); 2 and 3 steps a tile
+    _checks.check_int4_tma_kernel("cpu", [
+        (64, 1024, 128, (16, 512, 4, 3, 1), False), (96, 512, 32, (16, 256, 2, 2, 2), True),
+        (128, 192 * 2, 64, (32, 64, 4, 2, 1), False)], dtypes=(torch.float16, torch.float32))
+
+
+def test_int4_tma_layer_interpreted():
+    _checks.check_int4_tma_layer("cpu", torch.float32)
+
+
+def test_int4_tma_off_by_env(monkeypatch):
+    from radixlm.runtime.layers import int4_linear
+
+    monkeypatch.setenv(triton_int4_tma.ENV_VAR, "0")
+    lin = int4_linear.Int4Linear(1024, 64, 128, False, torch.float32, "cpu")
+    assert not lin.use_tma() and lin.tma is None and lin.scales_t is None
+
+
+def test_int4_tma_supported_shapes():
+    s = triton_int4_tma.supported
+    assert s(4096, 4096, 128, 16, 512) and s(28672, 14336, 128, 16, 512)
+    assert not s(4096, 4096 + 256, 128, 16, 512)  # K not whole steps
+    assert not s(4104, 4096, 128, 16, 512)  # rows not whole tiles
+    assert not s(4096, 4096, 256, 16, 128)  # a step smaller than a group
+    assert not s(4096, 4096, 128, 8, 512)  # zeros' TMA box under 16 bytes
+    assert triton_int4_tma.config_for(4096, 4096 + 256, 128)[1] == 256
