@@ -36,13 +36,16 @@ COLD_BYTES = 256 << 20
 
 
 def tma_configs(quick: bool) -> list[tuple]:
+    from radixlm.runtime.layers import triton_int4_tma as T
+
     if quick:
-        return [(16, 512, 4, 4, 2), (16, 512, 4, 4, 4), (32, 512, 4, 4, 2)]
+        return [T.DEFAULT, (16, 1024, 4, 4, 3), (32, 512, 4, 4, 2), (32, 512, 4, 6, 2),
+                (64, 256, 4, 6, 2)]
     out = []
-    for bn, bk, warps, stages in itertools.product((16, 32), (256, 512, 1024), (2, 4),
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (256, 512, 1024), (2, 4),
                                                    (3, 4, 6)):
-        if bn * bk // 2 * stages > 96 << 10:  # words' shared memory a program
-            continue
+        if bn * bk // 2 * stages > 96 << 10 or not T.supported(4096, 14336, GROUP, bn, bk):
+            continue  # (words' shared memory a program; TMA boxes: supported())
         out += [(bn, bk, warps, stages, per_sm) for per_sm in (2, 4)]
     return out
 

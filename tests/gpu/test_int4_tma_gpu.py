@@ -99,10 +99,12 @@ def test_int4_tma_layer_cuda(dtype):
 def test_int4_tma_kernel_cuda():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a Hopper or newer GPU")
+    # the default and fallbacks at the 8B's shapes, group 32 (4 groups a step), group 64 under
+    # the SiLU epilogue; a box of each size (128-byte zero boxes: supported())
     check_int4_tma_kernel("cuda", [
-        (6144, 4096, 128, (16, 512, 4, 4, 2), False), (4096, 14336, 128, (16, 512, 4, 4, 2), False),
-        (28672, 4096, 128, (16, 512, 4, 4, 2), True), (4096, 4096, 32, (32, 256, 4, 3, 4), False),
-        (1024, 2048, 64, (16, 1024, 4, 3, 1), True)])
+        (6144, 4096, 128, (16, 1024, 4, 4, 2), False), (4096, 14336, 128, (32, 512, 4, 4, 2), False),
+        (28672, 4096, 128, (16, 1024, 4, 4, 2), True), (4096, 4096, 32, (32, 128, 4, 3, 4), False),
+        (1024, 2048, 64, (64, 128, 4, 3, 1), True), (4096, 4096, 128, (64, 256, 4, 6, 3), False)])
 
 
 def test_int4_tma_in_cuda_graph():

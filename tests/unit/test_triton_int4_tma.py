@@ -30,11 +30,11 @@ def _interpret(monkeypatch):
 
 
 def test_int4_tma_kernel_interpreted():
-    # 4 / 6 / 8 row tiles over 2 or 4 programs; groups 128 (4 a step), 32 (8 a step), 64 (a
-    # step of one group); 2 and 3 steps a tile
+    # 4 / 3 / 2 row tiles over 2 or 4 programs; groups 128 (8 a step), 32 (4 a step), 64 (2 a
+    # step); 2, 4 and 3 steps a tile
     _checks.check_int4_tma_kernel("cpu", [
-        (64, 1024, 128, (16, 512, 4, 3, 1), False), (96, 512, 32, (16, 256, 2, 2, 2), True),
-        (128, 192 * 2, 64, (32, 64, 4, 2, 1), False)], dtypes=(torch.float16, torch.float32))
+        (64, 2048, 128, (16, 1024, 4, 3, 1), False), (96, 512, 32, (32, 128, 2, 2, 2), True),
+        (128, 384, 64, (64, 128, 4, 2, 1), False)], dtypes=(torch.float16, torch.float32))
 
 
 def test_int4_tma_layer_interpreted():
@@ -51,9 +51,15 @@ def test_int4_tma_off_by_env(monkeypatch):
 
 def test_int4_tma_supported_shapes():
     s = triton_int4_tma.supported
-    assert s(4096, 4096, 128, 16, 512) and s(28672, 14336, 128, 16, 512)
-    assert not s(4096, 4096 + 256, 128, 16, 512)  # K not whole steps
-    assert not s(4104, 4096, 128, 16, 512)  # rows not whole tiles
-    assert not s(4096, 4096, 256, 16, 128)  # a step smaller than a group
-    assert not s(4096, 4096, 128, 8, 512)  # zeros' TMA box under 16 bytes
-    assert triton_int4_tma.config_for(4096, 4096 + 256, 128)[1] == 256
+    assert s(4096, 4096, 128, 16, 1024) and s(28672, 14336, 128, 32, 512)
+    assert not s(4096, 4096 + 512, 128, 16, 1024)  # K not whole steps
+    assert not s(4104, 4096, 128, 16, 1024)  # rows not whole tiles
+    assert not s(4096, 4096, 256, 64, 128)  # a step smaller than a group
+    assert not s(4096, 4096, 128, 16, 512)  # a 64-byte zero box (stage 1 misaligned)
+    assert not s(4096, 4096, 128, 32, 256, scale_bytes=1) and s(4096, 4096, 128, 64, 256)
+    assert triton_int4_tma.config_for(4096, 4096 + 512, 128)[:2] == (32, 512)
+    assert triton_int4_tma.config_for(4096, 4096 + 256, 128)[:2] == (64, 256)
+    with pytest.raises(ValueError, match="128-byte"):
+        triton_int4_tma.descriptors(torch.zeros(64, 128, dtype=torch.int32),
+                                    torch.zeros(8, 64, dtype=torch.float16),
+                                    torch.zeros(8, 64, dtype=torch.uint8), 128, 16, 512)

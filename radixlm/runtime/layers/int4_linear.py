@@ -133,7 +133,8 @@ class Int4Linear(nn.Module):
         and captured CUDA graphs keep their addresses)."""
         from radixlm.runtime.layers import triton_int4_tma as T
 
-        cfg = T.config_for(self.out_features, self.in_features, self.group)
+        cfg = T.config_for(self.out_features, self.in_features, self.group,
+                           self.scales.element_size())
         if cfg is None or not T.available(self.qweight.device):
             self.tma = self.scales_t = self.zeros_t = None
             return False

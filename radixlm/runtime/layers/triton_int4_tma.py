@@ -101,9 +101,11 @@ def _int4_gemv_tma_kernel(X, qd, sd, zd, P, B, Y, N_OUT, magic,
                 _gemv_store(y, y, B, Y, rows, rows < N_OUT, HAS_BIAS, SILU)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, NUM_STAGES, programs an SM): untimed first guess, 4 KB a step
-# (16 rows x 256 bytes), 3 steps in flight during the math, 2 programs an SM
-DEFAULT = (16, 512, 4, 4, 2)
+# (BLOCK_N, BLOCK_K, num_warps, NUM_STAGES, programs an SM): untimed first guess, 8 KB of
+# words a step (16 rows x 512 bytes), 3 steps in flight during the math, 2 programs an SM (N =
+# 4096: 256 row tiles, ~2 an SM; 48 KB in flight an SM); FALLBACKS for K not whole steps
+DEFAULT = (16, 1024, 4, 4, 2)
+FALLBACKS = ((32, 512, 4, 4, 2), (64, 256, 4, 4, 2))
 ENV_VAR = "RADIXLM_INT4_TMA"  # "0": every batch-1 call on the register GEMV (A/B runs)
 
 _SMS: dict = {}
@@ -119,11 +121,11 @@ def available(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def config_for(rows: int, k: int, group: int) -> Optional[tuple]:
-    """The config a layer of `rows` x K (group) runs at, or None where no config fits (the
-    register GEMV takes it)."""
-    for cfg in (DEFAULT, (16, 256, 4, 4, 2)):
-        if supported(rows, k, group, cfg[0], cfg[1]):
+def config_for(rows: int, k: int, group: int, scale_bytes: int = 2) -> Optional[tuple]:
+    """The config a layer of `rows` x K (group, scales of `scale_bytes`) runs at, or None where
+    no config fits (the register GEMV takes it)."""
+    for cfg in (DEFAULT,) + FALLBACKS:
+        if supported(rows, k, group, cfg[0], cfg[1], scale_bytes):
             return cfg
     return None
 
@@ -137,11 +139,17 @@ def _sm_count(device: torch.device) -> int:
     return c
 
 
-def supported(rows: int, k: int, group: int, block_n: int, block_k: int) -> bool:
+def supported(rows: int, k: int, group: int, block_n: int, block_k: int,
+              scale_bytes: int = 2) -> bool:
     """Whether (rows R of qweight, K, GROUP) runs here at (BLOCK_N, BLOCK_K): whole tiles, whole
-    groups a step, 16-byte TMA boxes and strides (uint8 zeros: BLOCK_N >= 16, R % 16 == 0)."""
-    return (k % block_k == 0 and block_k % group == 0 and rows % block_n == 0
-            and rows % 16 == 0 and block_n >= 16 and (k // 8) % 4 == 0)
+    groups a step, 16-byte aligned rows of every tensor (R % 16 == 0: uint8 zeros), and every
+    box (a stage's copy) a multiple of 128 bytes: a TMA copy's shared-memory destination must
+    be 128-byte aligned, and Triton 3.6 lays a buffer's stages back to back (64-byte uint8
+    zero boxes, 16 rows x 4 groups, faulted with a misaligned address on an H200 at stage 1)."""
+    gps = block_k // group if group and block_k % group == 0 else 0
+    return (gps > 0 and k % block_k == 0 and rows % block_n == 0 and rows % 16 == 0
+            and (gps * block_n) % 128 == 0 and (gps * block_n * scale_bytes) % 128 == 0
+            and (block_n * block_k // 2) % 128 == 0)
 
 
 def descriptors(qweight: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Tensor,
@@ -150,6 +158,11 @@ def descriptors(qweight: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Te
     they hold the tensors' addresses)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if not supported(qweight.shape[0], qweight.shape[1] * 8, group, block_n, block_k,
+                     scales_t.element_size()):
+        raise ValueError(f"int4 TMA GEMV: {tuple(qweight.shape)} words, group {group} at "
+                         f"BLOCK_N {block_n}, BLOCK_K {block_k}: not whole tiles or a TMA box "
+                         "under 128-byte multiples (supported())")
     gps = block_k // group
     return (TensorDescriptor.from_tensor(qweight, [block_n, block_k // 8]),
             TensorDescriptor.from_tensor(scales_t, [gps, block_n]),
