@@ -2,21 +2,26 @@
 triton_int4.gemv's math (layout, exact nibble -> fp32 step, block sums: triton_int4's
 docstring) over a different way of keeping bytes in flight.
 
-Why: batch-1 int4 is bound by the bytes a GPU keeps in flight, not by its ALUs. Little's law
-at 3.35-4.8 TB/s and ~1-1.5 us of DRAM latency asks for 25-55 KB in flight an SM at all times.
-The register kernels (triton_int4._int4_gemv_kernel, triton_int4_stream) hold their loads in
-registers: ~8 programs of 64 threads an SM, 4 KB a program a step, and while a program does a
-step's math it has nothing (or one step) in flight: ~1.2-1.5 TB/s on an H100 whatever the
-tile. Here the words land in shared memory by TMA, NUM_STAGES steps ahead (Triton's software
-pipeliner over descriptor loads: one thread issues a step's copy, an mbarrier says when it
-landed), so a program keeps NUM_STAGES - 1 steps in flight during its math without registers.
+Why: the register kernels (triton_int4._int4_gemv_kernel, triton_int4_stream) hold their
+loads in registers: ~8 programs of 64 threads an SM, 4 KB a program a step, and while a
+program does a step's math it has nothing (or one step) in flight, where Little's law at
+3.35-4.8 TB/s and ~1-1.5 us of DRAM latency asks for 25-55 KB an SM at all times: ~1.2-1.5
+TB/s on an H100 or H200 whatever the tile. Here the words land in shared memory by TMA,
+NUM_STAGES steps ahead (Triton's software pipeliner over descriptor loads: one thread issues
+a step's copy, an mbarrier says when it landed), so a program keeps NUM_STAGES - 1 steps in
+flight during its math without registers. Measured (H200, benchmarks/probes/
+int4_gemv_bound.py): ~2.0 TB/s against the register kernel's ~1.5, and 3.3-3.8 TB/s for the
+same walk without the math: the math (~4.9 sm_90 SASS instructions a value in the loop at the
+default, ~3.4 of
+them the LOP3 + FADD + FFMA of each value) now bounds it.
 
 A persistent grid: program p walks the row tiles p, p + P, ... (P programs), every (tile,
 half, step) triple as ONE flat loop of i (st = i % STEPS, ...: STEPS and HALVES are constexprs,
 so no runtime division), which the pipeliner keeps full across tile boundaries.
 
-Operands (Int4Linear keeps both scale layouts: triton_int4's (N, G) for the GEMM, this one's
-transposed copy, a TMA box needs >= 16 contiguous bytes: BLOCK_N rows of one group):
+Operands (Int4Linear keeps both scale layouts: triton_int4's (N, G) for the GEMM, and this
+one's transposed copy, since a TMA box of (N, G) would be GPS values wide: BLOCK_N rows of a
+group are contiguous here; every box a multiple of 128 bytes, supported()):
   qweight  (R, K/8) int32   triton_int4's layout, R = N (or 2N: [gate | up] under SILU)
   scales_t (G, R)   fp16 / bf16 / fp32   scales_t[g, n] = scales[n, g]
   zeros_t  (G, R)   uint8
