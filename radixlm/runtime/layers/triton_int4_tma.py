@@ -11,9 +11,8 @@ NUM_STAGES steps ahead (Triton's software pipeliner over descriptor loads: one t
 a step's copy, an mbarrier says when it landed), so a program keeps NUM_STAGES - 1 steps in
 flight during its math without registers. Measured (H200, benchmarks/probes/
 int4_gemv_bound.py): ~2.0 TB/s against the register kernel's ~1.5, and 3.3-3.8 TB/s for the
-same walk without the math: the math (~4.9 sm_90 SASS instructions a value in the loop at the
-default, ~3.4 of
-them the LOP3 + FADD + FFMA of each value) now bounds it.
+same walk without the math: the math (~4.9 sm_90 SASS instructions a value in the loop at
+the default, ~3.4 of them the LOP3 + FADD + FFMA of each value) now bounds it.
 
 A persistent grid: program p walks the row tiles p, p + P, ... (P programs), every (tile,
 half, step) triple as ONE flat loop of i (st = i % STEPS, ...: STEPS and HALVES are constexprs,
