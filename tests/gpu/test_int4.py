@@ -186,15 +186,19 @@ def test_int4_linear_in_cuda_graph():
 
     lin = int4_linear.Int4Linear.quantize(torch.randn(512, 1024, device="cuda") * 0.05, 128)
     for m in (1, 16):
-        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-        lin(x)  # compile outside the graph
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = lin(x)
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, lin(x))
+        check_graph_replay(lin, torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16))
+
+
+def check_graph_replay(lin, x) -> None:
+    """lin(x) captured in a CUDA graph (compiled outside it) replays on new x exactly."""
+    lin(x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = lin(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, lin(x))
 
 
 def test_int4_gemv_split_k_in_cuda_graph():

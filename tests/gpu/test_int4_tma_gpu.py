@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_int4 import _check_close, random_layer  # noqa: E402
+from test_int4 import _check_close, check_graph_replay, random_layer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -113,12 +113,4 @@ def test_int4_tma_in_cuda_graph():
         pytest.skip("TMA needs a Hopper or newer GPU")
     lin = _layer("cuda", 512, 1024, 128, torch.bfloat16)
     assert lin.use_tma()
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    lin(x)  # compile outside the graph
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = lin(x)
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, lin(x))
+    check_graph_replay(lin, torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16))

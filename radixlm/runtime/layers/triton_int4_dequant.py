@@ -111,6 +111,20 @@ def _gemv_block_sums(X, P, words, zf, magic, kb, blk_ok, HAS_PERM: tl.constexpr,
 
 
 @triton.jit
+def _gemv_tile_end(y, g, h, B, Y, rows, row_ok, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    # the persistent kernels' row tile (half h) done, its sums y: stored, or under SILU kept as
+    # the gate g till the up half's; returns g
+    if SILU:
+        if h == 0:
+            g = y
+        else:
+            _gemv_store(g, y, B, Y, rows, row_ok, HAS_BIAS, SILU)
+    else:
+        _gemv_store(y, y, B, Y, rows, row_ok, HAS_BIAS, SILU)
+    return g
+
+
+@triton.jit
 def _gemv_store(y, u, B, Y, rows, row_ok, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     if SILU:
         # the roundings of the unfused path (gate_up stored in Y's dtype, F.silu rounded, the

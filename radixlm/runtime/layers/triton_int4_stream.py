@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.runtime.layers.triton_int4_dequant import (MAGIC, _gemv_block_sums, _gemv_store,
-                                                        _gemv_words, _gemv_zs)
+from radixlm.runtime.layers.triton_int4_dequant import (MAGIC, _gemv_block_sums,
+                                                        _gemv_tile_end, _gemv_words,
+                                                        _gemv_zs)
 
 
 @triton.jit
@@ -97,13 +98,7 @@ def _int4_gemv_stream_kernel(X, QW, S, Z, P, B, Y, N, K, stride_qw, stride_s, ma
             y = tl.sum(tl.sum(acc, axis=2), axis=1)
             acc = tl.zeros([BLOCK_N, NB, 4], tl.float32)
             out_rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-            if SILU:
-                if h == 0:
-                    g = y
-                else:
-                    _gemv_store(g, y, B, Y, out_rows, out_rows < N, HAS_BIAS, SILU)
-            else:
-                _gemv_store(y, y, B, Y, out_rows, out_rows < N, HAS_BIAS, SILU)
+            g = _gemv_tile_end(y, g, h, B, Y, out_rows, out_rows < N, HAS_BIAS, SILU)
         t, h, st = t_n, h_n, st_n
 
 

@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.runtime.layers.triton_int4_dequant import MAGIC, _gemv_block_sums, _gemv_store
+from radixlm.runtime.layers.triton_int4_dequant import MAGIC, _gemv_block_sums, _gemv_tile_end
+from radixlm.runtime.layers.triton_int4_stream import _sm_count
 
 
 @triton.jit
@@ -96,13 +97,7 @@ def _int4_gemv_tma_kernel(X, qd, sd, zd, P, B, Y, N_OUT, magic,
                 y = tl.xor_sum(xacc, axis=1).to(tl.float32)
             acc = tl.zeros([BLOCK_N, NB, 4], tl.float32)
             rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            if SILU:
-                if h == 0:
-                    g = y
-                else:
-                    _gemv_store(g, y, B, Y, rows, rows < N_OUT, HAS_BIAS, SILU)
-            else:
-                _gemv_store(y, y, B, Y, rows, rows < N_OUT, HAS_BIAS, SILU)
+            g = _gemv_tile_end(y, g, h, B, Y, rows, rows < N_OUT, HAS_BIAS, SILU)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, NUM_STAGES, programs an SM): untimed first guess, 8 KB of
@@ -111,9 +106,6 @@ def _int4_gemv_tma_kernel(X, qd, sd, zd, P, B, Y, N_OUT, magic,
 DEFAULT = (16, 1024, 4, 4, 2)
 FALLBACKS = ((32, 512, 4, 4, 2), (64, 256, 4, 4, 2))
 ENV_VAR = "RADIXLM_INT4_TMA"  # "0": every batch-1 call on the register GEMV (A/B runs)
-
-_SMS: dict = {}
-
 
 def available(device: torch.device) -> bool:
     """TMA: a Hopper or newer GPU (or Triton's interpreter, for the CPU tests), not turned off
@@ -132,15 +124,6 @@ def config_for(rows: int, k: int, group: int, scale_bytes: int = 2) -> Optional[
         if supported(rows, k, group, cfg[0], cfg[1], scale_bytes):
             return cfg
     return None
-
-
-def _sm_count(device: torch.device) -> int:
-    c = _SMS.get(device)
-    if c is None:  # (the interpreter: 2 "SMs", so that the CPU tests' programs walk tiles)
-        c = torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else 2
-        _SMS[device] = c
-    return c
 
 
 def supported(rows: int, k: int, group: int, block_n: int, block_k: int,
