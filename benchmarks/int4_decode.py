@@ -116,9 +116,11 @@ def e2e_arm(arm: str, path: str, tiny: bool) -> dict:
                                       list(model.parameters()) + list(model.buffers())
                                       if t is not None) / 1e9, 3)
         row["int4_layers"] = sum(type(m).__name__ == "Int4Linear" for m in model.modules())
-        # (batch 1 on the TMA GEMV: layers/triton_int4_tma.py; RADIXLM_INT4_TMA=0 turns it off)
+        # (batch 1 on a Hopper kernel: layers/int4_batch1.py; RADIXLM_INT4_TMA=0 / 1 / tc)
         row["int4_tma_layers"] = sum(getattr(m, "tma", None) is not None
                                      for m in model.modules())
+        row["int4_batch1"] = sorted({m.tma.kind for m in model.modules()
+                                     if getattr(m, "tma", None) is not None})
         # warm-up: every shape timed below runs once first (a Triton kernel compiles at its first
         # M: one compiling inside the prefill that is subtracted inflated a decode rate 2x)
         timed(eng, [ids(plen) for _ in range(4)], 4)

@@ -6,6 +6,8 @@ forward), calls captured in one CUDA graph (benchmarks/fp8_linear.graph_time_us)
   cublas     bf16 F.linear (the bytes' reference: 4x the int4 bytes)
   reg        triton_int4.gemv at its default config (the kernel a forward runs now)
   gemm       triton_int4_gemm.gemm at M = 1 (tensor cores on the same dequant), a few tiles
+  tc         triton_int4_tc.gemv (each group's sums on the tensor cores, the packed dequant)
+             over its own sweep: the best, the top 5
   tma        triton_int4_tma.gemv over a sweep of (BLOCK_N, BLOCK_K, warps, stages, programs
              an SM): the best, the top 5 and the default's time; `tma_loads`: the best
              config's walk with the math replaced by an XOR of the words (what the load side
@@ -53,6 +55,16 @@ def tma_configs(quick: bool) -> list[tuple]:
     return out
 
 
+def tc_configs(quick: bool) -> list[tuple]:
+    """triton_int4_tc's (BLOCK_N, warps, stages, programs an SM, SPLIT; 0: split_for's)."""
+    from radixlm.runtime.layers import triton_int4_tc as TC
+
+    if quick:
+        return [TC.DEFAULT, (128, 8, 4, 2, 0), (64, 4, 6, 2, 0), (128, 4, 6, 2, 1)]
+    return [(bn, w, st, ps, sp) for bn, w, st, ps, sp in itertools.product(
+        (64, 128), (4, 8), (4, 6), (1, 2), (0, 1, 2, 4))]
+
+
 GEMM_CONFIGS = [(16, 32, 128, 4, 3, 1), (16, 64, 128, 4, 3, 1), (16, 64, 256, 4, 3, 1),
                 (16, 32, 256, 4, 4, 2), (16, 64, 128, 4, 4, 2)]
 
@@ -80,6 +92,18 @@ def _tma_call(lyr, x, n, k, silu, cfg, math=True):
     return T.gemv(x, d, n // 2 if silu else n, k, GROUP, silu=silu, config=cfg, math=math)
 
 
+def _tc_call(lyr, x, n, k, silu, cfg):
+    from radixlm.runtime.layers import triton_int4_tc as TC
+
+    key = ("tc", cfg[0])
+    d = lyr.__dict__.get(key)
+    if d is None:
+        d = lyr.__dict__[key] = (TC.descriptor(lyr.qweight, GROUP, cfg[0]),
+                                 TC.pack_zs(lyr.scales, lyr.zeros))
+    return TC.gemv(x, d[0], d[1], n // 2 if silu else n, k, GROUP, lyr.scales.dtype, silu=silu,
+                   config=cfg)
+
+
 def _compile_worker(job):
     import torch
     from triton.compiler.errors import CompilationError
@@ -90,18 +114,21 @@ def _compile_worker(job):
     lyr = _layer(n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     failed = {}
-    for cfg, math in cfgs:
+    for cfg, kind in cfgs:  # kind: "tma" or "tc"
         try:
-            _tma_call(lyr, x, n, k, silu, cfg, math)
+            if kind == "tma":
+                _tma_call(lyr, x, n, k, silu, cfg)
+            else:
+                _tc_call(lyr, x, n, k, silu, cfg)
             torch.cuda.synchronize()
         except (OutOfResources, CompilationError, AssertionError, ValueError) as e:
-            failed[n, k, silu, cfg, math] = f"{type(e).__name__}: {str(e)[:80]}"
+            failed[n, k, silu, cfg, kind] = f"{type(e).__name__}: {str(e)[:80]}"
         except Exception:  # noqa: BLE001 (a fault poisons the context: the parent retries)
             break
     return failed
 
 
-def bench_shape(label, n, k, silu, cfgs) -> dict:
+def bench_shape(label, n, k, silu, cfgs, tc_cfgs=()) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -149,6 +176,20 @@ def bench_shape(label, n, k, silu, cfgs) -> dict:
         cfg = best["tma"][1]
         best["tma_loads"] = (graph_time_us(
             lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg, False), copies), cfg)
+    tcs = []
+    for cfg in tc_cfgs:  # the tensor-core GEMV (triton_int4_tc)
+        try:
+            t = graph_time_us(lambda i: _tc_call(layers[i % copies], x, n, k, silu, cfg), copies)
+        except Exception as e:  # noqa: BLE001
+            errors[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
+            continue
+        tcs.append((t, cfg))
+        if "tc" not in best or t < best["tc"][0]:
+            best["tc"] = (t, cfg)
+    if tcs:
+        row["tc_top5"] = [[round(t, 2), list(c)] for t, c in sorted(tcs)[:5]]
+        y = _tc_call(layers[0], x, n, k, silu, best["tc"][1]).float()
+        row["tc_rel_err_vs_reg"] = float((y - ref).abs().max() / ref.abs().max())
     if not silu:
         for cfg in GEMM_CONFIGS:
             def gemm(i, cfg=cfg):
@@ -164,7 +205,7 @@ def bench_shape(label, n, k, silu, cfgs) -> dict:
                 best["gemm"] = (t, cfg)
     for arm, (t, cfg) in best.items():
         row[f"{arm}_us"], row[f"{arm}_config"] = round(t, 2), list(cfg)
-    for arm in ("cublas", "reg", "gemm", "tma", "tma_loads"):
+    for arm in ("cublas", "reg", "gemm", "tma", "tma_loads", "tc"):
         if f"{arm}_us" in row:
             b = int4_bytes * (4 if arm == "cublas" else 1)  # (cublas reads bf16: ~4x)
             row[f"{arm}_TBps"] = round(b / row[f"{arm}_us"] / 1e6, 3)
@@ -191,8 +232,10 @@ def main(argv=None) -> int:
     if T.DEFAULT in cfgs:  # the default first (tma_default_us)
         cfgs.remove(T.DEFAULT)
     cfgs.insert(0, T.DEFAULT)
-    compile_cfgs = sorted({c[:4] + (2,) for c in cfgs})  # (programs an SM: not compiled)
-    jobs = [(n, k, silu, [(c, True) for c in compile_cfgs[i:i + 6]])
+    # (programs an SM is not compiled in; the tensor-core kernel's is, under split-K, as the grid)
+    compile_cfgs = sorted({(c[:4] + (2,), "tma") for c in cfgs}) + \
+        sorted({(c, "tc") for c in tc_configs(args.quick)})
+    jobs = [(n, k, silu, compile_cfgs[i:i + 6])
             for n, k, silu in (SHAPES[s] for s in args.shapes)
             for i in range(0, len(compile_cfgs), 6)]
     failed = pool_failures(_compile_worker, jobs)
@@ -201,7 +244,7 @@ def main(argv=None) -> int:
             "command": "python benchmarks/probes/int4_gemv_bound.py " + " ".join(argv or sys.argv[1:])}
     for s in args.shapes:
         n, k, silu = SHAPES[s]
-        row = {**bench_shape(s, n, k, silu, cfgs), **meta}
+        row = {**bench_shape(s, n, k, silu, cfgs, tc_configs(args.quick)), **meta}
         line = json.dumps(row)
         print(line, flush=True)
         if args.result_file:

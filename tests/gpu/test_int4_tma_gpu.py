@@ -1,12 +1,15 @@
-"""The batch-1 int4 GEMV over TMA (layers/triton_int4_tma.py; Int4Linear.use_tma) on CUDA:
-against the dequantized fp64 reference with tests/gpu/test_int4.py's tolerance, the SiLU
-epilogue against the kernel's own plain output, act-order and a bias through the layer, the
-transposed copies refreshed in place after new weights, inside a CUDA graph. The check_*
-functions also run under Triton's interpreter on the CPU (tests/unit/test_triton_int4_tma.py).
-Run with `pytest -m gpu tests/gpu/test_int4_tma_gpu.py`."""
+"""The Hopper batch-1 int4 kernels on CUDA (layers/int4_batch1.py picks them for Int4Linear):
+the TMA GEMV (layers/triton_int4_tma.py) and the tensor-core one (layers/triton_int4_tc.py,
+RADIXLM_INT4_TMA=tc): against the dequantized fp64 reference with tests/gpu/test_int4.py's
+tolerance, the SiLU epilogue against the kernel's own plain output, split-K, act-order and a
+bias through the layer, the derived operands refreshed in place after new weights, inside a
+CUDA graph; the tensor-core kernel's packed (inline PTX) dequant gives the bits of its fp32
+path. The check_* functions also run under Triton's interpreter on the CPU
+(tests/unit/test_triton_int4_tma.py). Run with `pytest -m gpu tests/gpu/test_int4_tma_gpu.py`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -56,14 +59,67 @@ def check_int4_tma_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16))
                 torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * ulp)
 
 
-def check_int4_tma_layer(device, dtype, n=64, k=1024, group=128) -> None:
-    """Int4Linear.use_tma: batch 1 on the TMA kernel (act-order, a bias), batch 3 still on the
-    GEMM, gate_up_silu through it; new weights then use_tma again: the copies follow, in place."""
+@contextlib.contextmanager
+def batch1_setting(value: str):
+    """RADIXLM_INT4_TMA set to `value` for the block (layers/int4_batch1.py)."""
+    from radixlm.runtime.layers import int4_batch1
+
+    old = os.environ.get(int4_batch1.ENV_VAR)
+    os.environ[int4_batch1.ENV_VAR] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(int4_batch1.ENV_VAR)
+        else:
+            os.environ[int4_batch1.ENV_VAR] = old
+
+
+def check_int4_tc_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16)) -> None:
+    """triton_int4_tc.gemv at explicit configs, cases (rows, K, group, config, silu, act):
+    against the reference (plain), the plain output then SiLU-and-mul (silu); on CUDA the
+    packed dequant (asm) equal to the fp32 path bit for bit (the same exact (q - z) values)."""
+    from radixlm.runtime.layers import triton_int4_tc as TC
+
+    for rows, k, group, cfg, silu, act in cases:
+        qw, s, z, w = random_layer(rows, k, group, seed=rows + k)
+        qd = TC.descriptor(qw.to(device), group, cfg[0])
+        zs = TC.pack_zs(s, z).to(device)
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if act else None
+        for dt in dtypes:
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(dt)
+            # stored column c multiplies x[perm[c]] (triton_int4's act-order contract)
+            xs = x[:, perm] if perm is not None else x
+            pd = perm.to(device) if perm is not None else None
+            plain = TC.gemv(x.to(device), qd, zs, rows, k, group, s.dtype, perm=pd, config=cfg)
+            _check_close(plain, xs.float(), w, None, dt, (rows, k, group, cfg, dt))
+            if device == "cuda":
+                fp32_path = TC.gemv(x.to(device), qd, zs, rows, k, group, s.dtype, perm=pd,
+                                    config=cfg, asm=False)
+                assert torch.equal(plain, fp32_path), (rows, k, group, cfg, dt)
+            if silu:
+                y = TC.gemv(x.to(device), qd, zs, rows // 2, k, group, s.dtype, perm=pd,
+                            silu=True, config=cfg)
+                g, u = plain.float()[:, : rows // 2], plain.float()[:, rows // 2:]
+                ref = ((g / (1 + torch.exp(-g))).to(dt).float() * u).to(dt)
+                ulp = 2 ** -7 if dt == torch.bfloat16 else 2 ** -10
+                torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * ulp)
+
+
+def check_int4_tma_layer(device, dtype, n=64, k=1024, group=128, kind="1") -> None:
+    """Int4Linear.use_tma under RADIXLM_INT4_TMA=kind: batch 1 on the kernel (act-order, a
+    bias), batch 3 still on the GEMM, gate_up_silu through it; new weights then use_tma again:
+    the derived operands follow, in place."""
+    with batch1_setting(kind):
+        _check_layer(device, dtype, n, k, group)
+
+
+def _check_layer(device, dtype, n, k, group) -> None:
     from radixlm.runtime.layers import triton_int4_tma as T
 
     lin = _layer(device, n, k, group, dtype, bias=True, act_order=True, seed=1)
     assert lin.use_tma() and lin.tma is not None
-    st_ptr = lin.scales_t.data_ptr()
+    st_ptr = lin.tma.derived[0].data_ptr()
     for m in (1, 3):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         _check_close(lin(x.to(device)), x.float(), lin.dequantized_weight().cpu(),
@@ -71,7 +127,7 @@ def check_int4_tma_layer(device, dtype, n=64, k=1024, group=128) -> None:
     other = _layer(device, n, k, group, dtype, seed=7)
     lin.qweight.copy_(other.qweight), lin.scales.copy_(other.scales)
     lin.zeros.copy_(other.zeros)
-    assert lin.use_tma() and lin.scales_t.data_ptr() == st_ptr
+    assert lin.use_tma() and lin.tma.derived[0].data_ptr() == st_ptr
     x = torch.randn(1, k).to(dtype)
     _check_close(lin(x.to(device)), x.float(), lin.dequantized_weight().cpu(), lin.bias.cpu(),
                  dtype, "after new weights")
@@ -94,6 +150,22 @@ def test_int4_tma_layer_cuda(dtype):
         pytest.skip("TMA needs a Hopper or newer GPU")
     check_int4_tma_layer("cuda", dtype)
     check_int4_tma_layer("cuda", dtype, n=4096, k=14336, group=128)
+    check_int4_tma_layer("cuda", dtype, n=256, k=1024, kind="tc")
+    check_int4_tma_layer("cuda", dtype, n=4096, k=14336, group=128, kind="tc")
+
+
+def test_int4_tc_kernel_cuda():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a Hopper or newer GPU")
+    # the default (128-row tiles, split-K picked), split-K 1 / 2 / 4 / 8 (o, down, gate_up),
+    # groups 32 / 64, act-order, 64-row tiles
+    check_int4_tc_kernel("cuda", [
+        (6144, 4096, 128, (128, 4, 4, 2, 0), False, False),
+        (4096, 14336, 128, (128, 4, 4, 2, 4), False, False),
+        (28672, 4096, 128, (128, 4, 4, 2, 1), True, False),
+        (28672, 4096, 128, (128, 4, 6, 2, 2), True, True),
+        (4096, 4096, 32, (128, 8, 4, 2, 8), False, False),
+        (1024, 2048, 64, (64, 4, 6, 3, 0), True, True)])
 
 
 def test_int4_tma_kernel_cuda():
@@ -107,10 +179,13 @@ def test_int4_tma_kernel_cuda():
         (1024, 2048, 64, (64, 128, 4, 3, 1), True), (4096, 4096, 128, (64, 256, 4, 6, 3), False)])
 
 
-def test_int4_tma_in_cuda_graph():
-    """Descriptors are kernel parameters: a captured call replays on new inputs exactly."""
+@pytest.mark.parametrize("kind", ["1", "tc"])
+def test_int4_tma_in_cuda_graph(kind):
+    """Descriptors are kernel parameters: a captured call replays on new inputs exactly (the
+    tensor-core kernel with split-K: its counters reset by each call)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a Hopper or newer GPU")
-    lin = _layer("cuda", 512, 1024, 128, torch.bfloat16)
-    assert lin.use_tma()
-    check_graph_replay(lin, torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16))
+    with batch1_setting(kind):
+        lin = _layer("cuda", 512, 4096, 128, torch.bfloat16)
+        assert lin.use_tma() and lin.tma.kind == ("tc" if kind == "tc" else "tma")
+        check_graph_replay(lin, torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16))

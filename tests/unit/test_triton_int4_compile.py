@@ -129,6 +129,27 @@ for silu, kk in ((False, 14336), (True, 4096)):
         target=target, options={"num_warps": warps})
     assert k.asm["ptx"].count("cp.async.bulk.tensor.2d") >= 3 * 2, "TMA loads"
     assert k.metadata.shared <= 64 * 1024, k.metadata.shared
+# the tensor-core GEMV (triton_int4_tc) at its default tile, bf16 and fp16, split-K 1 and 4:
+# the packed dequant's PTX, the dot on wgmma, and the K loop pipelined (the words' TMA buffer
+# NUM_STAGES - 1 deep: an atomic inside the loop once kept the pipeliner off it)
+from radixlm.runtime.layers import triton_int4_tc as TC
+import triton.language as tl
+bn, warps, stages, _, _ = TC.DEFAULT
+for dt, sdt, split, silu in (("bf16", tl.float16, 1, True), ("fp16", tl.float16, 4, False)):
+    tc = {"X": f"*{dt}", "qd": f"tensordesc<i32[{bn}, 16]>", "ZS": "*i32", "P": "*i64",
+          "B": f"*{dt}", "Y": f"*{dt}", "WS": "*fp32", "CNT": "*i32", "N_OUT": "i32",
+          "magic": "i32",
+          **{c: "constexpr" for c in ("K", "GROUP", "HAS_PERM", "HAS_BIAS", "SILU", "BLOCK_N",
+                                      "NUM_STAGES", "SCALE_DT", "SPLIT", "ASM")}}
+    k = triton.compile(ASTSource(TC._int4_gemv_tc_kernel, tc, {
+        "K": 4096, "GROUP": 128, "HAS_PERM": split > 1, "HAS_BIAS": False, "SILU": silu,
+        "BLOCK_N": bn, "NUM_STAGES": stages, "SCALE_DT": sdt, "SPLIT": split, "ASM": True},
+        {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6, 7)}),
+        target=target, options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    assert ptx.count("sub.rn.bf16x2" if dt == "bf16" else "sub.rn.f16x2") >= 4, "packed dequant"
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d" in ptx
+    assert k.metadata.shared >= (stages - 1) * bn * 16 * 4, ("not pipelined", k.metadata.shared)
 print("compiled")
 """
 

@@ -14,8 +14,9 @@ import torch
 
 from triton_interpreter import import_interpreted  # tests/unit is on sys.path
 
-(triton_int4_tma,) = import_interpreted("radixlm.runtime.layers.triton_int4_tma",
-                                        gpu_tests="tests/gpu/test_int4_tma_gpu.py")
+triton_int4_tma, triton_int4_tc = import_interpreted(
+    "radixlm.runtime.layers.triton_int4_tma", "radixlm.runtime.layers.triton_int4_tc",
+    gpu_tests="tests/gpu/test_int4_tma_gpu.py")
 _spec = importlib.util.spec_from_file_location(
     "_int4_tma_checks", os.path.join(os.path.dirname(__file__), "..", "gpu",
                                      "test_int4_tma_gpu.py"))
@@ -26,7 +27,7 @@ _spec.loader.exec_module(_checks)
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv(triton_int4_tma.ENV_VAR, raising=False)
+    monkeypatch.delenv("RADIXLM_INT4_TMA", raising=False)
 
 
 def test_int4_tma_kernel_interpreted():
@@ -41,12 +42,32 @@ def test_int4_tma_layer_interpreted():
     _checks.check_int4_tma_layer("cpu", torch.float32)
 
 
-def test_int4_tma_off_by_env(monkeypatch):
-    from radixlm.runtime.layers import int4_linear
+def test_int4_tc_kernel_interpreted():
+    # the fp32 dequant path (the interpreter runs no PTX); 4 row tiles over 2 programs (split
+    # 1), split-K 2 and 4 (one item a program, the last arriving reduces), act-order, SiLU
+    _checks.check_int4_tc_kernel("cpu", [
+        (64, 512, 128, (16, 4, 3, 1, 1), False, False), (64, 256, 32, (16, 4, 2, 1, 2), True, True),
+        (96, 384, 64, (32, 4, 3, 1, 3), False, True), (128, 2048, 128, (32, 4, 3, 1, 4), True, False)],
+        dtypes=(torch.float16,))
 
-    monkeypatch.setenv(triton_int4_tma.ENV_VAR, "0")
+
+def test_int4_tc_layer_interpreted():
+    _checks.check_int4_tma_layer("cpu", torch.float16, n=128, k=512, kind="tc")
+
+
+def test_int4_batch1_setting(monkeypatch):
+    from radixlm.runtime.layers import int4_batch1, int4_linear
+
+    monkeypatch.setenv(int4_batch1.ENV_VAR, "0")
     lin = int4_linear.Int4Linear(1024, 64, 128, False, torch.float32, "cpu")
-    assert not lin.use_tma() and lin.tma is None and lin.scales_t is None
+    assert not lin.use_tma() and lin.tma is None
+    monkeypatch.setenv(int4_batch1.ENV_VAR, "tc")  # fp32 activations: the tensor cores refuse
+    assert not lin.use_tma()
+    monkeypatch.setenv(int4_batch1.ENV_VAR, "1")
+    assert lin.use_tma() and lin.tma.kind == "tma"
+    monkeypatch.setenv(int4_batch1.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="RADIXLM_INT4_TMA"):
+        lin.use_tma()
 
 
 def test_int4_tma_supported_shapes():

@@ -106,11 +106,10 @@ class Int4Linear(nn.Module):
         # and zeros, beside qweight (kept for dequantized_weight and weight reloads)
         self.register_buffer("torch_packed", None, persistent=False)
         self.register_buffer("torch_sz", None, persistent=False)
-        # the batch-1 GEMV over TMA (use_tma): scales and zeros transposed (G, N), and the
-        # kernel's descriptors and config; None: the register GEMV (triton_int4.gemv)
-        self.register_buffer("scales_t", None, persistent=False)
-        self.register_buffer("zeros_t", None, persistent=False)
-        self.tma: Optional[tuple] = None
+        # batch-1 calls on a Hopper kernel (use_tma: layers/int4_batch1.py); None: the register
+        # GEMV (triton_int4.gemv)
+        self.tma = None
+        self.act_dtype = dtype
 
     sources: tuple[str, ...] = ()  # the checkpoint's int4 layers it holds, in row order
 
@@ -127,35 +126,13 @@ class Int4Linear(nn.Module):
         return True
 
     def use_tma(self) -> bool:
-        """Batch-1 calls on the TMA GEMV (layers/triton_int4_tma.py) where the device has TMA
-        and the shape fits (triton_int4_tma.config_for), else the register GEMV; call again
-        after the weights change (the transposed copies are refreshed in place: descriptors
-        and captured CUDA graphs keep their addresses)."""
-        from radixlm.runtime.layers import triton_int4_tma as T
+        """Batch-1 calls on a Hopper kernel where the device, RADIXLM_INT4_TMA and the shape
+        allow (layers/int4_batch1.py), else on the register GEMV; call again after the weights
+        change (the kernel's derived operands are refreshed in place)."""
+        from radixlm.runtime.layers import int4_batch1
 
-        cfg = T.config_for(self.out_features, self.in_features, self.group,
-                           self.scales.element_size())
-        if cfg is None or not T.available(self.qweight.device):
-            self.tma = self.scales_t = self.zeros_t = None
-            return False
-        if self.scales_t is None:
-            self.scales_t = self.scales.t().contiguous()
-            self.zeros_t = self.zeros.t().contiguous()
-        else:
-            self.scales_t.copy_(self.scales.t())
-            self.zeros_t.copy_(self.zeros.t())
-        self.tma = (T.descriptors(self.qweight, self.scales_t, self.zeros_t, self.group,
-                                  cfg[0], cfg[1]), cfg)
-        return True
-
-    def _tma_gemv(self, x2: torch.Tensor, silu: bool) -> torch.Tensor:
-        from radixlm.runtime.layers import triton_int4_tma
-
-        descs, cfg = self.tma
-        return triton_int4_tma.gemv(x2, descs, self.out_features // 2 if silu else
-                                    self.out_features, self.in_features, self.group,
-                                    None if silu else self.bias, perm=self.perm, silu=silu,
-                                    config=cfg)
+        self.tma = int4_batch1.prepare(self, self.tma)
+        return self.tma is not None
 
     @staticmethod
     def from_weights(pieces: Sequence["Int4Weight"], bias: bool, dtype: torch.dtype,
@@ -238,8 +215,8 @@ class Int4Linear(nn.Module):
             x2 = x2.contiguous()
         # one launch a call: act-order's permutation and the bias are read inside the kernel;
         # GEMV (bandwidth-bound, fp32 FMAs) for M <= GEMV_MAX_M, tensor-core GEMM above
-        if self.tma is not None and x2.shape[0] == 1:
-            return self._tma_gemv(x2, False).view(*x.shape[:-1], self.out_features)
+        if self.tma is not None and x2.shape[0] == 1 and self.tma.accepts(x2):
+            return self.tma(self, x2, False).view(*x.shape[:-1], self.out_features)
         fn = triton_int4.gemv if x2.shape[0] <= triton_int4.GEMV_MAX_M else triton_int4_gemm.gemm
         y = fn(x2, self.qweight, self.scales, self.zeros, self.group, self.bias, perm=self.perm)
         return y.view(*x.shape[:-1], self.out_features)
@@ -258,8 +235,8 @@ class Int4Linear(nn.Module):
             return None
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        if self.tma is not None:
-            return self._tma_gemv(x2, True).view(*x.shape[:-1], self.out_features // 2)
+        if self.tma is not None and self.tma.accepts(x2):
+            return self.tma(self, x2, True).view(*x.shape[:-1], self.out_features // 2)
         y = triton_int4.gemv(x2, self.qweight, self.scales, self.zeros, self.group,
                              perm=self.perm, silu=True)
         return y.view(*x.shape[:-1], self.out_features // 2)
@@ -268,7 +245,7 @@ class Int4Linear(nn.Module):
         return (f"in={self.in_features}, out={self.out_features}, int4 group={self.group}, "
                 f"act_order={self.perm is not None}, bias={self.bias is not None}, "
                 f"kernels={'torch' if self.torch_packed is not None else 'triton'}"
-                f"{', batch-1 tma' if self.tma is not None else ''}")
+                f"{f', batch-1 {self.tma.kind}' if self.tma is not None else ''}")
 
 
 def quantize_model(model: nn.Module, group: int, sym: bool = False) -> int:
@@ -282,7 +259,7 @@ def quantize_model(model: nn.Module, group: int, sym: bool = False) -> int:
 
 
 def use_tma(model: nn.Module) -> tuple[int, int]:
-    """Every Int4Linear of `model` onto the TMA GEMV at batch 1 where it can (Int4Linear.use_tma):
+    """Every Int4Linear of `model` onto a Hopper batch-1 kernel where it can (Int4Linear.use_tma):
     (layers switched, layers left on the register GEMV)."""
     got = [m.use_tma() for m in model.modules() if isinstance(m, Int4Linear)]
     return sum(got), len(got) - sum(got)

@@ -105,13 +105,9 @@ def _int4_gemv_tma_kernel(X, qd, sd, zd, P, B, Y, N_OUT, magic,
 # 4096: 256 row tiles, ~2 an SM; 48 KB in flight an SM); FALLBACKS for K not whole steps
 DEFAULT = (16, 1024, 4, 4, 2)
 FALLBACKS = ((32, 512, 4, 4, 2), (64, 256, 4, 4, 2))
-ENV_VAR = "RADIXLM_INT4_TMA"  # "0": every batch-1 call on the register GEMV (A/B runs)
 
 def available(device: torch.device) -> bool:
-    """TMA: a Hopper or newer GPU (or Triton's interpreter, for the CPU tests), not turned off
-    by RADIXLM_INT4_TMA=0."""
-    if os.environ.get(ENV_VAR, "1").strip() == "0":
-        return False
+    """TMA: a Hopper or newer GPU (or Triton's interpreter, for the CPU tests)."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)[0] >= 9
     return os.environ.get("TRITON_INTERPRET") == "1"
