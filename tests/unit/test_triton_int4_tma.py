@@ -1,6 +1,7 @@
-"""The batch-1 int4 GEMV over TMA (layers/triton_int4_tma.py) on the CPU through Triton's
-interpreter, at small shapes: tests/gpu/test_int4_tma_gpu.py's checks (the reference and its
-tolerance: tests/gpu/test_int4.py). The interpreter's 2 "SMs" make every program walk several
+"""The Hopper batch-1 int4 kernels (layers/triton_int4_tma.py, the tensor-core one in
+layers/triton_int4_tc.py: its fp32 dequant path, the interpreter runs no PTX) and their choice
+(layers/int4_batch1.py) on the CPU through Triton's interpreter, at small shapes:
+tests/gpu/test_int4_tma_gpu.py's checks (the reference and its tolerance: tests/gpu/test_int4.py). The interpreter's 2 "SMs" make every program walk several
 row tiles (a tile's last step mid-loop, the SiLU gate kept across its up steps). fp16 / fp32
 outputs only: the interpreter's fp32 -> bf16 store truncates instead of rounding."""
 
