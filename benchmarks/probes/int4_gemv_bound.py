@@ -6,7 +6,7 @@ forward), calls captured in one CUDA graph (benchmarks/fp8_linear.graph_time_us)
   cublas     bf16 F.linear (the bytes' reference: 4x the int4 bytes)
   reg        triton_int4.gemv at its default config (the kernel a forward runs now)
   gemm       triton_int4_gemm.gemm at M = 1 (tensor cores on the same dequant), a few tiles
-  tc         triton_int4_tc.gemv (each group's sums on the tensor cores, the packed dequant)
+  tc         triton_int4_tc.matmul (each group's sums on the tensor cores, the packed dequant)
              over its own sweep: the best, the top 5
   tma        triton_int4_tma.gemv over a sweep of (BLOCK_N, BLOCK_K, warps, stages, programs
              an SM): the best, the top 5 and the default's time; `tma_loads`: the best
@@ -100,8 +100,8 @@ def _tc_call(lyr, x, n, k, silu, cfg):
     if d is None:
         d = lyr.__dict__[key] = (TC.descriptor(lyr.qweight, GROUP, cfg[0]),
                                  TC.pack_zs(lyr.scales, lyr.zeros))
-    return TC.gemv(x, d[0], d[1], n // 2 if silu else n, k, GROUP, lyr.scales.dtype, silu=silu,
-                   config=cfg)
+    return TC.matmul(x, d[0], d[1], n // 2 if silu else n, k, GROUP, lyr.scales.dtype,
+                     silu=silu, config=cfg)
 
 
 def _compile_worker(job):

@@ -76,7 +76,8 @@ def batch1_setting(value: str):
 
 
 def check_int4_tc_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16)) -> None:
-    """triton_int4_tc.gemv at explicit configs, cases (rows, K, group, config, silu, act):
+    """triton_int4_tc.matmul (one row of x) at explicit configs, cases (rows, K, group, config,
+    silu, act):
     against the reference (plain), the plain output then SiLU-and-mul (silu); on CUDA the
     packed dequant (asm) equal to the fp32 path bit for bit (the same exact (q - z) values)."""
     from radixlm.runtime.layers import triton_int4_tc as TC
@@ -91,14 +92,14 @@ def check_int4_tc_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16)) 
             # stored column c multiplies x[perm[c]] (triton_int4's act-order contract)
             xs = x[:, perm] if perm is not None else x
             pd = perm.to(device) if perm is not None else None
-            plain = TC.gemv(x.to(device), qd, zs, rows, k, group, s.dtype, perm=pd, config=cfg)
+            plain = TC.matmul(x.to(device), qd, zs, rows, k, group, s.dtype, perm=pd, config=cfg)
             _check_close(plain, xs.float(), w, None, dt, (rows, k, group, cfg, dt))
             if device == "cuda":
-                fp32_path = TC.gemv(x.to(device), qd, zs, rows, k, group, s.dtype, perm=pd,
+                fp32_path = TC.matmul(x.to(device), qd, zs, rows, k, group, s.dtype, perm=pd,
                                     config=cfg, asm=False)
                 assert torch.equal(plain, fp32_path), (rows, k, group, cfg, dt)
             if silu:
-                y = TC.gemv(x.to(device), qd, zs, rows // 2, k, group, s.dtype, perm=pd,
+                y = TC.matmul(x.to(device), qd, zs, rows // 2, k, group, s.dtype, perm=pd,
                             silu=True, config=cfg)
                 g, u = plain.float()[:, : rows // 2], plain.float()[:, rows // 2:]
                 ref = ((g / (1 + torch.exp(-g))).to(dt).float() * u).to(dt)
@@ -106,10 +107,36 @@ def check_int4_tc_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16)) 
                 torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * ulp)
 
 
+def check_int4_tc_rows(device, cases, dtypes=(torch.bfloat16, torch.float16)) -> None:
+    """triton_int4_tc.matmul over M rows, cases (rows, K, group, config, M, bias, act): against
+    the reference with the GEMV's unrounded W, and each row's bits those of that row alone
+    (a column of the dot is summed the same way whatever the others: batch invariance)."""
+    from radixlm.runtime.layers import triton_int4_tc as TC
+
+    for n, k, group, cfg, m, bias, act in cases:
+        qw, s, z, w = random_layer(n, k, group, seed=n + k + m)
+        qd = TC.descriptor(qw.to(device), group, cfg[0])
+        zs = TC.pack_zs(s, z).to(device)
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if act else None
+        pd = perm.to(device) if perm is not None else None
+        for dt in dtypes:
+            gen = torch.Generator().manual_seed(m)
+            x = torch.randn(m, k, generator=gen).to(dt)
+            b = torch.randn(n, generator=gen).to(dt) if bias else None
+            bd = b.to(device) if b is not None else None
+            y = TC.matmul(x.to(device), qd, zs, n, k, group, s.dtype, bd, perm=pd, config=cfg)
+            xs = x[:, perm] if perm is not None else x
+            _check_close(y, xs.float(), w, b, dt, (n, k, group, cfg, m, dt), exact_w=True)
+            for i in (0, m - 1):
+                yi = TC.matmul(x[i:i + 1].to(device), qd, zs, n, k, group, s.dtype, bd,
+                               perm=pd, config=cfg)
+                assert torch.equal(yi, y[i:i + 1]), (n, k, group, cfg, m, dt, i)
+
+
 def check_int4_tma_layer(device, dtype, n=64, k=1024, group=128, kind="1") -> None:
     """Int4Linear.use_tma under RADIXLM_INT4_TMA=kind: batch 1 on the kernel (act-order, a
-    bias), batch 3 still on the GEMM, gate_up_silu through it; new weights then use_tma again:
-    the derived operands follow, in place."""
+    bias), batches of 3 and 64 on the GEMM (tma) or the same kernel (tc), gate_up_silu through
+    it; new weights then use_tma again: the derived operands follow, in place."""
     with batch1_setting(kind):
         _check_layer(device, dtype, n, k, group)
 
@@ -120,10 +147,10 @@ def _check_layer(device, dtype, n, k, group) -> None:
     lin = _layer(device, n, k, group, dtype, bias=True, act_order=True, seed=1)
     assert lin.use_tma() and lin.tma is not None
     st_ptr = lin.tma.derived[0].data_ptr()
-    for m in (1, 3):
+    for m in (1, 3, 64):  # (the tensor-core kernel takes all three: the GEMV's sums)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         _check_close(lin(x.to(device)), x.float(), lin.dequantized_weight().cpu(),
-                     lin.bias.cpu(), dtype, ("layer", m))
+                     lin.bias.cpu(), dtype, ("layer", m), exact_w=m == 1 or lin.tma.kind == "tc")
     other = _layer(device, n, k, group, dtype, seed=7)
     lin.qweight.copy_(other.qweight), lin.scales.copy_(other.scales)
     lin.zeros.copy_(other.zeros)
@@ -177,6 +204,17 @@ def test_int4_tma_kernel_cuda():
         (6144, 4096, 128, (16, 1024, 4, 4, 2), False), (4096, 14336, 128, (32, 512, 4, 4, 2), False),
         (28672, 4096, 128, (16, 1024, 4, 4, 2), True), (4096, 4096, 32, (32, 128, 4, 3, 4), False),
         (1024, 2048, 64, (64, 128, 4, 3, 1), True), (4096, 4096, 128, (64, 256, 4, 6, 3), False)])
+
+
+def test_int4_tc_rows_cuda():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a Hopper or newer GPU")
+    # decode batches of 2 / 16 / 17 / 64 rows (BLOCK_M 16 / 32 / 64), split-K, act-order, bias
+    check_int4_tc_rows("cuda", [
+        (4096, 4096, 128, (128, 4, 4, 2, 0), 64, True, False),
+        (6144, 4096, 128, (128, 4, 4, 2, 0), 17, False, True),
+        (28672, 4096, 128, (128, 8, 4, 2, 1), 16, False, False),
+        (4096, 14336, 128, (128, 4, 6, 2, 4), 2, True, False)])
 
 
 @pytest.mark.parametrize("kind", ["1", "tc"])

@@ -129,7 +129,8 @@ for silu, kk in ((False, 14336), (True, 4096)):
         target=target, options={"num_warps": warps})
     assert k.asm["ptx"].count("cp.async.bulk.tensor.2d") >= 3 * 2, "TMA loads"
     assert k.metadata.shared <= 64 * 1024, k.metadata.shared
-# the tensor-core GEMV (triton_int4_tc) at its default tile, bf16 and fp16, split-K 1 and 4:
+# the tensor-core kernel (triton_int4_tc) at its default tile: batch 1 bf16 with the SiLU
+# (split-K 1) and 64 fp16 rows (split-K 4):
 # the packed dequant's PTX, the dot on wgmma, and the K loop pipelined (the words' TMA buffer
 # NUM_STAGES - 1 deep: an atomic inside the loop once kept the pipeliner off it)
 from radixlm.runtime.layers import triton_int4_tc as TC
@@ -137,15 +138,17 @@ import triton.language as tl
 bn, warps, stages, _, _ = TC.DEFAULT
 for dt, sdt, split, silu in (("bf16", tl.float16, 1, True), ("fp16", tl.float16, 4, False)):
     tc = {"X": f"*{dt}", "qd": f"tensordesc<i32[{bn}, 16]>", "ZS": "*i32", "P": "*i64",
-          "B": f"*{dt}", "Y": f"*{dt}", "WS": "*fp32", "CNT": "*i32", "N_OUT": "i32",
-          "magic": "i32",
+          "B": f"*{dt}", "Y": f"*{dt}", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N_OUT": "i32",
+          "stride_xm": "i32", "stride_ym": "i32", "magic": "i32",
           **{c: "constexpr" for c in ("K", "GROUP", "HAS_PERM", "HAS_BIAS", "SILU", "BLOCK_N",
-                                      "NUM_STAGES", "SCALE_DT", "SPLIT", "ASM")}}
-    k = triton.compile(ASTSource(TC._int4_gemv_tc_kernel, tc, {
+                                      "BLOCK_M", "NUM_STAGES", "SCALE_DT", "SPLIT", "ONE_ROW",
+                                      "ASM")}}
+    k = triton.compile(ASTSource(TC._int4_tc_kernel, tc, {
         "K": 4096, "GROUP": 128, "HAS_PERM": split > 1, "HAS_BIAS": False, "SILU": silu,
-        "BLOCK_N": bn, "NUM_STAGES": stages, "SCALE_DT": sdt, "SPLIT": split, "ASM": True},
-        {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6, 7)}),
-        target=target, options={"num_warps": warps})
+        "BLOCK_N": bn, "BLOCK_M": 16 if silu else 64, "NUM_STAGES": stages, "SCALE_DT": sdt,
+        "SPLIT": split, "ONE_ROW": silu, "ASM": True},
+        {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6, 7, 9, 10, 11)}),
+        target=target, options={"num_warps": warps if silu else 8})
     ptx = k.asm["ptx"]
     assert ptx.count("sub.rn.bf16x2" if dt == "bf16" else "sub.rn.f16x2") >= 4, "packed dequant"
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d" in ptx

@@ -52,6 +52,14 @@ def test_int4_tc_kernel_interpreted():
         dtypes=(torch.float16,))
 
 
+def test_int4_tc_rows_interpreted():
+    # 3 / 16 / 20 rows (BLOCK_M 16 / 16 / 32), split-K 1 / 2, act-order, bias
+    _checks.check_int4_tc_rows("cpu", [
+        (64, 512, 128, (16, 4, 3, 1, 1), 3, True, False),
+        (64, 256, 32, (16, 4, 2, 1, 2), 16, False, True),
+        (32, 512, 64, (32, 4, 2, 2, 0), 20, True, True)], dtypes=(torch.float16,))
+
+
 def test_int4_tc_layer_interpreted():
     _checks.check_int4_tma_layer("cpu", torch.float16, n=128, k=512, kind="tc")
 

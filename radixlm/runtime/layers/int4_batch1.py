@@ -1,9 +1,10 @@
-"""Which kernel an Int4Linear's batch-1 calls take on a Hopper GPU, and the operands it derives
+"""Which kernel an Int4Linear's batch-1 (tc: up to 64-row) calls take on a Hopper GPU, and the operands it derives
 from the layer's (kept beside qweight, refreshed in place after new weights: descriptors and
 captured CUDA graphs hold their addresses). RADIXLM_INT4_TMA picks:
   1 / unset  `tma`: layers/triton_int4_tma.py (scales and zeros transposed to (G, N))
   tc         `tc`: layers/triton_int4_tc.py, each group's sums on the tensor cores (zero and
-             scale packed in one (G, N) int32); an experiment, not yet timed on a GPU
+             scale packed in one (G, N) int32), for batches of up to 64 rows too (in place
+             of the GEMM); an experiment, not yet timed on a GPU
   0          the register GEMV (triton_int4.gemv) for every call
 A layer whose shape no config of the chosen kernel fits keeps the register GEMV."""
 
@@ -33,8 +34,14 @@ class Batch1:
     descs: tuple
 
     def accepts(self, x2: torch.Tensor) -> bool:
-        """The tensor-core kernel takes 16-bit activations only."""
-        return self.kind == "tma" or x2.dtype in (torch.float16, torch.bfloat16)
+        """Whether this call is the kernel's: one row (tma); up to triton_int4_tc.MAX_M rows of
+        16-bit activations (tc)."""
+        if self.kind == "tma":
+            return x2.shape[0] == 1
+        from radixlm.runtime.layers import triton_int4_tc
+
+        return (x2.shape[0] <= triton_int4_tc.MAX_M
+                and x2.dtype in (torch.float16, torch.bfloat16))
 
     def refresh(self, layer) -> None:
         """The derived operands recomputed from the layer's, in place."""
@@ -51,9 +58,9 @@ class Batch1:
                                         bias, perm=layer.perm, silu=silu, config=self.cfg)
         from radixlm.runtime.layers import triton_int4_tc
 
-        return triton_int4_tc.gemv(x2, self.descs[0], self.derived[0], n_out, layer.in_features,
-                                   layer.group, layer.scales.dtype, bias, perm=layer.perm,
-                                   silu=silu, config=self.cfg)
+        return triton_int4_tc.matmul(x2, self.descs[0], self.derived[0], n_out,
+                                     layer.in_features, layer.group, layer.scales.dtype, bias,
+                                     perm=layer.perm, silu=silu, config=self.cfg)
 
 
 def _derive(kind: str, layer) -> tuple:
