@@ -93,3 +93,17 @@ def test_int4_tma_supported_shapes():
         triton_int4_tma.descriptors(torch.zeros(64, 128, dtype=torch.int32),
                                     torch.zeros(8, 64, dtype=torch.float16),
                                     torch.zeros(8, 64, dtype=torch.uint8), 128, 16, 512)
+
+
+def test_int4_tc_silu_needs_whole_tiles_in_each_half(monkeypatch):
+    # [gate | up] of 2 x 192 rows: 3 row tiles of 128 in all, not whole ones in each half:
+    # the SiLU call takes the register GEMV (the same values as its own), plain calls the tc
+    from radixlm.runtime.layers import int4_batch1, triton_int4
+
+    monkeypatch.setenv(int4_batch1.ENV_VAR, "tc")
+    lin = _checks._layer("cpu", 384, 256, 128, torch.float16, seed=4)
+    assert lin.use_tma() and lin.tma.kind == "tc"
+    x = torch.randn(1, 256).half()
+    assert not lin.tma.accepts(lin, x, silu=True) and lin.tma.accepts(lin, x)
+    want = triton_int4.gemv(x, lin.qweight, lin.scales, lin.zeros, 128, silu=True)
+    assert torch.equal(lin.gate_up_silu(x), want)

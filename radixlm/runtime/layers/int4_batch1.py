@@ -33,15 +33,16 @@ class Batch1:
     derived: tuple  # tma: (scales_t, zeros_t); tc: (zs,)
     descs: tuple
 
-    def accepts(self, x2: torch.Tensor) -> bool:
+    def accepts(self, layer, x2: torch.Tensor, silu: bool = False) -> bool:
         """Whether this call is the kernel's: one row (tma); up to triton_int4_tc.MAX_M rows of
-        16-bit activations (tc)."""
+        16-bit activations, and under the SiLU epilogue whole row tiles in each half (tc)."""
         if self.kind == "tma":
             return x2.shape[0] == 1
         from radixlm.runtime.layers import triton_int4_tc
 
         return (x2.shape[0] <= triton_int4_tc.MAX_M
-                and x2.dtype in (torch.float16, torch.bfloat16))
+                and x2.dtype in (torch.float16, torch.bfloat16)
+                and not (silu and (layer.out_features // 2) % self.cfg[0]))
 
     def refresh(self, layer) -> None:
         """The derived operands recomputed from the layer's, in place."""

@@ -215,7 +215,7 @@ class Int4Linear(nn.Module):
             x2 = x2.contiguous()
         # one launch a call: act-order's permutation and the bias are read inside the kernel;
         # GEMV (bandwidth-bound, fp32 FMAs) for M <= GEMV_MAX_M, tensor-core GEMM above
-        if self.tma is not None and self.tma.accepts(x2):
+        if self.tma is not None and self.tma.accepts(self, x2):
             return self.tma(self, x2, False).view(*x.shape[:-1], self.out_features)
         fn = triton_int4.gemv if x2.shape[0] <= triton_int4.GEMV_MAX_M else triton_int4_gemm.gemm
         y = fn(x2, self.qweight, self.scales, self.zeros, self.group, self.bias, perm=self.perm)
@@ -235,7 +235,7 @@ class Int4Linear(nn.Module):
             return None
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        if self.tma is not None and self.tma.accepts(x2):
+        if self.tma is not None and self.tma.accepts(self, x2, silu=True):
             return self.tma(self, x2, True).view(*x.shape[:-1], self.out_features // 2)
         y = triton_int4.gemv(x2, self.qweight, self.scales, self.zeros, self.group,
                              perm=self.perm, silu=True)
