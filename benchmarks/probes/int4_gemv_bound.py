@@ -128,6 +128,24 @@ def _compile_worker(job):
     return failed
 
 
+def _sweep(arm, call_for, cfgs, copies, best, errors) -> list:
+    """[(us, cfg)] of `call_for(cfg)` (a graph_time_us callable) over cfgs; best[arm] the
+    fastest; a config the GPU refuses goes to errors."""
+    from benchmarks.fp8_linear import graph_time_us
+
+    out = []
+    for cfg in cfgs:
+        try:
+            t = graph_time_us(call_for(cfg), copies)
+        except Exception as e:  # noqa: BLE001 (reported)
+            errors[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
+            continue
+        out.append((t, cfg))
+        if arm not in best or t < best[arm][0]:
+            best[arm] = (t, cfg)
+    return out
+
+
 def bench_shape(label, n, k, silu, cfgs, tc_cfgs=()) -> dict:
     import torch
     import torch.nn.functional as F
@@ -157,17 +175,8 @@ def bench_shape(label, n, k, silu, cfgs, tc_cfgs=()) -> dict:
     ref = reg(0).float()
     best = {}
     errors = {}
-    timings = []
-    for cfg in cfgs:
-        try:
-            t = graph_time_us(lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg),
-                              copies)
-        except Exception as e:  # noqa: BLE001 (a config the GPU refuses: reported)
-            errors[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
-            continue
-        timings.append((t, cfg))
-        if "tma" not in best or t < best["tma"][0]:
-            best["tma"] = (t, cfg)
+    timings = _sweep("tma", lambda cfg: (lambda i: _tma_call(layers[i % copies], x, n, k, silu,
+                                                            cfg)), cfgs, copies, best, errors)
     if timings:
         row["tma_top5"] = [[round(t, 2), list(c)] for t, c in sorted(timings)[:5]]
         row["tma_default_us"] = next((round(t, 2) for t, c in timings
@@ -176,33 +185,16 @@ def bench_shape(label, n, k, silu, cfgs, tc_cfgs=()) -> dict:
         cfg = best["tma"][1]
         best["tma_loads"] = (graph_time_us(
             lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg, False), copies), cfg)
-    tcs = []
-    for cfg in tc_cfgs:  # the tensor-core GEMV (triton_int4_tc)
-        try:
-            t = graph_time_us(lambda i: _tc_call(layers[i % copies], x, n, k, silu, cfg), copies)
-        except Exception as e:  # noqa: BLE001
-            errors[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
-            continue
-        tcs.append((t, cfg))
-        if "tc" not in best or t < best["tc"][0]:
-            best["tc"] = (t, cfg)
+    tcs = _sweep("tc", lambda cfg: (lambda i: _tc_call(layers[i % copies], x, n, k, silu, cfg)),
+                 tc_cfgs, copies, best, errors)  # the tensor-core kernel (triton_int4_tc)
     if tcs:
         row["tc_top5"] = [[round(t, 2), list(c)] for t, c in sorted(tcs)[:5]]
         y = _tc_call(layers[0], x, n, k, silu, best["tc"][1]).float()
         row["tc_rel_err_vs_reg"] = float((y - ref).abs().max() / ref.abs().max())
     if not silu:
-        for cfg in GEMM_CONFIGS:
-            def gemm(i, cfg=cfg):
-                lyr = layers[i % copies]
-                return triton_int4_gemm.gemm(x, lyr.qweight, lyr.scales, lyr.zeros, GROUP,
-                                             config=cfg)
-            try:
-                t = graph_time_us(gemm, copies)
-            except Exception as e:  # noqa: BLE001
-                errors[str(cfg)] = f"{type(e).__name__}: {str(e)[:80]}"
-                continue
-            if "gemm" not in best or t < best["gemm"][0]:
-                best["gemm"] = (t, cfg)
+        _sweep("gemm", lambda cfg: (lambda i: triton_int4_gemm.gemm(
+            x, layers[i % copies].qweight, layers[i % copies].scales, layers[i % copies].zeros,
+            GROUP, config=cfg)), GEMM_CONFIGS, copies, best, errors)
     for arm, (t, cfg) in best.items():
         row[f"{arm}_us"], row[f"{arm}_config"] = round(t, 2), list(cfg)
     for arm in ("cublas", "reg", "gemm", "tma", "tma_loads", "tc"):
