@@ -38,7 +38,7 @@ ASM_FP16 = tl.constexpr(_ASM.replace("MAGIC", "0x64006400").replace("TYPE", "f16
 
 @triton.jit
 def _group_minus_zero(words, zf, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUP: tl.constexpr, ASM: tl.constexpr):
+                      GROUP: tl.constexpr, ASM: tl.constexpr, K_ORDER: tl.constexpr = False):
     # words (BLOCK_N, NB, 4) int32 (a group's blocks), zf (BLOCK_N, 1, 1) fp32 -> (q - z) in DT
     # (BLOCK_N, GROUP), exact, its columns in _k_order's K order. ASM: the
     # packed 16-bit path (a GPU; Triton's interpreter runs no PTX), else through fp32
@@ -69,6 +69,8 @@ def _group_minus_zero(words, zf, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr,
     # the way to the dot's shared-memory operand); the columns come out in _k_order's order
     t = tl.join(tl.join(tl.join(d0, d1), tl.join(d2, d3)),
                 tl.join(tl.join(d4, d5), tl.join(d6, d7)))
+    if K_ORDER:  # the columns in K's own order instead (byte permutes in registers)
+        t = tl.permute(t, (0, 1, 5, 4, 3, 2))  # (BLOCK_N, NB, v, u, t, 4): 32b + 4i + j
     return tl.reshape(t, (BLOCK_N, GROUP))
 
 

@@ -16,10 +16,11 @@ default tile: ~2.9 instructions a value. The same sums as the GEMV's contract (p
 exact, fp32 sums, the scale once a group) in the tensor cores' summation order: the GEMV's
 tolerance (tests/gpu/test_int4.py), for every batch size: a row's result does not depend on
 the others (each column of the dot is summed alike), unlike the GEMM's (W rounded to x's
-dtype). The dequantized tile's columns are in _k_order's order (pairs of nibbles i, i + 4
-side by side, as the asm leaves them: no byte permutes of W); x is put in that order (one
-row: gathered from L1; more: loaded in K's order, 16-byte vectors, and permuted on its way
-to the dot's shared memory). 64 rows at the default tile: ~3.6 instructions a W value a step.
+dtype). One row: the dequantized tile's columns stay in _k_order's order (pairs of nibbles
+i, i + 4 side by side, as the asm leaves them: no byte permutes of W) and x is gathered in
+that order from L1; more rows (and act-order): W's columns are permuted into K's order in
+registers, so x^T's tile loads as 16-byte vectors straight into the dot's shared memory
+(fewer instructions than permuting x: sm_90 SASS at 64 rows).
 
 Small N (o, down: 32 tiles of 128 rows for 132 SMs): split-K (split_for), one (tile, split)
 item a program, partial sums reduced in split order by the item arriving last (the same bits
@@ -128,7 +129,7 @@ def _int4_tc_kernel(X, qd, ZS, P, B, Y, WS, CNT, M, N_OUT, stride_xm, stride_ym,
         zf = (zs >> 16).to(tl.float32)
         s = (zs & 0xFFFF).to(tl.int16).to(SCALE_DT, bitcast=True).to(tl.float32)
         wq = _group_minus_zero(tl.reshape(w, (BLOCK_N, NB, 4)), zf[:, None, None], magic, DT,
-                               BLOCK_N, GROUP, ASM)
+                               BLOCK_N, GROUP, ASM, not ONE_ROW and not HAS_PERM)
         cols = st * GROUP + kcols
         if HAS_PERM:
             cols = tl.load(P + cols)
@@ -137,11 +138,9 @@ def _int4_tc_kernel(X, qd, ZS, P, B, Y, WS, CNT, M, N_OUT, stride_xm, stride_ym,
         elif HAS_PERM:  # (GROUP, BLOCK_M): x^T, rows past M zero, gathered
             xt = tl.load(X + om[None, :] * stride_xm + cols[:, None], mask=(om < M)[None, :],
                          other=0.0)
-        else:  # the same, loaded in K's order (16-byte vectors), then put in _k_order's
+        else:  # the same in K's order (16-byte vectors; wq's columns in K's order too)
             xt = tl.load(X + om[None, :] * stride_xm + (st * GROUP + kn)[:, None],
                          mask=(om < M)[None, :], other=0.0)
-            xt = tl.reshape(tl.permute(tl.reshape(xt, (GROUP // 32, 2, 2, 2, 4, BLOCK_M)),
-                                       (0, 4, 3, 2, 1, 5)), (GROUP, BLOCK_M))
         acc += tl.dot(wq, xt) * s[:, None]  # (BLOCK_N, BLOCK_M) fp32
         if sl == SPI - 1:  # the item's half done
             rows = tile * BLOCK_N + on
