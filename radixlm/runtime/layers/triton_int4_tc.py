@@ -18,9 +18,10 @@ tolerance (tests/gpu/test_int4.py), for every batch size: a row's result does no
 the others (each column of the dot is summed alike), unlike the GEMM's (W rounded to x's
 dtype). One row: the dequantized tile's columns stay in _k_order's order (pairs of nibbles
 i, i + 4 side by side, as the asm leaves them: no byte permutes of W) and x is gathered in
-that order from L1; more rows (and act-order): W's columns are permuted into K's order in
-registers, so x^T's tile loads as 16-byte vectors straight into the dot's shared memory
-(fewer instructions than permuting x: sm_90 SASS at 64 rows).
+that order from L1 (act-order: through the permutation, any number of rows); more rows
+otherwise: W's columns are permuted into K's order in registers, so x^T's tile loads as
+16-byte vectors straight into the dot's shared memory (fewer instructions than permuting x:
+sm_90 SASS at 64 rows).
 
 Small N (o, down: 32 tiles of 128 rows for 132 SMs): split-K (split_for), one (tile, split)
 item a program, partial sums reduced in split order by the item arriving last (the same bits
