@@ -61,7 +61,13 @@ ARMS = {  # arm -> (quantization_config, int4_linear)
     "awq-g128": (_AWQ, "triton"),
     "gptq-g128": (_GPTQ, "triton"),
     "awq-g128-torch": (_AWQ, "torch"),  # torch's _weight_int4pack_mm (layers/int4_torch.py)
+    # the same AWQ / GPTQ layers with another Hopper batch-1 kernel (layers/int4_batch1.py):
+    "awq-g128-tc": (_AWQ, "triton"),  # tensor-core kernel, also for decode batches <= 64
+    "gptq-g128-tc": (_GPTQ, "triton"),
+    "awq-g128-reg": (_AWQ, "triton"),  # the register GEMV (no TMA)
 }
+ARM_ENV = {"awq-g128-tc": {"RADIXLM_INT4_TMA": "tc"}, "gptq-g128-tc": {"RADIXLM_INT4_TMA": "tc"},
+           "awq-g128-reg": {"RADIXLM_INT4_TMA": "0"}}
 DEFAULT_ARMS = ("bf16", "awq-g128", "gptq-g128")
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
@@ -167,12 +173,14 @@ def e2e(args, m: dict) -> list[dict]:
             cmd = [sys.executable, os.path.abspath(__file__), "--arm-child", arm, "--config", path]
             if args.tiny:
                 cmd.append("--tiny")
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            env = {**os.environ, **ARM_ENV.get(arm, {})}
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith('{"bench": "int4_decode"')]
             row = (json.loads(lines[-1]) if p.returncode == 0 and lines else
                    {"bench": "int4_decode", "arm": arm,  # one arm failing must not lose the rest
                     "error": f"exit {p.returncode}: {p.stderr[-600:]}"})
             rows.append({**row, **{k: m[k] for k in ("device", "git_commit", "date")}})
+            print("arm done:", json.dumps(rows[-1]), file=sys.stderr, flush=True)  # (progress)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ref = next((r for r in rows if r["arm"] == "bf16" and "error" not in r), None)
