@@ -33,6 +33,9 @@ using namespace radixlm_vec;
 constexpr int NB = 48;   // output columns per panel: 3 vectors of 16 fp32
 constexpr int MR = 8;    // rows per register tile: 8 x 3 accumulators + 3 B vectors + 1 A
 constexpr int MC = 128;  // rows per chunk when many rows split across threads
+// the paired gate/up panels (below): 64 columns, 6-row tiles; the shape check needs NBP on every
+// build, including those without the AVX512-BF16 kernel
+constexpr int NBP = 64, MRP = 6;
 
 #if defined(__AVX512BF16__)
 constexpr bool kHasKernel = true;
@@ -95,7 +98,6 @@ constexpr Tile kTiles[MR] = {&tile<1>, &tile<2>, &tile<3>, &tile<4>,
 // cpu_elementwise.cpp's silu_mul_kernel, the same vector math and roundings (gate and up rounded
 // to bf16 as the GEMM's output, silu rounded to bf16, the product rounded), so both paths give the
 // same bits, without writing and re-reading the (M, 2I) projection.
-constexpr int NBP = 64, MRP = 6;
 
 template <int R, bool SILU>
 void tile_pair(const uint16_t* A, long lda, const uint16_t* B, long K2, uint16_t* C, long ldc,
