@@ -62,11 +62,11 @@ ARMS = {  # arm -> (quantization_config, int4_linear)
     "gptq-g128": (_GPTQ, "triton"),
     "awq-g128-torch": (_AWQ, "torch"),  # torch's _weight_int4pack_mm (layers/int4_torch.py)
     # the same AWQ / GPTQ layers with another Hopper batch-1 kernel (layers/int4_batch1.py):
-    "awq-g128-tc": (_AWQ, "triton"),  # tensor-core kernel, also for decode batches <= 64
-    "gptq-g128-tc": (_GPTQ, "triton"),
+    "awq-g128-h2": (_AWQ, "triton"),  # the TMA GEMV with packed fp16 products
+    "gptq-g128-h2": (_GPTQ, "triton"),
     "awq-g128-reg": (_AWQ, "triton"),  # the register GEMV (no TMA)
 }
-ARM_ENV = {"awq-g128-tc": {"RADIXLM_INT4_TMA": "tc"}, "gptq-g128-tc": {"RADIXLM_INT4_TMA": "tc"},
+ARM_ENV = {"awq-g128-h2": {"RADIXLM_INT4_TMA": "h2"}, "gptq-g128-h2": {"RADIXLM_INT4_TMA": "h2"},
            "awq-g128-reg": {"RADIXLM_INT4_TMA": "0"}}
 DEFAULT_ARMS = ("bf16", "awq-g128", "gptq-g128")
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -122,7 +122,7 @@ def e2e_arm(arm: str, path: str, tiny: bool) -> dict:
                                       list(model.parameters()) + list(model.buffers())
                                       if t is not None) / 1e9, 3)
         row["int4_layers"] = sum(type(m).__name__ == "Int4Linear" for m in model.modules())
-        # (batch 1 on a Hopper kernel: layers/int4_batch1.py; RADIXLM_INT4_TMA=0 / 1 / tc)
+        # (batch 1 on a Hopper kernel: layers/int4_batch1.py; RADIXLM_INT4_TMA=0 / 1 / h2)
         row["int4_tma_layers"] = sum(getattr(m, "tma", None) is not None
                                      for m in model.modules())
         row["int4_batch1"] = sorted({m.tma.kind for m in model.modules()

@@ -6,14 +6,14 @@ forward), calls captured in one CUDA graph (benchmarks/fp8_linear.graph_time_us)
   cublas     bf16 F.linear (the bytes' reference: 4x the int4 bytes)
   reg        triton_int4.gemv at its default config (the kernel a forward runs now)
   gemm       triton_int4_gemm.gemm at M = 1 (tensor cores on the same dequant), a few tiles
-  tc         triton_int4_tc.matmul (each group's sums on the tensor cores, the packed dequant)
-             over its own sweep: the best, the top 5
   tma        triton_int4_tma.gemv over a sweep of (BLOCK_N, BLOCK_K, warps, stages, programs
              an SM): the best, the top 5 and the default's time; `tma_loads`: the best
              config's walk with the math replaced by an XOR of the words (what the load side
              alone reaches)
+  h2         the same kernel and sweep with packed fp16 products (math 2,
+             layers/triton_int4_half2.py): the best, the top 5, the default's time
 One JSON line a shape: each arm's best us and config, its TB/s of int4 bytes (words + scales +
-zeros), and the TMA arm's error against `reg` (max abs over max abs).
+zeros), and the TMA arms' error against `reg` (max abs over max abs).
 
     python benchmarks/probes/int4_gemv_bound.py [--shapes o down] [--quick]
 """
@@ -43,7 +43,9 @@ def tma_configs(quick: bool) -> list[tuple]:
 
     if quick:
         return [T.DEFAULT, (16, 1024, 4, 4, 3), (32, 512, 4, 4, 2), (32, 512, 4, 6, 2),
-                (64, 256, 4, 6, 2)]
+                (64, 256, 4, 6, 2),
+                # 256 values a thread a step (math 2's x scaling and loop shared by more)
+                (32, 1024, 4, 4, 2), (16, 2048, 4, 3, 2), (16, 1024, 2, 4, 2), (16, 1024, 2, 4, 4)]
     out = []
     for bn, bk, warps, stages in itertools.product((16, 32, 64), (256, 512, 1024, 2048),
                                                    (2, 4, 8), (3, 4, 6)):
@@ -53,16 +55,6 @@ def tma_configs(quick: bool) -> list[tuple]:
             continue  # (words' shared memory a program; TMA boxes: supported())
         out += [(bn, bk, warps, stages, per_sm) for per_sm in (2, 3, 4)]
     return out
-
-
-def tc_configs(quick: bool) -> list[tuple]:
-    """triton_int4_tc's (BLOCK_N, warps, stages, programs an SM, SPLIT; 0: split_for's)."""
-    from radixlm.runtime.layers import triton_int4_tc as TC
-
-    if quick:
-        return [TC.DEFAULT, (128, 8, 4, 2, 0), (64, 4, 6, 2, 0), (128, 4, 6, 2, 1)]
-    return [(bn, w, st, ps, sp) for bn, w, st, ps, sp in itertools.product(
-        (64, 128), (4, 8), (4, 6), (1, 2), (0, 1, 2, 4))]
 
 
 GEMM_CONFIGS = [(16, 32, 128, 4, 3, 1), (16, 64, 128, 4, 3, 1), (16, 64, 256, 4, 3, 1),
@@ -92,18 +84,6 @@ def _tma_call(lyr, x, n, k, silu, cfg, math=True):
     return T.gemv(x, d, n // 2 if silu else n, k, GROUP, silu=silu, config=cfg, math=math)
 
 
-def _tc_call(lyr, x, n, k, silu, cfg):
-    from radixlm.runtime.layers import triton_int4_tc as TC
-
-    key = ("tc", cfg[0])
-    d = lyr.__dict__.get(key)
-    if d is None:
-        d = lyr.__dict__[key] = (TC.descriptor(lyr.qweight, GROUP, cfg[0]),
-                                 TC.pack_zs(lyr.scales, lyr.zeros))
-    return TC.matmul(x, d[0], d[1], n // 2 if silu else n, k, GROUP, lyr.scales.dtype,
-                     silu=silu, config=cfg)
-
-
 def _compile_worker(job):
     import torch
     from triton.compiler.errors import CompilationError
@@ -114,15 +94,12 @@ def _compile_worker(job):
     lyr = _layer(n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     failed = {}
-    for cfg, kind in cfgs:  # kind: "tma" or "tc"
+    for cfg, math in cfgs:  # math 1 (exact products) or 2 (packed fp16)
         try:
-            if kind == "tma":
-                _tma_call(lyr, x, n, k, silu, cfg)
-            else:
-                _tc_call(lyr, x, n, k, silu, cfg)
+            _tma_call(lyr, x, n, k, silu, cfg, math)
             torch.cuda.synchronize()
         except (OutOfResources, CompilationError, AssertionError, ValueError) as e:
-            failed[n, k, silu, cfg, kind] = f"{type(e).__name__}: {str(e)[:80]}"
+            failed[n, k, silu, cfg, math] = f"{type(e).__name__}: {str(e)[:80]}"
         except Exception:  # noqa: BLE001 (a fault poisons the context: the parent retries)
             break
     return failed
@@ -146,7 +123,7 @@ def _sweep(arm, call_for, cfgs, copies, best, errors) -> list:
     return out
 
 
-def bench_shape(label, n, k, silu, cfgs, tc_cfgs=()) -> dict:
+def bench_shape(label, n, k, silu, cfgs) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -185,19 +162,24 @@ def bench_shape(label, n, k, silu, cfgs, tc_cfgs=()) -> dict:
         cfg = best["tma"][1]
         best["tma_loads"] = (graph_time_us(
             lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg, False), copies), cfg)
-    tcs = _sweep("tc", lambda cfg: (lambda i: _tc_call(layers[i % copies], x, n, k, silu, cfg)),
-                 tc_cfgs, copies, best, errors)  # the tensor-core kernel (triton_int4_tc)
-    if tcs:
-        row["tc_top5"] = [[round(t, 2), list(c)] for t, c in sorted(tcs)[:5]]
-        y = _tc_call(layers[0], x, n, k, silu, best["tc"][1]).float()
-        row["tc_rel_err_vs_reg"] = float((y - ref).abs().max() / ref.abs().max())
+    h2 = _sweep("h2", lambda cfg: (lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg,
+                                                      2)), cfgs, copies, best, errors)
+    if h2:  # packed fp16 products (math 2)
+        row["h2_top5"] = [[round(t, 2), list(c)] for t, c in sorted(h2)[:5]]
+        row["h2_default_us"] = next((round(t, 2) for t, c in h2
+                                     if tuple(c) == tuple(cfgs[0])), None)
+        y = _tma_call(layers[0], x, n, k, silu, best["h2"][1], 2).float()
+        row["h2_rel_err_vs_reg"] = float((y - ref).abs().max() / ref.abs().max())
+        cfg = best["h2"][1]
+        best["h2_loads"] = (graph_time_us(
+            lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg, False), copies), cfg)
     if not silu:
         _sweep("gemm", lambda cfg: (lambda i: triton_int4_gemm.gemm(
             x, layers[i % copies].qweight, layers[i % copies].scales, layers[i % copies].zeros,
             GROUP, config=cfg)), GEMM_CONFIGS, copies, best, errors)
     for arm, (t, cfg) in best.items():
         row[f"{arm}_us"], row[f"{arm}_config"] = round(t, 2), list(cfg)
-    for arm in ("cublas", "reg", "gemm", "tma", "tma_loads", "tc"):
+    for arm in ("cublas", "reg", "gemm", "tma", "tma_loads", "h2", "h2_loads"):
         if f"{arm}_us" in row:
             b = int4_bytes * (4 if arm == "cublas" else 1)  # (cublas reads bf16: ~4x)
             row[f"{arm}_TBps"] = round(b / row[f"{arm}_us"] / 1e6, 3)
@@ -224,9 +206,8 @@ def main(argv=None) -> int:
     if T.DEFAULT in cfgs:  # the default first (tma_default_us)
         cfgs.remove(T.DEFAULT)
     cfgs.insert(0, T.DEFAULT)
-    # (programs an SM is not compiled in; the tensor-core kernel's is, under split-K, as the grid)
-    compile_cfgs = sorted({(c[:4] + (2,), "tma") for c in cfgs}) + \
-        sorted({(c, "tc") for c in tc_configs(args.quick)})
+    # (programs an SM is not compiled in)
+    compile_cfgs = sorted({(c[:4] + (2,), math) for c in cfgs for math in (1, 2)})
     jobs = [(n, k, silu, compile_cfgs[i:i + 6])
             for n, k, silu in (SHAPES[s] for s in args.shapes)
             for i in range(0, len(compile_cfgs), 6)]
@@ -236,7 +217,7 @@ def main(argv=None) -> int:
             "command": "python benchmarks/probes/int4_gemv_bound.py " + " ".join(argv or sys.argv[1:])}
     for s in args.shapes:
         n, k, silu = SHAPES[s]
-        row = {**bench_shape(s, n, k, silu, cfgs, tc_configs(args.quick)), **meta}
+        row = {**bench_shape(s, n, k, silu, cfgs), **meta}
         line = json.dumps(row)
         print(line, flush=True)
         if args.result_file:

@@ -1,11 +1,13 @@
-"""The Hopper batch-1 int4 kernels on CUDA (layers/int4_batch1.py picks them for Int4Linear):
-the TMA GEMV (layers/triton_int4_tma.py) and the tensor-core one (layers/triton_int4_tc.py,
-RADIXLM_INT4_TMA=tc): against the dequantized fp64 reference with tests/gpu/test_int4.py's
-tolerance, the SiLU epilogue against the kernel's own plain output, split-K, act-order and a
-bias through the layer, the derived operands refreshed in place after new weights, inside a
-CUDA graph; the tensor-core kernel's packed (inline PTX) dequant gives the bits of its fp32
-path. The check_* functions also run under Triton's interpreter on the CPU
-(tests/unit/test_triton_int4_tma.py). Run with `pytest -m gpu tests/gpu/test_int4_tma_gpu.py`."""
+"""The Hopper batch-1 int4 kernel on CUDA (layers/int4_batch1.py picks it for Int4Linear): the
+TMA GEMV (layers/triton_int4_tma.py) with exact fp32 products and with packed fp16 products
+(math 2, layers/triton_int4_half2.py, RADIXLM_INT4_TMA=h2): against the dequantized fp64
+reference with tests/gpu/test_int4.py's tolerance (math 2: H2_SUM_TOL a unit of |x| |W|), the
+SiLU epilogue against the kernel's own plain output, activations far from 1 and with outliers
+(math 2 scales x into fp16's range), act-order and a bias through the layer, the derived
+operands refreshed in place after new weights, inside a CUDA graph. The check_* functions
+also run under Triton's interpreter on the CPU (tests/unit/test_triton_int4_tma.py; math 2
+there is the fp32 emulation of the inline PTX). Run with
+`pytest -m gpu tests/gpu/test_int4_tma_gpu.py`."""
 
 from __future__ import annotations
 
@@ -17,9 +19,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_int4 import _check_close, check_graph_replay, random_layer  # noqa: E402
+from test_int4 import SUM_TOL, _check_close, check_graph_replay, random_layer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+# math 2's bound a unit of |x| |W| (on top of the output's rounding): a word's 8 products and
+# 4 sums each round to fp16 (u = 2^-11 relative, every partial sum at most the sum of |products|):
+# <= 5u. (The bf16-dequantized weight's own error is 2^-9 = 4u a unit.)
+H2_SUM_TOL = 5 * 2.0 ** -11
 
 
 def _layer(device, n, k, group, dtype, bias=False, act_order=False, seed=0):
@@ -35,11 +41,15 @@ def _layer(device, n, k, group, dtype, bias=False, act_order=False, seed=0):
     return lin
 
 
-def check_int4_tma_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16)) -> None:
+def check_int4_tma_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16),
+                          math=1) -> None:
     """triton_int4_tma.gemv at explicit configs: cases (rows, K, group, config, silu). Plain:
     against the reference; silu ([gate | up]): against the same kernel's plain output then
-    SiLU-and-mul with the unfused path's roundings (test_int4.check_int4_gate_up_silu's)."""
+    SiLU-and-mul with the unfused path's roundings (test_int4.check_int4_gate_up_silu's).
+    math 2 (packed fp16 products) also at activations of 1e4 and 1e-4 and with outliers."""
     from radixlm.runtime.layers import triton_int4_tma as T
+
+    tol = H2_SUM_TOL if math == 2 else SUM_TOL
 
     for rows, k, group, cfg, silu in cases:
         assert T.supported(rows, k, group, cfg[0], cfg[1]), (rows, k, group, cfg)
@@ -49,14 +59,31 @@ def check_int4_tma_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16))
         descs = T.descriptors(qw, st, zt, group, cfg[0], cfg[1])
         for dt in dtypes:
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(dt)
-            plain = T.gemv(x.to(device), descs, rows, k, group, config=cfg)
-            _check_close(plain, x.float(), w, None, dt, (rows, k, group, cfg, dt))
+            plain = T.gemv(x.to(device), descs, rows, k, group, config=cfg, math=math)
+            _check_close(plain, x.float(), w, None, dt, (rows, k, group, cfg, dt), sum_tol=tol)
+            if math == 2 and dt != torch.float32:
+                for xs in _far_activations(x, dt):
+                    y = T.gemv(xs.to(device), descs, rows, k, group, config=cfg, math=math)
+                    _check_close(y, xs.float(), w, None, dt, (rows, k, group, cfg, dt, "far"),
+                                 sum_tol=tol)
             if silu:
-                y = T.gemv(x.to(device), descs, rows // 2, k, group, silu=True, config=cfg)
+                y = T.gemv(x.to(device), descs, rows // 2, k, group, silu=True, config=cfg,
+                           math=math)
                 g, u = plain.float()[:, : rows // 2], plain.float()[:, rows // 2:]
                 ref = ((g / (1 + torch.exp(-g))).to(dt).float() * u).to(dt)
                 ulp = 2 ** -7 if dt == torch.bfloat16 else 2 ** -10
                 torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * ulp)
+
+
+def _far_activations(x, dt) -> list:
+    """x scaled up (bf16: 1e4, a word's products past fp16's 65504 were they not scaled: 15 x 4
+    x 1e4; fp16: 1e3, its outputs stay finite) and down (1e-4), and x with outliers of 3e4
+    beside values near 1 (every 997th column, and minus every 1999th)."""
+    out = x.clone()
+    out[0, ::997] = 3e4
+    out[0, 5::1999] = -3e4
+    up = 1e4 if dt == torch.bfloat16 else 1e3
+    return [(x.float() * up).to(dt), (x.float() * 1e-4).to(dt), out]
 
 
 @contextlib.contextmanager
@@ -75,89 +102,32 @@ def batch1_setting(value: str):
             os.environ[int4_batch1.ENV_VAR] = old
 
 
-def check_int4_tc_kernel(device, cases, dtypes=(torch.bfloat16, torch.float16)) -> None:
-    """triton_int4_tc.matmul (one row of x) at explicit configs, cases (rows, K, group, config,
-    silu, act):
-    against the reference (plain), the plain output then SiLU-and-mul (silu); on CUDA the
-    packed dequant (asm) equal to the fp32 path bit for bit (the same exact (q - z) values)."""
-    from radixlm.runtime.layers import triton_int4_tc as TC
-
-    for rows, k, group, cfg, silu, act in cases:
-        qw, s, z, w = random_layer(rows, k, group, seed=rows + k)
-        qd = TC.descriptor(qw.to(device), group, cfg[0])
-        zs = TC.pack_zs(s, z).to(device)
-        perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if act else None
-        for dt in dtypes:
-            x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(dt)
-            # stored column c multiplies x[perm[c]] (triton_int4's act-order contract)
-            xs = x[:, perm] if perm is not None else x
-            pd = perm.to(device) if perm is not None else None
-            plain = TC.matmul(x.to(device), qd, zs, rows, k, group, s.dtype, perm=pd, config=cfg)
-            _check_close(plain, xs.float(), w, None, dt, (rows, k, group, cfg, dt))
-            if device == "cuda":
-                fp32_path = TC.matmul(x.to(device), qd, zs, rows, k, group, s.dtype, perm=pd,
-                                    config=cfg, asm=False)
-                assert torch.equal(plain, fp32_path), (rows, k, group, cfg, dt)
-            if silu:
-                y = TC.matmul(x.to(device), qd, zs, rows // 2, k, group, s.dtype, perm=pd,
-                            silu=True, config=cfg)
-                g, u = plain.float()[:, : rows // 2], plain.float()[:, rows // 2:]
-                ref = ((g / (1 + torch.exp(-g))).to(dt).float() * u).to(dt)
-                ulp = 2 ** -7 if dt == torch.bfloat16 else 2 ** -10
-                torch.testing.assert_close(y.float(), ref.float(), atol=1e-3, rtol=2 * ulp)
-
-
-def check_int4_tc_rows(device, cases, dtypes=(torch.bfloat16, torch.float16)) -> None:
-    """triton_int4_tc.matmul over M rows, cases (rows, K, group, config, M, bias, act): against
-    the reference with the GEMV's unrounded W, and each row's bits those of that row alone
-    (a column of the dot is summed the same way whatever the others: batch invariance)."""
-    from radixlm.runtime.layers import triton_int4_tc as TC
-
-    for n, k, group, cfg, m, bias, act in cases:
-        qw, s, z, w = random_layer(n, k, group, seed=n + k + m)
-        qd = TC.descriptor(qw.to(device), group, cfg[0])
-        zs = TC.pack_zs(s, z).to(device)
-        perm = torch.randperm(k, generator=torch.Generator().manual_seed(k)) if act else None
-        pd = perm.to(device) if perm is not None else None
-        for dt in dtypes:
-            gen = torch.Generator().manual_seed(m)
-            x = torch.randn(m, k, generator=gen).to(dt)
-            b = torch.randn(n, generator=gen).to(dt) if bias else None
-            bd = b.to(device) if b is not None else None
-            y = TC.matmul(x.to(device), qd, zs, n, k, group, s.dtype, bd, perm=pd, config=cfg)
-            xs = x[:, perm] if perm is not None else x
-            _check_close(y, xs.float(), w, b, dt, (n, k, group, cfg, m, dt), exact_w=True)
-            for i in (0, m - 1):
-                yi = TC.matmul(x[i:i + 1].to(device), qd, zs, n, k, group, s.dtype, bd,
-                               perm=pd, config=cfg)
-                assert torch.equal(yi, y[i:i + 1]), (n, k, group, cfg, m, dt, i)
-
-
 def check_int4_tma_layer(device, dtype, n=64, k=1024, group=128, kind="1") -> None:
     """Int4Linear.use_tma under RADIXLM_INT4_TMA=kind: batch 1 on the kernel (act-order, a
-    bias), batches of 3 and 64 on the GEMM (tma) or the same kernel (tc), gate_up_silu through
-    it; new weights then use_tma again: the derived operands follow, in place."""
+    bias), batches of 3 and 64 on the GEMM, gate_up_silu through it; new weights then use_tma
+    again: the derived operands follow, in place."""
     with batch1_setting(kind):
-        _check_layer(device, dtype, n, k, group)
+        _check_layer(device, dtype, n, k, group,
+                     H2_SUM_TOL if kind == "h2" and dtype != torch.float32 else SUM_TOL)
 
 
-def _check_layer(device, dtype, n, k, group) -> None:
+def _check_layer(device, dtype, n, k, group, tol) -> None:
     from radixlm.runtime.layers import triton_int4_tma as T
 
     lin = _layer(device, n, k, group, dtype, bias=True, act_order=True, seed=1)
     assert lin.use_tma() and lin.tma is not None
     st_ptr = lin.tma.derived[0].data_ptr()
-    for m in (1, 3, 64):  # (the tensor-core kernel takes all three: the GEMV's sums)
+    for m in (1, 3, 64):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         _check_close(lin(x.to(device)), x.float(), lin.dequantized_weight().cpu(),
-                     lin.bias.cpu(), dtype, ("layer", m), exact_w=m == 1 or lin.tma.kind == "tc")
+                     lin.bias.cpu(), dtype, ("layer", m), sum_tol=tol if m == 1 else SUM_TOL)
     other = _layer(device, n, k, group, dtype, seed=7)
     lin.qweight.copy_(other.qweight), lin.scales.copy_(other.scales)
     lin.zeros.copy_(other.zeros)
     assert lin.use_tma() and lin.tma.derived[0].data_ptr() == st_ptr
     x = torch.randn(1, k).to(dtype)
     _check_close(lin(x.to(device)), x.float(), lin.dequantized_weight().cpu(), lin.bias.cpu(),
-                 dtype, "after new weights")
+                 dtype, "after new weights", sum_tol=tol)
     gu = _layer(device, 2 * n, k, group, dtype, seed=3)
     assert gu.use_tma()
     y = gu.gate_up_silu(x.to(device))
@@ -177,53 +147,29 @@ def test_int4_tma_layer_cuda(dtype):
         pytest.skip("TMA needs a Hopper or newer GPU")
     check_int4_tma_layer("cuda", dtype)
     check_int4_tma_layer("cuda", dtype, n=4096, k=14336, group=128)
-    check_int4_tma_layer("cuda", dtype, n=256, k=1024, kind="tc")
-    check_int4_tma_layer("cuda", dtype, n=4096, k=14336, group=128, kind="tc")
+    check_int4_tma_layer("cuda", dtype, n=256, k=1024, kind="h2")
+    check_int4_tma_layer("cuda", dtype, n=4096, k=14336, group=128, kind="h2")
 
 
-def test_int4_tc_kernel_cuda():
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs a Hopper or newer GPU")
-    # the default (128-row tiles, split-K picked), split-K 1 / 2 / 4 / 8 (o, down, gate_up),
-    # groups 32 / 64, act-order, 64-row tiles
-    check_int4_tc_kernel("cuda", [
-        (6144, 4096, 128, (128, 4, 4, 2, 0), False, False),
-        (4096, 14336, 128, (128, 4, 4, 2, 4), False, False),
-        (28672, 4096, 128, (128, 4, 4, 2, 1), True, False),
-        (28672, 4096, 128, (128, 4, 6, 2, 2), True, True),
-        (4096, 4096, 32, (128, 8, 4, 2, 8), False, False),
-        (1024, 2048, 64, (64, 4, 6, 3, 0), True, True)])
-
-
-def test_int4_tma_kernel_cuda():
+@pytest.mark.parametrize("math", [1, 2])
+def test_int4_tma_kernel_cuda(math):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a Hopper or newer GPU")
     # the default and fallbacks at the 8B's shapes, group 32 (4 groups a step), group 64 under
     # the SiLU epilogue; a box of each size (128-byte zero boxes: supported())
-    check_int4_tma_kernel("cuda", [
+    check_int4_tma_kernel("cuda", math=math, cases=[
         (6144, 4096, 128, (16, 1024, 4, 4, 2), False), (4096, 14336, 128, (32, 512, 4, 4, 2), False),
         (28672, 4096, 128, (16, 1024, 4, 4, 2), True), (4096, 4096, 32, (32, 128, 4, 3, 4), False),
         (1024, 2048, 64, (64, 128, 4, 3, 1), True), (4096, 4096, 128, (64, 256, 4, 6, 3), False)])
 
 
-def test_int4_tc_rows_cuda():
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs a Hopper or newer GPU")
-    # decode batches of 2 / 16 / 17 / 64 rows (BLOCK_M 16 / 32 / 64), split-K, act-order, bias
-    check_int4_tc_rows("cuda", [
-        (4096, 4096, 128, (128, 4, 4, 2, 0), 64, True, False),
-        (6144, 4096, 128, (128, 4, 4, 2, 0), 17, False, True),
-        (28672, 4096, 128, (128, 8, 4, 2, 1), 16, False, False),
-        (4096, 14336, 128, (128, 4, 6, 2, 4), 2, True, False)])
-
-
-@pytest.mark.parametrize("kind", ["1", "tc"])
+@pytest.mark.parametrize("kind", ["1", "h2"])
 def test_int4_tma_in_cuda_graph(kind):
     """Descriptors are kernel parameters: a captured call replays on new inputs exactly (the
-    tensor-core kernel with split-K: its counters reset by each call)."""
+    packed fp16 products too)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a Hopper or newer GPU")
     with batch1_setting(kind):
         lin = _layer("cuda", 512, 4096, 128, torch.bfloat16)
-        assert lin.use_tma() and lin.tma.kind == ("tc" if kind == "tc" else "tma")
+        assert lin.use_tma() and lin.tma.kind == ("h2" if kind == "h2" else "tma")
         check_graph_replay(lin, torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16))

@@ -121,38 +121,30 @@ for silu, kk in ((False, 14336), (True, 4096)):
            "sd": f"tensordesc<fp16[{bk // 128}, {bn}]>", "zd": f"tensordesc<u8[{bk // 128}, {bn}]>",
            "P": "*i64", "B": "*bf16", "Y": "*bf16", "N_OUT": "i32", "magic": "i32",
            **{c: "constexpr" for c in ("K", "GROUP", "HAS_PERM", "HAS_BIAS", "SILU", "BLOCK_N",
-                                       "BLOCK_K", "NUM_STAGES", "XPAIRS", "MATH")}}
+                                       "BLOCK_K", "NUM_STAGES", "XPAIRS", "MATH", "ASM")}}
     k = triton.compile(ASTSource(TT._int4_gemv_tma_kernel, tma, {
         "K": kk, "GROUP": 128, "HAS_PERM": silu, "HAS_BIAS": not silu, "SILU": silu,
-        "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages, "XPAIRS": not silu, "MATH": True},
+        "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages, "XPAIRS": not silu, "MATH": 1,
+        "ASM": True},
         {(0,): [["tt.divisibility", 16]], (6,): [["tt.divisibility", 16]]}),
         target=target, options={"num_warps": warps})
     assert k.asm["ptx"].count("cp.async.bulk.tensor.2d") >= 3 * 2, "TMA loads"
     assert k.metadata.shared <= 64 * 1024, k.metadata.shared
-# the tensor-core kernel (triton_int4_tc) at its default tile: batch 1 bf16 with the SiLU
-# (split-K 1) and 64 fp16 rows (split-K 4):
-# the packed dequant's PTX, the dot on wgmma, and the K loop pipelined (the words' TMA buffer
-# NUM_STAGES - 1 deep: an atomic inside the loop once kept the pipeliner off it)
-from radixlm.runtime.layers import triton_int4_tc as TC
-import triton.language as tl
-bn, warps, stages, _, _ = TC.DEFAULT
-for dt, sdt, split, silu in (("bf16", tl.float16, 1, True), ("fp16", tl.float16, 4, False)):
-    tc = {"X": f"*{dt}", "qd": f"tensordesc<i32[{bn}, 16]>", "ZS": "*i32", "P": "*i64",
-          "B": f"*{dt}", "Y": f"*{dt}", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N_OUT": "i32",
-          "stride_xm": "i32", "stride_ym": "i32", "magic": "i32",
-          **{c: "constexpr" for c in ("K", "GROUP", "HAS_PERM", "HAS_BIAS", "SILU", "BLOCK_N",
-                                      "BLOCK_M", "NUM_STAGES", "SCALE_DT", "SPLIT", "ONE_ROW",
-                                      "ASM")}}
-    k = triton.compile(ASTSource(TC._int4_tc_kernel, tc, {
-        "K": 4096, "GROUP": 128, "HAS_PERM": split > 1, "HAS_BIAS": False, "SILU": silu,
-        "BLOCK_N": bn, "BLOCK_M": 16 if silu else 64, "NUM_STAGES": stages, "SCALE_DT": sdt,
-        "SPLIT": split, "ONE_ROW": silu, "ASM": True},
-        {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6, 7, 9, 10, 11)}),
-        target=target, options={"num_warps": warps if silu else 8})
+# ... and with packed fp16 products (MATH 2, triton_int4_half2): its inline PTX (the packed
+# subtractions and FMAs, the x pairs' one-instruction conversion), TMA loads, and no reduction in
+# the K loop ahead of the tile end's branch (a word's sums stay in its thread till then: a sum
+# over a block's words every step cost lane shuffles)
+for silu, kk in ((False, 14336), (True, 4096)):
+    k = triton.compile(ASTSource(TT._int4_gemv_tma_kernel, tma, {
+        "K": kk, "GROUP": 128, "HAS_PERM": silu, "HAS_BIAS": not silu, "SILU": silu,
+        "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages, "XPAIRS": False, "MATH": 2,
+        "ASM": True}, {(0,): [["tt.divisibility", 16]], (6,): [["tt.divisibility", 16]]}),
+        target=target, options={"num_warps": warps})
     ptx = k.asm["ptx"]
-    assert ptx.count("sub.rn.bf16x2" if dt == "bf16" else "sub.rn.f16x2") >= 4, "packed dequant"
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d" in ptx
-    assert k.metadata.shared >= (stages - 1) * bn * 16 * 4, ("not pipelined", k.metadata.shared)
+    assert ptx.count("fma.rn.f16x2") >= 3 and ptx.count("sub.rn.f16x2") >= 4, "packed math"
+    assert "cvt.rn.f16x2.f32" in ptx and ptx.count("cp.async.bulk.tensor.2d") >= 3 * 2
+    assert "tt.reduce" not in k.asm["ttgir"].split("scf.if")[0].split("scf.for")[1], \
+        "a reduction inside the K loop's hot path"
 print("compiled")
 """
 

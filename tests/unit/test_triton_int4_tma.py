@@ -1,5 +1,5 @@
-"""The Hopper batch-1 int4 kernels (layers/triton_int4_tma.py, the tensor-core one in
-layers/triton_int4_tc.py: its fp32 dequant path, the interpreter runs no PTX) and their choice
+"""The Hopper batch-1 int4 kernel (layers/triton_int4_tma.py, with exact fp32 products and with
+packed fp16 ones: triton_int4_half2's fp32 emulation, the interpreter runs no PTX) and its choice
 (layers/int4_batch1.py) on the CPU through Triton's interpreter, at small shapes:
 tests/gpu/test_int4_tma_gpu.py's checks (the reference and its tolerance: tests/gpu/test_int4.py). The interpreter's 2 "SMs" make every program walk several
 row tiles (a tile's last step mid-loop, the SiLU gate kept across its up steps). fp16 / fp32
@@ -15,9 +15,8 @@ import torch
 
 from triton_interpreter import import_interpreted  # tests/unit is on sys.path
 
-triton_int4_tma, triton_int4_tc = import_interpreted(
-    "radixlm.runtime.layers.triton_int4_tma", "radixlm.runtime.layers.triton_int4_tc",
-    gpu_tests="tests/gpu/test_int4_tma_gpu.py")
+triton_int4_tma, = import_interpreted(
+    "radixlm.runtime.layers.triton_int4_tma", gpu_tests="tests/gpu/test_int4_tma_gpu.py")
 _spec = importlib.util.spec_from_file_location(
     "_int4_tma_checks", os.path.join(os.path.dirname(__file__), "..", "gpu",
                                      "test_int4_tma_gpu.py"))
@@ -43,25 +42,34 @@ def test_int4_tma_layer_interpreted():
     _checks.check_int4_tma_layer("cpu", torch.float32)
 
 
-def test_int4_tc_kernel_interpreted():
-    # the fp32 dequant path (the interpreter runs no PTX); 4 row tiles over 2 programs (split
-    # 1), split-K 2 and 4 (one item a program, the last arriving reduces), act-order, SiLU
-    _checks.check_int4_tc_kernel("cpu", [
-        (64, 512, 128, (16, 4, 3, 1, 1), False, False), (64, 256, 32, (16, 4, 2, 1, 2), True, True),
-        (96, 384, 64, (32, 4, 3, 1, 3), False, True), (128, 2048, 128, (32, 4, 3, 1, 4), True, False)],
-        dtypes=(torch.float16,))
+def test_int4_tma_packed_fp16_products_interpreted():
+    # math 2 (triton_int4_half2's emulation): the same cases, fp16 only (the interpreter's bf16
+    # store truncates), activations far from 1 and with outliers (check_int4_tma_kernel)
+    _checks.check_int4_tma_kernel("cpu", [
+        (64, 2048, 128, (16, 1024, 4, 3, 1), False), (96, 512, 32, (32, 128, 2, 2, 2), True),
+        (128, 384, 64, (64, 128, 4, 2, 1), False)], dtypes=(torch.float16,), math=2)
 
 
-def test_int4_tc_rows_interpreted():
-    # 3 / 16 / 20 rows (BLOCK_M 16 / 16 / 32), split-K 1 / 2, act-order, bias
-    _checks.check_int4_tc_rows("cpu", [
-        (64, 512, 128, (16, 4, 3, 1, 1), 3, True, False),
-        (64, 256, 32, (16, 4, 2, 1, 2), 16, False, True),
-        (32, 512, 64, (32, 4, 2, 2, 0), 20, True, True)], dtypes=(torch.float16,))
+def test_int4_tma_packed_fp16_layer_interpreted():
+    _checks.check_int4_tma_layer("cpu", torch.float16, n=128, k=512, kind="h2")
 
 
-def test_int4_tc_layer_interpreted():
-    _checks.check_int4_tma_layer("cpu", torch.float16, n=128, k=512, kind="tc")
+def test_int4_tma_packed_fp16_products_can_fail():
+    # the h2 tolerance is no blanket: a kernel off by one nibble column fails it (the check
+    # with a W whose columns 0 and 1 of every word are swapped)
+    import test_int4  # tests/gpu, on sys.path through _checks
+
+    qw, s, z, w = test_int4.random_layer(64, 1024, 128, seed=3)
+    x = torch.randn(1, 1024).half()
+    d = triton_int4_tma.descriptors(qw, s.t().contiguous(), z.t().contiguous(), 128, 16, 1024)
+    y = triton_int4_tma.gemv(x, d, 64, 1024, 128, config=(16, 1024, 4, 3, 1), math=2)
+    test_int4._check_close(y, x.float(), w, None, torch.float16, "h2",
+                           sum_tol=_checks.H2_SUM_TOL)
+    bad = w.clone()
+    bad[:, 0::4], bad[:, 1::4] = w[:, 1::4], w[:, 0::4]
+    with pytest.raises(AssertionError):
+        test_int4._check_close(y, x.float(), bad, None, torch.float16, "h2",
+                               sum_tol=_checks.H2_SUM_TOL)
 
 
 def test_int4_batch1_setting(monkeypatch):
@@ -70,10 +78,17 @@ def test_int4_batch1_setting(monkeypatch):
     monkeypatch.setenv(int4_batch1.ENV_VAR, "0")
     lin = int4_linear.Int4Linear(1024, 64, 128, False, torch.float32, "cpu")
     assert not lin.use_tma() and lin.tma is None
-    monkeypatch.setenv(int4_batch1.ENV_VAR, "tc")  # fp32 activations: the tensor cores refuse
-    assert not lin.use_tma()
     monkeypatch.setenv(int4_batch1.ENV_VAR, "1")
     assert lin.use_tma() and lin.tma.kind == "tma"
+    old = lin.tma
+    monkeypatch.setenv(int4_batch1.ENV_VAR, "h2")  # the same kernel and operands, other math
+    assert lin.use_tma() and lin.tma is old and lin.tma.kind == "h2"
+    # fp32 activations keep the exact products (math 2 takes 16-bit ones only)
+    x = torch.randn(1, 1024)
+    assert torch.equal(lin(x), triton_int4_tma.gemv(x, old.descs, 64, 1024, 128,
+                                                    config=old.cfg, math=1))
+    with pytest.raises(ValueError, match="fp16 / bf16"):
+        triton_int4_tma.gemv(x, old.descs, 64, 1024, 128, config=old.cfg, math=2)
     monkeypatch.setenv(int4_batch1.ENV_VAR, "yes")
     with pytest.raises(ValueError, match="RADIXLM_INT4_TMA"):
         lin.use_tma()
@@ -93,17 +108,3 @@ def test_int4_tma_supported_shapes():
         triton_int4_tma.descriptors(torch.zeros(64, 128, dtype=torch.int32),
                                     torch.zeros(8, 64, dtype=torch.float16),
                                     torch.zeros(8, 64, dtype=torch.uint8), 128, 16, 512)
-
-
-def test_int4_tc_silu_needs_whole_tiles_in_each_half(monkeypatch):
-    # [gate | up] of 2 x 192 rows: 3 row tiles of 128 in all, not whole ones in each half:
-    # the SiLU call takes the register GEMV (the same values as its own), plain calls the tc
-    from radixlm.runtime.layers import int4_batch1, triton_int4
-
-    monkeypatch.setenv(int4_batch1.ENV_VAR, "tc")
-    lin = _checks._layer("cpu", 384, 256, 128, torch.float16, seed=4)
-    assert lin.use_tma() and lin.tma.kind == "tc"
-    x = torch.randn(1, 256).half()
-    assert not lin.tma.accepts(lin, x, silu=True) and lin.tma.accepts(lin, x)
-    want = triton_int4.gemv(x, lin.qweight, lin.scales, lin.zeros, 128, silu=True)
-    assert torch.equal(lin.gate_up_silu(x), want)
