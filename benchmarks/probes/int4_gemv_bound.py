@@ -53,7 +53,10 @@ def tma_configs(quick: bool) -> list[tuple]:
         if (bn * bk // 2 * stages > 96 << 10 or not 32 <= per_thread <= 256
                 or not T.supported(4096, 14336, GROUP, bn, bk)):
             continue  # (words' shared memory a program; TMA boxes: supported())
-        out += [(bn, bk, warps, stages, per_sm) for per_sm in (2, 3, 4)]
+        # programs an SM: up to the words' shared memory of ~200 KB an SM (more warps in flight
+        # hide the math's latency: 3-4 an SM won at gate_up in the quick sweep)
+        out += [(bn, bk, warps, stages, per_sm) for per_sm in (2, 3, 4, 6, 8)
+                if per_sm * stages * bn * bk // 2 <= 200 << 10 and per_sm * warps <= 32]
     return out
 
 
@@ -197,6 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--result-file", default=None)
+    ap.add_argument("--configs-out", default=None,
+                    help="write each shape's best tma / h2 config as a JSON table of "
+                         "layers/int4_tma_tuned.py's form (RADIXLM_INT4_TMA_CONFIGS)")
     args = ap.parse_args(argv)
     import torch
 
@@ -215,6 +221,7 @@ def main(argv=None) -> int:
     print(json.dumps({"compile_failures": {str(k): v for k, v in failed.items()}}), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "command": "python benchmarks/probes/int4_gemv_bound.py " + " ".join(argv or sys.argv[1:])}
+    table = {}
     for s in args.shapes:
         n, k, silu = SHAPES[s]
         row = {**bench_shape(s, n, k, silu, cfgs), **meta}
@@ -223,6 +230,12 @@ def main(argv=None) -> int:
         if args.result_file:
             with open(args.result_file, "a") as f:
                 f.write(line + "\n")
+        for kind in ("tma", "h2"):
+            if f"{kind}_config" in row:
+                table.setdefault(kind, {})[f"{n},{k},{GROUP}"] = row[f"{kind}_config"]
+        if args.configs_out:  # (after every shape: a cut-short run keeps what it measured)
+            with open(args.configs_out, "w") as f:
+                json.dump({meta["device"]: table}, f, indent=1)
     return 0
 
 

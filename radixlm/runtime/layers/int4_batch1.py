@@ -71,13 +71,14 @@ def prepare(layer, old: Optional[Batch1]) -> Optional[Batch1]:
     if kind == "off" or not T.available(device):
         return None
     rows, k, group = layer.out_features, layer.in_features, layer.group
-    cfg = T.config_for(rows, k, group, layer.scales.element_size())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    cfg = T.config_for(rows, k, group, layer.scales.element_size(), name, kind)
     if cfg is None:
         return None
     if old is not None and old.cfg == cfg:
         old.kind = kind
         old.refresh(layer)
-        return old
+        return old  # (another config: new descriptors, new derived copies)
     derived = _derive(layer)
     descs = T.descriptors(layer.qweight, *derived, group, cfg[0], cfg[1])
     return Batch1(kind, cfg, derived, descs)

@@ -124,10 +124,16 @@ def available(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def config_for(rows: int, k: int, group: int, scale_bytes: int = 2) -> Optional[tuple]:
-    """The config a layer of `rows` x K (group, scales of `scale_bytes`) runs at, or None where
-    no config fits (the register GEMV takes it)."""
-    for cfg in (DEFAULT,) + FALLBACKS:
+def config_for(rows: int, k: int, group: int, scale_bytes: int = 2,
+               device_name: str = "", kind: str = "tma") -> Optional[tuple]:
+    """The config a layer of `rows` x K (group, scales of `scale_bytes`) runs at on
+    `device_name` with math `kind` ("tma" exact products, "h2" packed fp16): the measured one
+    (layers/int4_tma_tuned.py) where it fits, else DEFAULT or a fallback; None where no config
+    fits (the register GEMV takes it)."""
+    from radixlm.runtime.layers.int4_tma_tuned import tuned_config
+
+    tuned = tuned_config(device_name, kind, rows, k, group) if device_name else None
+    for cfg in ((tuned,) if tuned else ()) + (DEFAULT,) + FALLBACKS:
         if supported(rows, k, group, cfg[0], cfg[1], scale_bytes):
             return cfg
     return None
