@@ -8,6 +8,8 @@ Two parts, JSON lines on stdout (and appended to `--result-file`):
              awq-g128   + quantization_config AWQ gemm, group 128, zero points
              gptq-g128  + quantization_config GPTQ, group 128, sym, desc_act false
              awq-g128-torch  (--arms) AWQ on torch's int4 kernel (int4_linear=torch)
+             awq-g128-reg    (--arms) AWQ with the register GEMV at batch 1
+                             (RADIXLM_INT4_TMA=0 in the arm's process)
            (dummy int4 weights: the random bf16 projections rounded to int4 at load),
            batch-1 decode tok/s (256 tokens after a 128-token prompt) and batch-64 decode tok/s
            (64 x 128 tokens after 128-token prompts), CUDA graphs on; each int4 arm also gets
@@ -62,12 +64,9 @@ ARMS = {  # arm -> (quantization_config, int4_linear)
     "gptq-g128": (_GPTQ, "triton"),
     "awq-g128-torch": (_AWQ, "torch"),  # torch's _weight_int4pack_mm (layers/int4_torch.py)
     # the same AWQ / GPTQ layers with another Hopper batch-1 kernel (layers/int4_batch1.py):
-    "awq-g128-h2": (_AWQ, "triton"),  # the TMA GEMV with packed fp16 products
-    "gptq-g128-h2": (_GPTQ, "triton"),
-    "awq-g128-reg": (_AWQ, "triton"),  # the register GEMV (no TMA)
+    "awq-g128-reg": (_AWQ, "triton"),  # the register GEMV at batch 1 (no TMA)
 }
-ARM_ENV = {"awq-g128-h2": {"RADIXLM_INT4_TMA": "h2"}, "gptq-g128-h2": {"RADIXLM_INT4_TMA": "h2"},
-           "awq-g128-reg": {"RADIXLM_INT4_TMA": "0"}}
+ARM_ENV = {"awq-g128-reg": {"RADIXLM_INT4_TMA": "0"}}
 DEFAULT_ARMS = ("bf16", "awq-g128", "gptq-g128")
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
@@ -122,7 +121,7 @@ def e2e_arm(arm: str, path: str, tiny: bool) -> dict:
                                       list(model.parameters()) + list(model.buffers())
                                       if t is not None) / 1e9, 3)
         row["int4_layers"] = sum(type(m).__name__ == "Int4Linear" for m in model.modules())
-        # (batch 1 on a Hopper kernel: layers/int4_batch1.py; RADIXLM_INT4_TMA=0 / 1 / h2)
+        # (batch 1 on a Hopper kernel: layers/int4_batch1.py; RADIXLM_INT4_TMA=0 / 1)
         row["int4_tma_layers"] = sum(getattr(m, "tma", None) is not None
                                      for m in model.modules())
         row["int4_batch1"] = sorted({m.tma.kind for m in model.modules()

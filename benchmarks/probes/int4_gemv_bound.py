@@ -10,10 +10,9 @@ forward), calls captured in one CUDA graph (benchmarks/fp8_linear.graph_time_us)
              an SM): the best, the top 5 and the default's time; `tma_loads`: the best
              config's walk with the math replaced by an XOR of the words (what the load side
              alone reaches)
-  h2         the same kernel and sweep with packed fp16 products (math 2,
-             layers/triton_int4_half2.py): the best, the top 5, the default's time
 One JSON line a shape: each arm's best us and config, its TB/s of int4 bytes (words + scales +
-zeros), and the TMA arms' error against `reg` (max abs over max abs).
+zeros), and the TMA arm's error against `reg` (max abs over max abs). `--configs-out FILE`
+writes each shape's best TMA config as a table of layers/int4_tma_tuned.py's form.
 
     python benchmarks/probes/int4_gemv_bound.py [--shapes o down] [--quick]
 """
@@ -43,9 +42,8 @@ def tma_configs(quick: bool) -> list[tuple]:
 
     if quick:
         return [T.DEFAULT, (16, 1024, 4, 4, 3), (32, 512, 4, 4, 2), (32, 512, 4, 6, 2),
-                (64, 256, 4, 6, 2),
-                # 256 values a thread a step (math 2's x scaling and loop shared by more)
-                (32, 1024, 4, 4, 2), (16, 2048, 4, 3, 2), (16, 1024, 2, 4, 2), (16, 1024, 2, 4, 4)]
+                (64, 256, 4, 6, 2), (32, 1024, 4, 4, 2), (16, 2048, 4, 3, 2), (16, 1024, 2, 4, 2),
+                (16, 1024, 2, 4, 4)]
     out = []
     for bn, bk, warps, stages in itertools.product((16, 32, 64), (256, 512, 1024, 2048),
                                                    (2, 4, 8), (3, 4, 6)):
@@ -97,12 +95,12 @@ def _compile_worker(job):
     lyr = _layer(n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     failed = {}
-    for cfg, math in cfgs:  # math 1 (exact products) or 2 (packed fp16)
+    for cfg in cfgs:
         try:
-            _tma_call(lyr, x, n, k, silu, cfg, math)
+            _tma_call(lyr, x, n, k, silu, cfg)
             torch.cuda.synchronize()
         except (OutOfResources, CompilationError, AssertionError, ValueError) as e:
-            failed[n, k, silu, cfg, math] = f"{type(e).__name__}: {str(e)[:80]}"
+            failed[n, k, silu, cfg] = f"{type(e).__name__}: {str(e)[:80]}"
         except Exception:  # noqa: BLE001 (a fault poisons the context: the parent retries)
             break
     return failed
@@ -165,24 +163,13 @@ def bench_shape(label, n, k, silu, cfgs) -> dict:
         cfg = best["tma"][1]
         best["tma_loads"] = (graph_time_us(
             lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg, False), copies), cfg)
-    h2 = _sweep("h2", lambda cfg: (lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg,
-                                                      2)), cfgs, copies, best, errors)
-    if h2:  # packed fp16 products (math 2)
-        row["h2_top5"] = [[round(t, 2), list(c)] for t, c in sorted(h2)[:5]]
-        row["h2_default_us"] = next((round(t, 2) for t, c in h2
-                                     if tuple(c) == tuple(cfgs[0])), None)
-        y = _tma_call(layers[0], x, n, k, silu, best["h2"][1], 2).float()
-        row["h2_rel_err_vs_reg"] = float((y - ref).abs().max() / ref.abs().max())
-        cfg = best["h2"][1]
-        best["h2_loads"] = (graph_time_us(
-            lambda i: _tma_call(layers[i % copies], x, n, k, silu, cfg, False), copies), cfg)
     if not silu:
         _sweep("gemm", lambda cfg: (lambda i: triton_int4_gemm.gemm(
             x, layers[i % copies].qweight, layers[i % copies].scales, layers[i % copies].zeros,
             GROUP, config=cfg)), GEMM_CONFIGS, copies, best, errors)
     for arm, (t, cfg) in best.items():
         row[f"{arm}_us"], row[f"{arm}_config"] = round(t, 2), list(cfg)
-    for arm in ("cublas", "reg", "gemm", "tma", "tma_loads", "h2", "h2_loads"):
+    for arm in ("cublas", "reg", "gemm", "tma", "tma_loads"):
         if f"{arm}_us" in row:
             b = int4_bytes * (4 if arm == "cublas" else 1)  # (cublas reads bf16: ~4x)
             row[f"{arm}_TBps"] = round(b / row[f"{arm}_us"] / 1e6, 3)
@@ -201,7 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--configs-out", default=None,
-                    help="write each shape's best tma / h2 config as a JSON table of "
+                    help="write each shape's best TMA config as a JSON table of "
                          "layers/int4_tma_tuned.py's form (RADIXLM_INT4_TMA_CONFIGS)")
     args = ap.parse_args(argv)
     import torch
@@ -213,7 +200,7 @@ def main(argv=None) -> int:
         cfgs.remove(T.DEFAULT)
     cfgs.insert(0, T.DEFAULT)
     # (programs an SM is not compiled in)
-    compile_cfgs = sorted({(c[:4] + (2,), math) for c in cfgs for math in (1, 2)})
+    compile_cfgs = sorted({c[:4] + (2,) for c in cfgs})
     jobs = [(n, k, silu, compile_cfgs[i:i + 6])
             for n, k, silu in (SHAPES[s] for s in args.shapes)
             for i in range(0, len(compile_cfgs), 6)]
@@ -230,9 +217,8 @@ def main(argv=None) -> int:
         if args.result_file:
             with open(args.result_file, "a") as f:
                 f.write(line + "\n")
-        for kind in ("tma", "h2"):
-            if f"{kind}_config" in row:
-                table.setdefault(kind, {})[f"{n},{k},{GROUP}"] = row[f"{kind}_config"]
+        if "tma_config" in row:
+            table.setdefault("tma", {})[f"{n},{k},{GROUP}"] = row["tma_config"]
         if args.configs_out:  # (after every shape: a cut-short run keeps what it measured)
             with open(args.configs_out, "w") as f:
                 json.dump({meta["device"]: table}, f, indent=1)

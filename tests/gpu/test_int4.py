@@ -47,15 +47,15 @@ def random_layer(n: int, k: int, group: int, seed: int = 0):
     return int4_linear.pack_rows(q), s, z.to(torch.uint8), w
 
 
-def _check_close(y, x, w, bias, dtype, what, exact_w=None, sum_tol=SUM_TOL) -> None:
+def _check_close(y, x, w, bias, dtype, what, exact_w=None) -> None:
     # exact_w: the reference's W unrounded (the GEMV's sums); None: so for one row only (the
-    # GEMM multiplies W rounded to x's dtype). sum_tol: the error allowed a unit of |x| |W|
+    # GEMM multiplies W rounded to x's dtype)
     exact = x.shape[0] == 1 if exact_w is None else exact_w
     wr = w if exact else w.to(dtype).float()
     ref = x.double() @ wr.double().t()
     if bias is not None:
         ref += bias.double()
-    bound = EPS_OUT[dtype] * ref.abs() + sum_tol * (x.double().abs() @ wr.double().abs().t())
+    bound = EPS_OUT[dtype] * ref.abs() + SUM_TOL * (x.double().abs() @ wr.double().abs().t())
     err = (y.double().cpu() - ref).abs()
     assert bool((err <= bound).all()), (what, float((err - bound).max()))
 

@@ -121,30 +121,14 @@ for silu, kk in ((False, 14336), (True, 4096)):
            "sd": f"tensordesc<fp16[{bk // 128}, {bn}]>", "zd": f"tensordesc<u8[{bk // 128}, {bn}]>",
            "P": "*i64", "B": "*bf16", "Y": "*bf16", "N_OUT": "i32", "magic": "i32",
            **{c: "constexpr" for c in ("K", "GROUP", "HAS_PERM", "HAS_BIAS", "SILU", "BLOCK_N",
-                                       "BLOCK_K", "NUM_STAGES", "XPAIRS", "MATH", "ASM")}}
+                                       "BLOCK_K", "NUM_STAGES", "XPAIRS", "MATH")}}
     k = triton.compile(ASTSource(TT._int4_gemv_tma_kernel, tma, {
         "K": kk, "GROUP": 128, "HAS_PERM": silu, "HAS_BIAS": not silu, "SILU": silu,
-        "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages, "XPAIRS": not silu, "MATH": 1,
-        "ASM": True},
+        "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages, "XPAIRS": not silu, "MATH": True},
         {(0,): [["tt.divisibility", 16]], (6,): [["tt.divisibility", 16]]}),
         target=target, options={"num_warps": warps})
     assert k.asm["ptx"].count("cp.async.bulk.tensor.2d") >= 3 * 2, "TMA loads"
     assert k.metadata.shared <= 64 * 1024, k.metadata.shared
-# ... and with packed fp16 products (MATH 2, triton_int4_half2): its inline PTX (the packed
-# subtractions and FMAs, the x pairs' one-instruction conversion), TMA loads, and no reduction in
-# the K loop ahead of the tile end's branch (a word's sums stay in its thread till then: a sum
-# over a block's words every step cost lane shuffles)
-for silu, kk in ((False, 14336), (True, 4096)):
-    k = triton.compile(ASTSource(TT._int4_gemv_tma_kernel, tma, {
-        "K": kk, "GROUP": 128, "HAS_PERM": silu, "HAS_BIAS": not silu, "SILU": silu,
-        "BLOCK_N": bn, "BLOCK_K": bk, "NUM_STAGES": stages, "XPAIRS": False, "MATH": 2,
-        "ASM": True}, {(0,): [["tt.divisibility", 16]], (6,): [["tt.divisibility", 16]]}),
-        target=target, options={"num_warps": warps})
-    ptx = k.asm["ptx"]
-    assert ptx.count("fma.rn.f16x2") >= 3 and ptx.count("sub.rn.f16x2") >= 4, "packed math"
-    assert "cvt.rn.f16x2.f32" in ptx and ptx.count("cp.async.bulk.tensor.2d") >= 3 * 2
-    assert "tt.reduce" not in k.asm["ttgir"].split("scf.if")[0].split("scf.for")[1], \
-        "a reduction inside the K loop's hot path"
 print("compiled")
 """
 

@@ -1,5 +1,4 @@
-"""The Hopper batch-1 int4 kernel (layers/triton_int4_tma.py, with exact fp32 products and with
-packed fp16 ones: triton_int4_half2's fp32 emulation, the interpreter runs no PTX) and its choice
+"""The Hopper batch-1 int4 kernel (layers/triton_int4_tma.py) and its choice
 (layers/int4_batch1.py) on the CPU through Triton's interpreter, at small shapes:
 tests/gpu/test_int4_tma_gpu.py's checks (the reference and its tolerance: tests/gpu/test_int4.py). The interpreter's 2 "SMs" make every program walk several
 row tiles (a tile's last step mid-loop, the SiLU gate kept across its up steps). fp16 / fp32
@@ -42,36 +41,6 @@ def test_int4_tma_layer_interpreted():
     _checks.check_int4_tma_layer("cpu", torch.float32)
 
 
-def test_int4_tma_packed_fp16_products_interpreted():
-    # math 2 (triton_int4_half2's emulation): the same cases, fp16 only (the interpreter's bf16
-    # store truncates), activations far from 1 and with outliers (check_int4_tma_kernel)
-    _checks.check_int4_tma_kernel("cpu", [
-        (64, 2048, 128, (16, 1024, 4, 3, 1), False), (96, 512, 32, (32, 128, 2, 2, 2), True),
-        (128, 384, 64, (64, 128, 4, 2, 1), False)], dtypes=(torch.float16,), math=2)
-
-
-def test_int4_tma_packed_fp16_layer_interpreted():
-    _checks.check_int4_tma_layer("cpu", torch.float16, n=128, k=512, kind="h2")
-
-
-def test_int4_tma_packed_fp16_products_can_fail():
-    # the h2 tolerance is no blanket: a kernel off by one nibble column fails it (the check
-    # with a W whose columns 0 and 1 of every word are swapped)
-    import test_int4  # tests/gpu, on sys.path through _checks
-
-    qw, s, z, w = test_int4.random_layer(64, 1024, 128, seed=3)
-    x = torch.randn(1, 1024).half()
-    d = triton_int4_tma.descriptors(qw, s.t().contiguous(), z.t().contiguous(), 128, 16, 1024)
-    y = triton_int4_tma.gemv(x, d, 64, 1024, 128, config=(16, 1024, 4, 3, 1), math=2)
-    test_int4._check_close(y, x.float(), w, None, torch.float16, "h2",
-                           sum_tol=_checks.H2_SUM_TOL)
-    bad = w.clone()
-    bad[:, 0::4], bad[:, 1::4] = w[:, 1::4], w[:, 0::4]
-    with pytest.raises(AssertionError):
-        test_int4._check_close(y, x.float(), bad, None, torch.float16, "h2",
-                               sum_tol=_checks.H2_SUM_TOL)
-
-
 def test_int4_batch1_setting(monkeypatch):
     from radixlm.runtime.layers import int4_batch1, int4_linear
 
@@ -81,14 +50,7 @@ def test_int4_batch1_setting(monkeypatch):
     monkeypatch.setenv(int4_batch1.ENV_VAR, "1")
     assert lin.use_tma() and lin.tma.kind == "tma"
     old = lin.tma
-    monkeypatch.setenv(int4_batch1.ENV_VAR, "h2")  # the same kernel and operands, other math
-    assert lin.use_tma() and lin.tma is old and lin.tma.kind == "h2"
-    # fp32 activations keep the exact products (math 2 takes 16-bit ones only)
-    x = torch.randn(1, 1024)
-    assert torch.equal(lin(x), triton_int4_tma.gemv(x, old.descs, 64, 1024, 128,
-                                                    config=old.cfg, math=1))
-    with pytest.raises(ValueError, match="fp16 / bf16"):
-        triton_int4_tma.gemv(x, old.descs, 64, 1024, 128, config=old.cfg, math=2)
+    assert lin.use_tma() and lin.tma is old  # unchanged: refreshed in place
     monkeypatch.setenv(int4_batch1.ENV_VAR, "yes")
     with pytest.raises(ValueError, match="RADIXLM_INT4_TMA"):
         lin.use_tma()
@@ -108,3 +70,27 @@ def test_int4_tma_supported_shapes():
         triton_int4_tma.descriptors(torch.zeros(64, 128, dtype=torch.int32),
                                     torch.zeros(8, 64, dtype=torch.float16),
                                     torch.zeros(8, 64, dtype=torch.uint8), 128, 16, 512)
+
+
+def test_int4_tma_tuned_configs(monkeypatch, tmp_path):
+    # the GPU's measured config where it fits the shape, else DEFAULT; a sweep's own table
+    # through RADIXLM_INT4_TMA_CONFIGS
+    import json
+
+    from radixlm.runtime.layers import int4_tma_tuned
+
+    T = triton_int4_tma
+    h200 = int4_tma_tuned.TUNED["NVIDIA H200"]["tma"]
+    assert T.config_for(28672, 4096, 128, 2, "NVIDIA H200") == h200["28672,4096,128"]
+    assert T.config_for(28672, 4096, 128, 2, "NVIDIA H100 80GB HBM3") == T.DEFAULT
+    assert T.config_for(28672, 4096, 128, 2) == T.DEFAULT
+    assert T.config_for(1024, 4096, 128, 2, "NVIDIA H200") == T.DEFAULT  # shape not swept
+    table = tmp_path / "tuned.json"
+    table.write_text(json.dumps({"GPU X": {"tma": {"1024,4096,128": [32, 512, 4, 3, 4],
+                                                   "1024,2560,128": [16, 1024, 4, 3, 3]}}}))
+    monkeypatch.setenv(int4_tma_tuned.ENV_VAR, str(table))
+    assert T.config_for(1024, 4096, 128, 2, "GPU X") == (32, 512, 4, 3, 4)
+    # a listed config that does not fit (K = 2048 + 512 is not whole 1024-value steps) is
+    # skipped for the next that does
+    assert T.config_for(1024, 2560, 128, 2, "GPU X") == T.FALLBACKS[0]
+    assert T.config_for(28672, 4096, 128, 2, "NVIDIA H200") == T.DEFAULT  # (not in the file)

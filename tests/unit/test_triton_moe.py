@@ -6,6 +6,7 @@ exactly once and is built without a host sync (what a CUDA graph capture needs).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,26 @@ def test_block_size_per_model():
     assert tm.block_m_for(4, 4) == 64  # capped
 
 
-def test_block_size_does_not_change_a_row():
+def _rowwise_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's tl.dot (numpy's matmul), one row of `a` at a time: the same products and
+    sums for a row whatever the tile's row count."""
+    from triton.runtime.interpreter import TensorHandle
+
+    assert a.data.dtype == b.data.dtype == np.float32  # (create_dot's fp8 branch not needed here)
+    rows = [np.matmul(a.data[i : i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+    return TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+
+def test_block_size_does_not_change_a_row(monkeypatch):
+    # The kernel's claim is that BLOCK_M only pads: a row's sums are the same in a block of 16
+    # rows as in one of 64, given a tl.dot whose rows do not depend on the tile's row count (a
+    # GPU's MMA). The interpreter's tl.dot is numpy's matmul, whose BLAS may not give that: with
+    # OpenBLAS's Haswell kernels (an AVX2 CPU) a row of a (16, K) @ (K, N) product differs from
+    # the same row of a (64, K) one by an ulp or so (its AVX-512 kernels happen to agree), which
+    # says nothing about the kernel. So the dot here runs row by row.
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", _rowwise_dot)
     ex, x, idx, w = _setup(37, 4, 2, torch.float32, skew=True)
     a = tm.experts(x, ex.gate_up_proj.data, ex.down_proj.data, idx, w, block_m=16)
     b = tm.experts(x, ex.gate_up_proj.data, ex.down_proj.data, idx, w, block_m=64)

@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from radixlm.runtime.layers.triton_int4_dequant import MAGIC, _gemv_block_sums, _gemv_tile_end
-from radixlm.runtime.layers.triton_int4_half2 import _half2_block_sums
 from radixlm.runtime.layers.triton_int4_stream import _sm_count
 
 
@@ -56,12 +55,10 @@ def _int4_gemv_tma_kernel(X, qd, sd, zd, P, B, Y, N_OUT, magic,
                           K: tl.constexpr, GROUP: tl.constexpr, HAS_PERM: tl.constexpr,
                           HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                          XPAIRS: tl.constexpr, MATH: tl.constexpr, ASM: tl.constexpr):
+                          XPAIRS: tl.constexpr, MATH: tl.constexpr):
     # qd, sd, zd: TMA descriptors of qweight (block (BLOCK_N, BLOCK_K / 8)), scales_t and
-    # zeros_t (block (GPS, BLOCK_N)). MATH 1: exact fp32 products; 2: packed fp16 products
-    # (triton_int4_half2; ASM: its inline PTX, else its fp32 emulation: the interpreter);
-    # 0: the loads only (words XOR'ed: the load side's bound, for
-    # benchmarks/probes/int4_gemv_bound.py), y meaningless.
+    # zeros_t (block (GPS, BLOCK_N)). MATH 0: the loads only (words XOR'ed: the load side's
+    # bound, for benchmarks/probes/int4_gemv_bound.py), y meaningless.
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     NB: tl.constexpr = BLOCK_K // 32
@@ -82,7 +79,7 @@ def _int4_gemv_tma_kernel(X, qd, sd, zd, P, B, Y, N_OUT, magic,
         tile = pid + (r // HALVES) * n_prog
         row0 = tile * BLOCK_N + h * N_OUT
         w = qd.load([row0, st * (BLOCK_K // 8)])  # (BLOCK_N, BLOCK_K / 8) int32
-        if MATH == 1:
+        if MATH:
             s = sd.load([st * GPS, row0])  # (GPS, BLOCK_N)
             z = zd.load([st * GPS, row0])
             words = tl.reshape(w, (BLOCK_N, NB, 4))
@@ -91,18 +88,10 @@ def _int4_gemv_tma_kernel(X, qd, sd, zd, P, B, Y, N_OUT, magic,
             p = _gemv_block_sums(X, P, words, zf, magic, st * NB, ob < NB, HAS_PERM, True,
                                  XPAIRS, True)
             acc += p * sf[:, :, None]
-        elif MATH == 2:  # packed fp16 products (triton_int4_half2)
-            s = sd.load([st * GPS, row0])
-            z = zd.load([st * GPS, row0])
-            words = tl.reshape(w, (BLOCK_N, NB, 4))
-            zi = _expand_groups(z.to(tl.int32), BLOCK_N, GPS, BPG)
-            sf = _expand_groups(s.to(tl.float32), BLOCK_N, GPS, BPG)
-            p = _half2_block_sums(X, P, words, zi, magic, st * NB, HAS_PERM, ASM)
-            acc += p * sf[:, :, None]
         else:
             xacc ^= w
         if st == STEPS - 1:  # the tile's (half's) last step: reduce, store or keep the gate
-            if MATH != 0:
+            if MATH:
                 y = tl.sum(tl.sum(acc, axis=2), axis=1)
             else:
                 y = tl.xor_sum(xacc, axis=1).to(tl.float32)
@@ -125,14 +114,13 @@ def available(device: torch.device) -> bool:
 
 
 def config_for(rows: int, k: int, group: int, scale_bytes: int = 2,
-               device_name: str = "", kind: str = "tma") -> Optional[tuple]:
+               device_name: str = "") -> Optional[tuple]:
     """The config a layer of `rows` x K (group, scales of `scale_bytes`) runs at on
-    `device_name` with math `kind` ("tma" exact products, "h2" packed fp16): the measured one
-    (layers/int4_tma_tuned.py) where it fits, else DEFAULT or a fallback; None where no config
-    fits (the register GEMV takes it)."""
+    `device_name`: the measured one (layers/int4_tma_tuned.py) where it fits, else DEFAULT or a
+    fallback; None where no config fits (the register GEMV takes it)."""
     from radixlm.runtime.layers.int4_tma_tuned import tuned_config
 
-    tuned = tuned_config(device_name, kind, rows, k, group) if device_name else None
+    tuned = tuned_config(device_name, rows, k, group) if device_name else None
     for cfg in ((tuned,) if tuned else ()) + (DEFAULT,) + FALLBACKS:
         if supported(rows, k, group, cfg[0], cfg[1], scale_bytes):
             return cfg
@@ -171,12 +159,9 @@ def descriptors(qweight: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Te
 
 def gemv(x: torch.Tensor, descs: tuple, n_out: int, k: int, group: int,
          bias: Optional[torch.Tensor] = None, perm: Optional[torch.Tensor] = None,
-         silu: bool = False, config: Optional[tuple] = None, math: int = 1) -> torch.Tensor:
+         silu: bool = False, config: Optional[tuple] = None, math: bool = True) -> torch.Tensor:
     """x (1, K) -> y (1, n_out) in x's dtype: triton_int4.gemv's contract over descriptors()
-    of the same weights (silu: qweight is [gate | up], n_out = I). math: 1 exact fp32
-    products, 2 packed fp16 products (fp16 / bf16 x only: triton_int4_half2), 0 loads only."""
-    if math == 2 and x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"int4 TMA GEMV: packed fp16 products need fp16 / bf16 x, not {x.dtype}")
+    of the same weights (silu: qweight is [gate | up], n_out = I)."""
     block_n, block_k, warps, stages, per_sm = config or DEFAULT
     assert x.shape == (1, k) and x.stride(1) == 1 and not (silu and bias is not None)
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
@@ -186,5 +171,5 @@ def gemv(x: torch.Tensor, descs: tuple, n_out: int, k: int, group: int,
         x, *descs, perm if perm is not None else x, bias if bias is not None else x, y,
         n_out, MAGIC, K=k, GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, XPAIRS=xpairs,
-        MATH=int(math), ASM=x.device.type == "cuda", num_warps=warps)
+        MATH=math, num_warps=warps)
     return y
