@@ -23,14 +23,20 @@ namespace radixlm_quant {
 
 constexpr int NB = 16;  // output rows per task: their blocks stay cached across the x tiles
 
-// y[m, n] for m < MB (rows x + m * K) and one W row of K / F::BK blocks. Accumulators: NA per x
-// row, so MB * NA independent FMA chains (>= 4) hide the FMA latency.
+// y[m, n] for m < MB (rows x + m * K) and one W row of K / F::BK blocks. Each x row takes the
+// same operations in the same order whatever MB is, so a row's result never depends on how many
+// rows share the call (a speculative verify's rows equal plain decoding's bit for bit; with bf16
+// x this is the AVX2 / generic build's path, tests/unit/test_quant_gemm.py). Per 32 values a
+// row sums its 4 products in a chain of its own, then adds that to its one accumulator: the
+// accumulator's dependency is one add per 32 values, so a single row is not bound by the FMA
+// latency. (Until 2026-11-29 1 x row had 4 accumulators, 2 rows 2, more rows 1: other sums for
+// the same row at each MB. This costs ~5% at MB = 1 and 8 on the AVX2 EPYC, one thread,
+// SmolLM2's four Q4_1 projections x 30 layers and Q8_0 head; one accumulator per row with the
+// 4 FMAs on it cost ~25% at MB = 1.)
 template <class F, int MB>
 inline void row_dot(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
-  constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  V acc[MB][NA];
-  for (int m = 0; m < MB; ++m)
-    for (int a = 0; a < NA; ++a) acc[m][a] = vzero();
+  V acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = vzero();
   const int64_t nblk = K / F::BK;
   for (int64_t bi = 0; bi < nblk; ++bi) {
     const uint8_t* b = wrow + bi * F::BYTES;
@@ -39,16 +45,14 @@ inline void row_dot(const float* x, int64_t K, const uint8_t* wrow, float* y, in
       V w[4];
       F::group(b, p, g, w);
       const float* xk = x + bi * F::BK + g * 32;
-      for (int m = 0; m < MB; ++m)
-        for (int i = 0; i < 4; ++i)
-          acc[m][i % NA] = vfma(w[i], vload(xk + m * K + 8 * i), acc[m][i % NA]);
+      for (int m = 0; m < MB; ++m) {
+        V s = vmul(w[0], vload(xk + m * K));
+        for (int i = 1; i < 4; ++i) s = vfma(w[i], vload(xk + m * K + 8 * i), s);
+        acc[m] = vadd(acc[m], s);
+      }
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    V s = acc[m][0];
-    for (int a = 1; a < NA; ++a) s = vadd(s, acc[m][a]);
-    y[m * ldy] = vhsum(s);
-  }
+  for (int m = 0; m < MB; ++m) y[m * ldy] = vhsum(acc[m]);
 }
 
 // The AVX-512 kernel of a format (quant_avx512.h), void where there is none (row_dot runs).

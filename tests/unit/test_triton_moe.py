@@ -87,7 +87,8 @@ def _rowwise_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     from triton.runtime.interpreter import TensorHandle
 
     assert a.data.dtype == b.data.dtype == np.float32  # (create_dot's fp8 branch not needed here)
-    rows = [np.matmul(a.data[i : i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+    rows = [np.matmul(a.data[i : i + 1], b.data, dtype=d.data.dtype)
+            for i in range(a.data.shape[0])]
     return TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
 
 
