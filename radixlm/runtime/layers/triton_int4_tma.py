@@ -100,9 +100,11 @@ def _int4_gemv_tma_kernel(X, qd, sd, zd, P, B, Y, N_OUT, magic,
             g = _gemv_tile_end(y, g, h, B, Y, rows, rows < N_OUT, HAS_BIAS, SILU)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, NUM_STAGES, programs an SM): untimed first guess, 8 KB of
-# words a step (16 rows x 512 bytes), 3 steps in flight during the math, 2 programs an SM (N =
-# 4096: 256 row tiles, ~2 an SM; 48 KB in flight an SM); FALLBACKS for K not whole steps
+# (BLOCK_N, BLOCK_K, num_warps, NUM_STAGES, programs an SM[, MAXNREG]): untimed first guess, 8 KB
+# of words a step (16 rows x 512 bytes), 3 steps in flight during the math, 2 programs an SM (N =
+# 4096: 256 row tiles, ~2 an SM; 48 KB in flight an SM); FALLBACKS for K not whole steps.
+# MAXNREG (optional, 0 = none): ptxas's register cap a thread (Nsight Compute on an H200: at
+# (32, 512, 2, 3, 8) gate_up took 249 registers a thread, 8 warps an SM, issue slots 61% busy)
 DEFAULT = (16, 1024, 4, 4, 2)
 FALLBACKS = ((32, 512, 4, 4, 2), (64, 256, 4, 4, 2))
 
@@ -162,7 +164,8 @@ def gemv(x: torch.Tensor, descs: tuple, n_out: int, k: int, group: int,
          silu: bool = False, config: Optional[tuple] = None, math: bool = True) -> torch.Tensor:
     """x (1, K) -> y (1, n_out) in x's dtype: triton_int4.gemv's contract over descriptors()
     of the same weights (silu: qweight is [gate | up], n_out = I)."""
-    block_n, block_k, warps, stages, per_sm = config or DEFAULT
+    block_n, block_k, warps, stages, per_sm, *rest = config or DEFAULT
+    maxnreg = rest[0] if rest else 0
     assert x.shape == (1, k) and x.stride(1) == 1 and not (silu and bias is not None)
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     grid = min(triton.cdiv(n_out, block_n), per_sm * _sm_count(x.device))
@@ -171,5 +174,5 @@ def gemv(x: torch.Tensor, descs: tuple, n_out: int, k: int, group: int,
         x, *descs, perm if perm is not None else x, bias if bias is not None else x, y,
         n_out, MAGIC, K=k, GROUP=group, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, XPAIRS=xpairs,
-        MATH=math, num_warps=warps)
+        MATH=math, num_warps=warps, maxnreg=maxnreg or None)
     return y
