@@ -18,9 +18,17 @@ inline float f16(const uint8_t* p) {
 }
 
 // A format: BK values in BYTES bytes per block; prep() reads a block's scales once, group(g)
-// dequantizes its g-th run of 32 values into 4 vectors of 8.
+// dequantizes its g-th run of 32 values into 4 vectors of 8. The 32-value formats are also
+// FACTORED (quant_direct.h's row_dot): w = d q (+ m), so a block's sum of w x is d (q . x)
+// (+ m sum(x)): quants() gives q alone, scale() d, minv() m.
 struct Q8_0 {
   static constexpr int BK = 32, BYTES = 34;
+  static constexpr bool kFactored = true, kMin = false;
+  static float scale(const uint8_t* b) { return f16(b); }
+  static float minv(const uint8_t*) { return 0.f; }
+  static void quants(const uint8_t* b, V q[4]) {
+    for (int i = 0; i < 4; ++i) q[i] = vload_i8(b + 2 + 8 * i);
+  }
   struct P { V d; };
   static P prep(const uint8_t* b) { return {vset1(f16(b))}; }
   static void group(const uint8_t* b, const P& p, int, V w[4]) {
@@ -30,6 +38,10 @@ struct Q8_0 {
 
 struct Q4_1 {
   static constexpr int BK = 32, BYTES = 20;
+  static constexpr bool kFactored = true, kMin = true;
+  static float scale(const uint8_t* b) { return f16(b); }
+  static float minv(const uint8_t* b) { return f16(b + 2); }
+  static void quants(const uint8_t* b, V q[4]) { load_nibbles16(b + 4, q); }  // q[0..31]
   struct P { V d, m; };
   static P prep(const uint8_t* b) { return {vset1(f16(b)), vset1(f16(b + 2))}; }
   static void group(const uint8_t* b, const P& p, int, V w[4]) {
@@ -40,6 +52,7 @@ struct Q4_1 {
 
 struct Q4_K {
   static constexpr int BK = 256, BYTES = 144;
+  static constexpr bool kFactored = false, kMin = false;  // (row_dot dequantizes each group)
   struct P { float sc[8], mn[8]; };
   static P prep(const uint8_t* b) {
     const float d = f16(b), dmin = f16(b + 2);
@@ -71,6 +84,7 @@ struct Q4_K {
 // w = (d * sc[2g + i / 16]) * (q - 32) (gguf.quants.Q6_K)
 struct Q6_K {
   static constexpr int BK = 256, BYTES = 210;
+  static constexpr bool kFactored = false, kMin = false;  // (row_dot dequantizes each group)
   struct P { float sc[16]; };
   static P prep(const uint8_t* b) {
     const float d = f16(b + 208);

@@ -12,11 +12,14 @@
 //              sub-block 2c, high nibbles 2c+1); w = (d * sc[j]) * q - (dmin * mn[j])
 //   Q6_K (14)  256 values in 210 bytes: 6-bit q in 128 + 64 bytes, 16 int8 scales, fp16 d;
 //              w = (d * sc[j]) * (q - 32) (llama.cpp's Q4_K_M files keep some tensors in Q6_K)
-// Each block is dequantized to fp32 in registers and FMA'd into fp32 accumulators. The
+// Q4_K / Q6_K blocks are dequantized to fp32 in registers and FMA'd into fp32 accumulators: the
 // dequantized values are bit-identical to gguf.quants' (each is one fp32 rounding of the same
 // exact product / sum: d * q is exact for a fp16 d and a 4- or 8-bit q, so fma(q, d, m) rounds
-// once, as d * q + m does; Q6_K's (d * sc) * q rounds once in both), so y differs from
-// "dequantize, then fp32 matmul" only in summation order.
+// once, as d * q + m does; Q6_K's (d * sc) * q rounds once in both; the dequant op gives those
+// values for every format), so y differs from "dequantize, then fp32 matmul" only in summation
+// order. Q4_1 / Q8_0 take the block's scale out of the sums (the AVX-512 kernels and
+// quant_direct.h's row_dot alike): d * (q . x) (+ m * sum(x)), other roundings within the same
+// fp32 tolerance.
 //
 // Work split: for up to 16 rows (decode) the claim pool of quant_pool.h, in chunks of whole
 // NB-row tasks (~8 per thread); otherwise OpenMP (dynamic: on a shared box a preempted thread
