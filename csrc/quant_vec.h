@@ -43,25 +43,28 @@ inline float vhsum(V a) {
 inline V vload_i8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// 16 bytes of two nibbles each -> q[0..15] (low nibbles), q[16..31] (high nibbles) (Q4_0/Q4_1)
+// 16 bytes of two nibbles each -> q[0..15] (low nibbles), q[16..31] (high nibbles) (Q4_0/Q4_1).
+// Each 8 bytes zero-extended to 8 int32 lanes straight from memory (one VPMOVZXBD), then the low
+// nibble by a mask and the high one by a shift, in place: 10 instructions for 32 values where
+// splitting the nibbles in bytes first took 13 (the same values)
 inline void load_nibbles16(const uint8_t* p, V w[4]) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
-// 32 bytes -> their low (hi == 0) or high nibbles as 32 floats (Q4_K's sub-blocks)
+// 32 bytes -> their low (hi == 0) or high nibbles as 32 floats (Q4_K's sub-blocks), each 8
+// bytes zero-extended straight from memory as load_nibbles16's
 inline void load_nibbles32(const uint8_t* p, int hi, V w[4]) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i q = _mm256_and_si256(hi ? _mm256_srli_epi16(b, 4) : b, _mm256_set1_epi8(0x0F));
-  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q0));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8)));
-  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q1));
-  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i a =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
+    w[i] = _mm256_cvtepi32_ps(hi ? _mm256_srli_epi32(a, 4) : _mm256_and_si256(a, mask));
+  }
 }
 
 // Q6_K: q = (4 low bits: nibble `s` of ql[0..31]) | (2 high bits: bits 2r..2r+1 of qh[0..31]) << 4,
