@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The int4 GPU measurements in ONE device call on one Hopper GPU (device time is scarce): the
+# int4 GPU tests, the batch-1 GEMV's full config sweep (probes/int4_gemv_bound.py, which writes
+# the tuned table as $OUT/tuned.json), the e2e bf16 / AWQ / GPTQ decode (int4_decode.py) with
+# that table, and the batch-1 step's timeline (probes/gpu_probe_bs1.py). Each step has its own
+# time limit and logs to $OUT, so a hang in one leaves the others' results.
+#
+#   # here: ../shared/tools/gpu-wheels fastapi uvicorn pyzmq xgrammar gguf orjson pydantic jsonschema
+#   #       .venv/bin/python benchmarks/gpu_prep.py --out .carry
+#   # device (kind nvidia-h200 or nvidia-h100, carry [".whl", ".carry"]):
+#   bash benchmarks/int4_gpu.sh                   # all steps, ~560 s at most
+#   bash benchmarks/int4_gpu.sh sweep e2e         # some of them
+#
+# Budget (one H200, 2026-11-29): tests ~220 s (test_int4.py 17 tests ~240 s alone: not run
+# here), sweep ~45 s, e2e 3 arms ~40-100 s, timeline ~45 s. A GPU the tuned table
+# (layers/int4_tma_tuned.py) lacks gets its own from the sweep: copy tuned.json's entry there.
+set -u
+OUT=${OUT:-/tmp/int4_gpu}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RADIXLM_TEST_TOKENIZER=$PWD/.carry/smollm2-tokenizer
+nvidia-smi -L
+t0=$(date +%s)
+STEPS=" ${*:-tests sweep e2e timeline} "
+step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its tail and the clock
+  local name=$1 limit=$2
+  shift 2
+  [[ $STEPS == *" $name "* ]] || return 0
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? at $(( $(date +%s) - t0 )) s"
+  tail -n 12 "$OUT/$name.log" | cut -c1-600
+}
+step tests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_int4_tma_gpu.py \
+  tests/gpu/test_int4.py -k "tma or kernels or linear or split or silu"
+step sweep 240 python benchmarks/probes/int4_gemv_bound.py --result-file "$OUT/probe.jsonl" \
+  --configs-out "$OUT/tuned.json"
+[ -s "$OUT/tuned.json" ] && export RADIXLM_INT4_TMA_CONFIGS=$OUT/tuned.json
+step e2e 240 python benchmarks/int4_decode.py --arms bf16 awq-g128 gptq-g128 \
+  --result-file "$OUT/e2e.jsonl"
+mkdir -p "$OUT/awq" && python - "$OUT/awq/config.json" <<'PY'
+import json, sys
+c = json.load(open("benchmarks/configs/llama-3.1-8b/config.json"))
+c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
+                            "zero_point": True, "version": "gemm"}
+json.dump(c, open(sys.argv[1], "w"))
+PY
+step timeline 150 python benchmarks/probes/gpu_probe_bs1.py timeline --model-path "$OUT/awq"
