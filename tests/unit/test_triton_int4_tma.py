@@ -31,10 +31,11 @@ def _interpret(monkeypatch):
 
 def test_int4_tma_kernel_interpreted():
     # 4 / 3 / 2 row tiles over 2 or 4 programs; groups 128 (8 a step), 32 (4 a step), 64 (2 a
-    # step); 2, 4 and 3 steps a tile
+    # step); 2, 4 and 3 steps a tile; a config with a register cap (its 6th value)
     _checks.check_int4_tma_kernel("cpu", [
         (64, 2048, 128, (16, 1024, 4, 3, 1), False), (96, 512, 32, (32, 128, 2, 2, 2), True),
-        (128, 384, 64, (64, 128, 4, 2, 1), False)], dtypes=(torch.float16, torch.float32))
+        (128, 384, 64, (64, 128, 4, 2, 1), False), (64, 1024, 128, (32, 512, 4, 3, 1, 168), False)],
+        dtypes=(torch.float16, torch.float32))
 
 
 def test_int4_tma_layer_interpreted():
