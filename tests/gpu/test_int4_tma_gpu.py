@@ -125,19 +125,21 @@ def test_int4_tma_layer_cuda(dtype):
 def test_int4_tma_kernel_cuda():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a Hopper or newer GPU")
-    # the default and fallbacks at the 8B's shapes, group 32 (4 groups a step), group 64 under
-    # the SiLU epilogue; a box of each size (128-byte zero boxes: supported())
-    # and the H200's tuned configs of the 8B's shapes
+    # the H200's tuned configs of the 8B's shapes (layers/int4_tma_tuned.py), gate_up's also
+    # under the SiLU epilogue
     from radixlm.runtime.layers.int4_tma_tuned import TUNED
 
     tuned = [(int(key.split(",")[0]), int(key.split(",")[1]), 128, tuple(cfg), False)
              for key, cfg in TUNED["NVIDIA H200"]["tma"].items()]
     check_int4_tma_kernel("cuda", tuned + [(28672, 4096, 128, TUNED["NVIDIA H200"]["tma"][
         "28672,4096,128"], True)])
+    # the default and fallbacks at the 8B's shapes, group 32 (4 groups a step), group 64 under
+    # the SiLU epilogue; a box of each size (128-byte zero boxes: supported())
     check_int4_tma_kernel("cuda", [
         (6144, 4096, 128, (16, 1024, 4, 4, 2), False), (4096, 14336, 128, (32, 512, 4, 4, 2), False),
         (28672, 4096, 128, (16, 1024, 4, 4, 2), True), (4096, 4096, 32, (32, 128, 4, 3, 4), False),
-        (1024, 2048, 64, (64, 128, 4, 3, 1), True), (4096, 4096, 128, (64, 256, 4, 6, 3), False)])
+        (1024, 2048, 64, (64, 128, 4, 3, 1), True), (4096, 4096, 128, (64, 256, 4, 6, 3), False),
+        (6144, 4096, 128, (16, 1024, 4, 3, 6, 168), False)])  # (a register cap: its 6th value)
 
 
 def test_int4_tma_in_cuda_graph():
