@@ -16,21 +16,9 @@
 # (layers/int4_tma_tuned.py) lacks gets its own from the sweep: copy tuned.json's entry there.
 set -u
 OUT=${OUT:-/tmp/int4_gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RADIXLM_TEST_TOKENIZER=$PWD/.carry/smollm2-tokenizer
-nvidia-smi -L
-t0=$(date +%s)
 STEPS=" ${*:-tests sweep e2e timeline} "
-step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its tail and the clock
-  local name=$1 limit=$2
-  shift 2
-  [[ $STEPS == *" $name "* ]] || return 0
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name rc=$? at $(( $(date +%s) - t0 )) s"
-  tail -n 12 "$OUT/$name.log" | cut -c1-600
-}
+source "$(dirname "$0")/gpu_steps.sh"
+export RADIXLM_TEST_TOKENIZER=$PWD/.carry/smollm2-tokenizer
 step tests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_int4_tma_gpu.py \
   tests/gpu/test_int4.py -k "tma or kernels or linear or split or silu"
 step sweep 240 python benchmarks/probes/int4_gemv_bound.py --result-file "$OUT/probe.jsonl" \

@@ -16,23 +16,9 @@
 # captures 20 graphs), bench_nograph 1-2 min.
 set -u
 OUT=${OUT:-/tmp/mla_gpu}
-mkdir -p "$OUT"
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi -L
-t0=$(date +%s)
 STEPS=" ${*:-tests bench bench_nograph} "
-step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its tail and the clock
-  local name=$1 limit=$2
-  shift 2
-  [[ $STEPS == *" $name "* ]] || return 0
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: rc $? at $(( $(date +%s) - t0 )) s"
-  tail -n 15 "$OUT/$name.log"
-}
+step_tail() { tail -n 15 "$1"; }
+source "$(dirname "$0")/gpu_steps.sh"
 step tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/gpu/test_gpu_mla.py tests/gpu/test_gpu_deepseek_parity.py
 step bench 420 python3 benchmarks/mla_gpu.py --result-file "$OUT/mla_gpu.jsonl"

@@ -14,23 +14,11 @@
 # tp_tests 78 s, tp_bench 37 s, each dp step 35-40 s (1024 requests).
 set -u
 OUT=${OUT:-/tmp/multi_gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # py-spy
-nvidia-smi -L
-t0=$(date +%s)
 STEPS=" ${*:-tp_tests tp_bench dp_bench dp_bench_long} "
 SIZES=${SIZES:-1,2}
 DP_ARGS=${DP_ARGS:-}  # extra dp_router flags for the dp steps, e.g. "--per-group 32"
-step() {  # step NAME LIMIT_S CMD...: run with a limit, keep the log, print its tail and the clock
-  local name=$1 limit=$2
-  shift 2
-  [[ $STEPS == *" $name "* ]] || return 0
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: exit $? at $(( $(date +%s) - t0 ))s"
-  grep -v '^PARTIAL' "$OUT/$name.log" | tail -c 2500
-}
+step_tail() { grep -v '^PARTIAL' "$1" | tail -c 2500; }
+source "$(dirname "$0")/gpu_steps.sh"
 # TP=2 greedy-identical to TP=1 in fp32 over NCCL (runner with/without CUDA graphs, Engine)
 # (-s and RADIXLM_TP_HARNESS_DUMP_S: a hung rank prints its stack; pytest's own after 130 s)
 export RADIXLM_TP_HARNESS_DUMP_S=100
