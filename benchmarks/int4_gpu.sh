@@ -8,8 +8,9 @@
 #   # here: ../shared/tools/gpu-wheels fastapi uvicorn pyzmq xgrammar gguf orjson pydantic jsonschema
 #   #       .venv/bin/python benchmarks/gpu_prep.py --out .carry
 #   # device (kind nvidia-h200 or nvidia-h100, carry [".whl", ".carry"]):
-#   bash benchmarks/int4_gpu.sh                   # all steps, ~560 s at most
-#   bash benchmarks/int4_gpu.sh sweep e2e         # some of them
+#   bash benchmarks/int4_gpu.sh                   # the default steps, ~560 s at most
+#   bash benchmarks/int4_gpu.sh sweep e2e         # some of them (also: mmatests mma)
+#   E2E_ARMS="bf16 awq-g128 awq-g128-mma" bash benchmarks/int4_gpu.sh mma e2e
 #
 # Budget (one H200, 2026-11-29): tests ~220 s (test_int4.py 17 tests ~240 s alone: not run
 # here), sweep ~45 s, e2e 3 arms ~40-100 s, timeline ~45 s. A GPU the tuned table
@@ -21,10 +22,15 @@ source "$(dirname "$0")/gpu_steps.sh"
 export RADIXLM_TEST_TOKENIZER=$PWD/.carry/smollm2-tokenizer
 step tests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_int4_tma_gpu.py \
   tests/gpu/test_int4.py -k "tma or kernels or linear or split or silu"
+# the tensor-core GEMV for 1-8 rows (layers/triton_int4_mma.py): its tests, its config sweep
+step mmatests 200 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4_mma_gpu.py
+step mma 200 python benchmarks/probes/int4_mma_bound.py --result-file "$OUT/mma.jsonl" \
+  --configs-out "$OUT/mma_tuned.json"
+[ -s "$OUT/mma_tuned.json" ] && export RADIXLM_INT4_MMA_CONFIGS=$OUT/mma_tuned.json
 step sweep 240 python benchmarks/probes/int4_gemv_bound.py --result-file "$OUT/probe.jsonl" \
   --configs-out "$OUT/tuned.json"
 [ -s "$OUT/tuned.json" ] && export RADIXLM_INT4_TMA_CONFIGS=$OUT/tuned.json
-step e2e 240 python benchmarks/int4_decode.py --arms bf16 awq-g128 gptq-g128 \
+step e2e 300 python benchmarks/int4_decode.py --arms ${E2E_ARMS:-bf16 awq-g128 gptq-g128} \
   --result-file "$OUT/e2e.jsonl"
 mkdir -p "$OUT/awq" && python - "$OUT/awq/config.json" <<'PY'
 import json, sys
@@ -33,4 +39,4 @@ c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
                             "zero_point": True, "version": "gemm"}
 json.dump(c, open(sys.argv[1], "w"))
 PY
-step timeline 150 python benchmarks/probes/gpu_probe_bs1.py timeline --model-path "$OUT/awq"
+RADIXLM_INT4_TMA=${TIMELINE_INT4:-1} step timeline 150 python benchmarks/probes/gpu_probe_bs1.py timeline --model-path "$OUT/awq"

@@ -52,6 +52,8 @@ def test_int4_batch1_setting(monkeypatch):
     assert lin.use_tma() and lin.tma.kind == "tma"
     old = lin.tma
     assert lin.use_tma() and lin.tma is old  # unchanged: refreshed in place
+    monkeypatch.setenv(int4_batch1.ENV_VAR, "mma")  # no CUDA here: the TMA kernel instead
+    assert lin.use_tma() and lin.tma is old
     monkeypatch.setenv(int4_batch1.ENV_VAR, "yes")
     with pytest.raises(ValueError, match="RADIXLM_INT4_TMA"):
         lin.use_tma()

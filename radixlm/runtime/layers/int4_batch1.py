@@ -1,14 +1,17 @@
-"""Which kernel an Int4Linear's batch-1 calls take on a Hopper GPU, and the operands it derives
-from the layer's (kept beside qweight, refreshed in place after new weights: descriptors and
-captured CUDA graphs hold their addresses). RADIXLM_INT4_TMA picks:
-  1 / unset  `tma`: layers/triton_int4_tma.py (scales and zeros transposed to (G, N)) at the
-             GPU's tuned config for the shape (layers/int4_tma_tuned.py) or its default
-  0          the register GEMV (triton_int4.gemv) for every call
-A layer whose shape no config of the kernel fits keeps the register GEMV. Measured on an H200
-on 2026-11-29 and removed: a tensor-core variant (each group's sums by wgmma for 1-64 rows; 2x
-slower than the TMA GEMV at batch 1, 0.92x of the GEMM at 64 rows) and packed fp16 products in
-the TMA GEMV (~2/3 of its sm_90 instructions, no faster at any shape's best config: the
-instruction count does not bound it)."""
+"""Which kernel an Int4Linear's small-batch calls take on a Hopper GPU, and the operands it
+derives from the layer's (kept beside qweight, refreshed in place after new weights: descriptors
+and captured CUDA graphs hold their addresses). RADIXLM_INT4_TMA picks:
+  mma        layers/triton_int4_mma.py: 1-8 rows on tensor cores, W repacked into the MMA
+             fragments' layout (a second copy of the int4 weights: qweight stays for the GEMM
+             above 8 rows)
+  1 / unset  `tma`: batch 1 on layers/triton_int4_tma.py (scales and zeros transposed to (G, N))
+             at the GPU's tuned config for the shape (layers/int4_tma_tuned.py) or its default
+  0          the register GEMV (triton_int4.gemv) for every batch-1 call
+A layer whose shape the chosen kernel does not take keeps the register GEMV (mma falls back to
+tma first). Measured on an H200 on 2026-11-29 and removed: a wgmma batch-1 variant (each group's
+sums by wgmma for 1-64 rows; 2x slower than the TMA GEMV at batch 1, 0.92x of the GEMM at 64
+rows) and packed fp16 products in the TMA GEMV (~2/3 of its sm_90 instructions, no faster at any
+shape's best config)."""
 
 from __future__ import annotations
 
@@ -23,57 +26,97 @@ ENV_VAR = "RADIXLM_INT4_TMA"
 
 def setting() -> str:
     v = os.environ.get(ENV_VAR, "1").strip().lower()
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV_VAR} must be 0 or 1 (got {v!r})")
-    return {"0": "off", "1": "tma"}[v]
+    if v not in ("0", "1", "mma"):
+        raise ValueError(f"{ENV_VAR} must be 0, 1 or mma (got {v!r})")
+    return {"0": "off", "1": "tma", "mma": "mma"}[v]
 
 
 @dataclass
 class Batch1:
-    kind: str  # "tma"
+    kind: str  # "tma" | "mma"
     cfg: tuple
-    derived: tuple  # (scales_t, zeros_t)
-    descs: tuple
+    derived: tuple  # tma: (scales_t, zeros_t); mma: (words,)
+    descs: Optional[tuple]  # tma: its TMA descriptors
 
     def accepts(self, layer, x2: torch.Tensor, silu: bool = False) -> bool:
-        """Whether this call is the kernel's: one row."""
-        return x2.shape[0] == 1
+        """Whether this call is the kernel's: one row (tma), 1-8 rows of bf16 / fp16 8-byte
+        aligned (mma)."""
+        if self.kind == "tma":
+            return x2.shape[0] == 1
+        from radixlm.runtime.layers import triton_int4_mma as MM
+
+        return (1 <= x2.shape[0] <= MM.MAX_M and x2.dtype in (torch.bfloat16, torch.float16)
+                and x2.stride(0) % 4 == 0 and x2.data_ptr() % 8 == 0
+                and (not silu or MM.supported(layer.out_features, layer.in_features,
+                                              layer.group, x2.dtype, silu=True)))
 
     def refresh(self, layer) -> None:
         """The derived operands recomputed from the layer's, in place."""
-        for t, new in zip(self.derived, _derive(layer)):
+        for t, new in zip(self.derived, _derive(layer, self.kind)):
             t.copy_(new)
 
     def __call__(self, layer, x2: torch.Tensor, silu: bool) -> torch.Tensor:
-        from radixlm.runtime.layers import triton_int4_tma
-
         n_out = layer.out_features // 2 if silu else layer.out_features
         bias = None if silu else layer.bias
+        if self.kind == "mma":
+            from radixlm.runtime.layers import triton_int4_mma
+
+            return triton_int4_mma.gemv(x2, self.derived[0], layer.scales, layer.zeros,
+                                        layer.group, bias, perm=layer.perm, silu=silu,
+                                        config=self.cfg)
+        from radixlm.runtime.layers import triton_int4_tma
+
         return triton_int4_tma.gemv(x2, self.descs, n_out, layer.in_features, layer.group,
                                     bias, perm=layer.perm, silu=silu, config=self.cfg)
 
 
-def _derive(layer) -> tuple:
+def _derive(layer, kind: str) -> tuple:
+    if kind == "mma":
+        from radixlm.runtime.layers import int4_linear, triton_int4_mma
+
+        return (triton_int4_mma.pack(int4_linear.unpack_rows(layer.qweight)),)
     return layer.scales.t().contiguous(), layer.zeros.t().contiguous()
 
 
+def _mma_config(layer) -> Optional[tuple]:
+    from radixlm.runtime.layers import triton_int4_mma as MM
+
+    device = layer.qweight.device
+    if not MM.available(device):
+        return None
+    dtype = layer.act_dtype if layer.act_dtype in (torch.bfloat16, torch.float16) \
+        else torch.bfloat16
+    cfg = MM.config_for(layer.out_features, layer.in_features, layer.group,
+                        torch.cuda.get_device_name(device))
+    return cfg if MM.supported(layer.out_features, layer.in_features, layer.group, dtype,
+                               r=cfg[0]) else None
+
+
 def prepare(layer, old: Optional[Batch1]) -> Optional[Batch1]:
-    """The batch-1 kernel for `layer` (an Int4Linear) now, or None (the register GEMV); `old`
-    (the layer's previous choice) is refreshed in place when the choice stands."""
+    """The small-batch kernel for `layer` (an Int4Linear) now, or None (the register GEMV);
+    `old` (the layer's previous choice) is refreshed in place when the choice stands."""
     kind = setting()
+    if kind == "off":
+        return None
+    cfg = _mma_config(layer) if kind == "mma" else None
+    if cfg is not None:
+        if old is not None and old.kind == "mma" and old.cfg == cfg:
+            old.refresh(layer)
+            return old
+        return Batch1("mma", cfg, _derive(layer, "mma"), None)
     device = layer.qweight.device
     from radixlm.runtime.layers import triton_int4_tma as T
 
-    if kind == "off" or not T.available(device):
+    if not T.available(device):
         return None
     rows, k, group = layer.out_features, layer.in_features, layer.group
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     cfg = T.config_for(rows, k, group, layer.scales.element_size(), name)
     if cfg is None:
         return None
-    if old is not None and old.cfg == cfg:
+    if old is not None and old.kind == "tma" and old.cfg == cfg:
         old.refresh(layer)
         return old
-    derived = _derive(layer)  # (another config: new descriptors over new copies)
+    derived = _derive(layer, "tma")  # (another config: new descriptors over new copies)
     descs = T.descriptors(layer.qweight, *derived, group, cfg[0], cfg[1])
-    return Batch1(kind, cfg, derived, descs)
+    return Batch1("tma", cfg, derived, descs)

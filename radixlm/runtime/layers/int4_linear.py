@@ -3,8 +3,10 @@ are dequantized in registers by the Triton kernels of layers/triton_int4.py.
 
 What the layer computes (K = in_features, N = out_features, G = K / group groups per row):
     y (M, N) = x (M, K) @ W^T (+ bias),  W[n, k] = (q[n, k] - zeros[n, k // group]) * scales[..]
-  (forward picks by M: triton_int4.GEMV_MAX_M)
-  batch 1 (M == 1)  triton_int4.gemv: fp32 products and sums, the scale applied per 32-column block
+  (forward picks by M: triton_int4.GEMV_MAX_M, and the layer's small-batch kernel, `tma`)
+  batch 1 (M == 1)  triton_int4.gemv: fp32 products and sums, the scale applied per 32-column
+                    block (on Hopper triton_int4_tma's GEMV, or for M = 1-8 triton_int4_mma's
+                    tensor-core GEMV: (q - z) x summed in fp32 a group, then scaled)
   M > 1             triton_int4_gemm.gemm: each W tile dequantized to x's dtype exactly as the
                     dequantized checkpoint would hold it, then tl.dot (fp32 accumulation)
 So the layer is the dequantized model's matmul up to summation order (GEMM) or up to the
@@ -106,8 +108,8 @@ class Int4Linear(nn.Module):
         # and zeros, beside qweight (kept for dequantized_weight and weight reloads)
         self.register_buffer("torch_packed", None, persistent=False)
         self.register_buffer("torch_sz", None, persistent=False)
-        # batch-1 calls on a Hopper kernel (use_tma: layers/int4_batch1.py); None: the register
-        # GEMV (triton_int4.gemv)
+        # batch-1 (mma: 1-8 rows) calls on a Hopper kernel (use_tma: layers/int4_batch1.py);
+        # None: the register GEMV (triton_int4.gemv)
         self.tma = None
         self.act_dtype = dtype
 
@@ -126,9 +128,9 @@ class Int4Linear(nn.Module):
         return True
 
     def use_tma(self) -> bool:
-        """Batch-1 calls on a Hopper kernel where the device, RADIXLM_INT4_TMA and the shape
-        allow (layers/int4_batch1.py), else on the register GEMV; call again after the weights
-        change (the kernel's derived operands are refreshed in place)."""
+        """Batch-1 (mma: 1-8 rows) calls on a Hopper kernel where the device, RADIXLM_INT4_TMA
+        and the shape allow (layers/int4_batch1.py), else on the register GEMV; call again
+        after the weights change (the kernel's derived operands are refreshed in place)."""
         from radixlm.runtime.layers import int4_batch1
 
         self.tma = int4_batch1.prepare(self, self.tma)
@@ -223,20 +225,21 @@ class Int4Linear(nn.Module):
 
     def gate_up_silu(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """silu(x W_gate^T) * (x W_up^T) for this layer = [gate | up] (2I, K), one launch (the
-        GEMV with the SiLU-and-mul epilogue): x (1, K) on CUDA -> (1, I); None where the call
-        is not taken (more rows, not CUDA, torch's kernels, a bias): the caller runs the
-        unfused ops."""
+        GEMV with the SiLU-and-mul epilogue): x (1, K) on CUDA (1-8 rows on the mma kernel) ->
+        (M, I); None where the call is not taken (more rows, not CUDA, torch's kernels, a
+        bias): the caller runs the unfused ops."""
         from radixlm.runtime.layers import triton_int4
 
         x2 = x.reshape(-1, self.in_features)
-        if (x2.shape[0] != 1 or x2.shape[0] > triton_int4.GEMV_MAX_M or self.bias is not None
-                or self.out_features % 2 or self.torch_packed is not None
+        if (self.bias is not None or self.out_features % 2 or self.torch_packed is not None
                 or not (x2.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
             return None
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        if self.tma is not None and self.tma.accepts(self, x2, silu=True):
+        if self.tma is not None and self.tma.accepts(self, x2, silu=True):  # (mma: 1-8 rows)
             return self.tma(self, x2, True).view(*x.shape[:-1], self.out_features // 2)
+        if x2.shape[0] != 1:
+            return None
         y = triton_int4.gemv(x2, self.qweight, self.scales, self.zeros, self.group,
                              perm=self.perm, silu=True)
         return y.view(*x.shape[:-1], self.out_features // 2)

@@ -1,0 +1,387 @@
+"""The int4 GEMV for decode batches of 1-8 rows on tensor cores (sm_80+): W is the A operand of
+mma.sync.m16n8k16 (16 weight rows x 16 k), dequantized in registers straight into the A
+fragment; x is B (16 k x 8 columns: batch row n in column n, unused columns zero).
+
+Why: the fp32 GEMVs (triton_int4, triton_int4_tma) spend ~3.6 sm_90 instructions a weight value
+in their loop (LOP3 + FADD + FFMA each, plus the rest) and are issue-bound (Nsight on an H200:
+the gate_up GEMV 61% issue busy at 8 warps an SM, 1.6x the time of its loads alone). Here one
+32-bit word holds exactly one lane's A fragment (8 values), so a word costs 3 SHF + 4 LOP3 +
+4 packed subtractions + 1 MMA: ~1.5 instructions a value, and the products and their sums run on
+the tensor cores.
+
+The `mma` layout (pack(): built at load from int4_linear's pack_rows layout, the same bytes)
+  words (N/16, K/64, 32, 4) int32: row tile rt (16 rows), chunk ch (64 k), lane l = 4g + c
+  (g = l // 4, c = l % 4: PTX's groupID and threadID_in_group), k step j (16 k): a lane reads
+  its 4 steps' words as one 16-byte load, a warp 512 contiguous bytes.
+  Word (rt, ch, l, j) holds rows r0 = 16 rt + g, r1 = r0 + 8 at k = 64 ch + 16 j + 4 c + e:
+      bits  0- 3: (r0, e=0)   16-19: (r0, e=1)      -> A register 0 (row g,   k slots 2c, 2c+1)
+      bits  4- 7: (r1, e=0)   20-23: (r1, e=1)      -> A register 1 (row g+8, k slots 2c, 2c+1)
+      bits  8-11: (r0, e=2)   24-27: (r0, e=3)      -> A register 2 (row g,   k slots 2c+8, +9)
+      bits 12-15: (r1, e=2)   28-31: (r1, e=3)      -> A register 3 (row g+8, k slots 2c+8, +9)
+  so register i = ((word >> 4i) & 0x000F000F) | magic, two 16-bit floats 128 + q (bf16) or
+  1024 + q (fp16) exactly, minus the packed (magic + z): (q - z) exactly. B's k slots 2c, 2c+1
+  / 2c+8, 2c+9 are the same k (4c + 0, 1 / 4c + 2, 3 of the step), so lane c's B registers are
+  x's bf16 pairs at k = 16 j + 4 c: one 8-byte load a step.
+  (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type": A a0..a7 at row g
+  (a0, a1, a4, a5) or g + 8 (a2, a3, a6, a7), column 2c + (i & 1) (+ 8 for a4..a7); B b0..b3
+  at row 2c + (i & 1) (+ 8 for b2, b3), column g; C / D c0, c1 at (g, 2c + i), c2, c3 at
+  (g + 8, 2c + i - 2).)
+
+What a row gets: D = sum over a group's k of (q - z) x on the tensor cores (exact products, fp32
+sums), then acc += D * scale per group in fp32: triton_int4.gemv's contract (fp32 products and
+sums, the scale applied per block) with another blocking (a group, not 32 values) and the tensor
+cores' fp32 sums: the same reference tolerance. A row's result does not depend on the other
+rows of the batch (each column of the MMA is its own).
+
+Work: a program takes R row tiles (R = 2 under SILU: the gate tile and its up tile, so the
+epilogue has both) and all of K; its WARPS warps take the K units (max(64, GROUP) k) u = warp,
+warp + WARPS, ...; their sums are added across warps in a fixed order (tl.sum over the warp
+axis: deterministic). Each warp loads its next unit's words before the MMAs of the current one.
+
+The per-lane arithmetic is inline PTX over 1-D tensors of 32 * WARPS elements, element t on
+thread t (Triton's layout for such a tensor; the GPU tests would catch another): the mma.sync is
+warp-wide, every thread of the program runs it with its own fragment."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# (R row tiles a program, WARPS): the default, and the measured best per GPU and layer shape
+# (benchmarks/probes/int4_mma_bound.py): {device name: {"rows,K,group": (R, WARPS)}}; under
+# SILU R is 2 (the gate tile and its up tile) whatever the table says
+DEFAULT = (1, 8)
+TUNED: dict = {}
+MAX_M = 8  # B's 8 columns
+GROUPS = (32, 64, 128)
+
+
+ENV_VAR = "RADIXLM_INT4_MMA_CONFIGS"  # a sweep's table (--configs-out) instead of TUNED
+
+
+def config_for(rows: int, k: int, group: int, device_name: str = "") -> tuple:
+    """(R, WARPS) for a layer of `rows` x K at `group` on `device_name`."""
+    path = os.environ.get(ENV_VAR)
+    table = _file_table(path) if path else TUNED
+    cfg = table.get(device_name, {}).get(f"{rows},{k},{group}")
+    return tuple(cfg) if cfg is not None else DEFAULT
+
+
+@lru_cache(maxsize=None)
+def _file_table(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def available(device: torch.device) -> bool:
+    """mma.sync m16n8k16 bf16 and sub.bf16x2: compute capability 9.0 or newer (sub.bf16x2
+    needs sm_90)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def supported(n: int, k: int, group: int, x_dtype: torch.dtype, silu: bool = False,
+              r: int = DEFAULT[0]) -> bool:
+    """Whole 16-row tiles (R of them a program; SILU: gate and up halves of 16-row tiles), whole
+    64-value chunks, a group of 32, 64 or 128 (a unit's words stay in registers), bf16 or fp16
+    activations (the MMA's operand types)."""
+    n_out = n // 2 if silu else n
+    tiles = n_out // 16
+    return (n % 16 == 0 and n_out % 16 == 0 and k % 64 == 0 and group in GROUPS
+            and k % group == 0 and x_dtype in (torch.bfloat16, torch.float16)
+            and (silu or tiles % r == 0))
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) values 0..15 -> words (N/16, K/64, 32, 4) int32 in the `mma` layout."""
+    n, k = q.shape
+    # q[16 rt + 8 h + g, 64 ch + 16 j + 4 c + e] -> [rt, ch, g, c, j, h, e]
+    v = q.to(torch.int64).reshape(n // 16, 2, 8, k // 64, 4, 4, 4).permute(0, 3, 2, 5, 4, 1, 6)
+    h = torch.arange(2, device=q.device)[:, None]
+    e = torch.arange(4, device=q.device)[None, :]
+    shift = 16 * (e % 2) + 4 * h + 8 * (e // 2)  # (h, e)
+    words = (v << shift).sum(dim=(-2, -1))  # disjoint bits: sum == or
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+    return words.to(torch.int32).reshape(n // 16, k // 64, 32, 4).contiguous()
+
+
+def unpack(words: torch.Tensor) -> torch.Tensor:
+    """pack undone: (N/16, K/64, 32, 4) int32 -> (N, K) uint8."""
+    nt, kc = words.shape[:2]
+    w = words.to(torch.int64).reshape(nt, kc, 8, 4, 4, 1, 1) & 0xFFFFFFFF
+    h = torch.arange(2, device=words.device)[:, None]
+    e = torch.arange(4, device=words.device)[None, :]
+    q = (w >> (16 * (e % 2) + 4 * h + 8 * (e // 2))) & 0xF  # [rt, ch, g, c, j, h, e]
+    return q.permute(0, 5, 2, 1, 4, 3, 6).reshape(nt * 16, kc * 64).to(torch.uint8)
+
+
+@triton.jit
+def _mma(w, zg, zg8, xb, d0, d1, d2, d3, BF16: tl.constexpr):
+    # one m16n8k16 a lane: w its A word, zg / zg8 the packed (magic + z) of rows g / g + 8,
+    # xb its B registers as one int64 (low word: k slots 2c, 2c+1; high: 2c+8, 2c+9), d its
+    # accumulators -> the new accumulators
+    b0 = xb.to(tl.int32)
+    b1 = (xb >> 32).to(tl.int32)
+    if BF16:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, t2, a0, a1, a2, a3;
+            shr.u32 t0, $8, 4;
+            shr.u32 t1, $8, 8;
+            shr.u32 t2, $8, 12;
+            lop3.b32 a0, $8, 983055, 1124090624, 234;
+            lop3.b32 a1, t0, 983055, 1124090624, 234;
+            lop3.b32 a2, t1, 983055, 1124090624, 234;
+            lop3.b32 a3, t2, 983055, 1124090624, 234;
+            sub.rn.bf16x2 a0, a0, $9;
+            sub.rn.bf16x2 a1, a1, $10;
+            sub.rn.bf16x2 a2, a2, $9;
+            sub.rn.bf16x2 a3, a3, $10;
+            mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$11, $12}, {$4, $5, $6, $7};
+            }""",
+            "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r", [d0, d1, d2, d3, w, zg, zg8, b0, b1],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, t2, a0, a1, a2, a3;
+            shr.u32 t0, $8, 4;
+            shr.u32 t1, $8, 8;
+            shr.u32 t2, $8, 12;
+            lop3.b32 a0, $8, 983055, 1677747200, 234;
+            lop3.b32 a1, t0, 983055, 1677747200, 234;
+            lop3.b32 a2, t1, 983055, 1677747200, 234;
+            lop3.b32 a3, t2, 983055, 1677747200, 234;
+            sub.rn.f16x2 a0, a0, $9;
+            sub.rn.f16x2 a1, a1, $10;
+            sub.rn.f16x2 a2, a2, $9;
+            sub.rn.f16x2 a3, a3, $10;
+            mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$11, $12}, {$4, $5, $6, $7};
+            }""",
+            "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r", [d0, d1, d2, d3, w, zg, zg8, b0, b1],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _words(wp, ch, ok):
+    # a lane's 4 words (k steps j = 0..3) of chunk ch of a row tile: wp (T, 4) its words at
+    # chunk 0 (a lane's 16 bytes: one 16-byte load) -> 4 (T,) int32
+    w = tl.load(wp + (ch * 128)[:, None], mask=ok[:, None], other=0,
+                eviction_policy="evict_first")
+    ev, od = tl.split(tl.reshape(w, (w.shape[0], 2, 2)))  # j = (0, 2), (1, 3)
+    w0, w2 = tl.split(ev)
+    w1, w3 = tl.split(od)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _zs(Z, S, zrow, grp, stride_s, MAGIC16: tl.constexpr):
+    # the packed (magic + z) of a lane's rows g and g + 8 (zrow: row g's offset in Z and S) at
+    # group grp, and their scales in fp32
+    z0 = tl.load(Z + zrow + grp).to(tl.int32)
+    z1 = tl.load(Z + zrow + 8 * stride_s + grp).to(tl.int32)
+    return ((z0 | MAGIC16) * 65537, (z1 | MAGIC16) * 65537,
+            tl.load(S + zrow + grp).to(tl.float32),
+            tl.load(S + zrow + 8 * stride_s + grp).to(tl.float32))
+
+
+@triton.jit
+def _xpairs(xp, P, xrow, kstep, c, ok, HAS_PERM: tl.constexpr):
+    # a lane's B registers at k step kstep: x[g, 16 kstep + 4c + 0..3] as 2 bf16 / fp16 pairs in
+    # one int64 (column g = batch row g; 0 where not ok). xp: (T,) int64 pointers at
+    # x[g, 4c] (no perm); xrow: (T,) pointers at x[g, 0] (perm)
+    if HAS_PERM:  # act-order: x's columns gathered through perm (stored order)
+        kk = tl.load(P + (kstep * 16 + 4 * c)[:, None] + tl.arange(0, 4)[None, :],
+                     mask=ok[:, None], other=0)
+        v = tl.load(xrow[:, None] + kk, mask=ok[:, None], other=0.0)
+        bits = v.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF  # (T, 4)
+        sh = tl.arange(0, 4)[None, :].to(tl.int64) * 16
+        return tl.sum(bits << sh, axis=1)
+    else:
+        return tl.load(xp + kstep * 4, mask=ok, other=0)
+
+
+@triton.jit
+def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, stride_s,
+                          K: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+                          WARPS: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_PERM: tl.constexpr, BF16: tl.constexpr):
+    T: tl.constexpr = 32 * WARPS
+    LOOP_K: tl.constexpr = 64 if GROUP < 64 else GROUP  # a unit: whole chunks, whole groups
+    CPU: tl.constexpr = LOOP_K // 64  # chunks a unit (1 or 2)
+    SPG: tl.constexpr = GROUP // 16  # k steps a group
+    UNITS: tl.constexpr = K // LOOP_K
+    ITERS: tl.constexpr = (UNITS + WARPS - 1) // WARPS
+    KC: tl.constexpr = K // 64
+    MAGIC16: tl.constexpr = 0x4300 if BF16 else 0x6400  # 128.0 bf16 / 1024.0 fp16
+    pid = tl.program_id(0)
+    t = tl.arange(0, T)
+    lane = t % 32
+    warp = t // 32
+    g = lane // 4
+    c = lane % 4
+    x_ok = g < M
+    rt_a = pid if SILU else pid * R  # the program's tiles: a, and b (R == 2)
+    rt_b = pid + N_OUT // 16 if SILU else pid * R + 1
+    # per-lane bases: words at chunk 0 (T, 4), Z / S rows g, x at (g, 4c) or (g, 0)
+    j4 = tl.arange(0, 4)[None, :]
+    wp_a = WD + ((rt_a * KC * 32 + lane) * 4)[:, None] + j4
+    wp_b = WD + ((rt_b * KC * 32 + lane) * 4)[:, None] + j4
+    zrow_a = (rt_a * 16 + g) * stride_s
+    zrow_b = (rt_b * 16 + g) * stride_s
+    xrow = X + g * stride_xm
+    xp = X.to(tl.pointer_type(tl.int64), bitcast=True) + g * (stride_xm // 4) + c
+    zero = tl.zeros([T], tl.float32)
+    acc_a0, acc_a1, acc_a2, acc_a3 = zero, zero, zero, zero
+    acc_b0, acc_b1, acc_b2, acc_b3 = zero, zero, zero, zero
+    # (names set under a step's conditions below exist before them: Triton scopes)
+    izero = tl.zeros([T], tl.int32)
+    za0, za1, zb0, zb1 = izero, izero, izero, izero
+    sa0, sa1, sb0, sb1 = zero, zero, zero, zero
+    da0, da1, da2, da3 = zero, zero, zero, zero
+    db0, db1, db2, db3 = zero, zero, zero, zero
+    wa0, wa1, wa2, wa3 = izero, izero, izero, izero
+    wb0, wb1, wb2, wb3 = izero, izero, izero, izero
+    pa0, pa1, pa2, pa3 = izero, izero, izero, izero
+    pb0, pb1, pb2, pb3 = izero, izero, izero, izero
+    # the first unit's first chunk (u = warp); each iteration requests the next one ahead
+    ok = warp < UNITS
+    na0, na1, na2, na3 = _words(wp_a, warp * CPU, ok)
+    nb0, nb1, nb2, nb3 = na0, na1, na2, na3
+    if R == 2:
+        nb0, nb1, nb2, nb3 = _words(wp_b, warp * CPU, ok)
+    for it in range(ITERS):
+        u = warp + it * WARPS  # (T,): the warp's unit
+        ok = u < UNITS
+        nxt = u + WARPS
+        n_ok = nxt < UNITS
+        for cc in tl.static_range(CPU):  # the unit's chunks
+            ch = u * CPU + cc
+            # a chunk starts: its words in, the following chunk's requested
+            if cc == 0:
+                wa0, wa1, wa2, wa3 = na0, na1, na2, na3
+                wb0, wb1, wb2, wb3 = nb0, nb1, nb2, nb3
+            else:
+                wa0, wa1, wa2, wa3 = pa0, pa1, pa2, pa3
+                wb0, wb1, wb2, wb3 = pb0, pb1, pb2, pb3
+            if cc < CPU - 1:  # this unit's next chunk (GROUP 128)
+                pa0, pa1, pa2, pa3 = _words(wp_a, ch + 1, ok)
+                if R == 2:
+                    pb0, pb1, pb2, pb3 = _words(wp_b, ch + 1, ok)
+            else:  # the next unit's first
+                na0, na1, na2, na3 = _words(wp_a, nxt * CPU, n_ok)
+                if R == 2:
+                    nb0, nb1, nb2, nb3 = _words(wp_b, nxt * CPU, n_ok)
+            for j in tl.static_range(4):  # the chunk's k steps
+                st = cc * 4 + j  # the unit's
+                kstep = ch * 4 + j
+                if st % SPG == 0:  # a group starts: its zeros and scales, fresh sums
+                    grp = (kstep * 16) // GROUP
+                    za0, za1, sa0, sa1 = _zs(Z, S, zrow_a, grp, stride_s, MAGIC16)
+                    if R == 2:
+                        zb0, zb1, sb0, sb1 = _zs(Z, S, zrow_b, grp, stride_s, MAGIC16)
+                    da0, da1, da2, da3 = zero, zero, zero, zero
+                    db0, db1, db2, db3 = zero, zero, zero, zero
+                xb = _xpairs(xp, P, xrow, kstep, c, x_ok & ok, HAS_PERM)
+                wa = (wa0, wa1, wa2, wa3)[j]
+                da0, da1, da2, da3 = _mma(wa, za0, za1, xb, da0, da1, da2, da3, BF16)
+                if R == 2:
+                    wb = (wb0, wb1, wb2, wb3)[j]
+                    db0, db1, db2, db3 = _mma(wb, zb0, zb1, xb, db0, db1, db2, db3, BF16)
+                if st % SPG == SPG - 1:  # the group's last step: its scale, into the sums
+                    acc_a0 += da0 * sa0
+                    acc_a1 += da1 * sa0
+                    acc_a2 += da2 * sa1
+                    acc_a3 += da3 * sa1
+                    if R == 2:
+                        acc_b0 += db0 * sb0
+                        acc_b1 += db1 * sb0
+                        acc_b2 += db2 * sb1
+                        acc_b3 += db3 * sb1
+    _mma_epilogue(acc_a0, acc_a1, acc_a2, acc_a3, acc_b0, acc_b1, acc_b2, acc_b3, B, Y, M,
+                  stride_ym, rt_a, rt_b, R, WARPS, SILU, HAS_BIAS)
+
+
+@triton.jit
+def _warp_sum(v, WARPS: tl.constexpr):
+    # (32 * WARPS,) -> (32,): lane l's sum over the warps, in a fixed order
+    return tl.sum(tl.reshape(v, (WARPS, 32)), axis=0)
+
+
+@triton.jit
+def _mma_epilogue(a0, a1, a2, a3, b0, b1, b2, b3, B, Y, M, stride_ym, rt_a, rt_b,
+                  R: tl.constexpr, WARPS: tl.constexpr, SILU: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+    # D's c0, c1 at (row g, column 2c + i), c2, c3 at (row g + 8, column 2c + i - 2): batch row
+    # n = 2c + (0 or 1) of rows 16 rt + g and + 8
+    l = tl.arange(0, 32)
+    g = l // 4
+    c = l % 4
+    n0 = 2 * c
+    n1 = n0 + 1
+    a0, a1 = _warp_sum(a0, WARPS), _warp_sum(a1, WARPS)
+    a2, a3 = _warp_sum(a2, WARPS), _warp_sum(a3, WARPS)
+    if R == 2:
+        b0, b1 = _warp_sum(b0, WARPS), _warp_sum(b1, WARPS)
+        b2, b3 = _warp_sum(b2, WARPS), _warp_sum(b3, WARPS)
+    if SILU:  # rows of the gate tile a; up tile b's same rows: the output's rows 16 rt_a + ..
+        _mma_store(a0, b0, B, Y, rt_a * 16 + g, n0, M, stride_ym, HAS_BIAS, SILU)
+        _mma_store(a1, b1, B, Y, rt_a * 16 + g, n1, M, stride_ym, HAS_BIAS, SILU)
+        _mma_store(a2, b2, B, Y, rt_a * 16 + g + 8, n0, M, stride_ym, HAS_BIAS, SILU)
+        _mma_store(a3, b3, B, Y, rt_a * 16 + g + 8, n1, M, stride_ym, HAS_BIAS, SILU)
+    else:
+        _mma_store(a0, a0, B, Y, rt_a * 16 + g, n0, M, stride_ym, HAS_BIAS, SILU)
+        _mma_store(a1, a1, B, Y, rt_a * 16 + g, n1, M, stride_ym, HAS_BIAS, SILU)
+        _mma_store(a2, a2, B, Y, rt_a * 16 + g + 8, n0, M, stride_ym, HAS_BIAS, SILU)
+        _mma_store(a3, a3, B, Y, rt_a * 16 + g + 8, n1, M, stride_ym, HAS_BIAS, SILU)
+        if R == 2:
+            _mma_store(b0, b0, B, Y, rt_b * 16 + g, n0, M, stride_ym, HAS_BIAS, SILU)
+            _mma_store(b1, b1, B, Y, rt_b * 16 + g, n1, M, stride_ym, HAS_BIAS, SILU)
+            _mma_store(b2, b2, B, Y, rt_b * 16 + g + 8, n0, M, stride_ym, HAS_BIAS, SILU)
+            _mma_store(b3, b3, B, Y, rt_b * 16 + g + 8, n1, M, stride_ym, HAS_BIAS, SILU)
+
+
+@triton.jit
+def _mma_store(y, u, B, Y, rows, n, M, stride_ym, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    ok = n < M
+    if SILU:
+        # the roundings of the unfused path (triton_int4_dequant._gemv_store)
+        gt = y.to(Y.dtype.element_ty).to(tl.float32)
+        up = u.to(Y.dtype.element_ty).to(tl.float32)
+        y = (gt / (1.0 + tl.exp(-gt))).to(Y.dtype.element_ty).to(tl.float32) * up
+    elif HAS_BIAS:
+        y += tl.load(B + rows).to(tl.float32)
+    tl.store(Y + n.to(tl.int64) * stride_ym + rows, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+         group: int, bias: Optional[torch.Tensor] = None, perm: Optional[torch.Tensor] = None,
+         silu: bool = False, config: Optional[tuple] = None) -> torch.Tensor:
+    """x (M <= 8, K) bf16 / fp16 -> y (M, n_out) in x's dtype, W as pack()'s words of the layer's
+    (N, K) weights with its (N, G) scales and zeros (int4_linear's buffers); silu: W is
+    [gate | up] (N = 2 n_out), y = silu(x W_gate^T) * (x W_up^T) with the unfused roundings."""
+    r, warps = config or DEFAULT
+    m, k = x.shape
+    n = words.shape[0] * 16
+    n_out = n // 2 if silu else n
+    if silu:
+        r = 2
+    if not (1 <= m <= MAX_M and supported(n, k, group, x.dtype, silu, r)
+            and x.stride(1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0):
+        raise ValueError(f"int4 MMA GEMV: x {tuple(x.shape)} {x.dtype} (stride {x.stride()}), "
+                         f"N {n}, group {group}, silu {silu}, R {r}: not supported()")
+    assert not (silu and bias is not None)
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    grid = (n_out // 16 if silu else n_out // (16 * r),)
+    _int4_gemv_mma_kernel[grid](
+        x, words, scales, zeros, perm if perm is not None else words,
+        bias if bias is not None else x, y, m, n_out, x.stride(0), y.stride(0),
+        scales.stride(0), K=k, GROUP=group, R=r, WARPS=warps, SILU=silu,
+        HAS_BIAS=bias is not None, HAS_PERM=perm is not None, BF16=x.dtype == torch.bfloat16,
+        num_warps=warps)
+    return y
