@@ -168,42 +168,81 @@ def _mma(w, zg, zg8, xb, d0, d1, d2, d3, BF16: tl.constexpr):
 
 
 @triton.jit
-def _words(wp, ch, ok):
-    # a lane's 4 words (k steps j = 0..3) of chunk ch of a row tile: wp (T, 4) its words at
-    # chunk 0 (a lane's 16 bytes: one 16-byte load) -> 4 (T,) int32
-    w = tl.load(wp + (ch * 128)[:, None], mask=ok[:, None], other=0,
-                eviction_policy="evict_first")
-    ev, od = tl.split(tl.reshape(w, (w.shape[0], 2, 2)))  # j = (0, 2), (1, 3)
-    w0, w2 = tl.split(ev)
-    w1, w3 = tl.split(od)
-    return w0, w1, w2, w3
+def _split(v):
+    # (T, 2) or (T, 4) -> its columns as (T,) tensors, padded to 4 (each thread holds its row:
+    # register renaming, no data movement)
+    if v.shape[1] == 2:
+        a, b = tl.split(v)
+        return a, b, a, b
+    else:
+        ev, od = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))  # (0, 2), (1, 3)
+        a, c = tl.split(ev)
+        b, d = tl.split(od)
+        return a, b, c, d
 
 
 @triton.jit
-def _zs(Z, S, zrow, grp, stride_s, MAGIC16: tl.constexpr):
+def _unit_words(wp, u, ok, S: tl.constexpr):
+    # a lane's S words of unit u (group u: k steps S u .. S u + S - 1) of a row tile; wp (T,)
+    # the lane's word 0 of the tile's chunk 0 -> 8 (T,) (padded), one 8- or 16-byte load a
+    # chunk ((T, 2) / (T, 4) tensors: a thread's row, never split across threads)
+    W: tl.constexpr = 2 if S == 2 else 4
+    ks0 = u * S  # (T,) the unit's first k step: a multiple of S, within one chunk for S <= 4
+    base = (ks0 // 4) * 128 + ks0 % 4
+    lo = tl.load(wp[:, None] + base[:, None] + tl.arange(0, W)[None, :], mask=ok[:, None],
+                 other=0, eviction_policy="evict_first")
+    w0, w1, w2, w3 = _split(lo)
+    if S == 8:  # the unit's second chunk
+        hi = tl.load(wp[:, None] + (base + 128)[:, None] + tl.arange(0, 4)[None, :],
+                     mask=ok[:, None], other=0, eviction_policy="evict_first")
+        w4, w5, w6, w7 = _split(hi)
+        return w0, w1, w2, w3, w4, w5, w6, w7
+    return w0, w1, w2, w3, w0, w1, w2, w3
+
+
+@triton.jit
+def _unit_zs(Z, S, zrow, u, ok, stride_s, MAGIC16: tl.constexpr):
     # the packed (magic + z) of a lane's rows g and g + 8 (zrow: row g's offset in Z and S) at
-    # group grp, and their scales in fp32
-    z0 = tl.load(Z + zrow + grp).to(tl.int32)
-    z1 = tl.load(Z + zrow + 8 * stride_s + grp).to(tl.int32)
+    # group u, and their scales in fp32
+    z0 = tl.load(Z + zrow + u, mask=ok, other=0).to(tl.int32)
+    z1 = tl.load(Z + zrow + 8 * stride_s + u, mask=ok, other=0).to(tl.int32)
     return ((z0 | MAGIC16) * 65537, (z1 | MAGIC16) * 65537,
-            tl.load(S + zrow + grp).to(tl.float32),
-            tl.load(S + zrow + 8 * stride_s + grp).to(tl.float32))
+            tl.load(S + zrow + u, mask=ok, other=0.0).to(tl.float32),
+            tl.load(S + zrow + 8 * stride_s + u, mask=ok, other=0.0).to(tl.float32))
 
 
 @triton.jit
-def _xpairs(xp, P, xrow, kstep, c, ok, HAS_PERM: tl.constexpr):
-    # a lane's B registers at k step kstep: x[g, 16 kstep + 4c + 0..3] as 2 bf16 / fp16 pairs in
-    # one int64 (column g = batch row g; 0 where not ok). xp: (T,) int64 pointers at
-    # x[g, 4c] (no perm); xrow: (T,) pointers at x[g, 0] (perm)
+def _step_x(xp, P, xrow, ks, c, ok, HAS_PERM: tl.constexpr):
+    # a lane's B registers at k step ks: x[g, 16 ks + 4c + 0..3] as 2 bf16 / fp16 pairs in one
+    # int64 (column g = batch row g; 0 where not ok). xp: (T,) int64 pointers at x[g, 4c] (no
+    # perm); xrow: (T,) pointers at x[g, 0] (perm)
     if HAS_PERM:  # act-order: x's columns gathered through perm (stored order)
-        kk = tl.load(P + (kstep * 16 + 4 * c)[:, None] + tl.arange(0, 4)[None, :],
+        kk = tl.load(P + (ks * 16 + 4 * c)[:, None] + tl.arange(0, 4)[None, :],
                      mask=ok[:, None], other=0)
         v = tl.load(xrow[:, None] + kk, mask=ok[:, None], other=0.0)
         bits = v.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF  # (T, 4)
         sh = tl.arange(0, 4)[None, :].to(tl.int64) * 16
         return tl.sum(bits << sh, axis=1)
     else:
-        return tl.load(xp + kstep * 4, mask=ok, other=0)
+        return tl.load(xp + ks * 4, mask=ok, other=0)
+
+
+@triton.jit
+def _unit_x(xp, P, xrow, u, c, ok, S: tl.constexpr, HAS_PERM: tl.constexpr):
+    # the B registers of unit u's S k steps: 8 (T,) int64 (padded)
+    x0 = _step_x(xp, P, xrow, u * S, c, ok, HAS_PERM)
+    x1 = _step_x(xp, P, xrow, u * S + 1, c, ok, HAS_PERM)
+    if S == 2:
+        return x0, x1, x0, x1, x0, x1, x0, x1
+    x2 = _step_x(xp, P, xrow, u * S + 2, c, ok, HAS_PERM)
+    x3 = _step_x(xp, P, xrow, u * S + 3, c, ok, HAS_PERM)
+    if S == 4:
+        return x0, x1, x2, x3, x0, x1, x2, x3
+    x4 = _step_x(xp, P, xrow, u * S + 4, c, ok, HAS_PERM)
+    x5 = _step_x(xp, P, xrow, u * S + 5, c, ok, HAS_PERM)
+    x6 = _step_x(xp, P, xrow, u * S + 6, c, ok, HAS_PERM)
+    x7 = _step_x(xp, P, xrow, u * S + 7, c, ok, HAS_PERM)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -211,11 +250,12 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
                           K: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
                           WARPS: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_PERM: tl.constexpr, BF16: tl.constexpr):
+    # A warp walks units u = warp, warp + WARPS, ... (a unit: one group, SG = GROUP / 16 k
+    # steps); everything a unit reads (words, zeros, scales, x) is requested one unit ahead,
+    # so that a warp's math never waits on a load issued in the same unit.
     T: tl.constexpr = 32 * WARPS
-    LOOP_K: tl.constexpr = 64 if GROUP < 64 else GROUP  # a unit: whole chunks, whole groups
-    CPU: tl.constexpr = LOOP_K // 64  # chunks a unit (1 or 2)
-    SPG: tl.constexpr = GROUP // 16  # k steps a group
-    UNITS: tl.constexpr = K // LOOP_K
+    SG: tl.constexpr = GROUP // 16  # k steps a unit (2, 4 or 8)
+    UNITS: tl.constexpr = K // GROUP
     ITERS: tl.constexpr = (UNITS + WARPS - 1) // WARPS
     KC: tl.constexpr = K // 64
     MAGIC16: tl.constexpr = 0x4300 if BF16 else 0x6400  # 128.0 bf16 / 1024.0 fp16
@@ -228,10 +268,9 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
     x_ok = g < M
     rt_a = pid if SILU else pid * R  # the program's tiles: a, and b (R == 2)
     rt_b = pid + N_OUT // 16 if SILU else pid * R + 1
-    # per-lane bases: words at chunk 0 (T, 4), Z / S rows g, x at (g, 4c) or (g, 0)
-    j4 = tl.arange(0, 4)[None, :]
-    wp_a = WD + ((rt_a * KC * 32 + lane) * 4)[:, None] + j4
-    wp_b = WD + ((rt_b * KC * 32 + lane) * 4)[:, None] + j4
+    # per-lane bases: word 0 at chunk 0 of each tile, Z / S rows g, x at (g, 4c) or (g, 0)
+    wp_a = WD + (rt_a * KC * 32 + lane) * 4
+    wp_b = WD + (rt_b * KC * 32 + lane) * 4
     zrow_a = (rt_a * 16 + g) * stride_s
     zrow_b = (rt_b * 16 + g) * stride_s
     xrow = X + g * stride_xm
@@ -239,70 +278,49 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
     zero = tl.zeros([T], tl.float32)
     acc_a0, acc_a1, acc_a2, acc_a3 = zero, zero, zero, zero
     acc_b0, acc_b1, acc_b2, acc_b3 = zero, zero, zero, zero
-    # (names set under a step's conditions below exist before them: Triton scopes)
-    izero = tl.zeros([T], tl.int32)
-    za0, za1, zb0, zb1 = izero, izero, izero, izero
-    sa0, sa1, sb0, sb1 = zero, zero, zero, zero
-    da0, da1, da2, da3 = zero, zero, zero, zero
-    db0, db1, db2, db3 = zero, zero, zero, zero
-    wa0, wa1, wa2, wa3 = izero, izero, izero, izero
-    wb0, wb1, wb2, wb3 = izero, izero, izero, izero
-    pa0, pa1, pa2, pa3 = izero, izero, izero, izero
-    pb0, pb1, pb2, pb3 = izero, izero, izero, izero
-    # the first unit's first chunk (u = warp); each iteration requests the next one ahead
+    # the first unit (u = warp) requested before the loop
     ok = warp < UNITS
-    na0, na1, na2, na3 = _words(wp_a, warp * CPU, ok)
-    nb0, nb1, nb2, nb3 = na0, na1, na2, na3
+    na0, na1, na2, na3, na4, na5, na6, na7 = _unit_words(wp_a, warp, ok, SG)
+    nz_a0, nz_a1, ns_a0, ns_a1 = _unit_zs(Z, S, zrow_a, warp, ok, stride_s, MAGIC16)
+    nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = na0, na1, na2, na3, na4, na5, na6, na7
+    nz_b0, nz_b1, ns_b0, ns_b1 = nz_a0, nz_a1, ns_a0, ns_a1
     if R == 2:
-        nb0, nb1, nb2, nb3 = _words(wp_b, warp * CPU, ok)
+        nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _unit_words(wp_b, warp, ok, SG)
+        nz_b0, nz_b1, ns_b0, ns_b1 = _unit_zs(Z, S, zrow_b, warp, ok, stride_s, MAGIC16)
+    nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = _unit_x(xp, P, xrow, warp, c, x_ok & ok, SG,
+                                                     HAS_PERM)
     for it in range(ITERS):
         u = warp + it * WARPS  # (T,): the warp's unit
-        ok = u < UNITS
-        nxt = u + WARPS
+        wa = (na0, na1, na2, na3, na4, na5, na6, na7)
+        wb = (nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7)
+        xs = (nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7)
+        z_a0, z_a1, s_a0, s_a1 = nz_a0, nz_a1, ns_a0, ns_a1
+        z_b0, z_b1, s_b0, s_b1 = nz_b0, nz_b1, ns_b0, ns_b1
+        nxt = u + WARPS  # the next unit's loads, in flight during this unit's math
         n_ok = nxt < UNITS
-        for cc in tl.static_range(CPU):  # the unit's chunks
-            ch = u * CPU + cc
-            # a chunk starts: its words in, the following chunk's requested
-            if cc == 0:
-                wa0, wa1, wa2, wa3 = na0, na1, na2, na3
-                wb0, wb1, wb2, wb3 = nb0, nb1, nb2, nb3
-            else:
-                wa0, wa1, wa2, wa3 = pa0, pa1, pa2, pa3
-                wb0, wb1, wb2, wb3 = pb0, pb1, pb2, pb3
-            if cc < CPU - 1:  # this unit's next chunk (GROUP 128)
-                pa0, pa1, pa2, pa3 = _words(wp_a, ch + 1, ok)
-                if R == 2:
-                    pb0, pb1, pb2, pb3 = _words(wp_b, ch + 1, ok)
-            else:  # the next unit's first
-                na0, na1, na2, na3 = _words(wp_a, nxt * CPU, n_ok)
-                if R == 2:
-                    nb0, nb1, nb2, nb3 = _words(wp_b, nxt * CPU, n_ok)
-            for j in tl.static_range(4):  # the chunk's k steps
-                st = cc * 4 + j  # the unit's
-                kstep = ch * 4 + j
-                if st % SPG == 0:  # a group starts: its zeros and scales, fresh sums
-                    grp = (kstep * 16) // GROUP
-                    za0, za1, sa0, sa1 = _zs(Z, S, zrow_a, grp, stride_s, MAGIC16)
-                    if R == 2:
-                        zb0, zb1, sb0, sb1 = _zs(Z, S, zrow_b, grp, stride_s, MAGIC16)
-                    da0, da1, da2, da3 = zero, zero, zero, zero
-                    db0, db1, db2, db3 = zero, zero, zero, zero
-                xb = _xpairs(xp, P, xrow, kstep, c, x_ok & ok, HAS_PERM)
-                wa = (wa0, wa1, wa2, wa3)[j]
-                da0, da1, da2, da3 = _mma(wa, za0, za1, xb, da0, da1, da2, da3, BF16)
-                if R == 2:
-                    wb = (wb0, wb1, wb2, wb3)[j]
-                    db0, db1, db2, db3 = _mma(wb, zb0, zb1, xb, db0, db1, db2, db3, BF16)
-                if st % SPG == SPG - 1:  # the group's last step: its scale, into the sums
-                    acc_a0 += da0 * sa0
-                    acc_a1 += da1 * sa0
-                    acc_a2 += da2 * sa1
-                    acc_a3 += da3 * sa1
-                    if R == 2:
-                        acc_b0 += db0 * sb0
-                        acc_b1 += db1 * sb0
-                        acc_b2 += db2 * sb1
-                        acc_b3 += db3 * sb1
+        na0, na1, na2, na3, na4, na5, na6, na7 = _unit_words(wp_a, nxt, n_ok, SG)
+        nz_a0, nz_a1, ns_a0, ns_a1 = _unit_zs(Z, S, zrow_a, nxt, n_ok, stride_s, MAGIC16)
+        if R == 2:
+            nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _unit_words(wp_b, nxt, n_ok, SG)
+            nz_b0, nz_b1, ns_b0, ns_b1 = _unit_zs(Z, S, zrow_b, nxt, n_ok, stride_s, MAGIC16)
+        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = _unit_x(xp, P, xrow, nxt, c, x_ok & n_ok, SG,
+                                                         HAS_PERM)
+        da0, da1, da2, da3 = zero, zero, zero, zero
+        db0, db1, db2, db3 = zero, zero, zero, zero
+        for s in tl.static_range(SG):
+            da0, da1, da2, da3 = _mma(wa[s], z_a0, z_a1, xs[s], da0, da1, da2, da3, BF16)
+            if R == 2:
+                db0, db1, db2, db3 = _mma(wb[s], z_b0, z_b1, xs[s], db0, db1, db2, db3, BF16)
+        # the group's sums, scaled, into the row's (x of a unit past K is 0: D is 0)
+        acc_a0 += da0 * s_a0
+        acc_a1 += da1 * s_a0
+        acc_a2 += da2 * s_a1
+        acc_a3 += da3 * s_a1
+        if R == 2:
+            acc_b0 += db0 * s_b0
+            acc_b1 += db1 * s_b0
+            acc_b2 += db2 * s_b1
+            acc_b3 += db3 * s_b1
     _mma_epilogue(acc_a0, acc_a1, acc_a2, acc_a3, acc_b0, acc_b1, acc_b2, acc_b3, B, Y, M,
                   stride_ym, rt_a, rt_b, R, WARPS, SILU, HAS_BIAS)
 
