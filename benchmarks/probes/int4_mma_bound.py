@@ -7,7 +7,7 @@ one CUDA graph (benchmarks/fp8_linear.graph_time_us), us a call.
   mma          each (R, WARPS) config; the best, and all of them in `mma_sweep`
 One JSON line a (shape, M): each arm's us, TB/s of the int4 bytes (words + scales + zeros), the
 mma output's error against the TMA GEMV's (M = 1; max abs over max abs). `--configs-out FILE`
-writes each shape's best M = 1 config as {device: {"rows,K,group": [R, WARPS]}} (the form of
+writes each shape's best M = 1 config as {device: {"rows,K,group": [R, WARPS, AHEAD]}} (the form of
 triton_int4_mma.TUNED).
 
     python benchmarks/probes/int4_mma_bound.py [--shapes o down] [--m 1 8]
@@ -26,7 +26,7 @@ if _ROOT not in sys.path:
 
 from benchmarks.probes.int4_gemv_bound import COLD_BYTES, GROUP, SHAPES, _layer, _tma_call  # noqa: E402
 
-CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16)]
+CONFIGS = [(r, w, a) for a in (1, 2) for r, w in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8))]
 
 
 def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:

@@ -83,6 +83,12 @@ def test_int4_mma_kernel_cuda():
         (6144, 4096, 128, (1, 8), False, False, False),  # the 8B's shapes
         (28672, 4096, 128, (2, 8), True, False, False),
         (4096, 14336, 128, (1, 16), False, False, False),
+        # two units of words in flight a warp (AHEAD 2): units past K on some warps
+        (96, 512, 32, (1, 8, 2), True, False, False),
+        (128, 768, 64, (2, 4, 2), False, True, False),
+        (64, 2048, 128, (1, 4, 2), False, False, True),
+        (28672, 4096, 128, (2, 4, 2), True, False, False),
+        (4096, 14336, 128, (1, 8, 2), False, False, False),
     ])
 
 

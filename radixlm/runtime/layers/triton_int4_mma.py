@@ -53,10 +53,11 @@ import torch
 import triton
 import triton.language as tl
 
-# (R row tiles a program, WARPS): the default, and the measured best per GPU and layer shape
-# (benchmarks/probes/int4_mma_bound.py): {device name: {"rows,K,group": (R, WARPS)}}; under
-# SILU R is 2 (the gate tile and its up tile) whatever the table says
-DEFAULT = (1, 8)
+# (R row tiles a program, WARPS, AHEAD units of words in flight a warp (1 or 2; optional, 1)):
+# the default, and the measured best per GPU and layer shape (benchmarks/probes/
+# int4_mma_bound.py): {device name: {"rows,K,group": config}}; under SILU R is 2 (the gate tile
+# and its up tile) whatever the table says
+DEFAULT = (1, 8, 1)
 TUNED: dict = {}
 MAX_M = 8  # B's 8 columns
 GROUPS = (32, 64, 128)
@@ -249,10 +250,11 @@ def _unit_x(xp, P, xrow, u, c, ok, S: tl.constexpr, HAS_PERM: tl.constexpr):
 def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, stride_s,
                           K: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
                           WARPS: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_PERM: tl.constexpr, BF16: tl.constexpr):
+                          HAS_PERM: tl.constexpr, BF16: tl.constexpr, AHEAD: tl.constexpr):
     # A warp walks units u = warp, warp + WARPS, ... (a unit: one group, SG = GROUP / 16 k
-    # steps); everything a unit reads (words, zeros, scales, x) is requested one unit ahead,
-    # so that a warp's math never waits on a load issued in the same unit.
+    # steps); everything a unit reads is requested ahead of its math (words, zeros and scales
+    # AHEAD units, x one unit), so that a warp's math never waits on a load issued in the
+    # same unit and a warp keeps AHEAD units of words in flight.
     T: tl.constexpr = 32 * WARPS
     SG: tl.constexpr = GROUP // 16  # k steps a unit (2, 4 or 8)
     UNITS: tl.constexpr = K // GROUP
@@ -278,7 +280,8 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
     zero = tl.zeros([T], tl.float32)
     acc_a0, acc_a1, acc_a2, acc_a3 = zero, zero, zero, zero
     acc_b0, acc_b1, acc_b2, acc_b3 = zero, zero, zero, zero
-    # the first unit (u = warp) requested before the loop
+    # the first AHEAD units (u = warp, warp + WARPS) requested before the loop: words, zeros
+    # and scales AHEAD units ahead of the math, x one unit ahead
     ok = warp < UNITS
     na0, na1, na2, na3, na4, na5, na6, na7 = _unit_words(wp_a, warp, ok, SG)
     nz_a0, nz_a1, ns_a0, ns_a1 = _unit_zs(Z, S, zrow_a, warp, ok, stride_s, MAGIC16)
@@ -287,6 +290,20 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
     if R == 2:
         nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _unit_words(wp_b, warp, ok, SG)
         nz_b0, nz_b1, ns_b0, ns_b1 = _unit_zs(Z, S, zrow_b, warp, ok, stride_s, MAGIC16)
+    # (the second unit ahead: used only when AHEAD == 2)
+    ok2 = warp + WARPS < UNITS
+    ma0, ma1, ma2, ma3, ma4, ma5, ma6, ma7 = na0, na1, na2, na3, na4, na5, na6, na7
+    mz_a0, mz_a1, ms_a0, ms_a1 = nz_a0, nz_a1, ns_a0, ns_a1
+    mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7 = nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7
+    mz_b0, mz_b1, ms_b0, ms_b1 = nz_b0, nz_b1, ns_b0, ns_b1
+    if AHEAD == 2:
+        ma0, ma1, ma2, ma3, ma4, ma5, ma6, ma7 = _unit_words(wp_a, warp + WARPS, ok2, SG)
+        mz_a0, mz_a1, ms_a0, ms_a1 = _unit_zs(Z, S, zrow_a, warp + WARPS, ok2, stride_s,
+                                              MAGIC16)
+        if R == 2:
+            mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7 = _unit_words(wp_b, warp + WARPS, ok2, SG)
+            mz_b0, mz_b1, ms_b0, ms_b1 = _unit_zs(Z, S, zrow_b, warp + WARPS, ok2, stride_s,
+                                                  MAGIC16)
     nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = _unit_x(xp, P, xrow, warp, c, x_ok & ok, SG,
                                                      HAS_PERM)
     for it in range(ITERS):
@@ -296,15 +313,30 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
         xs = (nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7)
         z_a0, z_a1, s_a0, s_a1 = nz_a0, nz_a1, ns_a0, ns_a1
         z_b0, z_b1, s_b0, s_b1 = nz_b0, nz_b1, ns_b0, ns_b1
-        nxt = u + WARPS  # the next unit's loads, in flight during this unit's math
-        n_ok = nxt < UNITS
-        na0, na1, na2, na3, na4, na5, na6, na7 = _unit_words(wp_a, nxt, n_ok, SG)
-        nz_a0, nz_a1, ns_a0, ns_a1 = _unit_zs(Z, S, zrow_a, nxt, n_ok, stride_s, MAGIC16)
-        if R == 2:
-            nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _unit_words(wp_b, nxt, n_ok, SG)
-            nz_b0, nz_b1, ns_b0, ns_b1 = _unit_zs(Z, S, zrow_b, nxt, n_ok, stride_s, MAGIC16)
-        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = _unit_x(xp, P, xrow, nxt, c, x_ok & n_ok, SG,
-                                                         HAS_PERM)
+        # the loads of the unit AHEAD units on, in flight during this unit's math
+        far = u + AHEAD * WARPS
+        f_ok = far < UNITS
+        if AHEAD == 2:
+            na0, na1, na2, na3, na4, na5, na6, na7 = ma0, ma1, ma2, ma3, ma4, ma5, ma6, ma7
+            nz_a0, nz_a1, ns_a0, ns_a1 = mz_a0, mz_a1, ms_a0, ms_a1
+            nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7
+            nz_b0, nz_b1, ns_b0, ns_b1 = mz_b0, mz_b1, ms_b0, ms_b1
+            ma0, ma1, ma2, ma3, ma4, ma5, ma6, ma7 = _unit_words(wp_a, far, f_ok, SG)
+            mz_a0, mz_a1, ms_a0, ms_a1 = _unit_zs(Z, S, zrow_a, far, f_ok, stride_s, MAGIC16)
+            if R == 2:
+                mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7 = _unit_words(wp_b, far, f_ok, SG)
+                mz_b0, mz_b1, ms_b0, ms_b1 = _unit_zs(Z, S, zrow_b, far, f_ok, stride_s,
+                                                      MAGIC16)
+        else:
+            na0, na1, na2, na3, na4, na5, na6, na7 = _unit_words(wp_a, far, f_ok, SG)
+            nz_a0, nz_a1, ns_a0, ns_a1 = _unit_zs(Z, S, zrow_a, far, f_ok, stride_s, MAGIC16)
+            if R == 2:
+                nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _unit_words(wp_b, far, f_ok, SG)
+                nz_b0, nz_b1, ns_b0, ns_b1 = _unit_zs(Z, S, zrow_b, far, f_ok, stride_s,
+                                                      MAGIC16)
+        nxt = u + WARPS
+        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = _unit_x(xp, P, xrow, nxt, c,
+                                                         x_ok & (nxt < UNITS), SG, HAS_PERM)
         da0, da1, da2, da3 = zero, zero, zero, zero
         db0, db1, db2, db3 = zero, zero, zero, zero
         for s in tl.static_range(SG):
@@ -383,7 +415,8 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
     """x (M <= 8, K) bf16 / fp16 -> y (M, n_out) in x's dtype, W as pack()'s words of the layer's
     (N, K) weights with its (N, G) scales and zeros (int4_linear's buffers); silu: W is
     [gate | up] (N = 2 n_out), y = silu(x W_gate^T) * (x W_up^T) with the unfused roundings."""
-    r, warps = config or DEFAULT
+    r, warps, *rest = config or DEFAULT
+    ahead = rest[0] if rest else 1
     m, k = x.shape
     n = words.shape[0] * 16
     n_out = n // 2 if silu else n
@@ -401,5 +434,5 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
         bias if bias is not None else x, y, m, n_out, x.stride(0), y.stride(0),
         scales.stride(0), K=k, GROUP=group, R=r, WARPS=warps, SILU=silu,
         HAS_BIAS=bias is not None, HAS_PERM=perm is not None, BF16=x.dtype == torch.bfloat16,
-        num_warps=warps)
+        AHEAD=ahead, num_warps=warps)
     return y
