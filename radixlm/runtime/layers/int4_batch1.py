@@ -2,8 +2,9 @@
 derives from the layer's (kept beside qweight, refreshed in place after new weights: descriptors
 and captured CUDA graphs hold their addresses). RADIXLM_INT4_TMA picks:
   mma        layers/triton_int4_mma.py: 1-8 rows on tensor cores, W repacked into the MMA
-             fragments' layout (a second copy of the int4 weights: qweight stays for the GEMM
-             above 8 rows)
+             fragments' layout, and 9-64 rows on layers/triton_int4_mma_gemm.py over the same
+             words (a second copy of the int4 weights: qweight stays for the Triton GEMM above
+             64 rows and for act-order layers above 8)
   1 / unset  `tma`: batch 1 on layers/triton_int4_tma.py (scales and zeros transposed to (G, N))
              at the GPU's tuned config for the shape (layers/int4_tma_tuned.py) or its default
   0          the register GEMV (triton_int4.gemv) for every batch-1 call
@@ -34,21 +35,28 @@ def setting() -> str:
 @dataclass
 class Batch1:
     kind: str  # "tma" | "mma"
-    cfg: tuple
+    cfg: tuple  # tma: its config; mma: (its GEMV's, its GEMM's)
     derived: tuple  # tma: (scales_t, zeros_t); mma: (words,)
     descs: Optional[tuple]  # tma: its TMA descriptors
 
     def accepts(self, layer, x2: torch.Tensor, silu: bool = False) -> bool:
-        """Whether this call is the kernel's: one row (tma), 1-8 rows of bf16 / fp16 8-byte
-        aligned (mma)."""
+        """Whether this call is the kernel's: one row (tma); 1-8 rows of bf16 / fp16 8-byte
+        aligned (mma's GEMV), or 9-64 rows (its GEMM: no SiLU epilogue, no act-order)."""
         if self.kind == "tma":
             return x2.shape[0] == 1
         from radixlm.runtime.layers import triton_int4_mma as MM
+        from radixlm.runtime.layers import triton_int4_mma_gemm as MG
 
-        return (1 <= x2.shape[0] <= MM.MAX_M and x2.dtype in (torch.bfloat16, torch.float16)
-                and x2.stride(0) % 4 == 0 and x2.data_ptr() % 8 == 0
-                and (not silu or MM.supported(layer.out_features, layer.in_features,
-                                              layer.group, x2.dtype, silu=True)))
+        m = x2.shape[0]
+        if not (x2.dtype in (torch.bfloat16, torch.float16) and x2.stride(0) % 4 == 0
+                and x2.data_ptr() % 8 == 0):
+            return False
+        if m <= MM.MAX_M:
+            return m >= 1 and (not silu or MM.supported(layer.out_features, layer.in_features,
+                                                        layer.group, x2.dtype, silu=True))
+        return (m <= MG.MAX_M and not silu and layer.perm is None
+                and MG.supported(layer.out_features, layer.in_features, layer.group, x2.dtype,
+                                 self.cfg[1][0]))
 
     def refresh(self, layer) -> None:
         """The derived operands recomputed from the layer's, in place."""
@@ -59,11 +67,15 @@ class Batch1:
         n_out = layer.out_features // 2 if silu else layer.out_features
         bias = None if silu else layer.bias
         if self.kind == "mma":
-            from radixlm.runtime.layers import triton_int4_mma
+            from radixlm.runtime.layers import triton_int4_mma, triton_int4_mma_gemm
 
+            if x2.shape[0] > triton_int4_mma.MAX_M:
+                return triton_int4_mma_gemm.gemm(x2, self.derived[0], layer.scales,
+                                                 layer.zeros, layer.group, bias,
+                                                 config=self.cfg[1])
             return triton_int4_mma.gemv(x2, self.derived[0], layer.scales, layer.zeros,
                                         layer.group, bias, perm=layer.perm, silu=silu,
-                                        config=self.cfg)
+                                        config=self.cfg[0])
         from radixlm.runtime.layers import triton_int4_tma
 
         return triton_int4_tma.gemv(x2, self.descs, n_out, layer.in_features, layer.group,
@@ -86,10 +98,11 @@ def _mma_config(layer) -> Optional[tuple]:
         return None
     dtype = layer.act_dtype if layer.act_dtype in (torch.bfloat16, torch.float16) \
         else torch.bfloat16
-    cfg = MM.config_for(layer.out_features, layer.in_features, layer.group,
-                        torch.cuda.get_device_name(device))
-    return cfg if MM.supported(layer.out_features, layer.in_features, layer.group, dtype,
-                               r=cfg[0]) else None
+    name = torch.cuda.get_device_name(device)
+    cfg = MM.config_for(layer.out_features, layer.in_features, layer.group, name)
+    gemm_cfg = MM.config_for(layer.out_features, layer.in_features, layer.group, name, "gemm")
+    return (cfg, gemm_cfg) if MM.supported(layer.out_features, layer.in_features, layer.group,
+                                           dtype, r=cfg[0]) else None
 
 
 def prepare(layer, old: Optional[Batch1]) -> Optional[Batch1]:

@@ -58,6 +58,7 @@ import triton.language as tl
 # int4_mma_bound.py): {device name: {"rows,K,group": config}}; under SILU R is 2 (the gate tile
 # and its up tile) whatever the table says
 DEFAULT = (1, 8, 1)
+GEMM_DEFAULT = (4, 2)  # triton_int4_mma_gemm's (WARPS, SPLIT_K cap)
 TUNED: dict = {}
 MAX_M = 8  # B's 8 columns
 GROUPS = (32, 64, 128)
@@ -66,12 +67,18 @@ GROUPS = (32, 64, 128)
 ENV_VAR = "RADIXLM_INT4_MMA_CONFIGS"  # a sweep's table (--configs-out) instead of TUNED
 
 
-def config_for(rows: int, k: int, group: int, device_name: str = "") -> tuple:
-    """(R, WARPS) for a layer of `rows` x K at `group` on `device_name`."""
+def config_for(rows: int, k: int, group: int, device_name: str = "",
+               kernel: str = "gemv") -> tuple:
+    """The GEMV's (R, WARPS, AHEAD) or (kernel "gemm") triton_int4_mma_gemm's (WARPS, SPLIT_K
+    cap) for a layer of `rows` x K at `group` on `device_name` (the table's keys "rows,K,group"
+    and "gemm:rows,K,group")."""
     path = os.environ.get(ENV_VAR)
     table = _file_table(path) if path else TUNED
-    cfg = table.get(device_name, {}).get(f"{rows},{k},{group}")
-    return tuple(cfg) if cfg is not None else DEFAULT
+    key = f"{rows},{k},{group}" if kernel == "gemv" else f"gemm:{rows},{k},{group}"
+    cfg = table.get(device_name, {}).get(key)
+    if cfg is not None:
+        return tuple(cfg)
+    return DEFAULT if kernel == "gemv" else GEMM_DEFAULT
 
 
 @lru_cache(maxsize=None)
