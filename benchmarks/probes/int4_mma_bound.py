@@ -37,7 +37,8 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
     import torch.nn.functional as F
 
     from benchmarks.fp8_linear import graph_time_us
-    from radixlm.runtime.layers import int4_linear, triton_int4_gemm, triton_int4_mma as MM
+    from radixlm.runtime.layers import int4_linear, int4_mma_layout as L, triton_int4_gemm
+    from radixlm.runtime.layers import triton_int4_mma as MM
     from radixlm.runtime.layers import triton_int4_mma_gemm as MG
     from radixlm.runtime.layers import triton_int4_tma as T
 
@@ -45,16 +46,16 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
     int4_bytes = n * k // 2 + n * (k // GROUP) * 3
     copies = max(2, -(-COLD_BYTES // int4_bytes))
     layers = [_layer(n, k) for _ in range(copies)]
-    words = [MM.pack(int4_linear.unpack_rows(lyr.qweight)) for lyr in layers]
+    words = [L.pack(int4_linear.unpack_rows(lyr.qweight)) for lyr in layers]
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
            for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))))]
     name = torch.cuda.get_device_name()
     tma_cfg = T.config_for(n, k, GROUP, 2, name)
     cfgs = [c for c in CONFIGS if (c[0] == 2 or not silu)
-            and MM.supported(n, k, GROUP, torch.bfloat16, silu, c[0])]
+            and L.supported(n, k, GROUP, torch.bfloat16, silu, c[0])]
     rows = []
     for m in ms:
-        if silu and m > MM.MAX_M:  # (gate_up above 8 rows: no SiLU epilogue, the plain GEMM)
+        if silu and m > L.MAX_M:  # (gate_up above 8 rows: no SiLU epilogue, the plain GEMM)
             silu = False
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         row = {"probe": "int4_mma_bound", "shape": label, "N": n, "K": k, "M": m, "silu": silu,
@@ -63,18 +64,18 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
                                                len(w16)), 2)
 
         def mma(cfg):
-            if m > MM.MAX_M:
+            if m > L.MAX_M:
                 return lambda i: MG.gemm(x, words[i % copies], layers[i % copies].scales,
                                          layers[i % copies].zeros, GROUP, config=cfg)
             return lambda i: MM.gemv(x, words[i % copies], layers[i % copies].scales,
                                      layers[i % copies].zeros, GROUP, silu=silu, config=cfg)
 
-        if m > MM.MAX_M:  # the Triton GEMM (the layer's kernel above 8 rows before)
+        if m > L.MAX_M:  # the Triton GEMM (the layer's kernel above 8 rows before)
             row["triton_gemm_us"] = round(graph_time_us(lambda i: triton_int4_gemm.gemm(
                 x, layers[i % copies].qweight, layers[i % copies].scales,
                 layers[i % copies].zeros, GROUP), copies), 2)
         sweep = {}
-        for cfg in (cfgs if m <= MM.MAX_M else
+        for cfg in (cfgs if m <= L.MAX_M else
                     [c for c in GEMM_CONFIGS if MG.supported(n, k, GROUP, torch.bfloat16, c[0])]):
             try:
                 sweep[cfg] = graph_time_us(mma(cfg), copies)

@@ -28,10 +28,10 @@ def _need_sm90():
 
 
 def _operands(rows, k, group, seed):
-    from radixlm.runtime.layers import int4_linear, triton_int4_mma as MM
+    from radixlm.runtime.layers import int4_linear, int4_mma_layout
 
     qw, s, z, w = random_layer(rows, k, group, seed=seed)
-    words = MM.pack(int4_linear.unpack_rows(qw)).cuda()
+    words = int4_mma_layout.pack(int4_linear.unpack_rows(qw)).cuda()
     return words, s.cuda(), z.cuda(), w
 
 
@@ -173,3 +173,39 @@ def test_int4_mma_gemm_through_the_layer():
             _check_close(lin(xb.cuda()), xb.float(), lin.dequantized_weight().cpu(),
                          lin.bias.cpu().float(), torch.bfloat16, ("layer", m), exact_w=m <= 64)
         check_graph_replay(lin, torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16))
+
+
+def test_int4_mma_pdl_in_cuda_graph():
+    """RADIXLM_INT4_PDL=1: RMSNorm -> GEMV -> GEMV -> GEMM launched with programmatic dependent
+    launch inside a CUDA graph gives the bits of the same chain without it."""
+    _need_sm90()
+    from radixlm.runtime.layers import triton_ops
+
+    with batch1_setting("mma"):
+        a = _layer("cuda", 1024, 2048, 128, torch.bfloat16, seed=3)
+        b = _layer("cuda", 2048, 1024, 64, torch.bfloat16, seed=4)
+        assert a.use_tma() and b.use_tma()
+        w = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
+
+        def chain(x):  # batch 1 through the GEMVs, 16 rows through the GEMMs
+            h = triton_ops.rmsnorm(x, w, 1e-6)
+            return b(a(h[:1])), b(a(h))
+
+        x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
+        want = chain(x)
+        old = os.environ.get(triton_ops.PDL_ENV)
+        os.environ[triton_ops.PDL_ENV] = "1"
+        try:
+            chain(x)  # (compiled outside the capture)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = chain(x)
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+        finally:
+            if old is None:
+                os.environ.pop(triton_ops.PDL_ENV)
+            else:
+                os.environ[triton_ops.PDL_ENV] = old
+        assert all(torch.equal(p, q) for p, q in zip(want, got))

@@ -1,4 +1,4 @@
-"""The `mma` int4 layout (layers/triton_int4_mma.py) on the CPU: pack / unpack, and a lane-level
+"""The `mma` int4 layout (layers/int4_mma_layout.py) on the CPU: pack / unpack, and a lane-level
 emulation of the kernel (each lane's bit extraction as its inline PTX does it, each MMA by the
 PTX ISA's m16n8k16 fragment map, the epilogue's row / column map) against x @ W^T. The kernel
 itself needs a GPU (tests/gpu/test_int4_mma_gpu.py): its inline PTX does not run under Triton's
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm.runtime.layers import triton_int4_mma as MM
+from radixlm.runtime.layers import int4_mma_layout as MM
 
 
 def _q(n, k, seed=0):

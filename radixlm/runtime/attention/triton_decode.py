@@ -27,6 +27,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from radixlm.runtime.layers.triton_ops import pdl
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner-loop step
@@ -148,7 +151,9 @@ def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LseP
 @triton.jit
 def _decode_stage2(OPart, LsePart, Out, Lse, stride_ob, stride_oh, stride_lb,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, HAS_LSE: tl.constexpr):
+                   BLOCK_S: tl.constexpr, HAS_LSE: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # the o projection's int4 mma kernel (PDL) may start its prologue
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -254,5 +259,5 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         _decode_stage2[(bsz, hq)](
             o_part, lse_part, out, lse_arg, out.stride(0), out.stride(1), lse_stride,
             D=d, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            HAS_LSE=lse_out is not None, num_warps=4)
+            HAS_LSE=lse_out is not None, TRIGGER=out.is_cuda and pdl(), num_warps=4)
     return out

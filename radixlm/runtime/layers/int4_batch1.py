@@ -44,7 +44,7 @@ class Batch1:
         aligned (mma's GEMV), or 9-64 rows (its GEMM: no SiLU epilogue, no act-order)."""
         if self.kind == "tma":
             return x2.shape[0] == 1
-        from radixlm.runtime.layers import triton_int4_mma as MM
+        from radixlm.runtime.layers import int4_mma_layout as MM
         from radixlm.runtime.layers import triton_int4_mma_gemm as MG
 
         m = x2.shape[0]
@@ -67,9 +67,10 @@ class Batch1:
         n_out = layer.out_features // 2 if silu else layer.out_features
         bias = None if silu else layer.bias
         if self.kind == "mma":
-            from radixlm.runtime.layers import triton_int4_mma, triton_int4_mma_gemm
+            from radixlm.runtime.layers import int4_mma_layout, triton_int4_mma
+            from radixlm.runtime.layers import triton_int4_mma_gemm
 
-            if x2.shape[0] > triton_int4_mma.MAX_M:
+            if x2.shape[0] > int4_mma_layout.MAX_M:
                 return triton_int4_mma_gemm.gemm(x2, self.derived[0], layer.scales,
                                                  layer.zeros, layer.group, bias,
                                                  config=self.cfg[1])
@@ -84,14 +85,14 @@ class Batch1:
 
 def _derive(layer, kind: str) -> tuple:
     if kind == "mma":
-        from radixlm.runtime.layers import int4_linear, triton_int4_mma
+        from radixlm.runtime.layers import int4_linear, int4_mma_layout
 
-        return (triton_int4_mma.pack(int4_linear.unpack_rows(layer.qweight)),)
+        return (int4_mma_layout.pack(int4_linear.unpack_rows(layer.qweight)),)
     return layer.scales.t().contiguous(), layer.zeros.t().contiguous()
 
 
 def _mma_config(layer) -> Optional[tuple]:
-    from radixlm.runtime.layers import triton_int4_mma as MM
+    from radixlm.runtime.layers import int4_mma_layout as MM
 
     device = layer.qweight.device
     if not MM.available(device):

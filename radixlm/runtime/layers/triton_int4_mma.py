@@ -9,23 +9,7 @@ the gate_up GEMV 61% issue busy at 8 warps an SM, 1.6x the time of its loads alo
 4 packed subtractions + 1 MMA: ~1.5 instructions a value, and the products and their sums run on
 the tensor cores.
 
-The `mma` layout (pack(): built at load from int4_linear's pack_rows layout, the same bytes)
-  words (N/16, K/64, 32, 4) int32: row tile rt (16 rows), chunk ch (64 k), lane l = 4g + c
-  (g = l // 4, c = l % 4: PTX's groupID and threadID_in_group), k step j (16 k): a lane reads
-  its 4 steps' words as one 16-byte load, a warp 512 contiguous bytes.
-  Word (rt, ch, l, j) holds rows r0 = 16 rt + g, r1 = r0 + 8 at k = 64 ch + 16 j + 4 c + e:
-      bits  0- 3: (r0, e=0)   16-19: (r0, e=1)      -> A register 0 (row g,   k slots 2c, 2c+1)
-      bits  4- 7: (r1, e=0)   20-23: (r1, e=1)      -> A register 1 (row g+8, k slots 2c, 2c+1)
-      bits  8-11: (r0, e=2)   24-27: (r0, e=3)      -> A register 2 (row g,   k slots 2c+8, +9)
-      bits 12-15: (r1, e=2)   28-31: (r1, e=3)      -> A register 3 (row g+8, k slots 2c+8, +9)
-  so register i = ((word >> 4i) & 0x000F000F) | magic, two 16-bit floats 128 + q (bf16) or
-  1024 + q (fp16) exactly, minus the packed (magic + z): (q - z) exactly. B's k slots 2c, 2c+1
-  / 2c+8, 2c+9 are the same k (4c + 0, 1 / 4c + 2, 3 of the step), so lane c's B registers are
-  x's bf16 pairs at k = 16 j + 4 c: one 8-byte load a step.
-  (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type": A a0..a7 at row g
-  (a0, a1, a4, a5) or g + 8 (a2, a3, a6, a7), column 2c + (i & 1) (+ 8 for a4..a7); B b0..b3
-  at row 2c + (i & 1) (+ 8 for b2, b3), column g; C / D c0, c1 at (g, 2c + i), c2, c3 at
-  (g + 8, 2c + i - 2).)
+The words' layout, its packing and the configs: layers/int4_mma_layout.py (read it first).
 
 What a row gets: D = sum over a group's k of (q - z) x on the tensor cores (exact products, fp32
 sums), then acc += D * scale per group in fp32: triton_int4.gemv's contract (fp32 products and
@@ -34,9 +18,9 @@ cores' fp32 sums: the same reference tolerance. A row's result does not depend o
 rows of the batch (each column of the MMA is its own).
 
 Work: a program takes R row tiles (R = 2 under SILU: the gate tile and its up tile, so the
-epilogue has both) and all of K; its WARPS warps take the K units (max(64, GROUP) k) u = warp,
+epilogue has both) and all of K; its WARPS warps take the K units (a unit: one group) u = warp,
 warp + WARPS, ...; their sums are added across warps in a fixed order (tl.sum over the warp
-axis: deterministic). Each warp loads its next unit's words before the MMAs of the current one.
+axis: deterministic). Each warp requests a unit's words, zeros, scales and x ahead of its math.
 
 The per-lane arithmetic is inline PTX over 1-D tensors of 32 * WARPS elements, element t on
 thread t (Triton's layout for such a tensor; the GPU tests would catch another): the mma.sync is
@@ -44,89 +28,15 @@ warp-wide, every thread of the program runs it with its own fragment."""
 
 from __future__ import annotations
 
-import json
-import os
-from functools import lru_cache
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# (R row tiles a program, WARPS, AHEAD units of words in flight a warp (1 or 2; optional, 1)):
-# the default, and the measured best per GPU and layer shape (benchmarks/probes/
-# int4_mma_bound.py): {device name: {"rows,K,group": config}}; under SILU R is 2 (the gate tile
-# and its up tile) whatever the table says
-DEFAULT = (1, 8, 1)
-GEMM_DEFAULT = (4, 2)  # triton_int4_mma_gemm's (WARPS, SPLIT_K cap)
-TUNED: dict = {}
-MAX_M = 8  # B's 8 columns
-GROUPS = (32, 64, 128)
-
-
-ENV_VAR = "RADIXLM_INT4_MMA_CONFIGS"  # a sweep's table (--configs-out) instead of TUNED
-
-
-def config_for(rows: int, k: int, group: int, device_name: str = "",
-               kernel: str = "gemv") -> tuple:
-    """The GEMV's (R, WARPS, AHEAD) or (kernel "gemm") triton_int4_mma_gemm's (WARPS, SPLIT_K
-    cap) for a layer of `rows` x K at `group` on `device_name` (the table's keys "rows,K,group"
-    and "gemm:rows,K,group")."""
-    path = os.environ.get(ENV_VAR)
-    table = _file_table(path) if path else TUNED
-    key = f"{rows},{k},{group}" if kernel == "gemv" else f"gemm:{rows},{k},{group}"
-    cfg = table.get(device_name, {}).get(key)
-    if cfg is not None:
-        return tuple(cfg)
-    return DEFAULT if kernel == "gemv" else GEMM_DEFAULT
-
-
-@lru_cache(maxsize=None)
-def _file_table(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def available(device: torch.device) -> bool:
-    """mma.sync m16n8k16 bf16 and sub.bf16x2: compute capability 9.0 or newer (sub.bf16x2
-    needs sm_90)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def supported(n: int, k: int, group: int, x_dtype: torch.dtype, silu: bool = False,
-              r: int = DEFAULT[0]) -> bool:
-    """Whole 16-row tiles (R of them a program; SILU: gate and up halves of 16-row tiles), whole
-    64-value chunks, a group of 32, 64 or 128 (a unit's words stay in registers), bf16 or fp16
-    activations (the MMA's operand types)."""
-    n_out = n // 2 if silu else n
-    tiles = n_out // 16
-    return (n % 16 == 0 and n_out % 16 == 0 and k % 64 == 0 and group in GROUPS
-            and k % group == 0 and x_dtype in (torch.bfloat16, torch.float16)
-            and (silu or tiles % r == 0))
-
-
-def pack(q: torch.Tensor) -> torch.Tensor:
-    """q (N, K) values 0..15 -> words (N/16, K/64, 32, 4) int32 in the `mma` layout."""
-    n, k = q.shape
-    # q[16 rt + 8 h + g, 64 ch + 16 j + 4 c + e] -> [rt, ch, g, c, j, h, e]
-    v = q.to(torch.int64).reshape(n // 16, 2, 8, k // 64, 4, 4, 4).permute(0, 3, 2, 5, 4, 1, 6)
-    h = torch.arange(2, device=q.device)[:, None]
-    e = torch.arange(4, device=q.device)[None, :]
-    shift = 16 * (e % 2) + 4 * h + 8 * (e // 2)  # (h, e)
-    words = (v << shift).sum(dim=(-2, -1))  # disjoint bits: sum == or
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
-    return words.to(torch.int32).reshape(n // 16, k // 64, 32, 4).contiguous()
-
-
-def unpack(words: torch.Tensor) -> torch.Tensor:
-    """pack undone: (N/16, K/64, 32, 4) int32 -> (N, K) uint8."""
-    nt, kc = words.shape[:2]
-    w = words.to(torch.int64).reshape(nt, kc, 8, 4, 4, 1, 1) & 0xFFFFFFFF
-    h = torch.arange(2, device=words.device)[:, None]
-    e = torch.arange(4, device=words.device)[None, :]
-    q = (w >> (16 * (e % 2) + 4 * h + 8 * (e // 2))) & 0xF  # [rt, ch, g, c, j, h, e]
-    return q.permute(0, 5, 2, 1, 4, 3, 6).reshape(nt * 16, kc * 64).to(torch.uint8)
-
+from radixlm.runtime.layers.int4_mma_layout import DEFAULT, MAX_M, supported
+from radixlm.runtime.layers.triton_ops import pdl
 
 @triton.jit
 def _mma(w, zg, zg8, xb, d0, d1, d2, d3, BF16: tl.constexpr):
@@ -150,7 +60,8 @@ def _mma(w, zg, zg8, xb, d0, d1, d2, d3, BF16: tl.constexpr):
             sub.rn.bf16x2 a1, a1, $10;
             sub.rn.bf16x2 a2, a2, $9;
             sub.rn.bf16x2 a3, a3, $10;
-            mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$11, $12}, {$4, $5, $6, $7};
+            mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3},
+                {a0, a1, a2, a3}, {$11, $12}, {$4, $5, $6, $7};
             }""",
             "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r", [d0, d1, d2, d3, w, zg, zg8, b0, b1],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
@@ -169,7 +80,8 @@ def _mma(w, zg, zg8, xb, d0, d1, d2, d3, BF16: tl.constexpr):
             sub.rn.f16x2 a1, a1, $10;
             sub.rn.f16x2 a2, a2, $9;
             sub.rn.f16x2 a3, a3, $10;
-            mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$11, $12}, {$4, $5, $6, $7};
+            mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3},
+                {a0, a1, a2, a3}, {$11, $12}, {$4, $5, $6, $7};
             }""",
             "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r", [d0, d1, d2, d3, w, zg, zg8, b0, b1],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
@@ -257,7 +169,8 @@ def _unit_x(xp, P, xrow, u, c, ok, S: tl.constexpr, HAS_PERM: tl.constexpr):
 def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, stride_s,
                           K: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
                           WARPS: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_PERM: tl.constexpr, BF16: tl.constexpr, AHEAD: tl.constexpr):
+                          HAS_PERM: tl.constexpr, BF16: tl.constexpr, AHEAD: tl.constexpr,
+                          PDL: tl.constexpr):
     # A warp walks units u = warp, warp + WARPS, ... (a unit: one group, SG = GROUP / 16 k
     # steps); everything a unit reads is requested ahead of its math (words, zeros and scales
     # AHEAD units, x one unit), so that a warp's math never waits on a load issued in the
@@ -269,6 +182,8 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
     KC: tl.constexpr = K // 64
     MAGIC16: tl.constexpr = 0x4300 if BF16 else 0x6400  # 128.0 bf16 / 1024.0 fp16
     pid = tl.program_id(0)
+    if PDL:  # (programmatic dependent launch: the next kernel's programs may start now)
+        gdc_launch_dependents()
     t = tl.arange(0, T)
     lane = t % 32
     warp = t // 32
@@ -311,6 +226,8 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
             mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7 = _unit_words(wp_b, warp + WARPS, ok2, SG)
             mz_b0, mz_b1, ms_b0, ms_b1 = _unit_zs(Z, S, zrow_b, warp + WARPS, ok2, stride_s,
                                                   MAGIC16)
+    if PDL:  # the weights above are requested; x is the previous kernel's output
+        gdc_wait()
     nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = _unit_x(xp, P, xrow, warp, c, x_ok & ok, SG,
                                                      HAS_PERM)
     for it in range(ITERS):
@@ -441,5 +358,5 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
         bias if bias is not None else x, y, m, n_out, x.stride(0), y.stride(0),
         scales.stride(0), K=k, GROUP=group, R=r, WARPS=warps, SILU=silu,
         HAS_BIAS=bias is not None, HAS_PERM=perm is not None, BF16=x.dtype == torch.bfloat16,
-        AHEAD=ahead, num_warps=warps)
+        AHEAD=ahead, PDL=pdl(), launch_pdl=pdl(), num_warps=warps)
     return y

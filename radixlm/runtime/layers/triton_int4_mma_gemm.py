@@ -1,6 +1,6 @@
 """The int4 GEMM for decode batches of 9-64 rows on tensor cores (sm_90): the GEMV's orientation
 (layers/triton_int4_mma.py: W the A operand of mma.sync.m16n8k16, 16 weight rows x 16 k,
-dequantized in registers into A's fragment from the `mma` layout; read its docstring first)
+dequantized in registers into A's fragment from the `mma` layout: layers/int4_mma_layout.py)
 with NT = ceil(M / 8) B tiles: x's rows 8 nt .. 8 nt + 7 as the 8 columns of tile nt. A word is
 dequantized once and multiplied by every B tile: 11 ALU instructions and NT MMAs a word, and B's
 two registers are one 8-byte load of x (x as A would need its 4 registers from two rows, moved
@@ -28,11 +28,14 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from radixlm.runtime.layers.triton_int4_host import split_counters
-from radixlm.runtime.layers.triton_int4_mma import GEMM_DEFAULT, _unit_words, _unit_zs
+from radixlm.runtime.layers.int4_mma_layout import GEMM_DEFAULT, GEMM_MAX_M, GROUPS
+from radixlm.runtime.layers.triton_int4_mma import _unit_words, _unit_zs
+from radixlm.runtime.layers.triton_ops import pdl
 
-MAX_M = 64
+MAX_M = GEMM_MAX_M
 DEFAULT = GEMM_DEFAULT  # (WARPS, SPLIT_K cap): sweep in benchmarks/probes/int4_mma_bound.py
 
 
@@ -99,7 +102,7 @@ def _mma(a0, a1, a2, a3, b0, b1, d, BF16: tl.constexpr):
 def _int4_gemm_mma_kernel(X, WD, S, Z, B, Y, WS, CNT, M, N, stride_xm, stride_ym, stride_s,
                           units_per_split, K: tl.constexpr, GROUP: tl.constexpr,
                           NT: tl.constexpr, WARPS: tl.constexpr, SPLIT_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BF16: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
     T: tl.constexpr = 32 * WARPS
     SG: tl.constexpr = GROUP // 16  # k steps a unit (one group)
     UNITS: tl.constexpr = K // GROUP
@@ -107,6 +110,8 @@ def _int4_gemm_mma_kernel(X, WD, S, Z, B, Y, WS, CNT, M, N, stride_xm, stride_ym
     MAGIC16: tl.constexpr = 0x4300 if BF16 else 0x6400
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PDL:  # (triton_ops.pdl)
+        gdc_launch_dependents()
     t = tl.arange(0, T)
     lane = t % 32
     g = lane // 4
@@ -128,6 +133,8 @@ def _int4_gemm_mma_kernel(X, WD, S, Z, B, Y, WS, CNT, M, N, stride_xm, stride_ym
     ok = u0 < u_hi
     nw = _unit_words(wp, u0, ok, SG)
     nzg, nzg8, ns0, ns1 = _unit_zs(Z, S, zrow, u0, ok, stride_s, MAGIC16)
+    if PDL:  # the first unit's weights are requested; x is the previous kernel's output
+        gdc_wait()
     for u in range(u_lo, u_hi):
         w, zg, zg8, s0, s1 = nw, nzg, nzg8, ns0, ns1
         n_ok = u0 + (u + 1 - u_lo) < u_hi  # the next unit's, in flight during this one's math
@@ -199,7 +206,7 @@ _COUNTERS: dict = {}
 def supported(n: int, k: int, group: int, x_dtype: torch.dtype, warps: int = DEFAULT[0]) -> bool:
     """Whole blocks of WARPS 16-row tiles, whole 64-value chunks, a group of 32, 64 or 128,
     bf16 or fp16 activations (act-order layers keep the Triton GEMM)."""
-    return (n % (16 * warps) == 0 and k % 64 == 0 and group in (32, 64, 128)
+    return (n % (16 * warps) == 0 and k % 64 == 0 and group in GROUPS
             and k % group == 0 and x_dtype in (torch.bfloat16, torch.float16))
 
 
@@ -233,5 +240,6 @@ def gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
         x, words, scales, zeros, bias if bias is not None else x, y, ws,
         cnt if cnt is not None else words, m, n, x.stride(0), y.stride(0), scales.stride(0),
         per_split, K=k, GROUP=group, NT=nt, WARPS=warps, SPLIT_K=split,
-        HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16, num_warps=warps)
+        HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16, PDL=pdl(), launch_pdl=pdl(),
+        num_warps=warps)
     return y

@@ -25,13 +25,16 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 ENABLED = os.environ.get("RADIXLM_DISABLE_FUSED_OPS", "") in ("", "0")
 
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # a dependent launched with PDL (the int4 mma kernels) may start its prologue
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -48,6 +51,23 @@ def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_r
     tl.store(Out + row * stride_o + offs, out, mask=m)
 
 
+PDL_ENV = "RADIXLM_INT4_PDL"
+
+
+def pdl() -> bool:
+    """Programmatic dependent launch (RADIXLM_INT4_PDL=1, sm_90): the int4 mma kernels
+    (layers/triton_int4_mma*.py) are launched so that they may start before the previous kernel
+    ends, request their first unit's weights, then wait (griddepcontrol.wait) before reading x;
+    the kernels before them (RMSNorm, the decode attention's reduction, the mma kernels) let
+    their dependents start early (griddepcontrol.launch_dependents). The same results."""
+    return os.environ.get(PDL_ENV, "0") == "1"
+
+
+def _trigger(x: torch.Tensor) -> bool:
+    """Whether a kernel on x's device lets its PDL dependents start early."""
+    return x.is_cuda and pdl()
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: Optional[torch.Tensor] = None):
     """x (T, N). Without residual: weight * norm(x). With residual: s = x + residual, returns
@@ -59,13 +79,13 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     warps = min(16, max(1, block // 512))
     if residual is None:
         _rmsnorm_kernel[(t,)](x, x, weight, out, out, x.stride(0), 0, out.stride(0), 0, n, eps,
-                              HAS_RES=False, BLOCK=block, num_warps=warps)
+                              HAS_RES=False, BLOCK=block, TRIGGER=_trigger(x), num_warps=warps)
         return out
     assert residual.shape == x.shape and residual.stride(1) == 1
     res_out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     _rmsnorm_kernel[(t,)](x, residual, weight, out, res_out, x.stride(0), residual.stride(0),
                           out.stride(0), res_out.stride(0), n, eps,
-                          HAS_RES=True, BLOCK=block, num_warps=warps)
+                          HAS_RES=True, BLOCK=block, TRIGGER=_trigger(x), num_warps=warps)
     return out, res_out
 
 
