@@ -9,7 +9,7 @@
 #   #       .venv/bin/python benchmarks/gpu_prep.py --out .carry
 #   # device (kind nvidia-h200 or nvidia-h100, carry [".whl", ".carry"]):
 #   bash benchmarks/int4_gpu.sh                   # the default steps, ~560 s at most
-#   bash benchmarks/int4_gpu.sh sweep e2e         # some of them (also: mmatests mma)
+#   bash benchmarks/int4_gpu.sh sweep e2e         # some of them (also: mmatests mma mmapdl)
 #   E2E_ARMS="bf16 awq-g128 awq-g128-mma" bash benchmarks/int4_gpu.sh mma e2e
 #
 # Budget (one H200, 2026-11-29): tests ~220 s (test_int4.py 17 tests ~240 s alone: not run
@@ -27,6 +27,9 @@ step mmatests 200 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4
 step mma 200 python benchmarks/probes/int4_mma_bound.py --result-file "$OUT/mma.jsonl" \
   --configs-out "$OUT/mma_tuned.json"
 [ -s "$OUT/mma_tuned.json" ] && export RADIXLM_INT4_MMA_CONFIGS=$OUT/mma_tuned.json
+# batch 1 with programmatic dependent launch (back-to-back calls in one graph overlap)
+RADIXLM_INT4_PDL=1 step mmapdl 120 python benchmarks/probes/int4_mma_bound.py --m 1 \
+  --result-file "$OUT/mma_pdl.jsonl"
 step sweep 240 python benchmarks/probes/int4_gemv_bound.py --result-file "$OUT/probe.jsonl" \
   --configs-out "$OUT/tuned.json"
 [ -s "$OUT/tuned.json" ] && export RADIXLM_INT4_TMA_CONFIGS=$OUT/tuned.json
