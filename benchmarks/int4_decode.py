@@ -10,9 +10,11 @@ Two parts, JSON lines on stdout (and appended to `--result-file`):
              awq-g128-torch  (--arms) AWQ on torch's int4 kernel (int4_linear=torch)
              awq-g128-reg    (--arms) AWQ with the register GEMV at batch 1
                              (RADIXLM_INT4_TMA=0 in the arm's process)
-             awq-g128-mma, gptq-g128-mma  (--arms) 1-64 rows on the tensor-core GEMV /
-                             GEMM (RADIXLM_INT4_TMA=mma); awq-g128-mma-pdl with programmatic
-                             dependent launch (RADIXLM_INT4_PDL=1)
+             (the defaults on Hopper: 1-8 rows on the tensor-core GEMV, RADIXLM_INT4_TMA=mma,
+             and programmatic dependent launch, RADIXLM_PDL=1)
+             awq-g128-mma, gptq-g128-mma  (--arms) without PDL; -mma-pdl: explicitly with
+             bf16-nopdl     (--arms) bf16 without PDL
+             awq-g128-tma   (--arms) batch 1 on the TMA GEMV, no PDL (the kernels before)
            (dummy int4 weights: the random bf16 projections rounded to int4 at load),
            batch-1 decode tok/s (256 tokens after a 128-token prompt) and batch-64 decode tok/s
            (64 x 128 tokens after 128-token prompts), CUDA graphs on; each int4 arm also gets
@@ -71,10 +73,17 @@ ARMS = {  # arm -> (quantization_config, int4_linear)
     "awq-g128-mma": (_AWQ, "triton"),  # 1-8 rows on tensor cores (layers/triton_int4_mma.py)
     "gptq-g128-mma": (_GPTQ, "triton"),
     "awq-g128-mma-pdl": (_AWQ, "triton"),  # + programmatic dependent launch (triton_ops.pdl)
+    "gptq-g128-mma-pdl": (_GPTQ, "triton"),
+    "bf16-nopdl": (None, "auto"),  # bf16 without PDL (its RMSNorm, rotary, attention)
+    "awq-g128-tma": (_AWQ, "triton"),  # batch 1 on the TMA GEMV, no PDL (the kernel before mma)
 }
-ARM_ENV = {"awq-g128-reg": {"RADIXLM_INT4_TMA": "0"}, "awq-g128-mma": {"RADIXLM_INT4_TMA": "mma"},
-           "gptq-g128-mma": {"RADIXLM_INT4_TMA": "mma"},
-           "awq-g128-mma-pdl": {"RADIXLM_INT4_TMA": "mma", "RADIXLM_INT4_PDL": "1"}}
+ARM_ENV = {"awq-g128-reg": {"RADIXLM_INT4_TMA": "0"},
+           "awq-g128-mma": {"RADIXLM_INT4_TMA": "mma", "RADIXLM_PDL": "0"},
+           "gptq-g128-mma": {"RADIXLM_INT4_TMA": "mma", "RADIXLM_PDL": "0"},
+           "awq-g128-mma-pdl": {"RADIXLM_INT4_TMA": "mma", "RADIXLM_PDL": "1"},
+           "gptq-g128-mma-pdl": {"RADIXLM_INT4_TMA": "mma", "RADIXLM_PDL": "1"},
+           "bf16-nopdl": {"RADIXLM_PDL": "0"},
+           "awq-g128-tma": {"RADIXLM_INT4_TMA": "1", "RADIXLM_PDL": "0"}}
 DEFAULT_ARMS = ("bf16", "awq-g128", "gptq-g128")
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}

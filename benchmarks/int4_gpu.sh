@@ -23,13 +23,15 @@ export RADIXLM_TEST_TOKENIZER=$PWD/.carry/smollm2-tokenizer
 step tests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_int4_tma_gpu.py \
   tests/gpu/test_int4.py -k "tma or kernels or linear or split or silu"
 # the tensor-core GEMV for 1-8 rows (layers/triton_int4_mma.py): its tests, its config sweep
-step mmatests 200 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4_mma_gpu.py
+# (with the kernels PDL launches by default: RMSNorm, rotary, decode attention)
+step mmatests 300 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4_mma_gpu.py \
+  tests/gpu/test_fused_ops_gpu.py tests/gpu/test_triton_attention_gpu.py
 step mma 200 python benchmarks/probes/int4_mma_bound.py --result-file "$OUT/mma.jsonl" \
   --configs-out "$OUT/mma_tuned.json"
 [ -s "$OUT/mma_tuned.json" ] && export RADIXLM_INT4_MMA_CONFIGS=$OUT/mma_tuned.json
-# batch 1 with programmatic dependent launch (back-to-back calls in one graph overlap)
-RADIXLM_INT4_PDL=1 step mmapdl 120 python benchmarks/probes/int4_mma_bound.py --m 1 \
-  --result-file "$OUT/mma_pdl.jsonl"
+# batch 1 without programmatic dependent launch (the probe's other runs have it: the default)
+RADIXLM_PDL=0 step mmapdl 120 python benchmarks/probes/int4_mma_bound.py --m 1 \
+  --result-file "$OUT/mma_nopdl.jsonl"
 step sweep 240 python benchmarks/probes/int4_gemv_bound.py --result-file "$OUT/probe.jsonl" \
   --configs-out "$OUT/tuned.json"
 [ -s "$OUT/tuned.json" ] && export RADIXLM_INT4_TMA_CONFIGS=$OUT/tuned.json

@@ -4,9 +4,7 @@ Llama-3.1-8B's projection shapes: weights from HBM (copies > 256 MB cycled), cal
 one CUDA graph (benchmarks/fp8_linear.graph_time_us), us a call.
   cublas       bf16 F.linear at M rows (its bytes: ~4x the int4 bytes)
   tma          batch 1 only, its tuned config (int4_tma_tuned.py or the default)
-  mma          each (R, WARPS, AHEAD) config of the GEMV (M <= 8) or (WARPS, SPLIT_K cap) of the
-               GEMM (triton_int4_mma_gemm, M 9-64); the best, and all of them in `mma_sweep`
-  triton_gemm  M > 8: triton_int4_gemm.gemm (the Triton GEMM: W dequantized to shared memory)
+  mma          each (R, WARPS, AHEAD) config; the best, and all of them in `mma_sweep`
 One JSON line a (shape, M): each arm's us, TB/s of the int4 bytes (words + scales + zeros), the
 mma output's error against the TMA GEMV's (M = 1; max abs over max abs). `--configs-out FILE`
 writes each shape's best M = 1 config as {device: {"rows,K,group": [R, WARPS, AHEAD]}} (the form of
@@ -29,7 +27,6 @@ if _ROOT not in sys.path:
 from benchmarks.probes.int4_gemv_bound import COLD_BYTES, GROUP, SHAPES, _layer, _tma_call  # noqa: E402
 
 CONFIGS = [(r, w, a) for a in (1, 2) for r, w in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8))]
-GEMM_CONFIGS = [(w, s) for w in (4, 8) for s in (1, 2, 4, 8)]  # triton_int4_mma_gemm
 
 
 def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
@@ -37,9 +34,8 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
     import torch.nn.functional as F
 
     from benchmarks.fp8_linear import graph_time_us
-    from radixlm.runtime.layers import int4_linear, int4_mma_layout as L, triton_int4_gemm
+    from radixlm.runtime.layers import int4_linear, int4_mma_layout as L
     from radixlm.runtime.layers import triton_int4_mma as MM
-    from radixlm.runtime.layers import triton_int4_mma_gemm as MG
     from radixlm.runtime.layers import triton_int4_tma as T
 
     torch.manual_seed(0)
@@ -55,8 +51,6 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
             and L.supported(n, k, GROUP, torch.bfloat16, silu, c[0])]
     rows = []
     for m in ms:
-        if silu and m > L.MAX_M:  # (gate_up above 8 rows: no SiLU epilogue, the plain GEMM)
-            silu = False
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         row = {"probe": "int4_mma_bound", "shape": label, "N": n, "K": k, "M": m, "silu": silu,
                "int4_MB": round(int4_bytes / 1e6, 1)}
@@ -64,19 +58,11 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
                                                len(w16)), 2)
 
         def mma(cfg):
-            if m > L.MAX_M:
-                return lambda i: MG.gemm(x, words[i % copies], layers[i % copies].scales,
-                                         layers[i % copies].zeros, GROUP, config=cfg)
             return lambda i: MM.gemv(x, words[i % copies], layers[i % copies].scales,
                                      layers[i % copies].zeros, GROUP, silu=silu, config=cfg)
 
-        if m > L.MAX_M:  # the Triton GEMM (the layer's kernel above 8 rows before)
-            row["triton_gemm_us"] = round(graph_time_us(lambda i: triton_int4_gemm.gemm(
-                x, layers[i % copies].qweight, layers[i % copies].scales,
-                layers[i % copies].zeros, GROUP), copies), 2)
         sweep = {}
-        for cfg in (cfgs if m <= L.MAX_M else
-                    [c for c in GEMM_CONFIGS if MG.supported(n, k, GROUP, torch.bfloat16, c[0])]):
+        for cfg in cfgs:
             try:
                 sweep[cfg] = graph_time_us(mma(cfg), copies)
             except Exception as e:  # noqa: BLE001 (reported)
@@ -93,7 +79,7 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
                 ref = _tma_call(layers[0], x, n, k, silu, tma_cfg).float()
                 y = mma(best)(0).float()
                 row["mma_rel_err_vs_tma"] = float((y - ref).abs().max() / ref.abs().max())
-        for arm in ("cublas", "tma", "mma", "triton_gemm"):
+        for arm in ("cublas", "tma", "mma"):
             if f"{arm}_us" in row:
                 b = int4_bytes * (4 if arm == "cublas" else 1)
                 row[f"{arm}_TBps"] = round(b / row[f"{arm}_us"] / 1e6, 3)
@@ -108,7 +94,7 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 16, 64])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 8], choices=range(1, 9))
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--configs-out", default=None)
     args = ap.parse_args(argv)
@@ -127,8 +113,6 @@ def main(argv=None) -> int:
                     f.write(line + "\n")
             if row["M"] == 1 and "mma_config" in row:
                 table[f"{n},{k},{GROUP}"] = row["mma_config"]
-            if row["M"] == max(args.m) > 8 and "mma_config" in row:  # the GEMM's at the most rows
-                table[f"gemm:{n},{k},{GROUP}"] = row["mma_config"]
         if args.configs_out:
             with open(args.configs_out, "w") as f:
                 json.dump({meta["device"]: table}, f, indent=1)

@@ -1,5 +1,4 @@
-"""The tensor-core int4 GEMV for 1-8 rows (layers/triton_int4_mma.py) and GEMM for 9-64
-(layers/triton_int4_mma_gemm.py) on CUDA: against the
+"""The tensor-core int4 GEMV for 1-8 rows (layers/triton_int4_mma.py) on CUDA: against the
 dequantized fp64 reference with tests/gpu/test_int4.py's tolerance (the unrounded weights: the
 kernel sums (q - z) x exactly in fp32 a group, then scales), each row of a batch bit for bit its
 own 1-row call, the SiLU epilogue against the kernel's own plain output with the unfused
@@ -129,55 +128,9 @@ def test_int4_mma_in_cuda_graph():
         check_graph_replay(lin, torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16))
 
 
-def check_mma_gemm(cases, dtypes=(torch.bfloat16, torch.float16)) -> None:
-    """triton_int4_mma_gemm.gemm at cases (rows, K, group, config, bias): 9, 16, 33 and 64 rows
-    against the reference (unrounded W), each batch's rows the 64-row batch's bits."""
-    from radixlm.runtime.layers import triton_int4_mma_gemm as MG
-
-    for rows, k, group, cfg, bias in cases:
-        words, s, z, w = _operands(rows, k, group, seed=rows + k + group + 1)
-        gen = torch.Generator().manual_seed(k + 1)
-        b = torch.randn(rows, generator=gen) if bias else None
-        for dt in dtypes:
-            x = torch.randn(64, k, generator=gen).to(dt)
-            bias_dev = b.to(dt).cuda() if bias else None
-            what = (rows, k, group, cfg, bias, dt)
-            ys = {}
-            for m in (64, 9, 16, 33):
-                y = MG.gemm(x[:m].cuda(), words, s, z, group, bias_dev, config=cfg)
-                _check_close(y, x[:m].float(), w, b.to(dt).float() if bias else None, dt,
-                             what + (m,), exact_w=True)
-                assert torch.equal(y, ys.setdefault(64, y)[:m]), what + ("rows of", m)
-
-
-def test_int4_mma_gemm_cuda():
-    _need_sm90()
-    check_mma_gemm([
-        (64, 1024, 128, (4, 2), False),  # one row block, split 2
-        (256, 512, 32, (4, 4), True),  # group 32, a bias
-        (128, 768, 64, (8, 1), False),
-        (6144, 4096, 128, (4, 2), False),  # the 8B's shapes
-        (4096, 14336, 128, (8, 4), True),
-        (28672, 4096, 128, (4, 1), False),
-    ])
-
-
-def test_int4_mma_gemm_through_the_layer():
-    _need_sm90()
-    with batch1_setting("mma"):
-        lin = _layer("cuda", 512, 2048, 128, torch.bfloat16, bias=True, seed=2)
-        assert lin.use_tma() and lin.tma.kind == "mma"
-        for m in (12, 64, 65):  # 65 rows: the Triton GEMM (W rounded to bf16)
-            x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m))
-            xb = x.to(torch.bfloat16)
-            _check_close(lin(xb.cuda()), xb.float(), lin.dequantized_weight().cpu(),
-                         lin.bias.cpu().float(), torch.bfloat16, ("layer", m), exact_w=m <= 64)
-        check_graph_replay(lin, torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16))
-
-
 def test_int4_mma_pdl_in_cuda_graph():
-    """RADIXLM_INT4_PDL=1: RMSNorm -> GEMV -> GEMV -> GEMM launched with programmatic dependent
-    launch inside a CUDA graph gives the bits of the same chain without it."""
+    """RADIXLM_PDL=1: RMSNorm -> GEMV -> GEMV (and 16 rows: the Triton GEMMs between) with
+    programmatic dependent launch inside a CUDA graph gives the bits of the chain without it."""
     _need_sm90()
     from radixlm.runtime.layers import triton_ops
 
@@ -187,7 +140,7 @@ def test_int4_mma_pdl_in_cuda_graph():
         assert a.use_tma() and b.use_tma()
         w = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
 
-        def chain(x):  # batch 1 through the GEMVs, 16 rows through the GEMMs
+        def chain(x):  # batch 1 through the GEMVs, 16 rows through the Triton GEMMs
             h = triton_ops.rmsnorm(x, w, 1e-6)
             return b(a(h[:1])), b(a(h))
 
@@ -209,3 +162,38 @@ def test_int4_mma_pdl_in_cuda_graph():
             else:
                 os.environ[triton_ops.PDL_ENV] = old
         assert all(torch.equal(p, q) for p, q in zip(want, got))
+
+
+def test_int4_mma_pdl_engine_tokens(tmp_path):
+    """A tiny int4 Llama in the Engine (CUDA graphs, decode on the mma GEMV) gives the same
+    greedy tokens with RADIXLM_PDL=1 (every decode kernel launched with programmatic
+    dependent launch) as without."""
+    _need_sm90()
+    import arch_parity as ap
+    import int4_ckpt as ic
+
+    from radixlm.runtime.layers import triton_ops
+
+    model = ic.tiny_llama(hidden_size=256, intermediate_size=512, head_dim=64)
+    ic.write_int4(model, str(tmp_path / "q"), ic.CASES["awq-g128"],
+                  plain_path=str(tmp_path / "p"))
+    prompts = ap.prompts(model[0]["vocab_size"])
+    outs = {}
+    old = os.environ.get(triton_ops.PDL_ENV)
+    try:
+        with batch1_setting("mma"):
+            for flag in ("0", "1"):
+                os.environ[triton_ops.PDL_ENV] = flag
+                eng = ap.make_engine(str(tmp_path / "q"), device="cuda", dtype="bfloat16")
+                try:
+                    outs[flag] = [o["output_ids"] for o in ap.generate(eng, prompts)]
+                    eng.wait_idle()
+                    eng.check_integrity()
+                finally:
+                    eng.shutdown()
+    finally:
+        if old is None:
+            os.environ.pop(triton_ops.PDL_ENV, None)
+        else:
+            os.environ[triton_ops.PDL_ENV] = old
+    assert outs["0"] == outs["1"]

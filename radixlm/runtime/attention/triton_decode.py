@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from radixlm.runtime.layers.triton_ops import pdl
 
@@ -90,7 +90,11 @@ def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LseP
                    G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    HAS_START: tl.constexpr, HAS_LSE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_CAP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                   HAS_CAP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    if PDL:  # (layers/triton_ops.pdl)
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,9 +155,10 @@ def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LseP
 @triton.jit
 def _decode_stage2(OPart, LsePart, Out, Lse, stride_ob, stride_oh, stride_lb,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, HAS_LSE: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # the o projection's int4 mma kernel (PDL) may start its prologue
+                   BLOCK_S: tl.constexpr, HAS_LSE: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # (layers/triton_ops.pdl)
         gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -244,6 +249,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     if lse_out is not None:
         assert lse_out.dtype == torch.float32 and lse_out.stride(1) == 1
     dt = dot_dtype(q.dtype, k_buf.dtype)
+    use_pdl = q.is_cuda and pdl(q.device)
     _decode_stage1[(bsz, hkv, splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices,
         kv_start if kv_start is not None else seq_lens, seq_lens, out, lse_arg, o_part, lse_part,
@@ -254,10 +260,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         G=g, D=d, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_START=kv_start is not None, HAS_LSE=lse_out is not None,
         HAS_WINDOW=window > 0, HAS_CAP=softcap > 0, DOT=dt, PREC=dot_precision(dt),
-        num_warps=num_warps, num_stages=num_stages)
+        PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_stage2[(bsz, hq)](
             o_part, lse_part, out, lse_arg, out.stride(0), out.stride(1), lse_stride,
             D=d, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            HAS_LSE=lse_out is not None, TRIGGER=out.is_cuda and pdl(), num_warps=4)
+            HAS_LSE=lse_out is not None, PDL=use_pdl, launch_pdl=use_pdl, num_warps=4)
     return out

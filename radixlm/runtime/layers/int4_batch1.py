@@ -1,18 +1,20 @@
 """Which kernel an Int4Linear's small-batch calls take on a Hopper GPU, and the operands it
 derives from the layer's (kept beside qweight, refreshed in place after new weights: descriptors
 and captured CUDA graphs hold their addresses). RADIXLM_INT4_TMA picks:
-  mma        layers/triton_int4_mma.py: 1-8 rows on tensor cores, W repacked into the MMA
-             fragments' layout, and 9-64 rows on layers/triton_int4_mma_gemm.py over the same
-             words (a second copy of the int4 weights: qweight stays for the Triton GEMM above
-             64 rows and for act-order layers above 8)
-  1 / unset  `tma`: batch 1 on layers/triton_int4_tma.py (scales and zeros transposed to (G, N))
+  mma / unset  layers/triton_int4_mma.py: 1-8 rows on tensor cores, W repacked into the MMA
+             fragments' layout (layers/int4_mma_layout.py: a second copy of the int4 weights,
+             qweight stays for the Triton GEMM above 8 rows)
+  1          `tma`: batch 1 on layers/triton_int4_tma.py (scales and zeros transposed to (G, N))
              at the GPU's tuned config for the shape (layers/int4_tma_tuned.py) or its default
   0          the register GEMV (triton_int4.gemv) for every batch-1 call
 A layer whose shape the chosen kernel does not take keeps the register GEMV (mma falls back to
 tma first). Measured on an H200 on 2026-11-29 and removed: a wgmma batch-1 variant (each group's
 sums by wgmma for 1-64 rows; 2x slower than the TMA GEMV at batch 1, 0.92x of the GEMM at 64
 rows) and packed fp16 products in the TMA GEMV (~2/3 of its sm_90 instructions, no faster at any
-shape's best config)."""
+shape's best config); and an mma GEMM for 9-64 rows over the mma words (each word dequantized
+once for ceil(M / 8) B tiles, x's fragments loaded a step by every lane): 0.25-0.33x of cuBLAS
+bf16 at 64 rows (gate_up 248 us against 61; the Triton GEMM 76), its x loads latency-bound at
+~170 registers a thread."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ ENV_VAR = "RADIXLM_INT4_TMA"
 
 
 def setting() -> str:
-    v = os.environ.get(ENV_VAR, "1").strip().lower()
+    v = os.environ.get(ENV_VAR, "mma").strip().lower()
     if v not in ("0", "1", "mma"):
         raise ValueError(f"{ENV_VAR} must be 0, 1 or mma (got {v!r})")
     return {"0": "off", "1": "tma", "mma": "mma"}[v]
@@ -35,28 +37,21 @@ def setting() -> str:
 @dataclass
 class Batch1:
     kind: str  # "tma" | "mma"
-    cfg: tuple  # tma: its config; mma: (its GEMV's, its GEMM's)
+    cfg: tuple
     derived: tuple  # tma: (scales_t, zeros_t); mma: (words,)
     descs: Optional[tuple]  # tma: its TMA descriptors
 
     def accepts(self, layer, x2: torch.Tensor, silu: bool = False) -> bool:
-        """Whether this call is the kernel's: one row (tma); 1-8 rows of bf16 / fp16 8-byte
-        aligned (mma's GEMV), or 9-64 rows (its GEMM: no SiLU epilogue, no act-order)."""
+        """Whether this call is the kernel's: one row (tma); 1-8 rows of bf16 / fp16, 8-byte
+        aligned (mma)."""
         if self.kind == "tma":
             return x2.shape[0] == 1
         from radixlm.runtime.layers import int4_mma_layout as MM
-        from radixlm.runtime.layers import triton_int4_mma_gemm as MG
 
-        m = x2.shape[0]
-        if not (x2.dtype in (torch.bfloat16, torch.float16) and x2.stride(0) % 4 == 0
-                and x2.data_ptr() % 8 == 0):
-            return False
-        if m <= MM.MAX_M:
-            return m >= 1 and (not silu or MM.supported(layer.out_features, layer.in_features,
-                                                        layer.group, x2.dtype, silu=True))
-        return (m <= MG.MAX_M and not silu and layer.perm is None
-                and MG.supported(layer.out_features, layer.in_features, layer.group, x2.dtype,
-                                 self.cfg[1][0]))
+        return (1 <= x2.shape[0] <= MM.MAX_M and x2.dtype in (torch.bfloat16, torch.float16)
+                and x2.stride(0) % 4 == 0 and x2.data_ptr() % 8 == 0
+                and (not silu or MM.supported(layer.out_features, layer.in_features,
+                                              layer.group, x2.dtype, silu=True)))
 
     def refresh(self, layer) -> None:
         """The derived operands recomputed from the layer's, in place."""
@@ -67,16 +62,11 @@ class Batch1:
         n_out = layer.out_features // 2 if silu else layer.out_features
         bias = None if silu else layer.bias
         if self.kind == "mma":
-            from radixlm.runtime.layers import int4_mma_layout, triton_int4_mma
-            from radixlm.runtime.layers import triton_int4_mma_gemm
+            from radixlm.runtime.layers import triton_int4_mma
 
-            if x2.shape[0] > int4_mma_layout.MAX_M:
-                return triton_int4_mma_gemm.gemm(x2, self.derived[0], layer.scales,
-                                                 layer.zeros, layer.group, bias,
-                                                 config=self.cfg[1])
             return triton_int4_mma.gemv(x2, self.derived[0], layer.scales, layer.zeros,
                                         layer.group, bias, perm=layer.perm, silu=silu,
-                                        config=self.cfg[0])
+                                        config=self.cfg)
         from radixlm.runtime.layers import triton_int4_tma
 
         return triton_int4_tma.gemv(x2, self.descs, n_out, layer.in_features, layer.group,
@@ -99,11 +89,10 @@ def _mma_config(layer) -> Optional[tuple]:
         return None
     dtype = layer.act_dtype if layer.act_dtype in (torch.bfloat16, torch.float16) \
         else torch.bfloat16
-    name = torch.cuda.get_device_name(device)
-    cfg = MM.config_for(layer.out_features, layer.in_features, layer.group, name)
-    gemm_cfg = MM.config_for(layer.out_features, layer.in_features, layer.group, name, "gemm")
-    return (cfg, gemm_cfg) if MM.supported(layer.out_features, layer.in_features, layer.group,
-                                           dtype, r=cfg[0]) else None
+    cfg = MM.config_for(layer.out_features, layer.in_features, layer.group,
+                        torch.cuda.get_device_name(device))
+    return cfg if MM.supported(layer.out_features, layer.in_features, layer.group, dtype,
+                               r=cfg[0]) else None
 
 
 def prepare(layer, old: Optional[Batch1]) -> Optional[Batch1]:

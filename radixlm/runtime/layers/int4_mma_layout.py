@@ -1,5 +1,5 @@
-"""The `mma` int4 layout of the tensor-core kernels (layers/triton_int4_mma.py: 1-8 rows,
-layers/triton_int4_mma_gemm.py: 9-64 rows), their shape rules and configs; torch only, no Triton.
+"""The `mma` int4 layout of the tensor-core GEMV (layers/triton_int4_mma.py: 1-8 rows), its shape
+rules and configs; torch only, no Triton.
 
 The `mma` layout (pack(): built at load from int4_linear's pack_rows layout, the same bytes)
   words (N/16, K/64, 32, 4) int32: row tile rt (16 rows), chunk ch (64 k), lane l = 4g + c
@@ -33,34 +33,26 @@ import torch
 # int4_mma_bound.py): {device name: {"rows,K,group": config}}; under SILU R is 2 (the gate tile
 # and its up tile) whatever the table says
 DEFAULT = (1, 8, 1)
-GEMM_DEFAULT = (4, 2)  # triton_int4_mma_gemm's (WARPS, SPLIT_K cap)
-# the sweep of 2026-11-29 on an H200 (benchmarks/results/int4_mma_bound-gpu.jsonl): batch 1 at
-# Llama-3.1-8B's qkv 7.15 us, o 6.09, [gate | up] 22.47, down 12.85 (the TMA GEMV: 8.12, 6.19,
-# 26.02, 14.07); AHEAD 2 was no faster at any shape
+# the sweep of 2026-11-29 on an H200 under PDL (benchmarks/results/int4_mma_bound-gpu.jsonl):
+# batch 1 at Llama-3.1-8B's qkv 7.76 us, o 5.38, [gate | up] 21.31, down 12.1 (without PDL
+# 7.15, 6.09 at (1, 8, 1), 22.47, 12.85; the TMA GEMV 8.12, 6.19, 26.02, 14.07)
 TUNED: dict = {
     "NVIDIA H200": {
-        "6144,4096,128": (1, 8, 1), "4096,4096,128": (1, 8, 1),
+        "6144,4096,128": (1, 8, 1), "4096,4096,128": (1, 8, 2),
         "28672,4096,128": (2, 4, 1), "4096,14336,128": (1, 16, 1),
     },
 }
-MAX_M = 8  # the GEMV's: B's 8 columns
-GEMM_MAX_M = 64  # the GEMM's (8 B tiles)
+MAX_M = 8  # B's 8 columns
 GROUPS = (32, 64, 128)
 ENV_VAR = "RADIXLM_INT4_MMA_CONFIGS"  # a sweep's table (--configs-out) instead of TUNED
 
 
-def config_for(rows: int, k: int, group: int, device_name: str = "",
-               kernel: str = "gemv") -> tuple:
-    """The GEMV's (R, WARPS, AHEAD) or (kernel "gemm") triton_int4_mma_gemm's (WARPS, SPLIT_K
-    cap) for a layer of `rows` x K at `group` on `device_name` (the table's keys "rows,K,group"
-    and "gemm:rows,K,group")."""
+def config_for(rows: int, k: int, group: int, device_name: str = "") -> tuple:
+    """(R, WARPS, AHEAD) for a layer of `rows` x K at `group` on `device_name`."""
     path = os.environ.get(ENV_VAR)
     table = _file_table(path) if path else TUNED
-    key = f"{rows},{k},{group}" if kernel == "gemv" else f"gemm:{rows},{k},{group}"
-    cfg = table.get(device_name, {}).get(key)
-    if cfg is not None:
-        return tuple(cfg)
-    return DEFAULT if kernel == "gemv" else GEMM_DEFAULT
+    cfg = table.get(device_name, {}).get(f"{rows},{k},{group}")
+    return tuple(cfg) if cfg is not None else DEFAULT
 
 
 @lru_cache(maxsize=None)

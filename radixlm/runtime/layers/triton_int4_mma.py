@@ -358,5 +358,5 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
         bias if bias is not None else x, y, m, n_out, x.stride(0), y.stride(0),
         scales.stride(0), K=k, GROUP=group, R=r, WARPS=warps, SILU=silu,
         HAS_BIAS=bias is not None, HAS_PERM=perm is not None, BF16=x.dtype == torch.bfloat16,
-        AHEAD=ahead, PDL=pdl(), launch_pdl=pdl(), num_warps=warps)
+        AHEAD=ahead, PDL=pdl(x.device), launch_pdl=pdl(x.device), num_warps=warps)
     return y

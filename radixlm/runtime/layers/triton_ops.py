@@ -20,21 +20,23 @@ results may differ from the torch path by an ulp now and then.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("RADIXLM_DISABLE_FUSED_OPS", "") in ("", "0")
 
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # a dependent launched with PDL (the int4 mma kernels) may start its prologue
-        gdc_launch_dependents()
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (programmatic dependent launch: pdl()): let the next kernel launch,
+        gdc_launch_dependents()  # then wait for the previous one's outputs
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -51,21 +53,30 @@ def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_r
     tl.store(Out + row * stride_o + offs, out, mask=m)
 
 
-PDL_ENV = "RADIXLM_INT4_PDL"
+PDL_ENV = "RADIXLM_PDL"
 
 
-def pdl() -> bool:
-    """Programmatic dependent launch (RADIXLM_INT4_PDL=1, sm_90): the int4 mma kernels
-    (layers/triton_int4_mma*.py) are launched so that they may start before the previous kernel
-    ends, request their first unit's weights, then wait (griddepcontrol.wait) before reading x;
-    the kernels before them (RMSNorm, the decode attention's reduction, the mma kernels) let
-    their dependents start early (griddepcontrol.launch_dependents). The same results."""
-    return os.environ.get(PDL_ENV, "0") == "1"
+def pdl(device: Optional[torch.device] = None) -> bool:
+    """Programmatic dependent launch (on by default on sm_90+; RADIXLM_PDL=0 turns it off): a
+    decode step's Triton kernels (RMSNorm, rotary + KV store, the decode attention's two stages,
+    the int4 mma GEMV) are launched so that each may start while the previous one ends
+    (griddepcontrol.launch_dependents first, then griddepcontrol.wait before reading its inputs:
+    the launch latency hidden); the int4 GEMV requests its first unit's weights before it waits.
+    The same results, kernel for kernel (tests/gpu/test_int4_mma_gpu.py)."""
+    if os.environ.get(PDL_ENV, "1") != "1" or not torch.cuda.is_available():
+        return False
+    return _sm90(torch.cuda.current_device() if device is None or device.index is None
+                 else device.index)
 
 
-def _trigger(x: torch.Tensor) -> bool:
-    """Whether a kernel on x's device lets its PDL dependents start early."""
-    return x.is_cuda and pdl()
+@lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _pdl(x: torch.Tensor) -> bool:
+    """Whether a kernel on x's device launches with PDL (and waits for its predecessor)."""
+    return x.is_cuda and pdl(x.device)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -79,13 +90,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     warps = min(16, max(1, block // 512))
     if residual is None:
         _rmsnorm_kernel[(t,)](x, x, weight, out, out, x.stride(0), 0, out.stride(0), 0, n, eps,
-                              HAS_RES=False, BLOCK=block, TRIGGER=_trigger(x), num_warps=warps)
+                              HAS_RES=False, BLOCK=block, PDL=_pdl(x), launch_pdl=_pdl(x),
+                              num_warps=warps)
         return out
     assert residual.shape == x.shape and residual.stride(1) == 1
     res_out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     _rmsnorm_kernel[(t,)](x, residual, weight, out, res_out, x.stride(0), residual.stride(0),
                           out.stride(0), res_out.stride(0), n, eps,
-                          HAS_RES=True, BLOCK=block, TRIGGER=_trigger(x), num_warps=warps)
+                          HAS_RES=True, BLOCK=block, PDL=_pdl(x), launch_pdl=_pdl(x),
+                          num_warps=warps)
     return out, res_out
 
 
@@ -226,9 +239,12 @@ def mla_latent_store(kv: torch.Tensor, r: int, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rotary_store_kernel(X, Cos, Sin, KB, VB, Loc, stride_xt, stride_xh, stride_ct, stride_st,
                          stride_kb, stride_kh, stride_vb, stride_vh, HQ, HKV,
-                         HALF: tl.constexpr, BLOCK: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # program (t, h) over the Hq + 2 Hkv heads of token t's qkv row: q heads are rotated in
     # place; k heads are rotated in place and stored at the token's slot; v heads only stored
+    if PDL:  # (pdl())
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -274,7 +290,8 @@ def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq:
     _rotary_store_kernel[(t, h)](
         qkv, cos, sin, k_buf, v_buf, loc, qkv.stride(0), qkv.stride(1), cos.stride(0),
         sin.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), hq, hkv,
-        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+        HALF=half, BLOCK=triton.next_power_of_2(half), PDL=_pdl(qkv), launch_pdl=_pdl(qkv),
+        num_warps=1)
 
 
 @triton.jit
