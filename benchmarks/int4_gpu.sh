@@ -44,4 +44,4 @@ c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
                             "zero_point": True, "version": "gemm"}
 json.dump(c, open(sys.argv[1], "w"))
 PY
-RADIXLM_INT4_TMA=${TIMELINE_INT4:-1} step timeline 150 python benchmarks/probes/gpu_probe_bs1.py timeline --model-path "$OUT/awq"
+RADIXLM_INT4_TMA=${TIMELINE_INT4:-mma} step timeline 150 python benchmarks/probes/gpu_probe_bs1.py timeline --model-path "$OUT/awq"
