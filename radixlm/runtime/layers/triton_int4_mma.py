@@ -1,4 +1,5 @@
-"""The int4 GEMV for decode batches of 1-8 rows on tensor cores (sm_80+): W is the A operand of
+"""The int4 GEMV for decode batches of 1-8 rows on tensor cores (sm_90: its packed bf16
+subtraction): W is the A operand of
 mma.sync.m16n8k16 (16 weight rows x 16 k), dequantized in registers straight into the A
 fragment; x is B (16 k x 8 columns: batch row n in column n, unused columns zero).
 
@@ -6,8 +7,10 @@ Why: the fp32 GEMVs (triton_int4, triton_int4_tma) spend ~3.6 sm_90 instructions
 in their loop (LOP3 + FADD + FFMA each, plus the rest) and are issue-bound (Nsight on an H200:
 the gate_up GEMV 61% issue busy at 8 warps an SM, 1.6x the time of its loads alone). Here one
 32-bit word holds exactly one lane's A fragment (8 values), so a word costs 3 SHF + 4 LOP3 +
-4 packed subtractions + 1 MMA: ~1.5 instructions a value, and the products and their sums run on
-the tensor cores.
+4 packed subtractions + 1 MMA (~2.5 sm_90 instructions a value in the loop with the loads and
+their addresses, ~40-130 registers), and the products and their sums run on the tensor cores.
+Measured (H200, benchmarks/probes/int4_mma_bound.py): 1.05-1.21x faster than the TMA GEMV at
+the 8B's shapes, 2.1-3.0x faster than cuBLAS bf16.
 
 The words' layout, its packing and the configs: layers/int4_mma_layout.py (read it first).
 
@@ -20,7 +23,10 @@ rows of the batch (each column of the MMA is its own).
 Work: a program takes R row tiles (R = 2 under SILU: the gate tile and its up tile, so the
 epilogue has both) and all of K; its WARPS warps take the K units (a unit: one group) u = warp,
 warp + WARPS, ...; their sums are added across warps in a fixed order (tl.sum over the warp
-axis: deterministic). Each warp requests a unit's words, zeros, scales and x ahead of its math.
+axis: deterministic). Each warp requests a unit's words, zeros, scales and x ahead of its math
+(loaded in the unit that used them, the kernel was latency-bound: no faster than the TMA GEMV).
+Under programmatic dependent launch (triton_ops.pdl) the first unit's weights are requested
+before griddepcontrol.wait, x after it.
 
 The per-lane arithmetic is inline PTX over 1-D tensors of 32 * WARPS elements, element t on
 thread t (Triton's layout for such a tensor; the GPU tests would catch another): the mma.sync is

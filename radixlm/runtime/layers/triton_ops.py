@@ -63,10 +63,13 @@ def pdl(device: Optional[torch.device] = None) -> bool:
     (griddepcontrol.launch_dependents first, then griddepcontrol.wait before reading its inputs:
     the launch latency hidden); the int4 GEMV requests its first unit's weights before it waits.
     The same results, kernel for kernel (tests/gpu/test_int4_mma_gpu.py)."""
-    if os.environ.get(PDL_ENV, "1") != "1" or not torch.cuda.is_available():
+    if os.environ.get(PDL_ENV, "1") != "1":  # (read a call: tests switch it)
         return False
-    return _sm90(torch.cuda.current_device() if device is None or device.index is None
-                 else device.index)
+    if device is None or device.index is None:
+        if not torch.cuda.is_available():
+            return False
+        return _sm90(torch.cuda.current_device())
+    return _sm90(device.index)
 
 
 @lru_cache(maxsize=None)
