@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The int4 GPU measurements in ONE device call on one Hopper GPU (device time is scarce): the
-# int4 GPU tests, the batch-1 GEMV's full config sweep (probes/int4_gemv_bound.py, which writes
-# the tuned table as $OUT/tuned.json), the e2e bf16 / AWQ / GPTQ decode (int4_decode.py) with
-# that table, and the batch-1 step's timeline (probes/gpu_probe_bs1.py). Each step has its own
-# time limit and logs to $OUT, so a hang in one leaves the others' results.
+# int4 GPU tests, the TMA GEMV's full config sweep (probes/int4_gemv_bound.py, which writes its
+# tuned table as $OUT/tuned.json), the mma GEMV's tests and sweep (mmatests, mma: the Hopper
+# default's table as $OUT/mma_tuned.json; mmapdl: without PDL), the e2e bf16 / AWQ / GPTQ decode
+# (int4_decode.py, E2E_ARMS) with those tables, and the batch-1 step's timeline
+# (probes/gpu_probe_bs1.py). Each step has its own time limit and logs to $OUT, so a hang in one
+# leaves the others' results.
 #
 #   # here: ../shared/tools/gpu-wheels fastapi uvicorn pyzmq xgrammar gguf orjson pydantic jsonschema
 #   #       .venv/bin/python benchmarks/gpu_prep.py --out .carry
 #   # device (kind nvidia-h200 or nvidia-h100, carry [".whl", ".carry"]):
 #   bash benchmarks/int4_gpu.sh                   # the default steps, ~560 s at most
 #   bash benchmarks/int4_gpu.sh sweep e2e         # some of them (also: mmatests mma mmapdl)
-#   E2E_ARMS="bf16 awq-g128 awq-g128-mma" bash benchmarks/int4_gpu.sh mma e2e
+#   E2E_ARMS="bf16 awq-g128 gptq-g128 bf16-nopdl" bash benchmarks/int4_gpu.sh mmatests e2e
 #
 # Budget (one H200, 2026-11-29): tests ~220 s (test_int4.py 17 tests ~240 s alone: not run
-# here), sweep ~45 s, e2e 3 arms ~40-100 s, timeline ~45 s. A GPU the tuned table
-# (layers/int4_tma_tuned.py) lacks gets its own from the sweep: copy tuned.json's entry there.
+# here), sweep ~45 s, mmatests ~240 s, mma ~60 s, e2e 3-4 arms ~60-100 s, timeline ~25 s. A GPU
+# the tuned tables (layers/int4_tma_tuned.py, layers/int4_mma_layout.py) lack gets its own from
+# the sweeps: copy tuned.json's / mma_tuned.json's entry there.
 set -u
 OUT=${OUT:-/tmp/int4_gpu}
 STEPS=" ${*:-tests sweep e2e timeline} "
