@@ -75,9 +75,9 @@ class Batch1:
 
 def _derive(layer, kind: str) -> tuple:
     if kind == "mma":
-        from radixlm.runtime.layers import int4_linear, int4_mma_layout
+        from radixlm.runtime.layers import int4_mma_layout
 
-        return (int4_mma_layout.pack(int4_linear.unpack_rows(layer.qweight)),)
+        return (int4_mma_layout.pack(layer.codes()),)
     return layer.scales.t().contiguous(), layer.zeros.t().contiguous()
 
 

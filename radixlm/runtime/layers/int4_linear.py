@@ -187,9 +187,13 @@ class Int4Linear(nn.Module):
             new.bias.data.copy_(bias)
         return new
 
+    def codes(self) -> torch.Tensor:
+        """The (N, K) uint8 codes q in the stored (act-order: permuted) column order."""
+        return unpack_rows(self.qweight)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, K) `dtype` in the checkpoint's column order (perm undone)."""
-        q = unpack_rows(self.qweight)
+        q = self.codes()
         grp = torch.arange(self.in_features, device=q.device) // self.group
         w = ((q.to(torch.int16) - self.zeros.to(torch.int16)[:, grp]).float()
              * self.scales.float()[:, grp])
