@@ -34,7 +34,7 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
     import torch.nn.functional as F
 
     from benchmarks.fp8_linear import graph_time_us
-    from radixlm.runtime.layers import int4_linear, int4_mma_layout as L
+    from radixlm.runtime.layers import int4_mma_layout as L
     from radixlm.runtime.layers import triton_int4_mma as MM
     from radixlm.runtime.layers import triton_int4_tma as T
 
@@ -42,7 +42,7 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
     int4_bytes = n * k // 2 + n * (k // GROUP) * 3
     copies = max(2, -(-COLD_BYTES // int4_bytes))
     layers = [_layer(n, k) for _ in range(copies)]
-    words = [L.pack(int4_linear.unpack_rows(lyr.qweight)) for lyr in layers]
+    words = [L.pack(lyr.codes()) for lyr in layers]
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
            for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))))]
     name = torch.cuda.get_device_name()
