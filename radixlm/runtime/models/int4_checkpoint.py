@@ -224,11 +224,13 @@ def init_dummy(model: torch.nn.Module, p: Int4Plan) -> None:
 
 
 def _pick_kernels(model: torch.nn.Module, p: Int4Plan) -> None:
-    if p.mode == "triton":  # batch 1 over TMA where the GPU has it (layers/triton_int4_tma.py)
+    if p.mode == "triton":  # small batches on a Hopper kernel (layers/int4_batch1.py)
         done, left = int4_linear.use_tma(model)
         if done:
-            logger.info("int4: %d layers run batch 1 on the TMA GEMV, %d on the register GEMV",
-                        done, left)
+            kinds = sorted({m.tma.kind for m in model.modules()
+                            if isinstance(m, int4_linear.Int4Linear) and m.tma is not None})
+            logger.info("int4: %d layers run small batches on the %s GEMV, %d on the register "
+                        "GEMV", done, " / ".join(kinds), left)
     if p.mode == "torch":
         done, left = int4_linear.use_torch_kernels(model)
         if left:
