@@ -128,6 +128,20 @@ def _unit_zs(Z, S, zrow, u, ok, stride_s, MAGIC16: tl.constexpr):
 
 
 @triton.jit
+def _unit_weights(wp_a, wp_b, Z, S, zrow_a, zrow_b, u, ok, stride_s, SG: tl.constexpr,
+                  R: tl.constexpr, MAGIC16: tl.constexpr):
+    # what unit u reads of the program's tiles but x: a tuple of 24 (T,) tensors, tile a's 8
+    # words (padded), packed zeros of rows g / g + 8 and their scales, then tile b's (tile a's
+    # again when R == 1)
+    wa = _unit_words(wp_a, u, ok, SG)
+    za = _unit_zs(Z, S, zrow_a, u, ok, stride_s, MAGIC16)
+    if R == 2:
+        return wa + za + _unit_words(wp_b, u, ok, SG) + _unit_zs(Z, S, zrow_b, u, ok, stride_s,
+                                                                  MAGIC16)
+    return wa + za + wa + za
+
+
+@triton.jit
 def _step_x(xp, P, xrow, ks, c, ok, HAS_PERM: tl.constexpr):
     # a lane's B registers at k step ks: x[g, 16 ks + 4c + 0..3] as 2 bf16 / fp16 pairs in one
     # int64 (column g = batch row g; 0 where not ok). xp: (T,) int64 pointers at x[g, 4c] (no
@@ -199,70 +213,39 @@ def _int4_gemv_mma_kernel(X, WD, S, Z, P, B, Y, M, N_OUT, stride_xm, stride_ym, 
     acc_a0, acc_a1, acc_a2, acc_a3 = zero, zero, zero, zero
     acc_b0, acc_b1, acc_b2, acc_b3 = zero, zero, zero, zero
     # the first AHEAD units (u = warp, warp + WARPS) requested before the loop: words, zeros
-    # and scales AHEAD units ahead of the math, x one unit ahead
+    # and scales AHEAD units ahead of the math, x one unit ahead; a unit's weights are one
+    # tuple, _unit_weights' (tile a's 8 words, zeros, scales; tile b's)
     ok = warp < UNITS
-    na0, na1, na2, na3, na4, na5, na6, na7 = _unit_words(wp_a, warp, ok, SG)
-    nz_a0, nz_a1, ns_a0, ns_a1 = _unit_zs(Z, S, zrow_a, warp, ok, stride_s, MAGIC16)
-    nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = na0, na1, na2, na3, na4, na5, na6, na7
-    nz_b0, nz_b1, ns_b0, ns_b1 = nz_a0, nz_a1, ns_a0, ns_a1
-    if R == 2:
-        nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _unit_words(wp_b, warp, ok, SG)
-        nz_b0, nz_b1, ns_b0, ns_b1 = _unit_zs(Z, S, zrow_b, warp, ok, stride_s, MAGIC16)
-    # (the second unit ahead: used only when AHEAD == 2)
-    ok2 = warp + WARPS < UNITS
-    ma0, ma1, ma2, ma3, ma4, ma5, ma6, ma7 = na0, na1, na2, na3, na4, na5, na6, na7
-    mz_a0, mz_a1, ms_a0, ms_a1 = nz_a0, nz_a1, ns_a0, ns_a1
-    mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7 = nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7
-    mz_b0, mz_b1, ms_b0, ms_b1 = nz_b0, nz_b1, ns_b0, ns_b1
+    nw = _unit_weights(wp_a, wp_b, Z, S, zrow_a, zrow_b, warp, ok, stride_s, SG, R, MAGIC16)
+    mw = nw  # (the second unit ahead: AHEAD == 2 only)
     if AHEAD == 2:
-        ma0, ma1, ma2, ma3, ma4, ma5, ma6, ma7 = _unit_words(wp_a, warp + WARPS, ok2, SG)
-        mz_a0, mz_a1, ms_a0, ms_a1 = _unit_zs(Z, S, zrow_a, warp + WARPS, ok2, stride_s,
-                                              MAGIC16)
-        if R == 2:
-            mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7 = _unit_words(wp_b, warp + WARPS, ok2, SG)
-            mz_b0, mz_b1, ms_b0, ms_b1 = _unit_zs(Z, S, zrow_b, warp + WARPS, ok2, stride_s,
-                                                  MAGIC16)
+        mw = _unit_weights(wp_a, wp_b, Z, S, zrow_a, zrow_b, warp + WARPS,
+                           warp + WARPS < UNITS, stride_s, SG, R, MAGIC16)
     if PDL:  # the weights above are requested; x is the previous kernel's output
         gdc_wait()
-    nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = _unit_x(xp, P, xrow, warp, c, x_ok & ok, SG,
-                                                     HAS_PERM)
+    nx = _unit_x(xp, P, xrow, warp, c, x_ok & ok, SG, HAS_PERM)
     for it in range(ITERS):
         u = warp + it * WARPS  # (T,): the warp's unit
-        wa = (na0, na1, na2, na3, na4, na5, na6, na7)
-        wb = (nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7)
-        xs = (nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7)
-        z_a0, z_a1, s_a0, s_a1 = nz_a0, nz_a1, ns_a0, ns_a1
-        z_b0, z_b1, s_b0, s_b1 = nz_b0, nz_b1, ns_b0, ns_b1
+        cw, xs = nw, nx
         # the loads of the unit AHEAD units on, in flight during this unit's math
         far = u + AHEAD * WARPS
-        f_ok = far < UNITS
+        fw = _unit_weights(wp_a, wp_b, Z, S, zrow_a, zrow_b, far, far < UNITS, stride_s, SG, R,
+                           MAGIC16)
         if AHEAD == 2:
-            na0, na1, na2, na3, na4, na5, na6, na7 = ma0, ma1, ma2, ma3, ma4, ma5, ma6, ma7
-            nz_a0, nz_a1, ns_a0, ns_a1 = mz_a0, mz_a1, ms_a0, ms_a1
-            nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7
-            nz_b0, nz_b1, ns_b0, ns_b1 = mz_b0, mz_b1, ms_b0, ms_b1
-            ma0, ma1, ma2, ma3, ma4, ma5, ma6, ma7 = _unit_words(wp_a, far, f_ok, SG)
-            mz_a0, mz_a1, ms_a0, ms_a1 = _unit_zs(Z, S, zrow_a, far, f_ok, stride_s, MAGIC16)
-            if R == 2:
-                mb0, mb1, mb2, mb3, mb4, mb5, mb6, mb7 = _unit_words(wp_b, far, f_ok, SG)
-                mz_b0, mz_b1, ms_b0, ms_b1 = _unit_zs(Z, S, zrow_b, far, f_ok, stride_s,
-                                                      MAGIC16)
+            nw, mw = mw, fw
         else:
-            na0, na1, na2, na3, na4, na5, na6, na7 = _unit_words(wp_a, far, f_ok, SG)
-            nz_a0, nz_a1, ns_a0, ns_a1 = _unit_zs(Z, S, zrow_a, far, f_ok, stride_s, MAGIC16)
-            if R == 2:
-                nb0, nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _unit_words(wp_b, far, f_ok, SG)
-                nz_b0, nz_b1, ns_b0, ns_b1 = _unit_zs(Z, S, zrow_b, far, f_ok, stride_s,
-                                                      MAGIC16)
+            nw = fw
         nxt = u + WARPS
-        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7 = _unit_x(xp, P, xrow, nxt, c,
-                                                         x_ok & (nxt < UNITS), SG, HAS_PERM)
+        nx = _unit_x(xp, P, xrow, nxt, c, x_ok & (nxt < UNITS), SG, HAS_PERM)
+        z_a0, z_a1, s_a0, s_a1 = cw[8], cw[9], cw[10], cw[11]
+        z_b0, z_b1, s_b0, s_b1 = cw[20], cw[21], cw[22], cw[23]
         da0, da1, da2, da3 = zero, zero, zero, zero
         db0, db1, db2, db3 = zero, zero, zero, zero
         for s in tl.static_range(SG):
-            da0, da1, da2, da3 = _mma(wa[s], z_a0, z_a1, xs[s], da0, da1, da2, da3, BF16)
+            da0, da1, da2, da3 = _mma(cw[s], z_a0, z_a1, xs[s], da0, da1, da2, da3, BF16)
             if R == 2:
-                db0, db1, db2, db3 = _mma(wb[s], z_b0, z_b1, xs[s], db0, db1, db2, db3, BF16)
+                db0, db1, db2, db3 = _mma(cw[12 + s], z_b0, z_b1, xs[s], db0, db1, db2, db3,
+                                          BF16)
         # the group's sums, scaled, into the row's (x of a unit past K is 0: D is 0)
         acc_a0 += da0 * s_a0
         acc_a1 += da1 * s_a0
