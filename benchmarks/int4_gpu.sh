@@ -11,7 +11,8 @@
 #   #       .venv/bin/python benchmarks/gpu_prep.py --out .carry
 #   # device (kind nvidia-h200 or nvidia-h100, carry [".whl", ".carry"]):
 #   bash benchmarks/int4_gpu.sh                   # the default steps, ~560 s at most
-#   bash benchmarks/int4_gpu.sh sweep e2e         # some of them (also: mmatests mma mmapdl)
+#   bash benchmarks/int4_gpu.sh sweep e2e         # some of them (also: mmatests mma mmapdl
+#                                                   wgtests wgmma)
 #   E2E_ARMS="bf16 awq-g128 gptq-g128 bf16-nopdl" bash benchmarks/int4_gpu.sh mmatests e2e
 #
 # Budget (one H200, 2026-11-29): tests ~220 s (test_int4.py 17 tests ~240 s alone: not run
@@ -35,6 +36,9 @@ step mma 200 python benchmarks/probes/int4_mma_bound.py --result-file "$OUT/mma.
 # batch 1 without programmatic dependent launch (the probe's other runs have it: the default)
 RADIXLM_PDL=0 step mmapdl 120 python benchmarks/probes/int4_mma_bound.py --m 1 \
   --result-file "$OUT/mma_nopdl.jsonl"
+# the wgmma GEMM for 9-64 rows (layers/gluon_int4_gemm.py): its tests and config sweep
+step wgtests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_int4_wgmma_gemm_gpu.py
+step wgmma 300 python benchmarks/probes/int4_wgmma_bound.py --result-file "$OUT/wgmma.jsonl"
 step sweep 240 python benchmarks/probes/int4_gemv_bound.py --result-file "$OUT/probe.jsonl" \
   --configs-out "$OUT/tuned.json"
 [ -s "$OUT/tuned.json" ] && export RADIXLM_INT4_TMA_CONFIGS=$OUT/tuned.json

@@ -1,0 +1,119 @@
+"""The int4 wgmma GEMM for 9-64 rows (layers/gluon_int4_gemm.py) against the Triton int4 GEMM
+(layers/triton_int4_gemm.py: these rows' kernel before it) and cuBLAS bf16, at Llama-3.1-8B's
+projection shapes (gate_up without the SiLU: both GEMMs leave it to a separate kernel above 8
+rows): weights from HBM (copies > 256 MB cycled), calls captured in one CUDA graph
+(benchmarks/fp8_linear.graph_time_us), us a call.
+  cublas   bf16 F.linear at M rows (its bytes: ~4x the int4 bytes)
+  triton   the Triton GEMM at its default config (gemm_config)
+  wgmma    each (WARPS, RREP, SPLIT_K) config of CONFIGS the kernel takes; the best, the
+           default's (split_for), and all of them in `wgmma_sweep`
+One JSON line a (shape, M): each arm's us, TB/s of the int4 bytes, the wgmma output's error
+against the Triton GEMM's (max abs over max abs).
+
+    python benchmarks/probes/int4_wgmma_bound.py [--shapes o down] [--m 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.probes.int4_gemv_bound import COLD_BYTES, GROUP, _layer  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}
+CONFIGS = [(w, r, s) for w, r in ((4, 1), (4, 2), (8, 1)) for s in (None, 1, 2, 4, 8)]
+
+
+def bench(label: str, n: int, k: int, ms) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.fp8_linear import graph_time_us
+    from radixlm.runtime.layers import gluon_int4_gemm as GG
+    from radixlm.runtime.layers import int4_mma_layout as L
+    from radixlm.runtime.layers import triton_int4_gemm as TG
+
+    torch.manual_seed(0)
+    int4_bytes = n * k // 2 + n * (k // GROUP) * 3
+    copies = max(2, -(-COLD_BYTES // int4_bytes))
+    layers = [_layer(n, k) for _ in range(copies)]
+    words = [L.pack(lyr.codes()) for lyr in layers]
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+           for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))))]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row = {"probe": "int4_wgmma_bound", "shape": label, "N": n, "K": k, "M": m,
+               "int4_MB": round(int4_bytes / 1e6, 1)}
+        row["cublas_us"] = round(graph_time_us(lambda i: F.linear(x, w16[i % len(w16)]),
+                                               len(w16)), 2)
+        lyr = layers[0]
+        row["triton_us"] = round(graph_time_us(
+            lambda i: TG.gemm(x, layers[i % copies].qweight, layers[i % copies].scales,
+                              layers[i % copies].zeros, GROUP), copies), 2)
+
+        def wg(cfg):
+            c = cfg if cfg[2] is not None else cfg[:2]
+            return lambda i: GG.gemm(x, words[i % copies], layers[i % copies].scales,
+                                     layers[i % copies].zeros, GROUP, config=c)
+
+        sweep = {}
+        for cfg in CONFIGS:
+            if not GG.supported(n, k, GROUP, x.dtype, cfg[0], cfg[1]) or (
+                    cfg[1] == 2 and m > 32):  # (BM 64 at 128 rows a warpgroup spills)
+                continue
+            try:
+                sweep[cfg] = graph_time_us(wg(cfg), copies)
+            except Exception as e:  # noqa: BLE001 (reported)
+                row.setdefault("errors", {})[str(cfg)] = f"{type(e).__name__}: {str(e)[:160]}"
+        if sweep:
+            best = min(sweep, key=sweep.get)
+            row["wgmma_us"], row["wgmma_config"] = round(sweep[best], 2), list(best)
+            dflt = (*GG.DEFAULT, None)
+            if dflt in sweep:
+                row["wgmma_default_us"] = round(sweep[dflt], 2)
+            row["wgmma_sweep"] = {str(list(c)): round(t, 2) for c, t in sweep.items()}
+            ref = TG.gemm(x, lyr.qweight, lyr.scales, lyr.zeros, GROUP).float()
+            y = wg(best)(0).float()
+            row["wgmma_rel_err_vs_triton"] = float((y - ref).abs().max() / ref.abs().max())
+            row["wgmma_speedup_vs_cublas"] = round(row["cublas_us"] / row["wgmma_us"], 3)
+            row["wgmma_speedup_vs_triton"] = round(row["triton_us"] / row["wgmma_us"], 3)
+        for arm in ("cublas", "triton", "wgmma"):
+            if f"{arm}_us" in row:
+                b = int4_bytes * (4 if arm == "cublas" else 1)
+                row[f"{arm}_TBps"] = round(b / row[f"{arm}_us"] / 1e6, 3)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--m", type=int, nargs="+", default=[16, 32, 64], choices=range(9, 65))
+    ap.add_argument("--result-file", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "command": "python benchmarks/probes/int4_wgmma_bound.py "
+            + " ".join(argv or sys.argv[1:])}
+    for s in args.shapes:
+        n, k = SHAPES[s]
+        for row in bench(s, n, k, args.m):
+            line = json.dumps({**row, **meta})
+            print(line, flush=True)
+            if args.result_file:
+                with open(args.result_file, "a") as f:
+                    f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

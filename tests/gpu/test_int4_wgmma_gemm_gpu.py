@@ -1,0 +1,83 @@
+"""The int4 wgmma GEMM for 9-64 rows (layers/gluon_int4_gemm.py) on a Hopper GPU: against the
+dequantized fp64 reference with the GEMV's tolerance (its sums: (q - z) x exactly in fp32 a
+group, then the scale), each row bit for bit the same whatever the rows beside it in its batch
+tile, split-K, act-order, a bias, fp16, and inside a CUDA graph. Gluon does not run under
+Triton's interpreter; its layouts are checked at compile time (the conversion of the dequantized
+words into wgmma's A registers is asserted trivial). Run with `pytest -m gpu
+tests/gpu/test_int4_wgmma_gemm_gpu.py`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_int4 import _check_close, check_graph_replay  # noqa: E402
+from test_int4_mma_gpu import _need_sm90, _operands  # noqa: E402
+from test_int4_tma_gpu import _layer, batch1_setting  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def check_wgmma_gemm(cases, ms=(9, 16, 17, 40, 64), dtypes=(torch.bfloat16, torch.float16)):
+    """cases (rows, K, group, config, bias, perm): each M against the reference; the 64-row
+    batch's first 9 rows equal to the 9-row call's (both BM 16 / 64 tiles: a column of the MMA
+    is its own)."""
+    from radixlm.runtime.layers import gluon_int4_gemm as GG
+
+    for rows, k, group, cfg, bias, perm in cases:
+        words, s, z, w = _operands(rows, k, group, seed=rows + k + group)
+        gen = torch.Generator().manual_seed(k + 1)
+        b = torch.randn(rows, generator=gen) if bias else None
+        p = torch.randperm(k, generator=gen) if perm else None
+        w_ref = torch.empty_like(w).index_copy_(1, p, w) if perm else w
+        for dt in dtypes:
+            x = torch.randn(64, k, generator=gen).to(dt)
+            args = dict(perm=p.cuda() if perm else None, config=cfg)
+            bias_dev = b.to(dt).cuda() if bias else None
+            ys = {}
+            for m in ms:
+                what = (rows, k, group, cfg, bias, perm, dt, m)
+                y = GG.gemm(x[:m].cuda(), words, s, z, group, bias_dev, **args)
+                assert y.shape == (m, rows) and y.dtype == dt
+                _check_close(y, x[:m].float(), w_ref, b.to(dt).float() if bias else None, dt,
+                             what, exact_w=True)
+                ys[m] = y
+            if 9 in ys and 64 in ys:
+                assert torch.equal(ys[9], ys[64][:9]), (rows, k, group, cfg, dt)
+
+
+def test_int4_wgmma_gemm_kernel():
+    _need_sm90()
+    check_wgmma_gemm([
+        (64, 1024, 128, (4, 1), False, False),
+        (128, 512, 32, (4, 2), True, False),  # RREP 2 (BM 64 spills: sizes past 32 rows)
+        (256, 768, 64, (8, 1), False, False),
+        (128, 2048, 128, (4, 1, 4), True, True),  # split-K 4, act-order, a bias
+        (256, 4096, 32, (8, 1, 2), False, False),
+        (6144, 4096, 128, None, False, False),  # the 8B's shapes at the default config
+        (4096, 14336, 128, None, False, False),
+    ], ms=(9, 16, 17, 40, 64))
+
+
+def test_int4_wgmma_gemm_odd_splits():
+    """A split count that does not divide the groups (the last split is short)."""
+    _need_sm90()
+    check_wgmma_gemm([(64, 1792, 128, (4, 1, 4), False, False)], ms=(12, 64),
+                     dtypes=(torch.bfloat16,))
+
+
+def test_int4_wgmma_gemm_refuses_what_it_cannot_run():
+    from radixlm.runtime.layers import gluon_int4_gemm as GG
+
+    words, s, z, _ = _operands(64, 1024, 128, seed=0)
+    x = torch.randn(65, 1024, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="int4 wgmma GEMM"):
+        GG.gemm(x, words, s, z, 128)  # 65 rows
+    with pytest.raises(ValueError, match="int4 wgmma GEMM"):
+        GG.gemm(x[:16].float(), words, s, z, 128)  # fp32 activations
+    with pytest.raises(ValueError, match="int4 wgmma GEMM"):
+        GG.gemm(x[:16], words, s, z, 128, config=(8, 1))  # 64 rows: not a 128-row program
