@@ -15,6 +15,8 @@ Two parts, JSON lines on stdout (and appended to `--result-file`):
              awq-g128-mma, gptq-g128-mma  (--arms) without PDL; -mma-pdl: explicitly with
              bf16-nopdl     (--arms) bf16 without PDL
              awq-g128-tma   (--arms) batch 1 on the TMA GEMV, no PDL (the kernels before)
+             awq-g128-nowg, gptq-g128-nowg  (--arms) 9-64 rows on the Triton GEMM, not the
+                            wgmma GEMM (RADIXLM_INT4_WGMMA=0: the kernel before it)
            (dummy int4 weights: the random bf16 projections rounded to int4 at load),
            batch-1 decode tok/s (256 tokens after a 128-token prompt) and batch-64 decode tok/s
            (64 x 128 tokens after 128-token prompts), CUDA graphs on; each int4 arm also gets
@@ -76,6 +78,9 @@ ARMS = {  # arm -> (quantization_config, int4_linear)
     "gptq-g128-mma-pdl": (_GPTQ, "triton"),
     "bf16-nopdl": (None, "auto"),  # bf16 without PDL (its RMSNorm, rotary, attention)
     "awq-g128-tma": (_AWQ, "triton"),  # batch 1 on the TMA GEMV, no PDL (the kernel before mma)
+    # 9-64 rows on the Triton GEMM instead of the wgmma GEMM (layers/gluon_int4_gemm.py)
+    "awq-g128-nowg": (_AWQ, "triton"),
+    "gptq-g128-nowg": (_GPTQ, "triton"),
 }
 ARM_ENV = {"awq-g128-reg": {"RADIXLM_INT4_TMA": "0"},
            "awq-g128-mma": {"RADIXLM_INT4_TMA": "mma", "RADIXLM_PDL": "0"},
@@ -83,7 +88,9 @@ ARM_ENV = {"awq-g128-reg": {"RADIXLM_INT4_TMA": "0"},
            "awq-g128-mma-pdl": {"RADIXLM_INT4_TMA": "mma", "RADIXLM_PDL": "1"},
            "gptq-g128-mma-pdl": {"RADIXLM_INT4_TMA": "mma", "RADIXLM_PDL": "1"},
            "bf16-nopdl": {"RADIXLM_PDL": "0"},
-           "awq-g128-tma": {"RADIXLM_INT4_TMA": "1", "RADIXLM_PDL": "0"}}
+           "awq-g128-tma": {"RADIXLM_INT4_TMA": "1", "RADIXLM_PDL": "0"},
+           "awq-g128-nowg": {"RADIXLM_INT4_WGMMA": "0"},
+           "gptq-g128-nowg": {"RADIXLM_INT4_WGMMA": "0"}}
 DEFAULT_ARMS = ("bf16", "awq-g128", "gptq-g128")
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}

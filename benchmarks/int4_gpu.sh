@@ -38,7 +38,9 @@ RADIXLM_PDL=0 step mmapdl 120 python benchmarks/probes/int4_mma_bound.py --m 1 \
   --result-file "$OUT/mma_nopdl.jsonl"
 # the wgmma GEMM for 9-64 rows (layers/gluon_int4_gemm.py): its tests and config sweep
 step wgtests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_int4_wgmma_gemm_gpu.py
-step wgmma 300 python benchmarks/probes/int4_wgmma_bound.py --result-file "$OUT/wgmma.jsonl"
+step wgmma 300 python benchmarks/probes/int4_wgmma_bound.py --result-file "$OUT/wgmma.jsonl" \
+  --configs-out "$OUT/wgmma_tuned.json"
+[ -s "$OUT/wgmma_tuned.json" ] && export RADIXLM_INT4_WGMMA_CONFIGS=$OUT/wgmma_tuned.json
 step sweep 240 python benchmarks/probes/int4_gemv_bound.py --result-file "$OUT/probe.jsonl" \
   --configs-out "$OUT/tuned.json"
 [ -s "$OUT/tuned.json" ] && export RADIXLM_INT4_TMA_CONFIGS=$OUT/tuned.json

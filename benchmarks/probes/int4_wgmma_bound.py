@@ -5,8 +5,8 @@ rows): weights from HBM (copies > 256 MB cycled), calls captured in one CUDA gra
 (benchmarks/fp8_linear.graph_time_us), us a call.
   cublas   bf16 F.linear at M rows (its bytes: ~4x the int4 bytes)
   triton   the Triton GEMM at its default config (gemm_config)
-  wgmma    each (WARPS, RREP, SPLIT_K) config of CONFIGS the kernel takes; the best, the
-           default's (split_for), and all of them in `wgmma_sweep`
+  wgmma    each config of CONFIGS the kernel takes; the best, the default's, and all of them
+           in `wgmma_sweep`; `--configs-out FILE` writes the best per (shape, batch tile)
 One JSON line a (shape, M): each arm's us, TB/s of the int4 bytes, the wgmma output's error
 against the Triton GEMM's (max abs over max abs).
 
@@ -28,7 +28,12 @@ from benchmarks.probes.int4_gemv_bound import COLD_BYTES, GROUP, _layer  # noqa:
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
-CONFIGS = [(w, r, s) for w, r in ((4, 1), (4, 2), (8, 1)) for s in (None, 1, 2, 4, 8)]
+# (WARPS, RREP, STEP, SPLIT_K, MAXNREG): gluon_int4_gemm.gemm's config (None: its default)
+CONFIGS = ([(4, 1, 64, s, None) for s in (None, 1, 2, 4, 8)]
+           + [(8, 1, 64, s, None) for s in (None, 1, 2, 4, 8)]
+           + [(8, 1, 64, s, 128) for s in (None, 1, 2, 4)]
+           + [(8, 1, 128, s, None) for s in (None, 1, 4)]
+           + [(4, 2, 64, s, None) for s in (None, 4, 8)])
 
 
 def bench(label: str, n: int, k: int, ms) -> list[dict]:
@@ -60,14 +65,13 @@ def bench(label: str, n: int, k: int, ms) -> list[dict]:
                               layers[i % copies].zeros, GROUP), copies), 2)
 
         def wg(cfg):
-            c = cfg if cfg[2] is not None else cfg[:2]
             return lambda i: GG.gemm(x, words[i % copies], layers[i % copies].scales,
-                                     layers[i % copies].zeros, GROUP, config=c)
+                                     layers[i % copies].zeros, GROUP, config=cfg)
 
         sweep = {}
         for cfg in CONFIGS:
             if not GG.supported(n, k, GROUP, x.dtype, cfg[0], cfg[1]) or (
-                    cfg[1] == 2 and m > 32):  # (BM 64 at 128 rows a warpgroup spills)
+                    cfg[1] == 2 and m > 32):  # (BM 64 at 128 rows a warpgroup: 254 registers)
                 continue
             try:
                 sweep[cfg] = graph_time_us(wg(cfg), copies)
@@ -76,7 +80,7 @@ def bench(label: str, n: int, k: int, ms) -> list[dict]:
         if sweep:
             best = min(sweep, key=sweep.get)
             row["wgmma_us"], row["wgmma_config"] = round(sweep[best], 2), list(best)
-            dflt = (*GG.DEFAULT, None)
+            dflt = (*GG.DEFAULT, 64, None, None)
             if dflt in sweep:
                 row["wgmma_default_us"] = round(sweep[dflt], 2)
             row["wgmma_sweep"] = {str(list(c)): round(t, 2) for c, t in sweep.items()}
@@ -98,12 +102,17 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--m", type=int, nargs="+", default=[16, 32, 64], choices=range(9, 65))
     ap.add_argument("--result-file", default=None)
+    ap.add_argument("--configs-out", default=None, help="write each (shape, M)'s best config as "
+                    "{device: {\"N,K,group\": {\"BM\": config}}} (gluon_int4_gemm.TUNED's form)")
     args = ap.parse_args(argv)
     import torch
 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "command": "python benchmarks/probes/int4_wgmma_bound.py "
             + " ".join(argv or sys.argv[1:])}
+    from radixlm.runtime.layers.gluon_int4_gemm import bm_for
+
+    table: dict = {}
     for s in args.shapes:
         n, k = SHAPES[s]
         for row in bench(s, n, k, args.m):
@@ -112,6 +121,12 @@ def main(argv=None) -> int:
             if args.result_file:
                 with open(args.result_file, "a") as f:
                     f.write(line + "\n")
+            if "wgmma_config" in row:
+                table.setdefault(f"{n},{k},{GROUP}", {})[str(bm_for(row["M"]))] = \
+                    row["wgmma_config"]
+        if args.configs_out:
+            with open(args.configs_out, "w") as f:
+                json.dump({meta["device"]: table}, f, indent=1)
     return 0
 
 

@@ -90,8 +90,10 @@ def _check_layer(device, dtype, n, k, group) -> None:
     st_ptr = lin.tma.derived[0].data_ptr()
     for m in (1, 3, 64):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-        # (the mma kernel's 1-8 rows sum the unrounded weights, as the GEMV's one row)
-        exact = m == 1 or (lin.tma.kind == "mma" and m <= 8)
+        # (the mma kernel's 1-8 rows and the wgmma GEMM's 9-64 sum the unrounded weights, as
+        # the GEMV's one row)
+        xd = x.to(device)
+        exact = m == 1 or (lin.tma.kind == "mma" and (m <= 8 or lin.tma.takes_gemm(lin, xd)))
         _check_close(lin(x.to(device)), x.float(), lin.dequantized_weight().cpu(),
                      lin.bias.cpu(), dtype, ("layer", m), exact_w=exact)
     other = _layer(device, n, k, group, dtype, seed=7)

@@ -51,13 +51,15 @@ def check_wgmma_gemm(cases, ms=(9, 16, 17, 40, 64), dtypes=(torch.bfloat16, torc
 
 
 def test_int4_wgmma_gemm_kernel():
+    """configs: (WARPS, RREP, STEP, SPLIT_K, MAXNREG)."""
     _need_sm90()
     check_wgmma_gemm([
-        (64, 1024, 128, (4, 1), False, False),
-        (128, 512, 32, (4, 2), True, False),  # RREP 2 (BM 64 spills: sizes past 32 rows)
+        (64, 1024, 128, (4, 1), False, False),  # STEP 64: two MMAs a group
+        (128, 512, 32, (4, 2), True, False),  # RREP 2; a group of 32 (STEP 32)
         (256, 768, 64, (8, 1), False, False),
-        (128, 2048, 128, (4, 1, 4), True, True),  # split-K 4, act-order, a bias
-        (256, 4096, 32, (8, 1, 2), False, False),
+        (128, 2048, 128, (4, 1, 128, 4), True, True),  # one MMA a group, split-K 4, act-order
+        (256, 4096, 32, (8, 1, 32, 2), False, False),
+        (512, 2048, 128, (8, 1, 64, 2, 128), False, False),  # a register cap
         (6144, 4096, 128, None, False, False),  # the 8B's shapes at the default config
         (4096, 14336, 128, None, False, False),
     ], ms=(9, 16, 17, 40, 64))
@@ -66,7 +68,7 @@ def test_int4_wgmma_gemm_kernel():
 def test_int4_wgmma_gemm_odd_splits():
     """A split count that does not divide the groups (the last split is short)."""
     _need_sm90()
-    check_wgmma_gemm([(64, 1792, 128, (4, 1, 4), False, False)], ms=(12, 64),
+    check_wgmma_gemm([(64, 1792, 128, (4, 1, 64, 4), False, False)], ms=(12, 64),
                      dtypes=(torch.bfloat16,))
 
 
@@ -81,3 +83,34 @@ def test_int4_wgmma_gemm_refuses_what_it_cannot_run():
         GG.gemm(x[:16].float(), words, s, z, 128)  # fp32 activations
     with pytest.raises(ValueError, match="int4 wgmma GEMM"):
         GG.gemm(x[:16], words, s, z, 128, config=(8, 1))  # 64 rows: not a 128-row program
+    with pytest.raises(ValueError, match="int4 wgmma GEMM"):
+        GG.gemm(x[:16], words, s, z, 64, config=(4, 1, 128))  # a step past the group
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_wgmma_gemm_layer(dtype):
+    """Int4Linear under the Hopper defaults: 9-64 rows through the wgmma GEMM (act-order, a
+    bias) against the reference, RADIXLM_INT4_WGMMA=0 sending them to the Triton GEMM, and the
+    layer inside a CUDA graph (split-K counters allocated before the capture)."""
+    _need_sm90()
+    from radixlm.runtime.layers import int4_batch1
+
+    with batch1_setting("mma"):
+        lin = _layer("cuda", 256, 2048, 128, dtype, bias=True, act_order=True, seed=2)
+        assert lin.use_tma() and lin.tma.kind == "mma"
+        w = lin.dequantized_weight()
+        for m in (9, 24, 64):
+            x = torch.randn(m, 2048, device="cuda", dtype=dtype)
+            assert lin.tma.takes_gemm(lin, x)
+            _check_close(lin(x), x.float().cpu(), w.cpu(), lin.bias.float().cpu(), dtype,
+                         ("layer", m, dtype), exact_w=True)
+        old = os.environ.get(int4_batch1.WGMMA_ENV)
+        os.environ[int4_batch1.WGMMA_ENV] = "0"
+        try:
+            assert not lin.tma.takes_gemm(lin, x)
+        finally:
+            if old is None:
+                os.environ.pop(int4_batch1.WGMMA_ENV)
+            else:
+                os.environ[int4_batch1.WGMMA_ENV] = old
+        check_graph_replay(lin, torch.randn(33, 2048, device="cuda", dtype=dtype))

@@ -27,6 +27,9 @@ deterministically by the split that arrives last (triton_int4_gemm's scheme)."""
 
 from __future__ import annotations
 
+import json
+import os
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -71,10 +74,10 @@ _ASM_F16 = gl.constexpr(_dequant_asm("f16", 0x64006400))
 
 
 @gluon.jit
-def _dequant(w, zg, zg8, A_LAYOUT: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr,
+def _dequant(w, zg, zg8, A_LAYOUT: gl.constexpr, BN: gl.constexpr, STEP: gl.constexpr,
              BF16: gl.constexpr):
-    # w (RT, 32 lanes, CP, J) int32 words of a group's tile, zg / zg8 the packed (magic + z) of rows
-    # g / g + 8 broadcast to w's shape -> (BN, GROUP) (q - z) in A's register layout, column =
+    # w (RT, 32 lanes, CP, J) int32 words of a step's tile, zg / zg8 the packed (magic + z) of
+    # rows g / g + 8 broadcast to w's shape -> (BN, STEP) (q - z) in A's register layout, column =
     # k slot 16u + 8p + 2c + e
     zg, _ = gl.broadcast(zg, w)
     zg8, _ = gl.broadcast(zg8, w)
@@ -90,38 +93,42 @@ def _dequant(w, zg, zg8, A_LAYOUT: gl.constexpr, BN: gl.constexpr, GROUP: gl.con
     v = gl.join(p0, p1)  # (RT, 32 lanes, CP, J, e, h, p)
     v = gl.reshape(v, (v.shape[0], 8, 4, v.shape[2], v.shape[3], 2, 2, 2))  # lane = 4g + c
     v = gl.permute(v, (0, 6, 1, 3, 4, 7, 2, 5))  # (RT, h, g, CP, J, p, c, e): u = 4 cp + j
-    return gl.convert_layout(gl.reshape(v, (BN, GROUP)), A_LAYOUT, assert_trivial=True)
+    return gl.convert_layout(gl.reshape(v, (BN, STEP)), A_LAYOUT, assert_trivial=True)
 
 
 @gluon.jit
-def _x_slots(x, BM: gl.constexpr, GROUP: gl.constexpr):
-    # x (BM, GROUP) in k order -> its columns in slot order (slot 16u + 8p + 2c + e = k 16u +
+def _x_slots(x, BM: gl.constexpr, STEP: gl.constexpr):
+    # x (BM, STEP) in k order -> its columns in slot order (slot 16u + 8p + 2c + e = k 16u +
     # 4c + 2p + e; c = 2 ch + cl): k = 16u + 8ch + 4cl + 2p + e, slot = 16u + 8p + 4ch + 2cl + e
-    x6 = gl.reshape(x, (BM, GROUP // 16, 2, 2, 2, 2))  # (m, u, ch, cl, p, e)
-    return gl.reshape(gl.permute(x6, (0, 1, 4, 2, 3, 5)), (BM, GROUP))
+    x6 = gl.reshape(x, (BM, STEP // 16, 2, 2, 2, 2))  # (m, u, ch, cl, p, e)
+    return gl.reshape(gl.permute(x6, (0, 1, 4, 2, 3, 5)), (BM, STEP))
 
 
 @gluon.jit
-def _load_w(WD, Z, w_off, z_off, gi, stride_s, U: gl.constexpr, MAGIC16: gl.constexpr):
-    # group gi's words (RT, 32, CP, J) and the packed (magic + z) of rows g and g + 8
-    # (RT, 32, 1, 1) int32 (no masks: every group index the kernel passes is in range)
-    # its first k step (16 k) gi U: chunk gi U // 4 (128 words a row tile), step gi U % 4
-    # (written so that the offset's alignment, 16 or 8 bytes, is visible: vector loads)
-    if U >= 4:
-        step = gi * (U // 4 * 128)
-    else:
-        step = (gi // (4 // U)) * 128 + (gi % (4 // U)) * U
-    words = gl.load(WD + w_off + step)
+def _load_w(WD, Z, w_off, z_off, gi, h, stride_s, U: gl.constexpr, US: gl.constexpr,
+            MAGIC16: gl.constexpr):
+    # step h of group gi: its words (RT, 32, CP, J) and the packed (magic + z) of rows g and
+    # g + 8 (RT, 32, 1, 1) int32 (no masks: every index the kernel passes is in range). Its
+    # first k step (16 k) ks = gi U + h US lies in chunk ks // 4 (128 words a row tile) at step
+    # ks % 4, written so that the offset's alignment (16 or 8 bytes) is visible: vector loads
+    if US >= 4:
+        off = gi * (U // 4 * 128) + h * (US // 4 * 128)
+    else:  # a step of 32 k: half a chunk
+        ks = gi * U + h * US
+        off = (ks // 4) * 128 + (ks // US % (4 // US)) * US
+    words = gl.load(WD + w_off + off)
     z0 = gl.load(Z + z_off + gi).to(gl.int32)
     z1 = gl.load(Z + z_off + 8 * stride_s + gi).to(gl.int32)
     return words, (z0 | MAGIC16) * 65537, (z1 | MAGIC16) * 65537
 
 
 @gluon.jit
-def _load_x(P, x_rows, xk, gi, GROUP: gl.constexpr, HAS_PERM: gl.constexpr):
-    # group gi's x tile (BM, GROUP) in k order (act-order: x's columns gathered through perm);
-    # rows past M read row M - 1 (x_rows is clamped: their columns of Y^T are not stored)
-    cols = gi * GROUP + xk
+def _load_x(P, x_rows, xk, gi, h, GROUP: gl.constexpr, STEP: gl.constexpr,
+            HAS_PERM: gl.constexpr):
+    # step h of group gi's x tile (BM, STEP) in k order (act-order: x's columns gathered
+    # through perm); rows past M read row M - 1 (x_rows is clamped: their columns of Y^T are
+    # not stored)
+    cols = gi * GROUP + h * STEP + xk
     if HAS_PERM:
         cols = gl.load(P + cols)
     return gl.load(x_rows + gl.expand_dims(cols, 0))
@@ -130,15 +137,18 @@ def _load_x(P, x_rows, xk, gi, GROUP: gl.constexpr, HAS_PERM: gl.constexpr):
 @gluon.jit
 def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stride_ym, stride_s,
                             groups_per_split, K: gl.constexpr, GROUP: gl.constexpr,
-                            BM: gl.constexpr, RREP: gl.constexpr, SPLIT_K: gl.constexpr,
+                            BM: gl.constexpr, RREP: gl.constexpr, STEP: gl.constexpr,
+                            SPLIT_K: gl.constexpr,
                             HAS_BIAS: gl.constexpr, HAS_PERM: gl.constexpr, BF16: gl.constexpr,
                             num_warps: gl.constexpr):
     WARPS: gl.constexpr = num_warps
     RT: gl.constexpr = WARPS * RREP  # 16-row tiles a program
     BN: gl.constexpr = 16 * RT
-    U: gl.constexpr = GROUP // 16  # k steps a group
-    J: gl.constexpr = 4 if U >= 4 else U  # ... within a chunk (64 k: 4 steps, 16 bytes a lane)
-    CP: gl.constexpr = U // J  # chunks a group
+    U: gl.constexpr = GROUP // 16  # k steps (16 k) a group
+    US: gl.constexpr = STEP // 16  # ... a step of the loop (one MMA: STEP k)
+    SPG: gl.constexpr = GROUP // STEP  # loop steps a group
+    J: gl.constexpr = 4 if US >= 4 else US  # ... within a chunk (64 k: 16 bytes a lane)
+    CP: gl.constexpr = US // J  # chunks a loop step
     KC: gl.constexpr = K // 64
     G: gl.constexpr = K // GROUP
     MAGIC16: gl.constexpr = 0x4300 if BF16 else 0x6400  # 128.0 bf16 / 1024.0 fp16
@@ -152,9 +162,9 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BM, 16])
     AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    TK: gl.constexpr = GROUP // 8 if GROUP // 8 < 32 else 32  # x: 16 bytes a thread a row
+    TK: gl.constexpr = STEP // 8 if STEP // 8 < 32 else 32  # x: 16 bytes a thread a row
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [WARPS, 1], [1, 0])
-    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if GROUP >= 64 else 64,
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if STEP >= 64 else 64,
                                             element_bitwidth=16, rank=2)
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -169,35 +179,41 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
         gl.arange(0, J, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL)))),
         0), 1), 2)
     rt_g = pid_n * RT + rt
-    w_off = (rt_g * KC * 32 + ln) * 4 + cp * 128 + jj  # (RT, 32, CP, J): word of step 0
+    w_off = (rt_g * KC * 32 + ln) * 4 + cp * 128 + jj  # (RT, 32, CP, J): k step 0's word
     z_off = (rt_g * 16 + ln // 4) * stride_s  # (RT, 32, 1, 1): row g of the lane's tile
     s_off = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))) * stride_s  # (BN,)
     xm = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, XL))
+    xk = gl.arange(0, STEP, layout=gl.SliceLayout(0, XL))
     x_rows = X + gl.expand_dims(gl.minimum(xm, M - 1).to(gl.int64) * stride_xm, 1)  # (BM, 1)
-    xs = gl.allocate_shared_memory(DT, [2, BM, GROUP], XS)  # x^T, double-buffered
+    xs = gl.allocate_shared_memory(DT, [2, BM, STEP], XS)  # x^T, double-buffered
 
     g_lo = pid_k * groups_per_split
     g_hi = gl.minimum(g_lo + groups_per_split, G)
     acc = gl.zeros([BN, BM], gl.float32, MMA)
     d = acc
-    w, zg, zg8 = _load_w(WD, Z, w_off, z_off, g_lo, stride_s, U, MAGIC16)
-    xt = _load_x(P, x_rows, xk, g_lo, GROUP, HAS_PERM)
+    w, zg, zg8 = _load_w(WD, Z, w_off, z_off, g_lo, 0, stride_s, U, US, MAGIC16)
+    xt = _load_x(P, x_rows, xk, g_lo, 0, GROUP, STEP, HAS_PERM)
     for gi in range(g_lo, g_hi):
-        # dequantize group gi and store its x^T tile (the buffer's last reader, gi - 2's MMA,
-        # finished before the barrier of gi - 1), request gi + 1's loads, then the MMA
-        a = _dequant(w, zg, zg8, AL, BN, GROUP, BF16)
-        xb = xs.index(gi % 2)
-        xb.store(_x_slots(xt, BM, GROUP))
         sc = gl.load(S + s_off + gi).to(gl.float32)
-        nxt = gl.minimum(gi + 1, g_hi - 1)  # (the last group's again at the end: unused)
-        w, zg, zg8 = _load_w(WD, Z, w_off, z_off, nxt, stride_s, U, MAGIC16)
-        xt = _load_x(P, x_rows, xk, nxt, GROUP, HAS_PERM)
-        fence_async_shared()
-        gl.thread_barrier()  # every thread's x stored (and fenced) before the MMA reads it
-        # synchronous: an async MMA overlapped with the next group's dequantization made
-        # ptxas serialize every wgmma (C7515: the accumulator's copies)
-        d = warpgroup_mma(a, xb.permute((1, 0)), d, use_acc=False)
+        for h in gl.static_range(SPG):
+            # dequantize step h of group gi and store its x^T tile (the buffer's last reader,
+            # the MMA two steps back, finished before the last step's barrier), request the
+            # next step's loads, then the MMA
+            a = _dequant(w, zg, zg8, AL, BN, STEP, BF16)
+            xb = xs.index((gi * SPG + h) % 2)
+            xb.store(_x_slots(xt, BM, STEP))
+            if h + 1 < SPG:
+                w, zg, zg8 = _load_w(WD, Z, w_off, z_off, gi, h + 1, stride_s, U, US, MAGIC16)
+                xt = _load_x(P, x_rows, xk, gi, h + 1, GROUP, STEP, HAS_PERM)
+            else:
+                nxt = gl.minimum(gi + 1, g_hi - 1)  # (the last group's again at the end)
+                w, zg, zg8 = _load_w(WD, Z, w_off, z_off, nxt, 0, stride_s, U, US, MAGIC16)
+                xt = _load_x(P, x_rows, xk, nxt, 0, GROUP, STEP, HAS_PERM)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's x stored (and fenced) before the MMA reads it
+            # synchronous: an async MMA overlapped with the next step's dequantization made
+            # ptxas serialize every wgmma (C7515: the accumulator's copies)
+            d = warpgroup_mma(a, xb.permute((1, 0)), d, use_acc=h > 0)
         acc += d * gl.expand_dims(sc, 1)
     _epilogue(acc, B, Y, WS, CNT, M, N, n0, pid_n, pid_k, stride_ym, BN, BM, WARPS, SPLIT_K,
               HAS_BIAS)
@@ -239,7 +255,28 @@ def _store(out, B, Y, on, om, ok, stride_ym, HAS_BIAS: gl.constexpr):
 
 
 SMS = 132  # H100 / H200 SXM
-DEFAULT = (4, 1)  # (WARPS, RREP): 64 weight rows a program
+DEFAULT = (4, 1)  # (WARPS, RREP): 64 weight rows a program; STEP min(group, 64), split_for
+# (WARPS, RREP, STEP, SPLIT_K, MAXNREG) by GPU, layer shape and batch tile (BM: "16", "32" or
+# "64" rows), from benchmarks/probes/int4_wgmma_bound.py (--configs-out); elsewhere DEFAULT
+TUNED: dict = {}
+ENV_VAR = "RADIXLM_INT4_WGMMA_CONFIGS"  # a sweep's table instead of TUNED
+
+
+def bm_for(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def config_for(n: int, k: int, group: int, m: int, device_name: str = "") -> tuple:
+    path = os.environ.get(ENV_VAR)
+    table = _file_table(path) if path else TUNED
+    cfg = table.get(device_name, {}).get(f"{n},{k},{group}", {}).get(str(bm_for(m)))
+    return tuple(cfg) if cfg is not None else DEFAULT
+
+
+@lru_cache(maxsize=None)
+def _file_table(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 def supported(n: int, k: int, group: int, x_dtype: torch.dtype, warps: int = DEFAULT[0],
@@ -264,19 +301,22 @@ def gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
          group: int, bias: Optional[torch.Tensor] = None, perm: Optional[torch.Tensor] = None,
          config: Optional[tuple] = None) -> torch.Tensor:
     """x (M <= 64, K) bf16 / fp16 -> y (M, N) in x's dtype; W as int4_mma_layout.pack()'s words
-    of the layer's (N, K) weights with its (N, G) scales and zeros. config: (WARPS, RREP) or
-    (WARPS, RREP, SPLIT_K)."""
-    warps, rrep, *rest = config or DEFAULT
+    of the layer's (N, K) weights with its (N, G) scales and zeros. config: (WARPS, RREP),
+    + STEP (32, 64 or 128 k an MMA, <= group; None: min(group, 64)), + SPLIT_K (None:
+    split_for), + MAXNREG (a register cap a thread; None: ptxas's choice)."""
+    cfg = tuple(config or DEFAULT)
+    warps, rrep, step, split, maxnreg = cfg + (None,) * (5 - len(cfg))
+    step = step or min(group, 64)
     m, k = x.shape
     n = words.shape[0] * 16
     if not (1 <= m <= MAX_M and supported(n, k, group, x.dtype, warps, rrep)
-            and x.stride(1) == 1):
+            and x.stride(1) == 1 and step in (32, 64, 128) and group % step == 0):
         raise ValueError(f"int4 wgmma GEMM: x {tuple(x.shape)} {x.dtype} (stride {x.stride()}), "
                          f"N {n}, group {group}, config {config}: not supported()")
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    bm = bm_for(m)
     programs = n // (16 * warps * rrep)
     groups = k // group
-    split = rest[0] if rest else split_for(programs, groups)
+    split = split or split_for(programs, groups)
     per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, per_split)
     cnt = split_counters(_COUNTERS, x.device, programs, 4096) if split > 1 else None
@@ -288,6 +328,7 @@ def gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
         x, words, scales, zeros, perm if perm is not None else words,
         bias if bias is not None else x, y, ws, cnt if cnt is not None else words,
         m, n, x.stride(0), y.stride(0), scales.stride(0), per_split, K=k, GROUP=group, BM=bm,
-        RREP=rrep, SPLIT_K=split, HAS_BIAS=bias is not None, HAS_PERM=perm is not None,
-        BF16=x.dtype == torch.bfloat16, num_warps=warps)
+        RREP=rrep, STEP=step, SPLIT_K=split, HAS_BIAS=bias is not None,
+        HAS_PERM=perm is not None, BF16=x.dtype == torch.bfloat16, num_warps=warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return y

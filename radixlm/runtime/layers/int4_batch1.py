@@ -27,6 +27,16 @@ import torch
 ENV_VAR = "RADIXLM_INT4_TMA"
 
 
+WGMMA_ENV = "RADIXLM_INT4_WGMMA"  # 0: 9-64 rows on the Triton GEMM instead of the wgmma GEMM
+
+
+def wgmma_enabled() -> bool:
+    v = os.environ.get(WGMMA_ENV, "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{WGMMA_ENV} must be 0 or 1 (got {v!r})")
+    return v == "1"
+
+
 def setting() -> str:
     v = os.environ.get(ENV_VAR, "mma").strip().lower()
     if v not in ("0", "1", "mma"):
@@ -52,6 +62,27 @@ class Batch1:
                 and x2.stride(0) % 4 == 0 and x2.data_ptr() % 8 == 0
                 and (not silu or MM.supported(layer.out_features, layer.in_features,
                                               layer.group, x2.dtype, silu=True)))
+
+    def takes_gemm(self, layer, x2: torch.Tensor) -> bool:
+        """Whether this call (9-64 rows) is the wgmma GEMM's (layers/gluon_int4_gemm.py), over
+        the mma words: Hopper (sm_90: wgmma), bf16 / fp16, RADIXLM_INT4_WGMMA not 0."""
+        if self.kind != "mma" or not wgmma_enabled():
+            return False
+        from radixlm.runtime.layers import gluon_int4_gemm as GG
+
+        return (GG.MIN_M <= x2.shape[0] <= GG.MAX_M and x2.is_cuda
+                and torch.cuda.get_device_capability(x2.device)[0] == 9
+                and GG.supported(layer.out_features, layer.in_features, layer.group, x2.dtype,
+                                 *GG.config_for(layer.out_features, layer.in_features,
+                                                layer.group, x2.shape[0])[:2]))
+
+    def gemm(self, layer, x2: torch.Tensor) -> torch.Tensor:
+        from radixlm.runtime.layers import gluon_int4_gemm as GG
+
+        cfg = GG.config_for(layer.out_features, layer.in_features, layer.group, x2.shape[0],
+                            torch.cuda.get_device_name(x2.device))
+        return GG.gemm(x2, self.derived[0], layer.scales, layer.zeros, layer.group, layer.bias,
+                       perm=layer.perm, config=cfg)
 
     def refresh(self, layer) -> None:
         """The derived operands recomputed from the layer's, in place."""
