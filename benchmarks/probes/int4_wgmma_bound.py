@@ -28,12 +28,16 @@ from benchmarks.probes.int4_gemv_bound import COLD_BYTES, GROUP, _layer  # noqa:
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
-# (WARPS, RREP, STEP, SPLIT_K, MAXNREG): gluon_int4_gemm.gemm's config (None: its default)
-CONFIGS = ([(4, 1, 64, s, None) for s in (None, 1, 2, 4, 8)]
-           + [(8, 1, 64, s, None) for s in (None, 1, 2, 4, 8)]
-           + [(8, 1, 64, s, 128) for s in (None, 1, 2, 4)]
-           + [(8, 1, 128, s, None) for s in (None, 1, 4)]
-           + [(4, 2, 64, s, None) for s in (None, 4, 8)])
+# (WARPS, RREP, STEP, SPLIT_K, MAXNREG, ASYNC): gluon_int4_gemm.gemm's config (None: its
+# default); the synchronous ones first, then a group's MMAs in flight (ASYNC 1)
+CONFIGS = ([(8, 1, 128, s, None, None) for s in (None, 1, 4)]
+           + [(8, 1, 64, s, 128, None) for s in (None, 1, 4)]
+           + [(4, 1, 64, s, None, None) for s in (None, 4, 8)]
+           + [(8, 1, 64, s, None, None) for s in (None, 8)]
+           + [(8, 1, 64, s, None, 1) for s in (None, 1, 4)]
+           + [(8, 1, 32, s, None, 1) for s in (None, 1, 4)]
+           + [(8, 1, 64, s, 128, 1) for s in (None, 1, 4)]
+           + [(4, 1, 32, s, None, 1) for s in (None, 4, 8)])
 
 
 def bench(label: str, n: int, k: int, ms) -> list[dict]:
@@ -80,7 +84,7 @@ def bench(label: str, n: int, k: int, ms) -> list[dict]:
         if sweep:
             best = min(sweep, key=sweep.get)
             row["wgmma_us"], row["wgmma_config"] = round(sweep[best], 2), list(best)
-            dflt = (*GG.DEFAULT, 64, None, None)
+            dflt = (*GG.DEFAULT, None, None, None, None)
             if dflt in sweep:
                 row["wgmma_default_us"] = round(sweep[dflt], 2)
             row["wgmma_sweep"] = {str(list(c)): round(t, 2) for c, t in sweep.items()}

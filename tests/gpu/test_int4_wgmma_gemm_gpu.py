@@ -51,7 +51,7 @@ def check_wgmma_gemm(cases, ms=(9, 16, 17, 40, 64), dtypes=(torch.bfloat16, torc
 
 
 def test_int4_wgmma_gemm_kernel():
-    """configs: (WARPS, RREP, STEP, SPLIT_K, MAXNREG)."""
+    """configs: (WARPS, RREP, STEP, SPLIT_K, MAXNREG, ASYNC)."""
     _need_sm90()
     check_wgmma_gemm([
         (64, 1024, 128, (4, 1), False, False),  # STEP 64: two MMAs a group
@@ -60,6 +60,10 @@ def test_int4_wgmma_gemm_kernel():
         (128, 2048, 128, (4, 1, 128, 4), True, True),  # one MMA a group, split-K 4, act-order
         (256, 4096, 32, (8, 1, 32, 2), False, False),
         (512, 2048, 128, (8, 1, 64, 2, 128), False, False),  # a register cap
+        # a group's MMAs in flight (ASYNC): 4 steps of 32 k, 2 of 64, act-order, split-K
+        (256, 2048, 128, (8, 1, 32, None, None, 1), True, False),
+        (128, 1024, 64, (4, 1, 32, 2, None, 1), False, True),
+        (512, 2048, 128, (8, 1, 64, 4, 128, 1), False, False),
         (6144, 4096, 128, None, False, False),  # the 8B's shapes at the default config
         (4096, 14336, 128, None, False, False),
     ], ms=(9, 16, 17, 40, 64))

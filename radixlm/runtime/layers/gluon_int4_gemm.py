@@ -138,7 +138,7 @@ def _load_x(P, x_rows, xk, gi, h, GROUP: gl.constexpr, STEP: gl.constexpr,
 def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stride_ym, stride_s,
                             groups_per_split, K: gl.constexpr, GROUP: gl.constexpr,
                             BM: gl.constexpr, RREP: gl.constexpr, STEP: gl.constexpr,
-                            SPLIT_K: gl.constexpr,
+                            ASYNC: gl.constexpr, SPLIT_K: gl.constexpr,
                             HAS_BIAS: gl.constexpr, HAS_PERM: gl.constexpr, BF16: gl.constexpr,
                             num_warps: gl.constexpr):
     WARPS: gl.constexpr = num_warps
@@ -185,7 +185,8 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
     xm = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
     xk = gl.arange(0, STEP, layout=gl.SliceLayout(0, XL))
     x_rows = X + gl.expand_dims(gl.minimum(xm, M - 1).to(gl.int64) * stride_xm, 1)  # (BM, 1)
-    xs = gl.allocate_shared_memory(DT, [2, BM, STEP], XS)  # x^T, double-buffered
+    NBUF: gl.constexpr = SPG if ASYNC and SPG > 2 else 2
+    xs = gl.allocate_shared_memory(DT, [NBUF, BM, STEP], XS)  # x^T tiles
 
     g_lo = pid_k * groups_per_split
     g_hi = gl.minimum(g_lo + groups_per_split, G)
@@ -195,12 +196,18 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
     xt = _load_x(P, x_rows, xk, g_lo, 0, GROUP, STEP, HAS_PERM)
     for gi in range(g_lo, g_hi):
         sc = gl.load(S + s_off + gi).to(gl.float32)
+        alive = ()  # (ASYNC: the A registers of the group's MMAs in flight)
         for h in gl.static_range(SPG):
-            # dequantize step h of group gi and store its x^T tile (the buffer's last reader,
-            # the MMA two steps back, finished before the last step's barrier), request the
-            # next step's loads, then the MMA
+            # dequantize step h of group gi and store its x^T tile, request the next step's
+            # loads, then the MMA. Sync: buffer (gi SPG + h) % 2 (its last reader, the MMA two
+            # steps back, finished before the last step's barrier). ASYNC: buffer h, the
+            # group's MMAs chained in flight while the next steps dequantize, waited for at the
+            # group's end
             a = _dequant(w, zg, zg8, AL, BN, STEP, BF16)
-            xb = xs.index((gi * SPG + h) % 2)
+            if ASYNC:
+                xb = xs.index(h)
+            else:
+                xb = xs.index((gi * SPG + h) % 2)
             xb.store(_x_slots(xt, BM, STEP))
             if h + 1 < SPG:
                 w, zg, zg8 = _load_w(WD, Z, w_off, z_off, gi, h + 1, stride_s, U, US, MAGIC16)
@@ -211,9 +218,14 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
                 xt = _load_x(P, x_rows, xk, nxt, 0, GROUP, STEP, HAS_PERM)
             fence_async_shared()
             gl.thread_barrier()  # every thread's x stored (and fenced) before the MMA reads it
-            # synchronous: an async MMA overlapped with the next step's dequantization made
-            # ptxas serialize every wgmma (C7515: the accumulator's copies)
-            d = warpgroup_mma(a, xb.permute((1, 0)), d, use_acc=h > 0)
+            if ASYNC:
+                d = warpgroup_mma(a, xb.permute((1, 0)), d, use_acc=h > 0, is_async=True)
+                alive = alive + (a, )
+            else:
+                d = warpgroup_mma(a, xb.permute((1, 0)), d, use_acc=h > 0)
+        if ASYNC:
+            d = warpgroup_mma_wait(num_outstanding=0, deps=(d, ) + alive)[0]
+            gl.thread_barrier()  # both warpgroups' MMAs done before buffer 0 is stored again
         acc += d * gl.expand_dims(sc, 1)
     _epilogue(acc, B, Y, WS, CNT, M, N, n0, pid_n, pid_k, stride_ym, BN, BM, WARPS, SPLIT_K,
               HAS_BIAS)
@@ -256,7 +268,7 @@ def _store(out, B, Y, on, om, ok, stride_ym, HAS_BIAS: gl.constexpr):
 
 SMS = 132  # H100 / H200 SXM
 DEFAULT = (4, 1)  # (WARPS, RREP): 64 weight rows a program; STEP min(group, 64), split_for
-# (WARPS, RREP, STEP, SPLIT_K, MAXNREG) by GPU, layer shape and batch tile (BM: "16", "32" or
+# (WARPS, RREP, STEP, SPLIT_K, MAXNREG, ASYNC) by GPU, layer shape and batch tile (BM: "16", "32" or
 # "64" rows), from benchmarks/probes/int4_wgmma_bound.py (--configs-out); elsewhere DEFAULT
 TUNED: dict = {}
 ENV_VAR = "RADIXLM_INT4_WGMMA_CONFIGS"  # a sweep's table instead of TUNED
@@ -303,9 +315,10 @@ def gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
     """x (M <= 64, K) bf16 / fp16 -> y (M, N) in x's dtype; W as int4_mma_layout.pack()'s words
     of the layer's (N, K) weights with its (N, G) scales and zeros. config: (WARPS, RREP),
     + STEP (32, 64 or 128 k an MMA, <= group; None: min(group, 64)), + SPLIT_K (None:
-    split_for), + MAXNREG (a register cap a thread; None: ptxas's choice)."""
+    split_for), + MAXNREG (a register cap a thread; None: ptxas's choice), + ASYNC (1: a
+    group's MMAs in flight while its next steps dequantize; None / 0: each MMA waited for)."""
     cfg = tuple(config or DEFAULT)
-    warps, rrep, step, split, maxnreg = cfg + (None,) * (5 - len(cfg))
+    warps, rrep, step, split, maxnreg, asy = cfg + (None,) * (6 - len(cfg))
     step = step or min(group, 64)
     m, k = x.shape
     n = words.shape[0] * 16
@@ -328,7 +341,7 @@ def gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torc
         x, words, scales, zeros, perm if perm is not None else words,
         bias if bias is not None else x, y, ws, cnt if cnt is not None else words,
         m, n, x.stride(0), y.stride(0), scales.stride(0), per_split, K=k, GROUP=group, BM=bm,
-        RREP=rrep, STEP=step, SPLIT_K=split, HAS_BIAS=bias is not None,
+        RREP=rrep, STEP=step, ASYNC=bool(asy), SPLIT_K=split, HAS_BIAS=bias is not None,
         HAS_PERM=perm is not None, BF16=x.dtype == torch.bfloat16, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return y
