@@ -12,7 +12,7 @@
 #   # device (kind nvidia-h200 or nvidia-h100, carry [".whl", ".carry"]):
 #   bash benchmarks/int4_gpu.sh                   # the default steps, ~560 s at most
 #   bash benchmarks/int4_gpu.sh sweep e2e         # some of them (also: mmatests mma mmapdl
-#                                                   wgtests wgmma)
+#                                                   wgtests wgmma wgbig)
 #   E2E_ARMS="bf16 awq-g128 gptq-g128 bf16-nopdl" bash benchmarks/int4_gpu.sh mmatests e2e
 #
 # Budget (one H200, 2026-11-29): tests ~220 s (test_int4.py 17 tests ~240 s alone: not run
@@ -41,6 +41,9 @@ step wgtests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_int4_wgm
 step wgmma 300 python benchmarks/probes/int4_wgmma_bound.py --result-file "$OUT/wgmma.jsonl" \
   --configs-out "$OUT/wgmma_tuned.json"
 [ -s "$OUT/wgmma_tuned.json" ] && export RADIXLM_INT4_WGMMA_CONFIGS=$OUT/wgmma_tuned.json
+# past 64 rows (the Triton GEMM's range): the wgmma GEMM's default in 64-row tiles against it
+step wgbig 120 python benchmarks/probes/int4_wgmma_bound.py --quick --m 96 128 256 \
+  --result-file "$OUT/wgmma_big.jsonl"
 step sweep 240 python benchmarks/probes/int4_gemv_bound.py --result-file "$OUT/probe.jsonl" \
   --configs-out "$OUT/tuned.json"
 [ -s "$OUT/tuned.json" ] && export RADIXLM_INT4_TMA_CONFIGS=$OUT/tuned.json

@@ -40,7 +40,7 @@ CONFIGS = ([(8, 1, 128, s, None, None) for s in (None, 1, 4)]
            + [(4, 1, 32, s, None, 1) for s in (None, 4, 8)])
 
 
-def bench(label: str, n: int, k: int, ms) -> list[dict]:
+def bench(label: str, n: int, k: int, ms, configs) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -73,7 +73,7 @@ def bench(label: str, n: int, k: int, ms) -> list[dict]:
                                      layers[i % copies].zeros, GROUP, config=cfg)
 
         sweep = {}
-        for cfg in CONFIGS:
+        for cfg in configs:
             if not GG.supported(n, k, GROUP, x.dtype, cfg[0], cfg[1]) or (
                     cfg[1] == 2 and m > 32):  # (BM 64 at 128 rows a warpgroup: 254 registers)
                 continue
@@ -81,18 +81,19 @@ def bench(label: str, n: int, k: int, ms) -> list[dict]:
                 sweep[cfg] = graph_time_us(wg(cfg), copies)
             except Exception as e:  # noqa: BLE001 (reported)
                 row.setdefault("errors", {})[str(cfg)] = f"{type(e).__name__}: {str(e)[:160]}"
-        if sweep:
-            best = min(sweep, key=sweep.get)
-            row["wgmma_us"], row["wgmma_config"] = round(sweep[best], 2), list(best)
-            dflt = (*GG.DEFAULT, None, None, None, None)
-            if dflt in sweep:
-                row["wgmma_default_us"] = round(sweep[dflt], 2)
-            row["wgmma_sweep"] = {str(list(c)): round(t, 2) for c, t in sweep.items()}
-            ref = TG.gemm(x, lyr.qweight, lyr.scales, lyr.zeros, GROUP).float()
-            y = wg(best)(0).float()
-            row["wgmma_rel_err_vs_triton"] = float((y - ref).abs().max() / ref.abs().max())
-            row["wgmma_speedup_vs_cublas"] = round(row["cublas_us"] / row["wgmma_us"], 3)
-            row["wgmma_speedup_vs_triton"] = round(row["triton_us"] / row["wgmma_us"], 3)
+        sweep[None] = graph_time_us(wg(None), copies)  # config_for's default (no table)
+        row["wgmma_default_us"] = round(sweep[None], 2)
+        row["wgmma_default_config"] = list(GG.default_config(n, GROUP, m))
+        best = min(sweep, key=sweep.get)
+        row["wgmma_us"] = round(sweep[best], 2)
+        row["wgmma_config"] = list(best) if best is not None else row["wgmma_default_config"]
+        row["wgmma_sweep"] = {str(list(c)): round(t, 2) for c, t in sweep.items()
+                              if c is not None}
+        ref = TG.gemm(x, lyr.qweight, lyr.scales, lyr.zeros, GROUP).float()
+        y = wg(best)(0).float()
+        row["wgmma_rel_err_vs_triton"] = float((y - ref).abs().max() / ref.abs().max())
+        row["wgmma_speedup_vs_cublas"] = round(row["cublas_us"] / row["wgmma_us"], 3)
+        row["wgmma_speedup_vs_triton"] = round(row["triton_us"] / row["wgmma_us"], 3)
         for arm in ("cublas", "triton", "wgmma"):
             if f"{arm}_us" in row:
                 b = int4_bytes * (4 if arm == "cublas" else 1)
@@ -104,7 +105,9 @@ def bench(label: str, n: int, k: int, ms) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--m", type=int, nargs="+", default=[16, 32, 64], choices=range(9, 65))
+    ap.add_argument("--m", type=int, nargs="+", default=[16, 32, 64], choices=range(9, 4097))
+    ap.add_argument("--quick", action="store_true", help="only the default config (batch tiles "
+                    "past 64 rows: the Triton GEMM's range)")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--configs-out", default=None, help="write each (shape, M)'s best config as "
                     "{device: {\"N,K,group\": {\"BM\": config}}} (gluon_int4_gemm.TUNED's form)")
@@ -119,13 +122,13 @@ def main(argv=None) -> int:
     table: dict = {}
     for s in args.shapes:
         n, k = SHAPES[s]
-        for row in bench(s, n, k, args.m):
+        for row in bench(s, n, k, args.m, [] if args.quick else CONFIGS):
             line = json.dumps({**row, **meta})
             print(line, flush=True)
             if args.result_file:
                 with open(args.result_file, "a") as f:
                     f.write(line + "\n")
-            if "wgmma_config" in row:
+            if row["M"] <= 64:
                 table.setdefault(f"{n},{k},{GROUP}", {})[str(bm_for(row["M"]))] = \
                     row["wgmma_config"]
         if args.configs_out:

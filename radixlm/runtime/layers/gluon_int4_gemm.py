@@ -43,7 +43,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from radixlm.runtime.layers.int4_mma_layout import GROUPS
 from radixlm.runtime.layers.triton_int4_host import split_counters
 
-MIN_M, MAX_M = 9, 64  # below: the GEMV (triton_int4_mma); above: the Triton GEMM
+# the rows Int4Linear sends here (layers/int4_batch1.py): below, the GEMV (triton_int4_mma);
+# above, the Triton GEMM (the kernel itself takes any M, in tiles of 64 rows past 64)
+MIN_M, MAX_M = 9, 64
+# the CTA-wide barrier: gl.thread_barrier in Triton 3.6 (the GPU image's), gl.barrier in 3.7
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 def _dequant_asm(kind: str, magic: int) -> str:
@@ -168,6 +172,7 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
                                             element_bitwidth=16, rank=2)
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
+    m0 = gl.program_id(2) * BM  # the batch tile (rows m0 .. m0 + BM of x)
     n0 = pid_n * BN
     rt = gl.expand_dims(gl.expand_dims(gl.expand_dims(
         gl.arange(0, RT, layout=gl.SliceLayout(1, L2)), 1), 2), 3)  # (RT, 1, 1, 1)
@@ -184,7 +189,7 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
     s_off = (n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))) * stride_s  # (BN,)
     xm = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
     xk = gl.arange(0, STEP, layout=gl.SliceLayout(0, XL))
-    x_rows = X + gl.expand_dims(gl.minimum(xm, M - 1).to(gl.int64) * stride_xm, 1)  # (BM, 1)
+    x_rows = X + gl.expand_dims(gl.minimum(m0 + xm, M - 1).to(gl.int64) * stride_xm, 1)
     NBUF: gl.constexpr = SPG if ASYNC and SPG > 2 else 2
     xs = gl.allocate_shared_memory(DT, [NBUF, BM, STEP], XS)  # x^T tiles
 
@@ -217,7 +222,7 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
                 w, zg, zg8 = _load_w(WD, Z, w_off, z_off, nxt, 0, stride_s, U, US, MAGIC16)
                 xt = _load_x(P, x_rows, xk, nxt, 0, GROUP, STEP, HAS_PERM)
             fence_async_shared()
-            gl.thread_barrier()  # every thread's x stored (and fenced) before the MMA reads it
+            _cta_barrier()  # every thread's x stored (and fenced) before the MMA reads it
             if ASYNC:
                 d = warpgroup_mma(a, xb.permute((1, 0)), d, use_acc=h > 0, is_async=True)
                 alive = alive + (a, )
@@ -225,35 +230,36 @@ def _int4_gemm_wgmma_kernel(X, WD, S, Z, P, B, Y, WS, CNT, M, N, stride_xm, stri
                 d = warpgroup_mma(a, xb.permute((1, 0)), d, use_acc=h > 0)
         if ASYNC:
             d = warpgroup_mma_wait(num_outstanding=0, deps=(d, ) + alive)[0]
-            gl.thread_barrier()  # both warpgroups' MMAs done before buffer 0 is stored again
+            _cta_barrier()  # both warpgroups' MMAs done before buffer 0 is stored again
         acc += d * gl.expand_dims(sc, 1)
-    _epilogue(acc, B, Y, WS, CNT, M, N, n0, pid_n, pid_k, stride_ym, BN, BM, WARPS, SPLIT_K,
-              HAS_BIAS)
+    _epilogue(acc, B, Y, WS, CNT, M, N, m0, n0, pid_n, pid_k, stride_ym, BN, BM, WARPS,
+              SPLIT_K, HAS_BIAS)
 
 
 @gluon.jit
-def _epilogue(acc, B, Y, WS, CNT, M, N, n0, pid_n, pid_k, stride_ym, BN: gl.constexpr,
+def _epilogue(acc, B, Y, WS, CNT, M, N, m0, n0, pid_n, pid_k, stride_ym, BN: gl.constexpr,
               BM: gl.constexpr, WARPS: gl.constexpr, SPLIT_K: gl.constexpr,
               HAS_BIAS: gl.constexpr):
     # acc (BN, BM) = Y^T's tile -> Y[m, n0 + i] (lanes along n: 64-byte runs a warp)
     OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, WARPS], [0, 1])
     out = gl.convert_layout(acc, OL)
     on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, OL))
-    om = gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+    om = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
     ok = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
     if SPLIT_K > 1:
         # deterministic split-K (triton_int4_gemm's scheme): each split stores its fp32
         # partial; the one that arrives last sums them in split order and resets the counter
         mn = gl.expand_dims(om.to(gl.int64), 0) * N + gl.expand_dims(on, 1)
         gl.store(WS + pid_k.to(gl.int64) * M * N + mn, out, mask=ok)
-        gl.thread_barrier()
-        if gl.atomic_add(CNT + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
+        _cta_barrier()
+        tile = gl.program_id(2) * gl.num_programs(0) + pid_n
+        if gl.atomic_add(CNT + tile, 1, sem="acq_rel") == SPLIT_K - 1:
             out = gl.zeros([BN, BM], gl.float32, OL)
             for sk in gl.static_range(SPLIT_K):
                 out += gl.load(WS + sk * M.to(gl.int64) * N + mn, mask=ok, other=0.0,
                                cache_modifier=".cg")
             _store(out, B, Y, on, om, ok, stride_ym, HAS_BIAS)
-            gl.atomic_xchg(CNT + pid_n, 0)
+            gl.atomic_xchg(CNT + tile, 0)
     else:
         _store(out, B, Y, on, om, ok, stride_ym, HAS_BIAS)
 
@@ -267,22 +273,46 @@ def _store(out, B, Y, on, om, ok, stride_ym, HAS_BIAS: gl.constexpr):
 
 
 SMS = 132  # H100 / H200 SXM
-DEFAULT = (4, 1)  # (WARPS, RREP): 64 weight rows a program; STEP min(group, 64), split_for
-# (WARPS, RREP, STEP, SPLIT_K, MAXNREG, ASYNC) by GPU, layer shape and batch tile (BM: "16", "32" or
-# "64" rows), from benchmarks/probes/int4_wgmma_bound.py (--configs-out); elsewhere DEFAULT
-TUNED: dict = {}
-ENV_VAR = "RADIXLM_INT4_WGMMA_CONFIGS"  # a sweep's table instead of TUNED
+# config: (WARPS, RREP, STEP, SPLIT_K, MAXNREG, ASYNC) (gemm's docstring). The best by GPU,
+# layer shape ("N,K,group") and batch tile (BM: "16", "32", "64" rows: 64 for every tile
+# above) from benchmarks/probes/int4_wgmma_bound.py --configs-out; elsewhere default_config.
+# H200, 2026-11-29 (12e2959, results/int4_wgmma_bound-gpu.jsonl; cuBLAS bf16 in brackets):
+# qkv 10.8 / 12.5 / 18.9 us at 16 / 32 / 64 rows [15.8 / 16.5 / 16.6], o 8.3 / 10.0 / 13.3
+# [13.5 / 13.9 / 12.1], gate_up 31.5 / 33.9 / 52.4 [63.4 / 57.5 / 61.7], down 16.9 / 20.0 /
+# 32.3 [32.9 / 33.2 / 36.3]
+TUNED: dict = {
+    "NVIDIA H200": {
+        "6144,4096,128": {"16": (8, 1, 128, 4), "32": (8, 1, 128),
+                          "64": (8, 1, 64, None, 128, 1)},
+        "4096,4096,128": {"16": (8, 1, 128), "32": (8, 1, 128), "64": (8, 1, 128, 4)},
+        "28672,4096,128": {"16": (8, 1, 128, 1), "32": (8, 1, 128, 1),
+                           "64": (8, 1, 64, 1, 128, 1)},
+        "4096,14336,128": {"16": (8, 1, 128), "32": (8, 1, 128), "64": (8, 1, 128, 4)},
+    },
+}
+ENV_VAR = "RADIXLM_INT4_WGMMA_CONFIGS"  # a sweep's table (same form) instead of TUNED
 
 
 def bm_for(m: int) -> int:
+    """The batch tile: 16, 32 or 64 rows (above 64: tiles of 64)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def default_config(n: int, group: int, m: int) -> tuple:
+    """The sweep's pattern: 8 warps (128 rows a program) where N allows; up to 32 rows one MMA
+    chain a group, synchronous; 64-row tiles two steps of 64 k a group of 128, a group's MMAs
+    in flight (ASYNC) and at most 128 registers (2 programs an SM)."""
+    warps = 8 if n % 128 == 0 else 4
+    if bm_for(m) <= 32:
+        return (warps, 1, min(group, 128))
+    return (warps, 1, min(group, 64), None, 128 if warps == 8 else None, 1)
 
 
 def config_for(n: int, k: int, group: int, m: int, device_name: str = "") -> tuple:
     path = os.environ.get(ENV_VAR)
     table = _file_table(path) if path else TUNED
     cfg = table.get(device_name, {}).get(f"{n},{k},{group}", {}).get(str(bm_for(m)))
-    return tuple(cfg) if cfg is not None else DEFAULT
+    return tuple(cfg) if cfg is not None else default_config(n, group, m)
 
 
 @lru_cache(maxsize=None)
@@ -291,8 +321,8 @@ def _file_table(path: str) -> dict:
         return json.load(f)
 
 
-def supported(n: int, k: int, group: int, x_dtype: torch.dtype, warps: int = DEFAULT[0],
-              rrep: int = DEFAULT[1]) -> bool:
+def supported(n: int, k: int, group: int, x_dtype: torch.dtype, warps: int = 4,
+              rrep: int = 1) -> bool:
     """Whole programs of 16 x warps x rrep rows, whole groups of 32 / 64 / 128, bf16 / fp16."""
     return (n % (16 * warps * rrep) == 0 and k % 64 == 0 and group in GROUPS
             and k % group == 0 and x_dtype in (torch.bfloat16, torch.float16))
@@ -312,32 +342,34 @@ _COUNTERS: dict = {}  # device -> split-K arrival counters (self-resetting)
 def gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
          group: int, bias: Optional[torch.Tensor] = None, perm: Optional[torch.Tensor] = None,
          config: Optional[tuple] = None) -> torch.Tensor:
-    """x (M <= 64, K) bf16 / fp16 -> y (M, N) in x's dtype; W as int4_mma_layout.pack()'s words
-    of the layer's (N, K) weights with its (N, G) scales and zeros. config: (WARPS, RREP),
+    """x (M, K) bf16 / fp16 -> y (M, N) in x's dtype; W as int4_mma_layout.pack()'s words of the
+    layer's (N, K) weights with its (N, G) scales and zeros; batch tiles of bm_for(M) rows (a
+    grid axis above 64). config (None: config_for's default): (WARPS, RREP),
     + STEP (32, 64 or 128 k an MMA, <= group; None: min(group, 64)), + SPLIT_K (None:
     split_for), + MAXNREG (a register cap a thread; None: ptxas's choice), + ASYNC (1: a
     group's MMAs in flight while its next steps dequantize; None / 0: each MMA waited for)."""
-    cfg = tuple(config or DEFAULT)
-    warps, rrep, step, split, maxnreg, asy = cfg + (None,) * (6 - len(cfg))
-    step = step or min(group, 64)
     m, k = x.shape
     n = words.shape[0] * 16
-    if not (1 <= m <= MAX_M and supported(n, k, group, x.dtype, warps, rrep)
+    cfg = tuple(config or default_config(n, group, m))
+    warps, rrep, step, split, maxnreg, asy = cfg + (None,) * (6 - len(cfg))
+    step = step or min(group, 64)
+    if not (m >= 1 and supported(n, k, group, x.dtype, warps, rrep)
             and x.stride(1) == 1 and step in (32, 64, 128) and group % step == 0):
         raise ValueError(f"int4 wgmma GEMM: x {tuple(x.shape)} {x.dtype} (stride {x.stride()}), "
                          f"N {n}, group {group}, config {config}: not supported()")
     bm = bm_for(m)
     programs = n // (16 * warps * rrep)
+    m_tiles = triton.cdiv(m, bm)
     groups = k // group
-    split = split or split_for(programs, groups)
+    split = split or split_for(programs * m_tiles, groups)
     per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, per_split)
-    cnt = split_counters(_COUNTERS, x.device, programs, 4096) if split > 1 else None
+    cnt = split_counters(_COUNTERS, x.device, programs * m_tiles, 4096) if split > 1 else None
     if cnt is None:
         split, per_split = 1, groups
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    _int4_gemm_wgmma_kernel[(programs, split)](
+    _int4_gemm_wgmma_kernel[(programs, split, m_tiles)](
         x, words, scales, zeros, perm if perm is not None else words,
         bias if bias is not None else x, y, ws, cnt if cnt is not None else words,
         m, n, x.stride(0), y.stride(0), scales.stride(0), per_split, K=k, GROUP=group, BM=bm,
