@@ -26,6 +26,9 @@ source "$(dirname "$0")/gpu_steps.sh"
 export RADIXLM_TEST_TOKENIZER=$PWD/.carry/smollm2-tokenizer
 step tests 240 python -m pytest -q -p no:cacheprovider tests/gpu/test_int4_tma_gpu.py \
   tests/gpu/test_int4.py -k "tma or kernels or linear or split or silu"
+# every int4 GPU test of the Engine and the layer (test_int4.py whole: ~240 s alone)
+step int4all 540 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4_tma_gpu.py \
+  tests/gpu/test_int4.py
 # the tensor-core GEMV for 1-8 rows (layers/triton_int4_mma.py): its tests, its config sweep
 # (with the kernels PDL launches by default: RMSNorm, rotary, decode attention)
 step mmatests 300 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4_mma_gpu.py \

@@ -3,7 +3,9 @@ derives from the layer's (kept beside qweight, refreshed in place after new weig
 and captured CUDA graphs hold their addresses). RADIXLM_INT4_TMA picks:
   mma / unset  layers/triton_int4_mma.py: 1-8 rows on tensor cores, W repacked into the MMA
              fragments' layout (layers/int4_mma_layout.py: a second copy of the int4 weights,
-             qweight stays for the Triton GEMM above 8 rows)
+             qweight stays for the Triton GEMM above 64 rows); on sm_90 the same words take
+             9-64 rows through layers/gluon_int4_gemm.py's wgmma GEMM (RADIXLM_INT4_WGMMA=0:
+             the Triton GEMM instead)
   1          `tma`: batch 1 on layers/triton_int4_tma.py (scales and zeros transposed to (G, N))
              at the GPU's tuned config for the shape (layers/int4_tma_tuned.py) or its default
   0          the register GEMV (triton_int4.gemv) for every batch-1 call

@@ -9,6 +9,8 @@ What the layer computes (K = in_features, N = out_features, G = K / group groups
                     tensor-core GEMV: (q - z) x summed in fp32 a group, then scaled)
   M > 1             triton_int4_gemm.gemm: each W tile dequantized to x's dtype exactly as the
                     dequantized checkpoint would hold it, then tl.dot (fp32 accumulation)
+                    (on Hopper 9-64 rows run gluon_int4_gemm's wgmma GEMM over the mma words:
+                    the mma GEMV's sums, (q - z) x in fp32 a group, then the scale)
 So the layer is the dequantized model's matmul up to summation order (GEMM) or up to the
 rounding of W to x's dtype, which the GEMV never does (it is closer to fp32).
 
