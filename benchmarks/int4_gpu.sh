@@ -33,6 +33,8 @@ step int4all 540 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4_
 # (with the kernels PDL launches by default: RMSNorm, rotary, decode attention)
 step mmatests 300 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4_mma_gpu.py \
   tests/gpu/test_fused_ops_gpu.py tests/gpu/test_triton_attention_gpu.py
+# (the GEMV's tests alone, ~230 s)
+step mmaonly 250 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_int4_mma_gpu.py
 step mma 200 python benchmarks/probes/int4_mma_bound.py --result-file "$OUT/mma.jsonl" \
   --configs-out "$OUT/mma_tuned.json"
 [ -s "$OUT/mma_tuned.json" ] && export RADIXLM_INT4_MMA_CONFIGS=$OUT/mma_tuned.json

@@ -29,6 +29,24 @@ from benchmarks.probes.int4_gemv_bound import COLD_BYTES, GROUP, SHAPES, _layer,
 CONFIGS = [(r, w, a) for a in (1, 2) for r, w in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8))]
 
 
+def operands(n: int, k: int) -> tuple:
+    """(int4 bytes of one layer, copies, the copies as Int4Linear layers (group 128), their mma
+    words, bf16 weights of the same shape): > 256 MB of copies each, so that cycling through
+    them reads from HBM, not L2."""
+    import torch
+
+    from radixlm.runtime.layers import int4_mma_layout as L
+
+    torch.manual_seed(0)
+    int4_bytes = n * k // 2 + n * (k // GROUP) * 3
+    copies = max(2, -(-COLD_BYTES // int4_bytes))
+    layers = [_layer(n, k) for _ in range(copies)]
+    words = [L.pack(lyr.codes()) for lyr in layers]
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+           for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))))]
+    return int4_bytes, copies, layers, words, w16
+
+
 def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -38,13 +56,7 @@ def bench(label: str, n: int, k: int, silu: bool, ms) -> list[dict]:
     from radixlm.runtime.layers import triton_int4_mma as MM
     from radixlm.runtime.layers import triton_int4_tma as T
 
-    torch.manual_seed(0)
-    int4_bytes = n * k // 2 + n * (k // GROUP) * 3
-    copies = max(2, -(-COLD_BYTES // int4_bytes))
-    layers = [_layer(n, k) for _ in range(copies)]
-    words = [L.pack(lyr.codes()) for lyr in layers]
-    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-           for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))))]
+    int4_bytes, copies, layers, words, w16 = operands(n, k)
     name = torch.cuda.get_device_name()
     tma_cfg = T.config_for(n, k, GROUP, 2, name)
     cfgs = [c for c in CONFIGS if (c[0] == 2 or not silu)

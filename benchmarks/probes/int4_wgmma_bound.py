@@ -24,7 +24,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.probes.int4_gemv_bound import COLD_BYTES, GROUP, _layer  # noqa: E402
+from benchmarks.probes.int4_gemv_bound import GROUP  # noqa: E402
+from benchmarks.probes.int4_mma_bound import operands  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -46,16 +47,9 @@ def bench(label: str, n: int, k: int, ms, configs) -> list[dict]:
 
     from benchmarks.fp8_linear import graph_time_us
     from radixlm.runtime.layers import gluon_int4_gemm as GG
-    from radixlm.runtime.layers import int4_mma_layout as L
     from radixlm.runtime.layers import triton_int4_gemm as TG
 
-    torch.manual_seed(0)
-    int4_bytes = n * k // 2 + n * (k // GROUP) * 3
-    copies = max(2, -(-COLD_BYTES // int4_bytes))
-    layers = [_layer(n, k) for _ in range(copies)]
-    words = [L.pack(lyr.codes()) for lyr in layers]
-    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-           for _ in range(max(2, -(-COLD_BYTES // (2 * n * k))))]
+    int4_bytes, copies, layers, words, w16 = operands(n, k)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -114,26 +108,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "command": "python benchmarks/probes/int4_wgmma_bound.py "
-            + " ".join(argv or sys.argv[1:])}
+    from benchmarks.offline_throughput import emit_result, git_commit
     from radixlm.runtime.layers.gluon_int4_gemm import bm_for
 
+    device = torch.cuda.get_device_name()
+    meta = {"device": device, "torch": torch.__version__, "git_commit": git_commit()}
     table: dict = {}
     for s in args.shapes:
         n, k = SHAPES[s]
         for row in bench(s, n, k, args.m, [] if args.quick else CONFIGS):
-            line = json.dumps({**row, **meta})
-            print(line, flush=True)
-            if args.result_file:
-                with open(args.result_file, "a") as f:
-                    f.write(line + "\n")
+            emit_result({**row, **meta}, args.result_file, __file__)
             if row["M"] <= 64:
                 table.setdefault(f"{n},{k},{GROUP}", {})[str(bm_for(row["M"]))] = \
                     row["wgmma_config"]
         if args.configs_out:
             with open(args.configs_out, "w") as f:
-                json.dump({meta["device"]: table}, f, indent=1)
+                json.dump({device: table}, f, indent=1)
     return 0
 
 

@@ -8,14 +8,7 @@ this session's triton may be imported with the interpreter on."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sm90_compile import run_sm90_script
 
 SCRIPT = r"""
 import inspect
@@ -60,14 +53,4 @@ print("compiled")
 
 
 def test_gluon_int4_gemm_compiles_for_sm90():
-    if importlib.util.find_spec("triton") is None or \
-            importlib.util.find_spec("triton.backends.nvidia") is None or \
-            importlib.util.find_spec("triton.experimental.gluon") is None:
-        pytest.skip("no triton with its NVIDIA backend and Gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
-    if "ptxas" in p.stderr and "not found" in p.stderr:
-        pytest.skip("Triton's bundled ptxas is missing")
-    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+    run_sm90_script(SCRIPT, "triton.experimental.gluon")

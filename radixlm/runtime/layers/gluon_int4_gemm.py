@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from radixlm.runtime.layers.int4_mma_layout import GROUPS
+from radixlm.runtime.layers.int4_mma_layout import GROUPS, dequant_ptx
 from radixlm.runtime.layers.triton_int4_host import split_counters
 
 # the rows Int4Linear sends here (layers/int4_batch1.py): below, the GEMV (triton_int4_mma);
@@ -52,25 +52,11 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 def _dequant_asm(kind: str, magic: int) -> str:
     # $0-$7 the 8 outputs (a0.lo, a0.hi, a1.lo, .. a3.hi: a register i's two 16-bit halves),
-    # $8 the word, $9 / $10 the packed (magic + z) of rows g / g + 8 (int4_mma_layout's bits)
-    return f"""{{
-    .reg .b32 t0, t1, t2, a0, a1, a2, a3;
-    shr.u32 t0, $8, 4;
-    shr.u32 t1, $8, 8;
-    shr.u32 t2, $8, 12;
-    lop3.b32 a0, $8, 983055, {magic}, 234;
-    lop3.b32 a1, t0, 983055, {magic}, 234;
-    lop3.b32 a2, t1, 983055, {magic}, 234;
-    lop3.b32 a3, t2, 983055, {magic}, 234;
-    sub.rn.{kind}x2 a0, a0, $9;
-    sub.rn.{kind}x2 a1, a1, $10;
-    sub.rn.{kind}x2 a2, a2, $9;
-    sub.rn.{kind}x2 a3, a3, $10;
-    mov.b32 {{$0, $1}}, a0;
-    mov.b32 {{$2, $3}}, a1;
-    mov.b32 {{$4, $5}}, a2;
-    mov.b32 {{$6, $7}}, a3;
-    }}"""
+    # $8 the word, $9 / $10 the packed (magic + z) of rows g / g + 8
+    return dequant_ptx(kind, magic, """    mov.b32 {$0, $1}, a0;
+    mov.b32 {$2, $3}, a1;
+    mov.b32 {$4, $5}, a2;
+    mov.b32 {$6, $7}, a3;""")
 
 
 _ASM_BF16 = gl.constexpr(_dequant_asm("bf16", 0x43004300))

@@ -79,6 +79,28 @@ def supported(n: int, k: int, group: int, x_dtype: torch.dtype, silu: bool = Fal
             and (silu or tiles % r == 0))
 
 
+def dequant_ptx(kind: str, magic: int, tail: str) -> str:
+    """The PTX of one lane's word -> its 4 A registers a0..a3 of exact (q - z) pairs (3 shifts,
+    4 LOP3 into `magic` floats, 4 packed subtractions: the bits above), then `tail` (what the
+    kernel does with a0..a3). Operands: $8 the word, $9 / $10 the packed (magic + z) of rows
+    g / g + 8. kind: bf16 (magic 0x43004300) or f16 (0x64006400); lop3 0xEA = (a & b) | c."""
+    return f"""{{
+    .reg .b32 t0, t1, t2, a0, a1, a2, a3;
+    shr.u32 t0, $8, 4;
+    shr.u32 t1, $8, 8;
+    shr.u32 t2, $8, 12;
+    lop3.b32 a0, $8, 983055, {magic}, 234;
+    lop3.b32 a1, t0, 983055, {magic}, 234;
+    lop3.b32 a2, t1, 983055, {magic}, 234;
+    lop3.b32 a3, t2, 983055, {magic}, 234;
+    sub.rn.{kind}x2 a0, a0, $9;
+    sub.rn.{kind}x2 a1, a1, $10;
+    sub.rn.{kind}x2 a2, a2, $9;
+    sub.rn.{kind}x2 a3, a3, $10;
+{tail}
+    }}"""
+
+
 def pack(q: torch.Tensor) -> torch.Tensor:
     """q (N, K) values 0..15 -> words (N/16, K/64, 32, 4) int32 in the `mma` layout."""
     n, k = q.shape

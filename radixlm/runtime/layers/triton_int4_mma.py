@@ -41,28 +41,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from radixlm.runtime.layers.int4_mma_layout import DEFAULT, MAX_M, supported
+from radixlm.runtime.layers.int4_mma_layout import DEFAULT, MAX_M, dequant_ptx, supported
 from radixlm.runtime.layers.triton_ops import pdl
 
 def _dequant_mma_asm(kind: str, magic: int) -> str:
-    # the PTX of one lane's step (operands: $0-$3 D, $4-$7 C, $8 the word, $9 / $10 the packed
-    # (magic + z) of rows g / g + 8, $11 / $12 B): 4 A registers of (q - z) pairs, then the MMA
-    return f"""{{
-    .reg .b32 t0, t1, t2, a0, a1, a2, a3;
-    shr.u32 t0, $8, 4;
-    shr.u32 t1, $8, 8;
-    shr.u32 t2, $8, 12;
-    lop3.b32 a0, $8, 983055, {magic}, 234;
-    lop3.b32 a1, t0, 983055, {magic}, 234;
-    lop3.b32 a2, t1, 983055, {magic}, 234;
-    lop3.b32 a3, t2, 983055, {magic}, 234;
-    sub.rn.{kind}x2 a0, a0, $9;
-    sub.rn.{kind}x2 a1, a1, $10;
-    sub.rn.{kind}x2 a2, a2, $9;
-    sub.rn.{kind}x2 a3, a3, $10;
-    mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0, $1, $2, $3}},
-        {{a0, a1, a2, a3}}, {{$11, $12}}, {{$4, $5, $6, $7}};
-    }}"""
+    # one lane's step (operands: $0-$3 D, $4-$7 C, $8 the word, $9 / $10 the packed (magic + z)
+    # of rows g / g + 8, $11 / $12 B): 4 A registers of (q - z) pairs, then the MMA
+    return dequant_ptx(kind, magic, f"""    mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0, $1, $2, $3}},
+        {{a0, a1, a2, a3}}, {{$11, $12}}, {{$4, $5, $6, $7}};""")
 
 
 # (lop3 0xEA = (a & b) | c: a register's two nibbles into 128.0 bf16 / 1024.0 fp16 pairs)
