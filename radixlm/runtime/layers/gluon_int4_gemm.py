@@ -11,19 +11,24 @@ cuBLAS bf16 end to end. Here the product is computed transposed, Y^T (N, M) = W 
     (q - z) values by the GEMV's PTX (3 SHF, 4 LOP3 into magic floats, 4 packed subtractions)
     and goes to the tensor cores without moving between threads (the layout conversion is
     asserted trivial at compile time);
-  - x^T is B, in shared memory (wgmma's rule): a group's (BM, GROUP) tile, its k slots in the
+  - x^T is B, in shared memory (wgmma's rule): a step's (BM, STEP) tile, its k slots in the
     words' order (slot 16u + 8p + 2c + e holds k = 16u + 4c + 2p + e: the order the GEMV's B
-    registers use), staged through registers a group ahead, double-buffered;
-  - the batch is wgmma's N (BM = 16, 32 or 64 columns): each weight is read and dequantized
-    once for all the rows.
+    registers use), loaded into registers a step ahead and stored permuted;
+  - the batch is wgmma's N (BM = 16, 32 or 64 columns; past 64 rows, tiles of 64 on a grid
+    axis): each weight is read and dequantized once for all the rows of its tile.
 A row's result: per group D = sum over k of (q - z) x by the tensor cores (exact products,
 fp32 sums), then acc += D * scale in fp32: the GEMV's contract (triton_int4_mma), the same
 reference tolerance.
 
 Work: a program takes BN = 16 x WARPS x RREP weight rows (WARPS warps, RREP 64-row repetitions
-of the warpgroup's MMA) and a split of K's groups; the MMA of group i runs while group i + 1 is
-dequantized and its x tile stored (async wgmma, one outstanding). Split-K partials are reduced
-deterministically by the split that arrives last (triton_int4_gemm's scheme)."""
+of the warpgroup's MMA) and a split of K's groups, in steps of STEP k (one MMA chain each, SPG
+a group). Each step's MMA is waited for before the next dequantizes (two or three programs an
+SM overlap each other's MMAs and ALU work), or under ASYNC a group's MMAs stay in flight while
+its later steps dequantize, waited for at the group's end: an MMA in flight across the per-group
+scaling made ptxas serialize every wgmma (C7515: the accumulator's copies), hence the group
+boundary. Configs (warps, step, split-K, a register cap, ASYNC) per GPU and shape: TUNED.
+Split-K partials are reduced deterministically by the split that arrives last (triton_int4_gemm's
+scheme)."""
 
 from __future__ import annotations
 
