@@ -47,6 +47,7 @@ def bench(label: str, n: int, k: int, ms, configs) -> list[dict]:
 
     from benchmarks.fp8_linear import graph_time_us
     from radixlm.runtime.layers import gluon_int4_gemm as GG
+    from radixlm.runtime.layers import int4_wgmma_configs as WC
     from radixlm.runtime.layers import triton_int4_gemm as TG
 
     int4_bytes, copies, layers, words, w16 = operands(n, k)
@@ -68,7 +69,7 @@ def bench(label: str, n: int, k: int, ms, configs) -> list[dict]:
 
         sweep = {}
         for cfg in configs:
-            if not GG.supported(n, k, GROUP, x.dtype, cfg[0], cfg[1]) or (
+            if not WC.supported(n, k, GROUP, x.dtype, cfg[0], cfg[1]) or (
                     cfg[1] == 2 and m > 32):  # (BM 64 at 128 rows a warpgroup: 254 registers)
                 continue
             try:
@@ -77,7 +78,7 @@ def bench(label: str, n: int, k: int, ms, configs) -> list[dict]:
                 row.setdefault("errors", {})[str(cfg)] = f"{type(e).__name__}: {str(e)[:160]}"
         sweep[None] = graph_time_us(wg(None), copies)  # config_for's default (no table)
         row["wgmma_default_us"] = round(sweep[None], 2)
-        row["wgmma_default_config"] = list(GG.default_config(n, GROUP, m))
+        row["wgmma_default_config"] = list(WC.default_config(n, GROUP, m))
         best = min(sweep, key=sweep.get)
         row["wgmma_us"] = round(sweep[best], 2)
         row["wgmma_config"] = list(best) if best is not None else row["wgmma_default_config"]
@@ -104,12 +105,12 @@ def main(argv=None) -> int:
                     "past 64 rows: the Triton GEMM's range)")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--configs-out", default=None, help="write each (shape, M)'s best config as "
-                    "{device: {\"N,K,group\": {\"BM\": config}}} (gluon_int4_gemm.TUNED's form)")
+                    "{device: {\"N,K,group\": {\"BM\": config}}} (int4_wgmma_configs.TUNED's form)")
     args = ap.parse_args(argv)
     import torch
 
     from benchmarks.offline_throughput import emit_result, git_commit
-    from radixlm.runtime.layers.gluon_int4_gemm import bm_for
+    from radixlm.runtime.layers.int4_wgmma_configs import bm_for
 
     device = torch.cuda.get_device_name()
     meta = {"device": device, "torch": torch.__version__, "git_commit": git_commit()}

@@ -70,18 +70,20 @@ class Batch1:
         the mma words: Hopper (sm_90: wgmma), bf16 / fp16, RADIXLM_INT4_WGMMA not 0."""
         if self.kind != "mma" or not wgmma_enabled():
             return False
-        from radixlm.runtime.layers import gluon_int4_gemm as GG
+        from radixlm.runtime.layers import int4_wgmma_configs as WC
 
-        return (GG.MIN_M <= x2.shape[0] <= GG.MAX_M and x2.is_cuda
+        return (WC.MIN_M <= x2.shape[0] <= WC.MAX_M and x2.is_cuda
                 and torch.cuda.get_device_capability(x2.device)[0] == 9
-                and GG.supported(layer.out_features, layer.in_features, layer.group, x2.dtype,
-                                 *GG.config_for(layer.out_features, layer.in_features,
-                                                layer.group, x2.shape[0])[:2]))
+                and WC.supported(layer.out_features, layer.in_features, layer.group, x2.dtype,
+                                 *WC.config_for(layer.out_features, layer.in_features,
+                                                layer.group, x2.shape[0],
+                                                torch.cuda.get_device_name(x2.device))[:2]))
 
     def gemm(self, layer, x2: torch.Tensor) -> torch.Tensor:
         from radixlm.runtime.layers import gluon_int4_gemm as GG
+        from radixlm.runtime.layers import int4_wgmma_configs as WC
 
-        cfg = GG.config_for(layer.out_features, layer.in_features, layer.group, x2.shape[0],
+        cfg = WC.config_for(layer.out_features, layer.in_features, layer.group, x2.shape[0],
                             torch.cuda.get_device_name(x2.device))
         return GG.gemm(x2, self.derived[0], layer.scales, layer.zeros, layer.group, layer.bias,
                        perm=layer.perm, config=cfg)
