@@ -20,12 +20,15 @@ bf16 at 64 rows (gate_up 248 us against 61; the Triton GEMM 76), its x loads lat
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
 
+logger = logging.getLogger(__name__)
 ENV_VAR = "RADIXLM_INT4_TMA"
 
 
@@ -36,7 +39,20 @@ def wgmma_enabled() -> bool:
     v = os.environ.get(WGMMA_ENV, "1").strip()
     if v not in ("0", "1"):
         raise ValueError(f"{WGMMA_ENV} must be 0 or 1 (got {v!r})")
-    return v == "1"
+    return v == "1" and _gluon_importable()
+
+
+@lru_cache(maxsize=None)
+def _gluon_importable() -> bool:
+    """The wgmma GEMM is Gluon code (Triton >= 3.5's explicit-layout dialect); an older Triton
+    keeps 9-64 rows on the Triton GEMM, and the log says so once."""
+    try:
+        from radixlm.runtime.layers import gluon_int4_gemm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 (an old Triton fails in several ways; logged)
+        logger.warning("int4: 9-64 rows stay on the Triton GEMM: the wgmma GEMM needs Triton's "
+                       "Gluon (%s: %s)", type(e).__name__, e)
+        return False
+    return True
 
 
 def setting() -> str:
@@ -68,12 +84,10 @@ class Batch1:
     def takes_gemm(self, layer, x2: torch.Tensor) -> bool:
         """Whether this call (9-64 rows) is the wgmma GEMM's (layers/gluon_int4_gemm.py), over
         the mma words: Hopper (sm_90: wgmma), bf16 / fp16, RADIXLM_INT4_WGMMA not 0."""
-        if self.kind != "mma" or not wgmma_enabled():
-            return False
         from radixlm.runtime.layers import int4_wgmma_configs as WC
 
-        return (WC.MIN_M <= x2.shape[0] <= WC.MAX_M and x2.is_cuda
-                and torch.cuda.get_device_capability(x2.device)[0] == 9
+        return (self.kind == "mma" and WC.MIN_M <= x2.shape[0] <= WC.MAX_M and x2.is_cuda
+                and torch.cuda.get_device_capability(x2.device)[0] == 9 and wgmma_enabled()
                 and WC.supported(layer.out_features, layer.in_features, layer.group, x2.dtype,
                                  *WC.config_for(layer.out_features, layer.in_features,
                                                 layer.group, x2.shape[0],
