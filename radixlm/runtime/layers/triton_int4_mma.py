@@ -47,7 +47,8 @@ from radixlm.runtime.layers.triton_ops import pdl
 def _dequant_mma_asm(kind: str, magic: int) -> str:
     # one lane's step (operands: $0-$3 D, $4-$7 C, $8 the word, $9 / $10 the packed (magic + z)
     # of rows g / g + 8, $11 / $12 B): 4 A registers of (q - z) pairs, then the MMA
-    return dequant_ptx(kind, magic, f"""    mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0, $1, $2, $3}},
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    return dequant_ptx(kind, magic, f"""    {mma} {{$0, $1, $2, $3}},
         {{a0, a1, a2, a3}}, {{$11, $12}}, {{$4, $5, $6, $7}};""")
 
 
