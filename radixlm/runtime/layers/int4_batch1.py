@@ -81,26 +81,27 @@ class Batch1:
                 and (not silu or MM.supported(layer.out_features, layer.in_features,
                                               layer.group, x2.dtype, silu=True)))
 
+    def gemm_config(self, layer, x2: torch.Tensor) -> Optional[tuple]:
+        """The wgmma GEMM's config (layers/int4_wgmma_configs.py) when this call (9-64 rows) is
+        its, over the mma words: Hopper (sm_90: wgmma), bf16 / fp16, RADIXLM_INT4_WGMMA not 0;
+        else None."""
+        from radixlm.runtime.layers import int4_wgmma_configs as WC
+
+        if not (self.kind == "mma" and WC.MIN_M <= x2.shape[0] <= WC.MAX_M and x2.is_cuda
+                and torch.cuda.get_device_capability(x2.device)[0] == 9 and wgmma_enabled()):
+            return None
+        n, k, group = layer.out_features, layer.in_features, layer.group
+        cfg = WC.config_for(n, k, group, x2.shape[0], torch.cuda.get_device_name(x2.device))
+        return cfg if WC.supported(n, k, group, x2.dtype, *cfg[:2]) else None
+
     def takes_gemm(self, layer, x2: torch.Tensor) -> bool:
-        """Whether this call (9-64 rows) is the wgmma GEMM's (layers/gluon_int4_gemm.py), over
-        the mma words: Hopper (sm_90: wgmma), bf16 / fp16, RADIXLM_INT4_WGMMA not 0."""
-        from radixlm.runtime.layers import int4_wgmma_configs as WC
+        return self.gemm_config(layer, x2) is not None
 
-        return (self.kind == "mma" and WC.MIN_M <= x2.shape[0] <= WC.MAX_M and x2.is_cuda
-                and torch.cuda.get_device_capability(x2.device)[0] == 9 and wgmma_enabled()
-                and WC.supported(layer.out_features, layer.in_features, layer.group, x2.dtype,
-                                 *WC.config_for(layer.out_features, layer.in_features,
-                                                layer.group, x2.shape[0],
-                                                torch.cuda.get_device_name(x2.device))[:2]))
-
-    def gemm(self, layer, x2: torch.Tensor) -> torch.Tensor:
+    def gemm(self, layer, x2: torch.Tensor, config: tuple) -> torch.Tensor:
         from radixlm.runtime.layers import gluon_int4_gemm as GG
-        from radixlm.runtime.layers import int4_wgmma_configs as WC
 
-        cfg = WC.config_for(layer.out_features, layer.in_features, layer.group, x2.shape[0],
-                            torch.cuda.get_device_name(x2.device))
         return GG.gemm(x2, self.derived[0], layer.scales, layer.zeros, layer.group, layer.bias,
-                       perm=layer.perm, config=cfg)
+                       perm=layer.perm, config=config)
 
     def refresh(self, layer) -> None:
         """The derived operands recomputed from the layer's, in place."""

@@ -225,8 +225,9 @@ class Int4Linear(nn.Module):
         # GEMV (bandwidth-bound, fp32 FMAs) for M <= GEMV_MAX_M, tensor-core GEMM above
         if self.tma is not None and self.tma.accepts(self, x2):
             return self.tma(self, x2, False).view(*x.shape[:-1], self.out_features)
-        if self.tma is not None and self.tma.takes_gemm(self, x2):  # (9-64 rows, Hopper)
-            return self.tma.gemm(self, x2).view(*x.shape[:-1], self.out_features)
+        cfg = self.tma.gemm_config(self, x2) if self.tma is not None else None
+        if cfg is not None:  # (9-64 rows on Hopper: the wgmma GEMM)
+            return self.tma.gemm(self, x2, cfg).view(*x.shape[:-1], self.out_features)
         fn = triton_int4.gemv if x2.shape[0] <= triton_int4.GEMV_MAX_M else triton_int4_gemm.gemm
         y = fn(x2, self.qweight, self.scales, self.zeros, self.group, self.bias, perm=self.perm)
         return y.view(*x.shape[:-1], self.out_features)
