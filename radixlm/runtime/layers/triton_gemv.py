@@ -21,41 +21,17 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from radixlm.runtime.layers import l2_prefetch, triton_skinny
+from radixlm.runtime.layers import triton_skinny
 
 ENABLED = os.environ.get("RADIXLM_DISABLE_TRITON_GEMV", "") in ("", "0")
 
 
 @triton.jit
-def _early(W, N, K, stride_w, pid, BLOCK_N: tl.constexpr, HALVES: tl.constexpr,
-           PDL: tl.constexpr, SELF_PREFETCH: tl.constexpr):
-    # Under programmatic dependent launch (triton_ops.pdl) the program may start while the
-    # previous kernel runs: it lets the next kernel launch, asks for its own rows of W (the
-    # weights do not depend on the previous kernel; rows contiguous: stride_w == K), then waits
-    # for x. HALVES 2: W is [gate | up] and the program's up rows are N rows further.
-    if PDL:
-        gdc_launch_dependents()
-        if SELF_PREFETCH:
-            w8 = W.to(tl.pointer_type(tl.uint8), bitcast=True)
-            esz = W.dtype.element_ty.primitive_bitwidth // 8
-            row0 = pid.to(tl.int64) * BLOCK_N
-            nrows = tl.minimum(BLOCK_N, N - row0)
-            nbytes = (nrows * K * esz).to(tl.int32) // 16 * 16
-            l2_prefetch.prefetch_l2(w8 + row0 * stride_w * esz, nbytes)
-            if HALVES == 2:
-                l2_prefetch.prefetch_l2(w8 + (row0 + N) * stride_w * esz, nbytes)
-        gdc_wait()
-
-
-@triton.jit
-def _gemv_kernel(X, W, B, Y, N, K, stride_w, NEXT, NEXT_TOTAL, NEXT_SHARE,
+def _gemv_kernel(X, W, B, Y, N, K, stride_w,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr = False,
-                 PDL: tl.constexpr = False, SELF_PREFETCH: tl.constexpr = False):
+                 EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
-    _early(W, N, K, stride_w, pid, BLOCK_N, 1, PDL, SELF_PREFETCH)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -74,19 +50,15 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_w, NEXT, NEXT_TOTAL, NEXT_SHARE,
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
-    if PREFETCH:  # the next GEMV's weights, on their way into L2 during the kernels between
-        l2_prefetch.prefetch_share(NEXT, NEXT_TOTAL, NEXT_SHARE, pid)
 
 
 @triton.jit
-def _gemv_silu_kernel(X, W, Y, N, K, stride_w, NEXT, NEXT_TOTAL, NEXT_SHARE,
+def _gemv_silu_kernel(X, W, Y, N, K, stride_w,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr = False,
-                      PDL: tl.constexpr = False, SELF_PREFETCH: tl.constexpr = False):
+                      NUM_STAGES: tl.constexpr):
     # W (2N, K) = [gate | up]: program p streams gate rows and the matching up rows
     # [p * BLOCK_N, +BLOCK_N) and writes silu(gate) * up for them (the SiLU-and-mul epilogue)
     pid = tl.program_id(0)
-    _early(W, N, K, stride_w, pid, BLOCK_N, 2, PDL, SELF_PREFETCH)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_ok = rows < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -112,8 +84,6 @@ def _gemv_silu_kernel(X, W, Y, N, K, stride_w, NEXT, NEXT_TOTAL, NEXT_SHARE,
     u = tl.sum(acc_u, axis=1).to(Y.dtype.element_ty).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + rows, (s * u).to(Y.dtype.element_ty), mask=row_ok)
-    if PREFETCH:  # (as _gemv_kernel's)
-        l2_prefetch.prefetch_share(NEXT, NEXT_TOTAL, NEXT_SHARE, pid)
 
 
 def tuned_config(n: int, k: int) -> Optional[tuple[int, int, int, int]]:
@@ -165,39 +135,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.nn.functional.linear(x, weight, bias)
 
 
-Prefetch = Optional[tuple[torch.Tensor, int]]  # (the next weight, bytes of it to prefetch)
-
-
-def _prefetch_args(prefetch: Prefetch, programs: int, fallback: torch.Tensor) -> tuple:
-    """(NEXT, NEXT_TOTAL, NEXT_SHARE, PREFETCH): each program's share of the prefetch."""
-    if prefetch is None:
-        return fallback, 0, 0, False
-    t, nbytes = prefetch
-    total = l2_prefetch.span(t, nbytes)
-    share = triton.cdiv(triton.cdiv(total, programs), 16) * 16
-    return l2_prefetch.byte_view(t), total, share, total > 0
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         config: Optional[tuple[int, int, int, int]] = None, prefetch: Prefetch = None,
-         pdl: bool = False, self_prefetch: bool = False) -> torch.Tensor:
-    """x (1, K), weight (N, K) with a contiguous last dim, bias (N,) or None -> y (1, N).
-    prefetch (sm_90+): after their rows, the programs start the first bytes of the next weight
-    on their way into L2; pdl: launched under programmatic dependent launch, and with
-    self_prefetch each program asks for its own rows before waiting for x (rows contiguous)."""
+         config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """x (1, K), weight (N, K) with a contiguous last dim, bias (N,) or None -> y (1, N)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m == 1 and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
-    assert not self_prefetch or weight.stride(0) == k
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or default_config(n, k)
-    grid = triton.cdiv(n, block_n)
-    nxt, total, share, on = _prefetch_args(prefetch, grid, x)
-    _gemv_kernel[(grid,)](
-        x, weight, bias if bias is not None else x, y, n, k, weight.stride(0), nxt, total, share,
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else x, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        NUM_STAGES=stages, PREFETCH=on, PDL=pdl, SELF_PREFETCH=self_prefetch,
-        launch_pdl=pdl, num_warps=warps)
+        NUM_STAGES=stages, num_warps=warps)
     return y
 
 
@@ -229,22 +178,16 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor,
     return None if cfg is None else gemv_silu(x, weight, cfg)
 
 
-def gemv_silu(x: torch.Tensor, weight: torch.Tensor, cfg: tuple[int, int, int, int],
-              prefetch: Prefetch = None, pdl: bool = False,
-              self_prefetch: bool = False) -> torch.Tensor:
-    """The fused kernel itself: x (1, K), weight (2I, K) contiguous rows -> (1, I); prefetch,
-    pdl and self_prefetch as gemv's."""
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor,
+              cfg: tuple[int, int, int, int]) -> torch.Tensor:
+    """The fused kernel itself: x (1, K), weight (2I, K) contiguous rows -> (1, I)."""
     n = weight.shape[0] // 2
     k = x.shape[1]
     assert x.shape[0] == 1 and weight.shape[1] == k and weight.shape[0] % 2 == 0
     assert x.stride(1) == 1 and weight.stride(1) == 1
-    assert not self_prefetch or weight.stride(0) == k
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = cfg
-    grid = triton.cdiv(n, block_n)
-    nxt, total, share, on = _prefetch_args(prefetch, grid, x)
-    _gemv_silu_kernel[(grid,)](
-        x, weight, y, n, k, weight.stride(0), nxt, total, share, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, NUM_STAGES=stages, PREFETCH=on, PDL=pdl,
-        SELF_PREFETCH=self_prefetch, launch_pdl=pdl, num_warps=warps)
+    _gemv_silu_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, NUM_STAGES=stages, num_warps=warps)
     return y
