@@ -73,11 +73,11 @@ def sweep_shape(name: str, n: int, k: int, bw: float) -> dict:
     res: dict = {"N": n, "K": k, "MB": round(nbytes / 2**20, 1)}
     if silu:
         res["current_us"] = per_call_us([lambda w=w: triton_gemv.gate_up_silu(x, w) for w in ws])
-        res["current_cfg"] = triton_gemv.silu_config(n, k)
+        res["current_cfg"] = triton_gemv.silu_config(n, k, x.device)
         res["cublas_unfused_us"] = per_call_us([lambda w=w: F.linear(x, w) for w in ws])
     else:
         res["current_us"] = per_call_us([lambda w=w: triton_gemv.linear(x, w) for w in ws])
-        res["current_cfg"] = triton_gemv.tuned_config(n, k)  # None: cuBLAS
+        res["current_cfg"] = triton_gemv.tuned_config(n, k, x.device)  # None: cuBLAS
         res["cublas_us"] = per_call_us([lambda w=w: F.linear(x, w) for w in ws])
     sweep = {}
     for cfg in CONFIGS:

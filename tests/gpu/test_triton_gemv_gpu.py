@@ -71,6 +71,25 @@ def test_gemv_llama_shapes_cuda():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_per_gpu_config_cuda():
+    # each GPU's measured configs at their own shapes (on whichever GPU this runs), bf16 and fp16
+    from radixlm.runtime.layers import triton_gemv
+
+    for shapes in triton_gemv.TUNED_BY_GPU.values():
+        for shape, cfg in shapes.items():
+            check_gemv("cuda", [shape], configs=(cfg,))
+    for shapes in triton_gemv.SILU_BY_GPU.values():
+        for shape, cfg in shapes.items():
+            check_gate_up_silu("cuda", [shape], configs=(cfg,))
+    # and the dispatch picks this GPU's entries (the lm_head shape: listed for the H200)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    name = torch.cuda.get_device_name()
+    want = triton_gemv.TUNED_BY_GPU.get(name, {}).get((128256, 4096))
+    got = triton_gemv.tuned_config(128256, 4096, x.device)
+    assert got == (want or triton_gemv.tuned_config(128256, 4096))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gemv_used_by_linear_only_for_one_row():
     from radixlm.runtime.layers import triton_gemv
 

@@ -16,6 +16,7 @@ bf16, in a different summation order). `RADIXLM_DISABLE_TRITON_GEMV=1` turns it 
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -25,6 +26,8 @@ import triton.language as tl
 from radixlm.runtime.layers import triton_skinny
 
 ENABLED = os.environ.get("RADIXLM_DISABLE_TRITON_GEMV", "") in ("", "0")
+# RADIXLM_GEMV_GPU_TABLES=0: the rule alone, without TUNED_BY_GPU / SILU_BY_GPU (an A/B of them)
+GPU_TABLES = os.environ.get("RADIXLM_GEMV_GPU_TABLES", "1") != "0"
 
 
 @triton.jit
@@ -86,9 +89,40 @@ def _gemv_silu_kernel(X, W, Y, N, K, stride_w,
     tl.store(Y + rows, (s * u).to(Y.dtype.element_ty), mask=row_ok)
 
 
-def tuned_config(n: int, k: int) -> Optional[tuple[int, int, int, int]]:
+# Per GPU, the shapes where a sweep there beat the rule below by 3% or more
+# (benchmarks/probes/gemv_sweep.py, results/gemv_sweep-gpu.jsonl, H200, 2026-11-29; us per call
+# inside a CUDA graph, weights cycled out of L2, the rule's choice -> this table's): Llama-3.1-8B
+# lm_head 276.8 -> 230.4, TP=2 qkv 8.89 -> 8.42 and o (cuBLAS) 7.31 -> 6.18, TP=4 qkv 6.73 ->
+# 5.46, o (cuBLAS) 5.34 -> 4.25 and down (cuBLAS) 11.65 -> 9.17. The other shapes were within 2%
+# of the rule (the sweep's noise). SILU_BY_GPU: the fused gate_up GEMV's own (BLOCK_N a half):
+# 28672 x 4096 58.2 -> 55.5.
+TUNED_BY_GPU: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
+    "NVIDIA H200": {(128256, 4096): (8, 256, 2, 4), (3072, 4096): (8, 256, 2, 6),
+                    (4096, 2048): (4, 256, 2, 4), (1536, 4096): (4, 1024, 4, 3),
+                    (4096, 1024): (16, 256, 4, 4), (4096, 3584): (4, 256, 2, 4)},
+}
+SILU_BY_GPU: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
+    "NVIDIA H200": {(28672, 4096): (4, 1024, 4, 3)},
+}
+
+
+@lru_cache(maxsize=None)
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _by_gpu(table: dict, n: int, k: int, device: Optional[torch.device]):
+    if device is None or device.type != "cuda" or not GPU_TABLES:
+        return None
+    name = _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+    return table.get(name, {}).get((n, k))
+
+
+def tuned_config(n: int, k: int, device: Optional[torch.device] = None
+                 ) -> Optional[tuple[int, int, int, int]]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an (N, K) weight, or None where cuBLAS is as
-    fast or the shape was never measured. From a sweep on an H100
+    fast or the shape was never measured: TUNED_BY_GPU's entry for `device`'s GPU, else the rule
+    below, from a sweep on an H100
     (benchmarks/probes/gpu_probe.py gemv, bf16, weights cycled so none stays in L2; us per call,
     cuBLAS -> Triton):
         o 4096 x 4096           37.7 -> 21.9    (8, 256, 2, 4)
@@ -99,7 +133,10 @@ def tuned_config(n: int, k: int) -> Optional[tuple[int, int, int, int]]:
     Inside a CUDA graph of the 32 layers' GEMVs (benchmarks/probes/gpu_probe_bs1.py chain, where
     the decode step runs them), per call: qkv cuBLAS 20.5 -> (8, 256, 2, 4) 18.7, o 15.4 -> 13.3;
     the whole chain 5.135 ms with qkv on cuBLAS, 5.063 with it here (ideal at copy bandwidth 4.957).
-    Hidden sizes under 4096 were not measured, so they keep cuBLAS."""
+    Hidden sizes under 4096 were not measured there, so they keep cuBLAS."""
+    cfg = _by_gpu(TUNED_BY_GPU, n, k, device)
+    if cfg is not None:
+        return cfg
     if k < 4096 or k % 256:
         return None
     if k > 4096:
@@ -125,7 +162,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     """F.linear, through `gemv` for one row of a tuned shape (batch-1 decode), through
     triton_skinny for 2-16 rows of one (a verify's rows, a small decode batch), else cuBLAS."""
     if supports(x, weight):
-        cfg = tuned_config(weight.shape[0], weight.shape[1])
+        cfg = tuned_config(weight.shape[0], weight.shape[1], x.device)
         if cfg is not None:
             return gemv(x, weight, bias, config=cfg)
     elif triton_skinny.supports(x, weight):
@@ -150,11 +187,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     return y
 
 
-def silu_config(n2: int, k: int) -> Optional[tuple[int, int, int, int]]:
+def silu_config(n2: int, k: int, device: Optional[torch.device] = None
+                ) -> Optional[tuple[int, int, int, int]]:
     """Config of the fused gate_up + SiLU-and-mul GEMV for a (2I, K) weight, or None where the
-    plain gate_up GEMV is not tuned either. BLOCK_N counts rows of each half, so a program streams
-    as many bytes per step as the tuned plain GEMV of the same weight."""
-    cfg = tuned_config(n2, k)
+    plain gate_up GEMV is not tuned either: SILU_BY_GPU's entry for `device`'s GPU, else the
+    plain GEMV's with BLOCK_N halved (BLOCK_N counts rows of each half, so a program streams as
+    many bytes per step as the tuned plain GEMV of the same weight)."""
+    own = _by_gpu(SILU_BY_GPU, n2, k, device)
+    if own is not None:
+        return own
+    cfg = tuned_config(n2, k, device)
     if cfg is None or n2 % 2 or cfg[0] < 2:
         return None
     return cfg[0] // 2, cfg[1], cfg[2], cfg[3]
@@ -174,7 +216,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor,
         return None if cfg is None else triton_skinny.matmul(x, weight, config=cfg, silu=True)
     if not supports(x, weight):
         return None
-    cfg = config or silu_config(weight.shape[0], weight.shape[1])
+    cfg = config or silu_config(weight.shape[0], weight.shape[1], x.device)
     return None if cfg is None else gemv_silu(x, weight, cfg)
 
 
