@@ -100,7 +100,9 @@ def _count_steps(sched) -> dict:
     stats = collections.defaultdict(lambda: [0, 0.0])
 
     def wrap(obj, name, tag):
-        real = getattr(obj, name)
+        real = getattr(obj, name, None)
+        if real is None:  # (a plain RadixCache has no hierarchical-cache paths)
+            return
 
         def wrapped(*a, **k):
             t0 = time.perf_counter()
