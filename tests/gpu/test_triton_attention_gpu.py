@@ -97,30 +97,6 @@ def test_decode_kernel(dtype, batch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_decode_merge_in_stage1_is_bitwise_the_two_launches(dtype):
-    # the one-launch merge (counters given) against stage 2 as a second launch: the same bits,
-    # launch after launch (the counters come back to zero), at batch 1-8 with 2-16 splits
-    from radixlm.runtime.attention.triton_decode import decode_attention
-
-    lens = [4096, 1, 130, 2048, 77, 3000, 64, 999]
-    k_buf, v_buf, r2t, rows = make_pool(lens, 500, dtype, seed=5)
-    counters = torch.zeros(len(lens) * HKV, dtype=torch.int32, device="cuda")
-    for batch, splits in [(1, 16), (1, 2), (3, 4), (8, 8)]:
-        q = torch.randn(batch, HQ, D, device="cuda").to(dtype)
-        seq_lens = torch.tensor(lens[:batch], device="cuda")
-        want = torch.empty_like(q)
-        want_lse = torch.empty((batch, HQ), device="cuda")
-        decode_attention(q, k_buf, v_buf, r2t, rows[:batch], None, seq_lens, SCALE, want,
-                         want_lse, num_splits=splits)
-        for _ in range(3):
-            out, lse = torch.full_like(q, float("nan")), torch.full_like(want_lse, float("nan"))
-            decode_attention(q, k_buf, v_buf, r2t, rows[:batch], None, seq_lens, SCALE, out,
-                             lse, num_splits=splits, counters=counters)
-            assert torch.equal(out, want) and torch.equal(lse, want_lse), (batch, splits)
-        assert not counters.any()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_extend_kernel(dtype, causal):
     from radixlm.runtime.attention.triton_extend import extend_attention

@@ -103,32 +103,6 @@ def test_decode_kernel(hq, hkv, d, dtype):
 
 
 @pytest.mark.parametrize("hq, hkv, d, dtype", GQA_CASES, ids=["gqa3-fp32", "gqa4-bf16"])
-def test_decode_merge_in_stage1_is_bitwise_the_two_launches(hq, hkv, d, dtype):
-    # counters given: the last split's program merges (stage 2's code), the same bits as the
-    # separate merge, with and without lse, and every counter is left zero for the next launch
-    gen = torch.Generator().manual_seed(3)
-    lens = [7, 33, 1, 130, 64]
-    r2t, rows, n = make_rows(lens, shared=5, ctx=160, gen=gen)
-    k_buf, v_buf = make_kv(n, hkv, d, dtype, gen)
-    b = len(lens)
-    q = torch.randn(b, hq, d, generator=gen).to(dtype)
-    seq_lens = torch.tensor(lens)
-    counters = torch.zeros(b * hkv + 3, dtype=torch.int32)
-    for splits, with_lse in [(2, False), (3, True), (4, True)]:
-        outs = []
-        for cnt in (None, counters):
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full((b, hq), float("nan")) if with_lse else None
-            decode_attention(q, k_buf, v_buf, r2t, rows, None, seq_lens, SCALE, out, lse,
-                             num_splits=splits, counters=cnt)
-            outs.append((out, lse))
-        assert torch.equal(outs[0][0], outs[1][0])
-        if with_lse:
-            assert torch.equal(outs[0][1], outs[1][1])
-        assert not counters.any()
-
-
-@pytest.mark.parametrize("hq, hkv, d, dtype", GQA_CASES, ids=["gqa3-fp32", "gqa4-bf16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_extend_kernel(hq, hkv, d, dtype, causal):
     gen = torch.Generator().manual_seed(1)

@@ -3,7 +3,6 @@ from the paged pool through req_to_token, metadata built once per forward."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,10 +38,8 @@ class _ExtendMeta:
 class TritonAttention(AttentionBackend):
     """Attention through the Triton kernels of triton_decode.py / triton_extend.py.
 
-    DECODE: one flash-decoding call per layer (stage 1 split over the key length, the merge
-    done by each (row, KV head)'s last program: one launch; none needed when a batch is large
-    enough to fill the GPU without splits). RADIXLM_DECODE_SEPARATE_MERGE=1: the merge as a
-    second launch (the same bits; an A/B of the one-launch form).
+    DECODE: one flash-decoding call per layer (stage 1 split over the key length, stage 2 merge;
+    one stage when a batch is large enough to fill the GPU without splits).
     EXTEND: one launch for all extend requests (causal, keys = cached prefix + new tokens), plus
     one decode call for the `num_decode_tail` decode rows at the batch's end.
     A layer's sliding window and the model's logit soft-cap are plain kernel arguments (Python
@@ -73,18 +70,12 @@ class TritonAttention(AttentionBackend):
         self.device = k0.device
         self.num_kv_heads, self.head_dim = int(k0.shape[1]), int(k0.shape[2])
         self._scratch: Optional[torch.Tensor] = None  # flat fp32, see _get_scratch
-        # (B x Hkv) int32 arrival counts of decode_attention's one-launch merge, kept zero
-        self._counters: Optional[torch.Tensor] = None
-        self._merge_in_stage1 = os.environ.get("RADIXLM_DECODE_SEPARATE_MERGE", "0") != "1"
 
     def _num_splits(self, batch: int) -> int:
         return default_num_splits(batch, self.num_kv_heads, self.device, self.max_context_len)
 
     def _get_scratch(self, num_q_heads: int) -> torch.Tensor:
         if self._scratch is None:
-            if self._merge_in_stage1:  # (before the compiles: they launch the one-launch form)
-                self._counters = torch.zeros(self.max_batch_size * self.num_kv_heads,
-                                             dtype=torch.int32, device=self.device)
             self._compile_variants(num_q_heads)
             # the largest batch * splits product any batch size up to max_batch_size asks for
             need = max(scratch_numel(b, num_q_heads, self.head_dim, self._num_splits(b))
@@ -122,7 +113,7 @@ class TritonAttention(AttentionBackend):
         for n in sorted(splits):
             for w in windows:
                 decode_attention(q, k_buf, v_buf, r2t, zero, None, one, self.scale, out,
-                                 num_splits=n, window=w, softcap=cap, counters=self._counters)
+                                 num_splits=n, window=w, softcap=cap)
             if self.supports_shared_prefix:
                 decode_attention(q, k_buf, v_buf, r2t, zero, zero, one, self.scale, out,
                                  lse_out=lse, num_splits=n, softcap=cap)
@@ -167,8 +158,7 @@ class TritonAttention(AttentionBackend):
     def _decode(self, q, k_buf, v_buf, meta: _DecodeMeta, out, window: int):
         decode_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, None,
                          meta.seq_lens, self.scale, out, scratch=self._get_scratch(q.shape[1]),
-                         num_splits=meta.num_splits, window=window, softcap=self.logit_softcap,
-                         counters=self._counters)
+                         num_splits=meta.num_splits, window=window, softcap=self.logit_softcap)
 
     def ranged_decode(self, q, k_buf, v_buf, req_pool_indices, kv_start, seq_lens):
         """(out, lse) of row b over its keys [kv_start[b], seq_lens[b]) (shared_prefix.py)."""

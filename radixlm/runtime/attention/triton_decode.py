@@ -12,12 +12,7 @@ Two stages, CUDA-graph safe (fixed grids, no host sync, no data-dependent alloca
   tensors, so the grid never depends on data. It writes the split's normalized partial output and
   its log-sum-exp into a scratch buffer.
 - stage 2, grid (B, Hq): merges the S partials by log-sum-exp.
-With S == 1 stage 1 writes `out`/`lse_out` directly and stage 2 is skipped. Given `counters`
-(B x Hkv int32, zero), stage 2 runs inside stage 1 instead: each program, once its partials
-are stored, counts itself in on its (b, kv head); the last of the S merges the G heads with
-stage 2's own code (the same operations in the same order: the same bits) and sets the count
-back to zero. One launch fewer per layer: at batch 1 the separate merge cost ~3.3 us a layer
-on an H200, nearly all of it launch and wait.
+With S == 1 stage 1 writes `out`/`lse_out` directly and stage 2 is skipped.
 
 Numerics: scores and the softmax in fp32 (exp2 with log2(e) folded into the scale), products on
 tensor cores in the storage dtype (fp32 products in IEEE precision, never TF32).
@@ -88,7 +83,7 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, cap2, cap_k
 
 
 @triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
-def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LsePart, Counters,
+def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LsePart,
                    scale_log2, window, cap2, cap_k,
                    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_ob, stride_oh, stride_lb, stride_r2t,
@@ -96,7 +91,6 @@ def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LseP
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    HAS_START: tl.constexpr, HAS_LSE: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                   MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
                    PDL: tl.constexpr = False):
     if PDL:  # (layers/triton_ops.pdl)
         gdc_launch_dependents()
@@ -156,42 +150,6 @@ def _decode_stage1(Q, K, V, R2T, ReqIdx, KvStart, SeqLens, Out, Lse, OPart, LseP
         base = (b * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # (BLOCK_H,)
         tl.store(OPart + base[:, None] * BLOCK_D + offs_d[None, :], o, mask=st_mask)
         tl.store(LsePart + base, lse, mask=h_ok)
-        if MERGE:  # the last program of (b, kvh) to get here merges its G heads (stage 2)
-            tl.debug_barrier()  # every thread's partials stored before the count (release)
-            count = Counters + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                hq = G * tl.num_programs(1)
-                for g in range(G):
-                    _merge_head(OPart, LsePart, Out, Lse, b, kvh * G + g, hq, stride_ob,
-                                stride_oh, stride_lb, D, BLOCK_D, NUM_SPLITS, BLOCK_S, HAS_LSE)
-                tl.store(count, 0)  # every program has counted: zero for the next launch
-
-
-@triton.jit
-def _merge_head(OPart, LsePart, Out, Lse, b, h, hq, stride_ob, stride_oh, stride_lb,
-                D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                BLOCK_S: tl.constexpr, HAS_LSE: tl.constexpr):
-    # head h of row b (hq query heads): its S partials merged by log-sum-exp into out / lse
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
-    base = (b * hq + h) * NUM_SPLITS
-    # (.cg: from L2, never a stale L1 line; in stage 1 other programs wrote them)
-    lse = tl.load(LsePart + base + offs_s, mask=s_ok, other=float("-inf"),
-                  cache_modifier=".cg")  # (BLOCK_S,)
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)  # 0 for empty splits
-    w_sum = tl.sum(w, 0)
-    o = tl.load(OPart + (base + offs_s[:, None]) * BLOCK_D + offs_d[None, :],
-                mask=s_ok[:, None], other=0.0, cache_modifier=".cg")  # (BLOCK_S, BLOCK_D)
-    has = w_sum > 0
-    o = tl.sum(o * w[:, None], 0) / tl.where(has, w_sum, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, o.to(Out.dtype.element_ty),
-             mask=offs_d < D)
-    if HAS_LSE:
-        tl.store(Lse + b * stride_lb + h,
-                 tl.where(has, m_safe + tl.log(tl.where(has, w_sum, 1.0)), float("-inf")))
 
 
 @triton.jit
@@ -201,8 +159,26 @@ def _decode_stage2(OPart, LsePart, Out, Lse, stride_ob, stride_oh, stride_lb,
     if PDL:  # (layers/triton_ops.pdl)
         gdc_launch_dependents()
         gdc_wait()
-    _merge_head(OPart, LsePart, Out, Lse, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-                stride_ob, stride_oh, stride_lb, D, BLOCK_D, NUM_SPLITS, BLOCK_S, HAS_LSE)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    base = (b * tl.num_programs(1) + h) * NUM_SPLITS
+    lse = tl.load(LsePart + base + offs_s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # 0 for empty splits
+    w_sum = tl.sum(w, 0)
+    o = tl.load(OPart + (base + offs_s[:, None]) * BLOCK_D + offs_d[None, :],
+                mask=s_ok[:, None], other=0.0)  # (BLOCK_S, BLOCK_D)
+    has = w_sum > 0
+    o = tl.sum(o * w[:, None], 0) / tl.where(has, w_sum, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, o.to(Out.dtype.element_ty),
+             mask=offs_d < D)
+    if HAS_LSE:
+        tl.store(Lse + b * stride_lb + h,
+                 tl.where(has, m_safe + tl.log(tl.where(has, w_sum, 1.0)), float("-inf")))
 
 
 def default_num_splits(batch: int, num_kv_heads: int, device: torch.device,
@@ -239,8 +215,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      out: torch.Tensor, lse_out: Optional[torch.Tensor] = None,
                      scratch: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
                      *, window: int = 0, softcap: float = 0.0, block_n: int = BLOCK_N,
-                     num_warps: int = 4, num_stages: int = 2,
-                     counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Decode attention of q (B, Hq, D) over the pool; writes and returns `out` (B, Hq, D).
 
     k_buf/v_buf (slots, Hkv, D) bf16/fp16/fp32, last dim contiguous; req_to_token (rows, ctx) int;
@@ -253,8 +228,6 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     softcap > 0: scores softcap * tanh(score / softcap). Both plain Python numbers (per-layer
     constants), so CUDA graphs capture them as kernel arguments; 0 compiles the kernel without.
     block_n / num_warps / num_stages: stage-1 tuning knobs (keys per step, block_n >= 16).
-    counters: int32, at least B * Hkv elements, all zero (left zero): stage 2 merged into
-    stage 1 (one launch; see the module docstring), None: two launches.
     """
     bsz, hq, d = q.shape
     hkv = k_buf.shape[1]
@@ -277,25 +250,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         assert lse_out.dtype == torch.float32 and lse_out.stride(1) == 1
     dt = dot_dtype(q.dtype, k_buf.dtype)
     use_pdl = q.is_cuda and pdl(q.device)
-    merge = splits > 1 and counters is not None
-    if merge:
-        assert counters.dtype == torch.int32 and counters.numel() >= bsz * hkv
-    block_s = triton.next_power_of_2(splits)
     _decode_stage1[(bsz, hkv, splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices,
         kv_start if kv_start is not None else seq_lens, seq_lens, out, lse_arg, o_part, lse_part,
-        counters if merge else seq_lens, scale * LOG2E, int(window), softcap * LOG2E, 2.0 / softcap if softcap else 0.0,
+        scale * LOG2E, int(window), softcap * LOG2E, 2.0 / softcap if softcap else 0.0,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1), lse_stride,
         req_to_token.stride(0),
         G=g, D=d, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_START=kv_start is not None, HAS_LSE=lse_out is not None,
         HAS_WINDOW=window > 0, HAS_CAP=softcap > 0, DOT=dt, PREC=dot_precision(dt),
-        MERGE=merge, BLOCK_S=block_s if merge else 1,
         PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1 and not merge:
+    if splits > 1:
         _decode_stage2[(bsz, hq)](
             o_part, lse_part, out, lse_arg, out.stride(0), out.stride(1), lse_stride,
-            D=d, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=block_s,
+            D=d, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
             HAS_LSE=lse_out is not None, PDL=use_pdl, launch_pdl=use_pdl, num_warps=4)
     return out
