@@ -88,10 +88,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits (B, V) -> torch.argmax(logits, -1) (int64): the C++ kernel for fp32 CPU rows with
-    a contiguous last dim, else torch's."""
+    a contiguous last dim, sampling/triton_argmax for CUDA rows, else torch's."""
     if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
             and logits.stride(-1) == 1 and logits.shape[1] > 0 and _kernels() is not None):
         return _kernels().argmax_rows(logits)
+    if logits.is_cuda:
+        from radixlm.runtime.sampling import triton_argmax
+
+        if triton_argmax.supports(logits):
+            return triton_argmax.argmax_rows(logits)
     return logits.argmax(dim=-1)
 
 
