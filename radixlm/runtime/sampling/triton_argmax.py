@@ -20,7 +20,8 @@ import triton.language as tl
 
 ENABLED = os.environ.get("RADIXLM_DISABLE_TRITON_ARGMAX", "") in ("", "0")
 BLOCK = 4096  # logits a stage-1 program reads
-_BIG = 2**31 - 1
+MAX_INDEX = 2**31 - 1  # int32 indices; also "no such index" in the kernels
+_BIG = tl.constexpr(MAX_INDEX)
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def _row_best(PartV, PartI, Out, C, BLOCK_C: tl.constexpr):
 
 def supports(logits: torch.Tensor) -> bool:
     return (ENABLED and logits.is_cuda and logits.dim() == 2 and logits.shape[1] > 0
-            and logits.shape[1] < _BIG and logits.stride(1) == 1
+            and logits.shape[1] < MAX_INDEX and logits.stride(1) == 1
             and logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
