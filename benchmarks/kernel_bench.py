@@ -1,6 +1,7 @@
 """Shared pieces of the GPU kernel benchmarks (fp8_linear.py, int4_gemm_sweep.py,
-int4_gemv_sweep.py): a CUDA graph of n calls captured after a warm-up, and a spawn pool that
-precompiles Triton configs. torch is imported inside `capture` only: the pool's workers import
+int4_gemv_sweep.py, probes/gemv_sweep.py, probes/gpu_probe_bs1.py): a CUDA graph of n calls
+captured after a warm-up, the median time of its replays, and a spawn pool that precompiles
+Triton configs. torch is imported inside `capture` only: the pool's workers import
 the sweep modules, and a CPU dry run needs no CUDA."""
 
 from __future__ import annotations
@@ -26,6 +27,24 @@ def capture(fn, n_calls: int):
         for i in range(n_calls):
             fn(i)
     return g
+
+
+def replay_ms(g, reps: int = 7, skip: int = 2) -> float:
+    """Median ms of one replay of CUDA graph g over `reps` timed replays, the first `skip` left
+    out (clocks ramping up)."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times[skip:])
 
 
 def pool_failures(worker, parts: list, workers: int = 0) -> dict:

@@ -9,6 +9,7 @@
 #   # device (kind nvidia-h200-x2 or nvidia-h100-x2, carry [".whl", ".carry"]):
 #   bash benchmarks/multi_gpu.sh                    # all four steps, ~550 s at most
 #   bash benchmarks/multi_gpu.sh tp_bench dp_bench  # some of them
+#   bash benchmarks/multi_gpu.sh tp_tests tp_profile tp_proxy  # TP's overhead, ~420 s
 #
 # Budget: 2 x H100 (2026-11-25) TP=1 took 36 s to start and ~60 s in all; 2 x H200 (2026-11-26)
 # tp_tests 78 s, tp_bench 37 s, each dp step 35-40 s (1024 requests).
@@ -39,6 +40,14 @@ step dp_spy 150 python benchmarks/dp_router.py --start-timeout 60 --prefix-len 3
   --output-len 16 --result-file "$OUT/dp_router.jsonl" --note "py-spy on (--spy-dir)" \
   --spy-dir "$OUT/spy" --keep-logs "$OUT/dp_logs_spy" $DP_ARGS
 [[ -d $OUT/spy ]] && for f in "$OUT"/spy/*.txt; do echo "## $f"; head -8 "$f" | cut -c1-150; done
+# where TP=2's time goes beyond one rank's work (only when named: tp_profile tp_proxy): TP=2 and
+# TP=1 under torch.profiler (rank 0's kernels and idle, batch 1 and the 128-request batch), and
+# on GPU 0 one rank's share of the model at TP=1 (probes/tp_rank_proxy.sh): the difference is
+# communication and the batch sync (docs/parallelism.md)
+step tp_profile 240 python benchmarks/tp_gpu.py --timeout-s 110 --log-dir "$OUT" --sizes 2,1 \
+  --profile --profile-batch --result-file "$OUT/tp_gpu.jsonl"
+CUDA_VISIBLE_DEVICES=0 step tp_proxy 90 env VARIANTS=half OUT="$OUT/proxy" \
+  bash benchmarks/probes/tp_rank_proxy.sh
 # a probe, run here to share a machine start: f1b62ac's A/B (decode graphs vs shared-prefix
 # groups) on gpu_suite's shared-prefix workload, one GPU (only when named: prefix_ab)
 CUDA_VISIBLE_DEVICES=0 step prefix_ab 200 python benchmarks/probes/shared_prefix_ab.py

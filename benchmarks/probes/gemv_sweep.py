@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -25,6 +24,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.gpu_suite_parts import copy_bandwidth_tbps  # noqa: E402
+from benchmarks.kernel_bench import capture, replay_ms  # noqa: E402
 from radixlm.runtime.layers import triton_gemv  # noqa: E402
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 128256, 32, 8, 128
@@ -44,23 +44,10 @@ def shapes(tp: int) -> dict[str, tuple[int, int]]:
 
 def per_call_us(calls) -> float:
     """Median us per call of `calls` (a list of thunks) replayed in one CUDA graph."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    times = []
-    for _ in range(7):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
+    g = capture(lambda i: calls[i](), len(calls))
+    ms = replay_ms(g)
     del g
-    return statistics.median(times[2:]) * 1e3 / len(calls)
+    return ms * 1e3 / len(calls)
 
 
 def sweep_shape(name: str, n: int, k: int, bw: float) -> dict:

@@ -33,6 +33,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.gpu_suite_parts import copy_bandwidth_tbps, rand_ids, timed_generate  # noqa: E402
+from benchmarks.kernel_bench import replay_ms  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -81,15 +82,7 @@ def probe_chain(args, out: dict) -> None:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
-        times = []
-        for _ in range(7):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        out[f"chain_ms[{name}]"] = round(statistics.median(times[2:]), 3)
+        out[f"chain_ms[{name}]"] = round(replay_ms(g), 3)
         del g
     # per-GEMV time inside a graph of 32 copies (the layer's share), for each routing of o and qkv
     for name in ("qkv", "o"):
