@@ -1,9 +1,10 @@
 """torch.argmax(logits, -1) for CUDA rows in two Triton launches: the greedy token of a step.
 
-Why: torch reduces a (B, V) row with one thread block per row, so a batch-1 step's argmax over
-Llama-3's 128,256 logits took ~28 us on an H200 (one block streaming 0.5 MB), ~1% of a bf16
-step and ~1.3% of an int4 one. Here stage 1 splits each row into chunks of BLOCK logits, one
-program each, and stage 2 takes each row's best chunk.
+Why: in a batch-1 decode step of the Llama-3.1-8B shape on an H200, torch's reduction kernel
+(`reduce_kernel<512, 1>` in the profile) took ~28 us over the 128,256 fp32 logits (0.5 MB),
+~0.7% of a bf16 step and ~1.3% of an int4 one; with this, batch-1 decode went 240.5 -> 242.0
+tok/s (bf16) and 479.6 -> 485.2 (AWQ). Stage 1 splits each row into chunks of BLOCK logits, one
+program each; stage 2 takes each row's best chunk.
 
 The same answer as torch.argmax, bit for bit: the largest value, the first index among equal
 ones; a NaN counts as larger than everything (torch's rule), so the first NaN wins; -inf rows
