@@ -10,7 +10,6 @@ and the checkpoints it must refuse, each with an error naming what is wrong."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -19,15 +18,13 @@ import torch
 
 import arch_parity as ap
 import int4_ckpt as ic
+from triton_interpreter import gpu_checks
 from radixlm.runtime.layers import int4_linear
 from radixlm.runtime.models import int4_checkpoint
 
 # one of each format and each feature (asymmetric zeros, GPTQ v1 / v2, act-order, group sizes
 # 32 / 64 / 128, per-row groups); test_int4_formats unpacks all of ic.CASES bit-exactly
-_spec = importlib.util.spec_from_file_location(
-    "_int4_checks", os.path.join(os.path.dirname(__file__), "..", "gpu", "test_int4.py"))
-_checks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_checks)
+_checks = gpu_checks("tests/gpu/test_int4.py")
 
 ENGINE_CASES = ("awq-g32", "gptq-v1-asym-act-g64", "gptq-v2-sym-act-g128", "ct-asym-g32",
                 "ct-sym-act-g64", "gptq-v1-row")

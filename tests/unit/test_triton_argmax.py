@@ -4,21 +4,14 @@ a chunk; tests/gpu/test_triton_argmax_gpu.py runs the same checks compiled."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-from triton_interpreter import import_interpreted  # tests/unit is on sys.path
+from triton_interpreter import gpu_checks, import_interpreted  # tests/unit is on sys.path
 
 (triton_argmax,) = import_interpreted("radixlm.runtime.sampling.triton_argmax",
                                       gpu_tests="tests/gpu/test_triton_argmax_gpu.py")
-_spec = importlib.util.spec_from_file_location(
-    "_argmax_checks", os.path.join(os.path.dirname(__file__), "..", "gpu",
-                                   "test_triton_argmax_gpu.py"))
-_checks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_checks)
+_checks = gpu_checks("tests/gpu/test_triton_argmax_gpu.py")
 
 
 @pytest.fixture(autouse=True)

@@ -4,21 +4,15 @@ the checks live in tests/gpu/test_triton_gemv_gpu.py, which also runs them compi
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-from triton_interpreter import import_interpreted  # tests/unit is on sys.path
+from triton_interpreter import gpu_checks, import_interpreted  # tests/unit is on sys.path
 
 (triton_gemv, _) = import_interpreted("radixlm.runtime.layers.triton_gemv",
                                       "radixlm.runtime.layers.triton_skinny",
                                       gpu_tests="tests/gpu/test_triton_gemv_gpu.py")
-_spec = importlib.util.spec_from_file_location(
-    "_gemv_checks", os.path.join(os.path.dirname(__file__), "..", "gpu", "test_triton_gemv_gpu.py"))
-_checks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_checks)
+_checks = gpu_checks("tests/gpu/test_triton_gemv_gpu.py")
 
 
 @pytest.fixture(autouse=True)

@@ -8,22 +8,15 @@ tests/unit/test_triton_int4_compile.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-from triton_interpreter import import_interpreted  # tests/unit is on sys.path
+from triton_interpreter import gpu_checks, import_interpreted  # tests/unit is on sys.path
 
 triton_int4, triton_int4_stream = import_interpreted(
     "radixlm.runtime.layers.triton_int4", "radixlm.runtime.layers.triton_int4_stream",
     gpu_tests="tests/gpu/test_int4_gemv_variants.py")
-_spec = importlib.util.spec_from_file_location(
-    "_int4_variant_checks",
-    os.path.join(os.path.dirname(__file__), "..", "gpu", "test_int4_gemv_variants.py"))
-_checks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_checks)
+_checks = gpu_checks("tests/gpu/test_int4_gemv_variants.py")
 
 
 @pytest.fixture(autouse=True)

@@ -4,20 +4,13 @@ tests/gpu/test_fused_ops_gpu.py, which runs them compiled on a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-from triton_interpreter import import_interpreted  # tests/unit is on sys.path
+from triton_interpreter import gpu_checks, import_interpreted  # tests/unit is on sys.path
 
 import_interpreted("radixlm.runtime.layers.triton_ops", gpu_tests="tests/gpu/test_fused_ops_gpu.py")
-_spec = importlib.util.spec_from_file_location(
-    "_fused_ops_checks", os.path.join(os.path.dirname(__file__), "..", "gpu",
-                                      "test_fused_ops_gpu.py"))
-_checks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_checks)
+_checks = gpu_checks("tests/gpu/test_fused_ops_gpu.py")
 
 
 @pytest.fixture(autouse=True)

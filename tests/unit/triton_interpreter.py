@@ -42,3 +42,16 @@ def import_interpreted(*module_names: str, gpu_tests: str) -> list:
     finally:
         if prev is None:
             del os.environ["TRITON_INTERPRET"]
+
+
+def gpu_checks(gpu_tests: str):
+    """The check functions of a tests/gpu module (`gpu_tests`, a path from the repository root),
+    loaded as a module of its own so the CPU tests can run them through the interpreter."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    name = "_checks_" + os.path.splitext(os.path.basename(gpu_tests))[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, gpu_tests))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
